@@ -1,0 +1,27 @@
+"""vt: decode steps as captured CUDA graphs, with the host's next-step preparation overlapped
+with the GPU's replay of the current one, safely (slot ring, drain skip, pool warm-up).
+
+The heavy pieces are imported lazily so that `import vt` stays cheap and never touches CUDA.
+"""
+__version__ = "0.1.0"
+
+_LAZY = {
+    "get_backend": "vt.backend",
+    "available_backends": "vt.backend",
+    "ModelConfig": "vt.model",
+    "PRESETS": "vt.model",
+    "HybridModel": "vt.model",
+    "init_weights": "vt.model",
+    "ExecutorConfig": "vt.knobs",
+    "Engine": "vt.engine",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vt' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,85 @@
+"""The `vt` command line: `vt info` (what a user runs first) and `vt run` (the demo decode loop)."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import sys
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print the backend vt would pick, the device, versions, and a capture/replay self-check."""
+    from vt.backend import available_backends, get_backend
+    from vt.backend.selfcheck import run_selfcheck
+
+    print(f"vt {importlib.metadata.version('vt') if _installed() else 'source tree'}"
+          f"  python {platform.python_version()}")
+    print(f"backends available: {', '.join(available_backends())}")
+    for pkg in ("numpy", "cuda-bindings", "cupy-cuda13x", "nvmath-python", "safetensors"):
+        print(f"  {pkg:<14} {_package_version(pkg)}")
+    be = get_backend(args.backend)
+    try:
+        print(f"backend picked ({args.backend}): {be.name}")
+        for key, value in be.info().items():
+            print(f"  {key:<18} {value}")
+        ok, message = run_selfcheck(be)
+    finally:
+        be.close()
+    print(f"self-check (capture + replay x3 with new host input): {'PASS' if ok else 'FAIL'} — {message}")
+    return 0 if ok else 1
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.version("vt")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from vt.demo import run_demo
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="backend, device, versions and a capture/replay self-check")
+    info.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    info.set_defaults(func=cmd_info)
+
+    run = sub.add_parser("run", help="run a batch of requests through the decode loop")
+    run.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    run.add_argument("--preset", default=None,
+                     help="model preset (default: bench-dense on cuda, tiny-dense on sim)")
+    run.add_argument("--requests", type=int, default=None, help="number of requests (default: 2 x concurrency)")
+    run.add_argument("--concurrency", type=int, default=None,
+                     help="max requests decoded together (default: VT_ASYNC_SERVING_CONC or 8)")
+    run.add_argument("--mode", default=None, choices=["off", "ring", "no_dbuf"],
+                     help="executor mode (default: from VT_ASYNC_EXECUTOR*, i.e. off)")
+    run.add_argument("--h2d", default=None, choices=["graph", "staged"])
+    run.add_argument("--steps", type=int, default=32, help="new tokens per request")
+    run.add_argument("--prompt-len", type=int, default=16)
+    run.add_argument("--trace", default=None, help="write a Chrome trace JSON (Perfetto) to this path")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--sim-delay-ms", type=float, default=0.0, help="sim backend: device delay per op")
+    run.set_defaults(func=cmd_run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
