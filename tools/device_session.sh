@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
+# Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
+# Stages: smoke tests memcheck bench hazard run (default: all, in that order).
+set -uo pipefail
+OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+stages=("$@"); [ ${#stages[@]} -gt 0 ] || stages=(smoke tests memcheck bench hazard run)
+status=0
+stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report rc
+  local name=$1; shift
+  echo "=== $name: $* ($(date -u +%H:%M:%S))"
+  "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name rc=$rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+for s in "${stages[@]}"; do
+  case $s in
+    smoke) stage smoke python3 tools/gpu_smoke.py ;;
+    tests) stage tests python3 -m pytest -q -rs tests ;;
+    memcheck) stage memcheck1 bash tools/memcheck.sh; stage memcheck2 bash tools/memcheck.sh ;;
+    bench) stage bench python3 -m vt.model.bench_step --preset bench-dense bench-moe --batch 1 8 32 ;;
+    hazard) stage hazard python3 tools/hazard_repro.py --backend cuda ;;
+    run) stage run python3 -m vt run ;;
+    *) echo "unknown stage $s"; status=1 ;;
+  esac
+done
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+exit $status
