@@ -29,8 +29,9 @@ class CaptureAllocationError(RuntimeError):
         self.free = free
         self.capture = capture
         super().__init__(
-            f"capture {capture!r} needs a {kind} block of {requested} bytes but the pool has "
-            f"{free} bytes free that can serve it and must not call the driver while capturing"
+            f"capture {capture!r} needs a {kind} block of {requested} bytes that pre-grown memory "
+            f"cannot serve ({free} bytes of {kind} memory free) and the pool must not call the "
+            f"driver while capturing"
             f"{' (' + pool_state + ')' if pool_state else ''}; pre-grow the pool before capture "
             f"(DevicePool.reserve / reserve_scratch, or run the warm-up)")
 
