@@ -1,0 +1,15 @@
+"""The model's kernels: each object has run_numpy (what the sim backend executes) and
+run_cupy (the CUDA kernel), with a float64 `reference` function beside it in its module."""
+from .attention import PagedAttention
+from .embedding import EmbedTokens, GatherRows
+from .gdn import GDN
+from .gemm import Gemm
+from .kvcache import KVWrite
+from .mlp import SiluMul
+from .moe import Combine, Router
+from .norm import RMSNorm
+from .rope import RoPE
+from .sampling import MAX_TOP_K, Sample, SamplingParams
+
+__all__ = ["PagedAttention", "EmbedTokens", "GatherRows", "GDN", "Gemm", "KVWrite", "SiluMul",
+           "Combine", "Router", "RMSNorm", "RoPE", "Sample", "SamplingParams", "MAX_TOP_K"]

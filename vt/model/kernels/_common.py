@@ -1,0 +1,126 @@
+"""Shared pieces of the model's kernels: storage-dtype conversion (numpy and CUDA) and the
+compile cache for CuPy RawModules.
+
+Storage tensors are fp16 (numpy float16) or bf16 (raw bits in numpy uint16: numpy has no
+bfloat16). CUDA code sees both as `u16` and converts with PTX `cvt`, so no CUDA header
+(cuda_fp16.h / cuda_bf16.h) has to be found by NVRTC on the target machine.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+# ---------------------------------------------------------------- numpy side
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round to nearest even, NaN kept NaN (same rule as the CUDA `f2b` below)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1))) >> 16).astype(np.uint16)
+    return np.where((u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000), np.uint16(0x7FC0), r)
+
+
+def f32(a: np.ndarray) -> np.ndarray:
+    """A stored tensor (fp16, bf16-as-uint16, fp32 or int) as float32 values."""
+    if a.dtype == np.uint16:
+        return bf16_to_f32(a)
+    return a.astype(np.float32, copy=False)
+
+
+def f64(a: np.ndarray) -> np.ndarray:
+    return f32(a).astype(np.float64)
+
+
+def to_storage(x: np.ndarray, dtype) -> np.ndarray:
+    """float values -> an array of storage dtype `dtype` (float16, uint16 = bf16, float32)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.uint16:
+        return f32_to_bf16(np.asarray(x, np.float32))
+    return np.asarray(x).astype(dtype)
+
+
+def store(out: np.ndarray, x: np.ndarray) -> None:
+    """Write float values into `out` in place, converted to out's storage dtype."""
+    out[...] = to_storage(x, out.dtype).reshape(out.shape)
+
+
+def np_storage(name: str) -> np.dtype:
+    return np.dtype(np.float16 if name == "float16" else np.uint16 if name == "bfloat16" else name)
+
+
+# ---------------------------------------------------------------- CUDA side
+
+PRELUDE = r"""
+typedef unsigned short u16;
+__device__ __forceinline__ float h2f(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
+__device__ __forceinline__ u16 f2h(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
+__device__ __forceinline__ float b2f(u16 b) { return __uint_as_float(((unsigned)b) << 16); }
+__device__ __forceinline__ u16 f2b(float f) {
+  unsigned u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+  return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+#if VT_BF16
+#define LD(x) b2f(x)
+#define ST(x) f2b(x)
+#else
+#define LD(x) h2f(x)
+#define ST(x) f2h(x)
+#endif
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the result.
+__device__ float block_sum(float v, float* sh32) {
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  v = warp_sum(v);
+  __syncthreads();
+  if (lane == 0) sh32[w] = v;
+  __syncthreads();
+  v = lane < nw ? sh32[lane] : 0.f;
+  return warp_sum(v);
+}
+"""
+
+_FUNCS: dict[tuple, object] = {}
+
+
+def cuda_function(code: str, name: str, storage, **defines):
+    """The compiled CuPy function `name` from `code` for a storage dtype and `defines` (cached).
+
+    Compiled and loaded on first use, so the first call must be eager (not under capture):
+    HybridModel and the tests run every kernel eagerly before capturing.
+    """
+    bf16 = np.dtype(storage) == np.uint16
+    key = (code, name, bf16, tuple(sorted(defines.items())))
+    fn = _FUNCS.get(key)
+    if fn is None:
+        import cupy as cp
+
+        opts = ("-std=c++17", f"-DVT_BF16={int(bf16)}") + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
+        fn = _FUNCS[key] = cp.RawModule(code=PRELUDE + code, options=opts).get_function(name)
+    return fn
+
+
+def storage_of(*arrays) -> np.dtype:
+    """The 16-bit storage dtype among `arrays` (fp16 default when none is 16-bit)."""
+    for a in arrays:
+        if a is not None and a.dtype.itemsize == 2:
+            return np.dtype(a.dtype)
+    return np.dtype(np.float16)
+
+
+def i32(v) -> np.int32:
+    return np.int32(v)
+
+
+def f32s(v) -> np.float32:
+    return np.float32(v)

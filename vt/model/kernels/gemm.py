@@ -1,0 +1,102 @@
+"""GEMMs: out[M, N] (+)= x[M, K] @ w[N, K]^T, weights stored [out, in] as in HF checkpoints;
+also batched over a leading expert axis (w [B, N, K], x [M, K] shared or [B, M, K]).
+
+cuda: nvmath-python's low-level cuBLAS bindings (`gemm_ex` / `gemm_strided_batched_ex`),
+because CuPy refuses cuBLAS on a capturing stream (DESIGN.md, measured). Each stream gets its
+own cuBLAS handle whose stream and workspace are set on the first EAGER call on that stream,
+never during a capture; the workspaces are pre-allocated by the model from vt's pool.
+Inputs are storage dtype, compute is fp32, the output is fp32 or storage. alpha/beta are host
+scalars read when the call is enqueued, so under capture they are baked like kernel params.
+
+cuBLAS is column-major: a row-major [R, C] array is a column-major [C, R] one. With
+y^T = w x^T: A = w (col-major [K, N], op T), B = x (col-major [K, M], op N), C = y
+(col-major [N, M]), m = N, n = M, k = K, leading dims = row strides.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import f32, f64, store
+
+WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommended workspace on Hopper
+
+_CUDA_TYPE = {np.dtype(np.float16): 2, np.dtype(np.uint16): 14, np.dtype(np.float32): 0}  # cudaDataType
+
+
+class Gemm:
+    """One object per model; one cuBLAS handle per stream it has run on."""
+
+    name = "gemm"
+
+    def __init__(self, workspaces=()):
+        self._free_ws = list(workspaces)  # device uint8 arrays of WORKSPACE_BYTES
+        self._used_ws = []  # bound to a handle: kept alive as long as the handle
+        self._handles: dict[int, int] = {}
+        self._alpha = np.ones(1, np.float32)
+        self._beta = {False: np.zeros(1, np.float32), True: np.ones(1, np.float32)}
+
+    def run_numpy(self, x, w, out, *, accumulate=False):
+        y = np.matmul(f32(x), np.swapaxes(f32(w), -1, -2), dtype=np.float32)
+        if accumulate:
+            y = y + f32(out)
+        store(out, y)
+
+    def _handle(self, stream_handle: int) -> int:
+        h = self._handles.get(stream_handle)
+        if h is not None:
+            return h
+        import cupy as cp
+        from nvmath.bindings import cublas
+
+        if cp.cuda.runtime.streamIsCapturing(stream_handle):
+            raise RuntimeError(f"Gemm: first use of stream {stream_handle:#x} is inside a capture; "
+                               f"run the model once eagerly on that stream before capturing")
+        if not self._free_ws:
+            raise RuntimeError("Gemm: no pre-allocated cuBLAS workspace left for another stream "
+                               "(HybridModel(..., gemm_streams=N) sets how many)")
+        ws = self._free_ws.pop()
+        h = cublas.create()
+        cublas.set_stream(h, stream_handle)
+        cublas.set_workspace(h, ws.data.ptr, ws.nbytes)
+        self._handles[stream_handle] = h
+        self._used_ws.append(ws)
+        return h
+
+    def run_cupy(self, stream_handle, x, w, out, *, accumulate=False):
+        from nvmath.bindings import cublas
+
+        M, K = x.shape[-2:]
+        N = w.shape[-2]
+        if M == 0:
+            return
+        for a in (x, w, out):
+            if a.strides[-1] != a.itemsize:
+                raise ValueError(f"Gemm: arrays must be contiguous in their last axis, got strides {a.strides}")
+        h = self._handle(stream_handle)
+        beta = self._beta[bool(accumulate)].ctypes.data
+        t = (_CUDA_TYPE[w.dtype], _CUDA_TYPE[x.dtype], _CUDA_TYPE[out.dtype])
+        ldb, ldc = x.strides[-2] // x.itemsize, out.strides[-2] // out.itemsize
+        compute, algo, op_t, op_n = 68, -1, 1, 0  # CUBLAS_COMPUTE_32F, GEMM_DEFAULT, OP_T, OP_N
+        if w.ndim == 2:
+            cublas.gemm_ex(h, op_t, op_n, N, M, K, self._alpha.ctypes.data, w.data.ptr, t[0], K,
+                           x.data.ptr, t[1], ldb, beta, out.data.ptr, t[2], ldc, compute, algo)
+        else:
+            sb = 0 if x.ndim == 2 else x.strides[0] // x.itemsize
+            cublas.gemm_strided_batched_ex(
+                h, op_t, op_n, N, M, K, self._alpha.ctypes.data, w.data.ptr, t[0], K, N * K,
+                x.data.ptr, t[1], ldb, sb, beta, out.data.ptr, t[2], ldc,
+                out.strides[0] // out.itemsize, w.shape[0], compute, algo)
+
+    def close(self):
+        """Destroy the cuBLAS handles (idempotent)."""
+        if self._handles:
+            from nvmath.bindings import cublas
+
+            for h in self._handles.values():
+                cublas.destroy(h)
+            self._handles.clear()
+
+
+def reference(x, w, out=None):
+    y = np.matmul(f64(x), np.swapaxes(f64(w), -1, -2))
+    return y if out is None else y + f64(out)

@@ -1,0 +1,108 @@
+"""MoE routing and combine. Expert compute itself is two batched GEMMs over ALL experts for
+every row (gemm.py), which is capturable with fixed shapes and reads every expert's weights
+once per step -- the same bytes a grouped GEMM reads once the batch touches every expert
+(batch 32, top-4 of 32). The combine below multiplies by the routing weight and skips
+unselected experts, so their (computed, unused) outputs never reach the residual."""
+from __future__ import annotations
+
+import numpy as np
+
+from ._common import cuda_function, f32, f64, i32, store
+
+_CODE = r"""
+// One thread per row: softmax over experts restricted to the top k (= softmax, top-k,
+// renormalise), ties to the lower expert index. E <= 1024.
+extern "C" __global__ void router(const float* __restrict__ logits, float* __restrict__ wd,
+                                  int* __restrict__ topk, int n, int E, int k) {
+  int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= n) return;
+  const float* x = logits + (long)r * E;
+  float* w = wd + (long)r * E;
+  for (int e = 0; e < E; ++e) w[e] = 0.f;
+  float prev = INFINITY; int prev_i = -1; float top = 0.f, sum = 0.f;
+  for (int t = 0; t < k; ++t) {
+    int bi = -1; float bv = -INFINITY;
+    for (int e = 0; e < E; ++e) {
+      float v = x[e];
+      bool below = v < prev || (v == prev && e > prev_i);  // strictly after the last pick
+      if (below && (bi < 0 || v > bv)) { bv = v; bi = e; }
+    }
+    if (t == 0) top = bv;
+    float p = __expf(bv - top);
+    w[bi] = p; sum += p; topk[(long)r * k + t] = bi;
+    prev = bv; prev_i = bi;
+  }
+  for (int t = 0; t < k; ++t) w[topk[(long)r * k + t]] /= sum;
+}
+
+// out[n, :] += sum_e wd[n, e] * y[e, n, :]; grid rows, skipping experts with weight 0.
+extern "C" __global__ void combine(const float* __restrict__ wd, const u16* __restrict__ y,
+                                   float* __restrict__ out, int n, int E, int H) {
+  int r = blockIdx.x;
+  for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    float acc = 0.f;
+    for (int e = 0; e < E; ++e) {
+      float we = wd[(long)r * E + e];
+      if (we != 0.f) acc += we * LD(y[((long)e * n + r) * H + c]);
+    }
+    out[(long)r * H + c] += acc;
+  }
+}
+"""
+
+
+def _order(x):
+    """Row-wise expert order: value descending, then index ascending (the kernel's rule)."""
+    idx = np.arange(x.shape[-1])
+    return np.lexsort((np.broadcast_to(idx, x.shape), -x), axis=-1)
+
+
+class Router:
+    """logits [N, E] fp32 -> dense routing weights wd [N, E] (0 = unselected), topk [N, k]."""
+
+    name = "moe_router"
+
+    def run_numpy(self, logits, wd, topk, *, k):
+        x = np.asarray(logits, np.float32)
+        sel = _order(x)[:, :k]
+        p = np.exp(np.take_along_axis(x, sel, -1) - x[np.arange(len(x)), sel[:, 0]][:, None])
+        wd[...] = 0
+        np.put_along_axis(wd, sel, (p / p.sum(-1, keepdims=True)).astype(np.float32), -1)
+        topk[...] = sel
+
+    def run_cupy(self, stream_handle, logits, wd, topk, *, k):
+        fn = cuda_function(_CODE, "router", np.float16)
+        n, E = logits.shape
+        if n:
+            fn((-(-n // 64),), (64,), (logits, wd, topk, i32(n), i32(E), i32(k)))
+
+
+class Combine:
+    """out [N, H] fp32 += sum_e wd[:, e] * y[e] (y [E, N, H] storage)."""
+
+    name = "moe_combine"
+
+    def run_numpy(self, wd, y, out):
+        out += np.einsum("ne,enh->nh", np.asarray(wd, np.float32), f32(y), dtype=np.float32)
+
+    def run_cupy(self, stream_handle, wd, y, out):
+        fn = cuda_function(_CODE, "combine", y.dtype)
+        n, H = out.shape
+        if n:
+            fn((n,), (256,), (wd, y, out, i32(n), i32(wd.shape[1]), i32(H)))
+
+
+def reference_router(logits, k):
+    """float64: softmax, top-k, renormalise. Returns (dense weights [N, E], topk [N, k])."""
+    x = np.asarray(logits, np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    sel = _order(x)[:, :k]
+    wd = np.zeros_like(p)
+    ps = np.take_along_axis(p, sel, -1)
+    np.put_along_axis(wd, sel, ps / ps.sum(-1, keepdims=True), -1)
+    return wd, sel
+
+
+def reference_combine(wd, y, out):
+    return f64(out) + np.einsum("ne,enh->nh", np.asarray(wd, np.float64), f64(y))

@@ -1,0 +1,156 @@
+"""Sampling on the device: greedy argmax, or temperature + top-k with a counter-based RNG.
+
+The random number of a row is a hash of (seed, token-table row, position), all read from
+device arrays, so a replayed graph draws fresh numbers each step with no host involvement,
+and a sequence's draws do not depend on which batch slot or padded size it ran in.
+The sampled token goes to out_tokens[r] and to token_table[token_rows[r]] (the next step's
+input, read on the device by EmbedTokens).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._common import i32
+
+MAX_TOP_K = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; otherwise sample among the top_k logits (1..MAX_TOP_K)."""
+
+    temperature: float = 0.0
+    top_k: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"SamplingParams: temperature={self.temperature} must be >= 0")
+        if self.temperature > 0 and not 1 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(f"SamplingParams: top_k={self.top_k} must be in 1..{MAX_TOP_K}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"SamplingParams: seed={self.seed} must be in [0, 2**63)")
+
+    @property
+    def k(self) -> int:
+        return 1 if self.temperature == 0 else self.top_k
+
+
+_CODE = r"""
+typedef unsigned long long u64;
+__device__ __forceinline__ u64 mix64(u64 z) {
+  z += 0x9e3779b97f4a7c15ull;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+  return bi < 0 || v > bv || (v == bv && i < bi);
+}
+// grid rows, block 256. Pass t picks the largest logit strictly after pass t-1's pick in the
+// order (value desc, index asc), so k passes give the top k without any sort buffer.
+extern "C" __global__ void sample(const float* __restrict__ logits, const int* __restrict__ rows,
+                                  const int* __restrict__ pos, int* __restrict__ out,
+                                  int* __restrict__ table, int V, int k, double inv_temp, u64 seed) {
+  __shared__ float sv[256], wv[8];
+  __shared__ int si[256], wi[8];
+  const float* x = logits + (long)blockIdx.x * V;
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  float prev = INFINITY; int prev_i = -1;
+  for (int t = 0; t < k; ++t) {
+    float bv = -INFINITY; int bi = -1;
+    for (int c = threadIdx.x; c < V; c += blockDim.x) {
+      float v = x[c];
+      if ((v < prev || (v == prev && c > prev_i)) && better(v, c, bv, bi)) { bv = v; bi = c; }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+      float ov = __shfl_xor_sync(0xffffffffu, bv, o); int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (oi >= 0 && better(ov, oi, bv, bi)) { bv = ov; bi = oi; }
+    }
+    if (lane == 0) { wv[w] = bv; wi[w] = bi; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      for (int i = 1; i < (blockDim.x >> 5); ++i)
+        if (wi[i] >= 0 && better(wv[i], wi[i], wv[0], wi[0])) { wv[0] = wv[i]; wi[0] = wi[i]; }
+      sv[t] = wv[0]; si[t] = wi[0];
+    }
+    __syncthreads();
+    prev = sv[t]; prev_i = si[t];
+    __syncthreads();
+  }
+  if (threadIdx.x != 0) return;
+  int r = blockIdx.x, tok = si[0];
+  if (k > 1 && si[0] >= 0) {
+    double total = 0.0;
+    for (int t = 0; t < k && si[t] >= 0; ++t) total += exp(((double)sv[t] - sv[0]) * inv_temp);
+    u64 h = mix64(seed * 0x9e3779b97f4a7c15ull + (((u64)(unsigned)rows[r] << 32) | (unsigned)pos[r]));
+    double u = (double)(h >> 11) * (1.0 / 9007199254740992.0) * total, acc = 0.0;
+    for (int t = 0; t < k && si[t] >= 0; ++t) {
+      tok = si[t];
+      acc += exp(((double)sv[t] - sv[0]) * inv_temp);
+      if (u < acc) break;
+    }
+  }
+  if (tok < 0) tok = 0;  // an all-NaN row: a valid token id keeps the next embedding in range
+  out[r] = tok;
+  table[rows[r]] = tok;
+}
+"""
+
+
+def _mix64(z):
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniforms(seed, rows, positions):
+    """The kernel's per-row uniform in [0, 1): hash of (seed, row, position)."""
+    with np.errstate(over="ignore"):
+        key = (np.asarray(rows).astype(np.uint32).astype(np.uint64) << np.uint64(32)) | \
+            np.asarray(positions).astype(np.uint32).astype(np.uint64)
+        h = _mix64(np.full(key.shape, seed, np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key)
+    return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
+
+
+class Sample:
+    """logits [S, V] fp32 -> out_tokens [S] int32, token_table[token_rows] = out_tokens."""
+
+    name = "sample"
+
+    def run_numpy(self, logits, token_rows, positions, out_tokens, token_table, *, k,
+                  temperature, seed):
+        out_tokens[...] = sample_reference(logits, token_rows, positions, k, temperature, seed)
+        token_table[token_rows] = out_tokens
+
+    def run_cupy(self, stream_handle, logits, token_rows, positions, out_tokens, token_table, *,
+                 k, temperature, seed):
+        from ._common import cuda_function
+
+        fn = cuda_function(_CODE, "sample", np.float16)
+        n, V = logits.shape
+        if n:
+            inv_t = 1.0 / temperature if temperature > 0 else 1.0
+            fn((n,), (256,), (logits, token_rows, positions, out_tokens, token_table, i32(V),
+                              i32(k), np.float64(inv_t), np.uint64(seed)))
+
+
+def sample_reference(logits, token_rows, positions, k, temperature, seed):
+    """float64 reference of the kernel: same order, same uniforms, same inverse-CDF rule."""
+    x = np.asarray(logits, np.float32)
+    valid = ~np.isnan(x)
+    order = np.lexsort((np.broadcast_to(np.arange(x.shape[1]), x.shape), -np.where(valid, x, -np.inf)), axis=-1)
+    sel = order[:, :k]
+    toks = sel[:, 0].copy()
+    if k > 1:
+        u = uniforms(seed, token_rows, positions)
+        v = np.take_along_axis(x, sel, -1).astype(np.float64)
+        p = np.exp((v - v[:, :1]) / temperature)
+        c = np.cumsum(p, axis=-1)
+        pick = np.minimum((c <= (u * c[:, -1])[:, None]).sum(-1), k - 1)
+        toks = sel[np.arange(len(sel)), pick]
+    toks[~valid.any(-1)] = 0
+    return toks.astype(np.int32)
