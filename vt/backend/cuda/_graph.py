@@ -1,0 +1,164 @@
+"""Stream capture into a CUDA graph, and the instantiated executable graph."""
+from __future__ import annotations
+
+import contextlib
+import weakref
+import warnings
+
+from cuda.bindings import runtime as cudart
+
+from vt.backend.errors import CaptureError, CudaError
+
+from ._check import check, cuda_error, pop_recorder, push_recorder
+from ._handle import HandleOwner
+from ._stream import end_orphaned_capture
+
+_SUCCESS = cudart.cudaError_t.cudaSuccess
+_INVALIDATED = cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated
+_SPECIAL_STREAMS = (0, int(cudart.cudaStreamLegacy), int(cudart.cudaStreamPerThread))
+
+
+class Graph(HandleOwner):
+    """An instantiated graph: `launch` replays it on a stream; close() destroys exec and graph."""
+
+    _kind = "graph"
+
+    def __init__(self, graph, graph_exec, name: str, num_nodes: int):
+        self.name = name
+        self.num_nodes = num_nodes
+        self._exec = graph_exec
+        self._own(_destroy_graph, graph, graph_exec)
+
+    def upload(self, stream) -> None:
+        """Pre-load the graph's device resources on `stream` so the first launch is not slower."""
+        self._require_open()
+        stream._require_open()
+        check(cudart.cudaGraphUpload(self._exec, stream.handle), "cudaGraphUpload")
+
+    def launch(self, stream) -> None:
+        self._require_open()
+        stream._require_open()
+        check(cudart.cudaGraphLaunch(self._exec, stream.handle), "cudaGraphLaunch")
+
+    def __repr__(self) -> str:
+        return f"<Graph {self.name!r} nodes={self.num_nodes}{' closed' if self.closed else ''}>"
+
+
+class Capture:
+    """`with be.capture(s, name) as cap:` records the work issued on `s`; then `cap.graph`.
+
+    Global mode (cudaStreamCaptureModeGlobal): any capture-unsafe call from any thread — a
+    cudaMalloc, a synchronize, a query — fails and invalidates the capture, so a mistake is
+    reported instead of baked in. Relaxed mode lets cudaMalloc silently succeed (measured,
+    DESIGN.md), which would hide a pool that grows during capture.
+
+    The capture is always ended, even when the block raises: a CudaError from inside the block
+    (or an invalidated capture) becomes CaptureError naming the capture and the first failing
+    call; any other exception (e.g. CaptureAllocationError) propagates as it is.
+    """
+
+    def __init__(self, stream, name: str, pool, routing: contextlib.AbstractContextManager, track):
+        stream._require_open()
+        if stream.borrowed or stream.handle in _SPECIAL_STREAMS:
+            raise ValueError(f"capture {name!r}: the legacy/default stream ({stream!r}) cannot be captured; "
+                             f"capture on a stream from be.stream()")
+        if stream._capture is not None:
+            raise RuntimeError(f"capture {name!r}: stream {stream.name!r} is already capturing "
+                               f"{stream._capture.name!r}")
+        self.name = name
+        self.graph: Graph | None = None
+        self._stream = stream
+        self._pool = pool
+        self._routing = routing
+        self._track = track
+        self._errors = _FirstError()
+        self._finalizer = None
+
+    def __enter__(self) -> "Capture":
+        if self._finalizer is not None:
+            raise RuntimeError(f"capture {self.name!r} was already entered; make a new be.capture()")
+        pool_ctx = self._pool.capturing(self.name)
+        pool_ctx.__enter__()
+        try:
+            check(cudart.cudaStreamBeginCapture(self._stream.handle,
+                                                cudart.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal),
+                  "cudaStreamBeginCapture")
+        except BaseException as exc:
+            pool_ctx.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        self._pool_ctx = pool_ctx
+        # Backstop for a capture entered and never exited: end it so the stream stays usable and
+        # take the pool out of capture mode (neither callback references self).
+        self._finalizer = weakref.finalize(self, _abandon, self._stream.handle, pool_ctx)
+        self._stream._capture = self
+        push_recorder(self._errors.record)
+        self._routing.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self._routing.__exit__(exc_type, exc, tb)
+        pop_recorder(self._errors.record)
+        self._stream._capture = None
+        self._finalizer.detach()
+        try:
+            graph, end_error = self._end()
+        finally:
+            self._pool_ctx.__exit__(exc_type, exc, tb)
+        first = self._errors.first
+        if exc is not None or end_error is not None:
+            _destroy_graph(graph)
+            if exc is not None and not isinstance(exc, CudaError):
+                return False
+            cause = exc if exc is not None else end_error
+            raise CaptureError(self.name, first or cause) from cause
+        num_nodes = check(cudart.cudaGraphGetNodes(graph), "cudaGraphGetNodes")[-1]
+        if num_nodes == 0:
+            warnings.warn(f"capture {self.name!r} recorded no work: its graph is empty", RuntimeWarning,
+                          stacklevel=2)
+        try:
+            graph_exec = check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+        except CudaError as error:
+            _destroy_graph(graph)
+            raise CaptureError(self.name, error) from error
+        self.graph = Graph(graph, graph_exec, self.name, int(num_nodes))
+        self._track(self.graph)
+        return False
+
+    def abandon(self) -> None:
+        """End this capture now if it is still open (teardown); the block's work is discarded."""
+        if self._finalizer is not None and self._finalizer.alive:
+            self._stream._capture = None
+            self._finalizer()
+
+    def _end(self):
+        """End the capture: (graph or None, CudaError or None). Invalidated counts as an error."""
+        err, status = cudart.cudaStreamIsCapturing(self._stream.handle)
+        invalidated = err == _SUCCESS and status == _INVALIDATED
+        err, graph = cudart.cudaStreamEndCapture(self._stream.handle)
+        if err != _SUCCESS:
+            return None, cuda_error(err, "cudaStreamEndCapture")
+        if invalidated:  # not expected (end reports it), kept so an invalidation is never missed
+            return graph, CudaError("cudaErrorStreamCaptureInvalidated", "cudaStreamEndCapture",
+                                    "the capture was invalidated")
+        return graph, None
+
+
+class _FirstError:
+    def __init__(self):
+        self.first: CudaError | None = None
+
+    def record(self, error: CudaError) -> None:
+        if self.first is None:
+            self.first = error
+
+
+def _abandon(handle: int, pool_ctx) -> None:
+    end_orphaned_capture(handle)
+    pool_ctx.__exit__(None, None, None)
+
+
+def _destroy_graph(graph, graph_exec=None) -> None:
+    if graph_exec is not None:
+        check(cudart.cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
+    if graph is not None and int(graph):
+        check(cudart.cudaGraphDestroy(graph), "cudaGraphDestroy")
