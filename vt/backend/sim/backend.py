@@ -1,0 +1,208 @@
+"""SimBackend: the backend contract on the CPU, with real asynchronous semantics (numpy kernels)."""
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import time
+import warnings
+import weakref
+
+import numpy as np
+
+from ..errors import CaptureError, ClosedError, CudaError
+from ..pool import DevicePool
+from ._event import Event
+from ._graph import Capture, Graph
+from ._memory import DeviceOwner, PinnedOwner, RawMemory, as_bytes, owned_array, owner_of
+from ._stream import Op, Stream
+
+
+class SimBackend:
+    """CPU backend. `device_delay_s` sleeps before each device op, so the host runs ahead."""
+
+    name = "sim"
+    xp = np
+
+    def __init__(self, *, device_delay_s: float = 0.0, pool_debug: bool = False):
+        if device_delay_s < 0:
+            raise ValueError(f"device_delay_s must be >= 0, got {device_delay_s!r}")
+        self.device_delay_s = device_delay_s
+        self._captures: list[Capture] = []     # open captures (global mode: they affect everyone)
+        self._raw = RawMemory(before_malloc=functools.partial(_refuse_in_capture, self._captures))
+        self.pool = DevicePool(self._raw, debug=pool_debug)
+        self._owned: weakref.WeakSet = weakref.WeakSet()   # streams, events, graphs to close
+        self._streams: weakref.WeakSet = weakref.WeakSet()
+        self._legacy: Stream | None = None
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _close_all, self._owned, self.pool)
+
+    # -- objects --------------------------------------------------------------------------
+    def stream(self, name: str = "compute") -> Stream:
+        self._check_open()
+        return self._own(Stream(name, device_delay_s=self.device_delay_s))
+
+    def legacy_stream(self) -> Stream:
+        """The legacy default stream (refused for capture, as on CUDA)."""
+        self._check_open()
+        if self._legacy is None:
+            self._legacy = self._own(Stream("legacy", device_delay_s=self.device_delay_s,
+                                            legacy=True))
+        return self._legacy
+
+    def event(self, blocking_sync: bool = True, timing_enabled: bool = False) -> Event:
+        self._check_open()
+        return self._own(Event(blocking_sync=blocking_sync, timing_enabled=timing_enabled))
+
+    def pinned_empty(self, shape, dtype) -> np.ndarray:
+        """A host array the sim treats as pinned: the only host memory copies accept."""
+        self._check_open()
+        shape, dtype = _shape(shape), np.dtype(dtype)
+        mem = np.empty(math.prod(shape) * dtype.itemsize, np.uint8)
+        return owned_array(PinnedOwner(mem, shape, dtype), shape)
+
+    def empty(self, shape, dtype, retained: bool = False) -> np.ndarray:
+        """A device array over a pool buffer; the buffer returns to the pool when the array dies."""
+        self._check_open()
+        shape, dtype = _shape(shape), np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf = self.pool.alloc_retained(nbytes) if retained else self.pool.alloc(nbytes)
+        owner = DeviceOwner(self._raw.view(buf.ptr, nbytes), shape, dtype, keep=buf)
+        return owned_array(owner, shape)
+
+    # -- device work ----------------------------------------------------------------------
+    def copy_h2d(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
+        self._copy("copy_h2d", dst, DeviceOwner, src, PinnedOwner, stream)
+
+    def copy_d2h(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
+        self._copy("copy_d2h", dst, PinnedOwner, src, DeviceOwner, stream)
+
+    def copy_d2d(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
+        self._copy("copy_d2d", dst, DeviceOwner, src, DeviceOwner, stream)
+
+    def launch(self, stream: Stream, kernel, *args, **params) -> None:
+        """Enqueue kernel.run_numpy(*args, **params); the worker runs it, reading arrays then."""
+        self._check_open()
+        run = getattr(kernel, "run_numpy", None)
+        if not callable(run):
+            raise TypeError(f"{kernel!r} has no run_numpy(); kernels implement run_numpy and run_cupy")
+        label = getattr(kernel, "name", type(kernel).__name__)
+        stream.submit(Op(f"launch({label})", functools.partial(run, *args, **params)))
+
+    def busy_wait(self, stream: Stream, seconds: float) -> None:
+        """Queue `seconds` of device time (a sleep op)."""
+        self._check_open()
+        stream.submit(Op(f"busy_wait({seconds}s)", functools.partial(time.sleep, seconds)))
+
+    # -- capture --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def capture(self, stream: Stream, name: str = "graph"):
+        """Record `stream`'s ops into a graph (global mode); `cap.graph` after a clean exit."""
+        self._check_open()
+        stream._check_open()
+        if stream.legacy:
+            raise ValueError(f"capture {name!r}: the legacy stream cannot be captured; "
+                             f"use be.stream()")
+        if stream.capture is not None:
+            raise CudaError("cudaErrorIllegalState", "cudaStreamBeginCapture",
+                            f"stream {stream.name!r} is already capturing {stream.capture.name!r}")
+        cap = Capture(name, stream)
+        with self.pool.capturing(name):
+            stream.capture = cap
+            self._captures.append(cap)
+            try:
+                yield cap
+            except CudaError as exc:
+                # An error of the invalidated capture itself becomes the capture's error.
+                if cap.first_error is None:
+                    raise
+                raise CaptureError(name, cap.first_error) from exc
+            finally:
+                cap.active = False
+                stream.capture = None
+                self._captures.remove(cap)
+        if cap.first_error is not None:
+            raise CaptureError(name, cap.first_error)
+        if not cap.nodes:
+            warnings.warn(f"capture {name!r} recorded no work; its graph does nothing",
+                          RuntimeWarning, stacklevel=3)
+        cap._graph = self._own(Graph(cap.nodes, name))
+
+    def is_capturing(self, stream: Stream) -> bool:
+        return stream.capture is not None
+
+    # -- device-wide ----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every stream; raise the first recorded op failure."""
+        self._check_open()
+        _refuse_in_capture(self._captures, "cudaDeviceSynchronize")
+        streams = [s for s in list(self._streams) if not s._closed]
+        for s in streams:
+            s._worker.wait(s._worker.submitted)
+        for s in streams:
+            s.raise_pending_error()
+
+    def info(self) -> dict:
+        return {"backend": "sim", "device": "CPU simulator (numpy worker threads)",
+                "driver_version": None, "runtime_version": None, "total_memory": None,
+                "device_delay_s": self.device_delay_s, "pool_debug": self.pool.debug,
+                "numpy": np.__version__}
+
+    def close(self) -> None:
+        """Idempotent: closes every stream, event and graph of this backend, then the pool."""
+        self._closed = True
+        self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- private --------------------------------------------------------------------------
+    def _own(self, obj):
+        self._owned.add(obj)
+        if isinstance(obj, Stream):
+            self._streams.add(obj)
+        return obj
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedError("sim backend is closed")
+
+    def _copy(self, call, dst, dst_kind, src, src_kind, stream) -> None:
+        self._check_open()
+        for role, arr, kind in (("dst", dst, dst_kind), ("src", src, src_kind)):
+            if not isinstance(owner_of(arr), kind):
+                where = "be.empty (device)" if kind is DeviceOwner else "be.pinned_empty (host)"
+                raise ValueError(f"{call}: {role} must be an array from {where}, got "
+                                 f"{type(arr).__name__} {getattr(arr, 'shape', '')}")
+            if not arr.flags.c_contiguous:
+                raise ValueError(f"{call}: {role} must be C-contiguous (shape {arr.shape}, "
+                                 f"strides {arr.strides})")
+        if dst.nbytes != src.nbytes:
+            raise ValueError(f"{call}: dst has {dst.nbytes} bytes ({dst.shape} {dst.dtype}) but "
+                             f"src has {src.nbytes} ({src.shape} {src.dtype})")
+        dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
+        stream.submit(Op(f"{call}({src.nbytes} B)",
+                         functools.partial(np.copyto, dst_bytes, src_bytes)))
+
+
+def _refuse_in_capture(captures: list[Capture], call: str) -> None:
+    """Global capture mode: an unsafe call while any capture is open fails and invalidates it."""
+    if captures:
+        error = CudaError("cudaErrorStreamCaptureUnsupported", call,
+                          f"not allowed while capture {captures[0].name!r} is open (global mode)")
+        for cap in captures:
+            cap.invalidate(error)
+        raise error
+
+
+def _close_all(owned: weakref.WeakSet, pool: DevicePool) -> None:
+    for obj in list(owned):
+        obj.close()
+    pool.close()
+
+
+def _shape(shape) -> tuple:
+    return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(n) for n in shape)
