@@ -52,9 +52,10 @@ class Capture:
     reported instead of baked in. Relaxed mode lets cudaMalloc silently succeed (measured,
     DESIGN.md), which would hide a pool that grows during capture.
 
-    The capture is always ended, even when the block raises: a CudaError from inside the block
-    (or an invalidated capture) becomes CaptureError naming the capture and the first failing
-    call; any other exception (e.g. CaptureAllocationError) propagates as it is.
+    The capture is always ended, even when the block raises. An invalidated capture raises
+    CaptureError naming the capture and the first failing call (chained from the block's
+    exception, if any); an exception that did not invalidate it (e.g. CaptureAllocationError:
+    the pool refuses before calling the driver) propagates as it is.
     """
 
     def __init__(self, stream, name: str, pool, routing: contextlib.AbstractContextManager, track):
@@ -63,16 +64,22 @@ class Capture:
             raise ValueError(f"capture {name!r}: the legacy/default stream ({stream!r}) cannot be captured; "
                              f"capture on a stream from be.stream()")
         if stream._capture is not None:
-            raise RuntimeError(f"capture {name!r}: stream {stream.name!r} is already capturing "
-                               f"{stream._capture.name!r}")
+            raise CudaError("cudaErrorIllegalState", "cudaStreamBeginCapture",
+                            f"stream {stream.name!r} is already capturing {stream._capture.name!r}")
         self.name = name
-        self.graph: Graph | None = None
+        self._graph: Graph | None = None
         self._stream = stream
         self._pool = pool
         self._routing = routing
         self._track = track
         self._errors = _FirstError()
         self._finalizer = None
+
+    @property
+    def graph(self) -> Graph:
+        if self._graph is None:
+            raise RuntimeError(f"capture {self.name!r} has no graph: it is still open or failed")
+        return self._graph
 
     def __enter__(self) -> "Capture":
         if self._finalizer is not None:
@@ -104,13 +111,12 @@ class Capture:
             graph, end_error = self._end()
         finally:
             self._pool_ctx.__exit__(exc_type, exc, tb)
-        first = self._errors.first
         if exc is not None or end_error is not None:
             _destroy_graph(graph)
-            if exc is not None and not isinstance(exc, CudaError):
-                return False
+            if end_error is None:
+                return False  # the capture itself was valid: the block's exception propagates
             cause = exc if exc is not None else end_error
-            raise CaptureError(self.name, first or cause) from cause
+            raise CaptureError(self.name, self._errors.first or cause) from cause
         num_nodes = check(cudart.cudaGraphGetNodes(graph), "cudaGraphGetNodes")[-1]
         if num_nodes == 0:
             warnings.warn(f"capture {self.name!r} recorded no work: its graph is empty", RuntimeWarning,
@@ -120,8 +126,8 @@ class Capture:
         except CudaError as error:
             _destroy_graph(graph)
             raise CaptureError(self.name, error) from error
-        self.graph = Graph(graph, graph_exec, self.name, int(num_nodes))
-        self._track(self.graph)
+        self._graph = Graph(graph, graph_exec, self.name, int(num_nodes))
+        self._track(self._graph)
         return False
 
     def abandon(self) -> None:

@@ -52,11 +52,11 @@ class CudaBackend(HandleOwner):
         return {
             "backend": self.name,
             **self.device.info(),
-            "cuda-bindings": cuda.bindings.__version__,
+            "pool_debug": self.pool_debug,
+            "cuda_bindings": cuda.bindings.__version__,
             "cupy": cupy.__version__,
             "numpy": np.__version__,
-            "nvmath-python": _nvmath_version(),
-            "pool": "debug (one cudaMalloc per buffer)" if self.pool_debug else "caching",
+            "nvmath": _nvmath_version(),
         }
 
     # -- streams and events -------------------------------------------------------------
@@ -92,15 +92,15 @@ class CudaBackend(HandleOwner):
 
     def copy_h2d(self, dst, src: np.ndarray, stream: Stream) -> None:
         self._require_open()
-        copy_h2d(dst, src, stream, capturing=stream._capture is not None)
+        copy_h2d(dst, src, stream)
 
     def copy_d2h(self, dst: np.ndarray, src, stream: Stream) -> None:
         self._require_open()
-        copy_d2h(dst, src, stream, capturing=stream._capture is not None)
+        copy_d2h(dst, src, stream)
 
     def copy_d2d(self, dst, src, stream: Stream) -> None:
         self._require_open()
-        copy_d2d(dst, src, stream, capturing=stream._capture is not None)
+        copy_d2d(dst, src, stream)
 
     # -- kernels ------------------------------------------------------------------------
     def launch(self, stream: Stream, kernel, *args, **params) -> None:
