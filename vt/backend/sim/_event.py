@@ -60,9 +60,10 @@ class Event:
         """Milliseconds from `start`'s latest record to this event's, timed when they ran."""
         self._check_open()
         start._check_open()
-        if not (self.timing_enabled and start.timing_enabled):
-            raise CudaError("cudaErrorInvalidResourceHandle", "cudaEventElapsedTime",
-                            "both events need timing_enabled=True")
+        for ev, role in ((start, "start"), (self, "end")):
+            if not ev.timing_enabled:
+                raise ValueError(f"elapsed_ms: the {role} event {ev.name!r} was created with "
+                                 f"timing_enabled=False")
         for ev in (start, self):
             if ev._time is None or ev._completed < ev.issued:
                 raise CudaError("cudaErrorNotReady", "cudaEventElapsedTime",
@@ -99,10 +100,11 @@ class Event:
             raise ClosedError(f"event {self.name!r} is closed")
 
     def _refuse_in_capture(self, call: str) -> None:
+        # CUDA refuses the call with cudaErrorCapturedEvent; it does not invalidate the capture.
         if self._capture is not None and self._capture.active:
-            self._capture.fail(CudaError("cudaErrorStreamCaptureUnsupported", call,
-                                         f"event {self.name!r} was recorded in capture "
-                                         f"{self._capture.name!r}, which is still open"))
+            raise CudaError("cudaErrorCapturedEvent", call,
+                            f"event {self.name!r} was last recorded in capture "
+                            f"{self._capture.name!r}, which is still open")
 
 
 class _ExternalRecord:

@@ -50,9 +50,11 @@ class SimBackend:
                                             legacy=True))
         return self._legacy
 
-    def event(self, blocking_sync: bool = True, timing_enabled: bool = False) -> Event:
+    def event(self, blocking_sync: bool = True, timing_enabled: bool = False,
+              name: str = "event") -> Event:
         self._check_open()
-        return self._own(Event(blocking_sync=blocking_sync, timing_enabled=timing_enabled))
+        return self._own(Event(blocking_sync=blocking_sync, timing_enabled=timing_enabled,
+                               name=name))
 
     def pinned_empty(self, shape, dtype) -> np.ndarray:
         """A host array the sim treats as pinned: the only host memory copies accept."""
@@ -104,8 +106,8 @@ class SimBackend:
             raise ValueError(f"capture {name!r}: the legacy stream cannot be captured; "
                              f"use be.stream()")
         if stream.capture is not None:
-            raise CudaError("cudaErrorIllegalState", "cudaStreamBeginCapture",
-                            f"stream {stream.name!r} is already capturing {stream.capture.name!r}")
+            raise RuntimeError(f"capture {name!r}: stream {stream.name!r} is already capturing "
+                               f"{stream.capture.name!r}")
         cap = Capture(name, stream)
         with self.pool.capturing(name):
             stream.capture = cap
@@ -113,10 +115,9 @@ class SimBackend:
             try:
                 yield cap
             except CudaError as exc:
-                # An error of the invalidated capture itself becomes the capture's error.
-                if cap.first_error is None:
-                    raise
-                raise CaptureError(name, cap.first_error) from exc
+                # A CUDA error inside the block ends the capture as a failed one (as on cuda);
+                # other exceptions (CaptureAllocationError, the caller's own) propagate as they are.
+                raise CaptureError(name, cap.first_error or exc) from exc
             finally:
                 cap.active = False
                 stream.capture = None
@@ -143,10 +144,11 @@ class SimBackend:
             s.raise_pending_error()
 
     def info(self) -> dict:
+        self._check_open()
         return {"backend": "sim", "device": "CPU simulator (numpy worker threads)",
-                "driver_version": None, "runtime_version": None, "total_memory": None,
-                "device_delay_s": self.device_delay_s, "pool_debug": self.pool.debug,
-                "numpy": np.__version__}
+                "total memory": "host memory", "driver (CUDA)": "none", "runtime (CUDA)": "none",
+                "numpy": np.__version__, "device_delay_s": self.device_delay_s,
+                "pool": "debug (one allocation per buffer)" if self.pool.debug else "caching"}
 
     def close(self) -> None:
         """Idempotent: closes every stream, event and graph of this backend, then the pool."""
@@ -173,10 +175,18 @@ class SimBackend:
     def _copy(self, call, dst, dst_kind, src, src_kind, stream) -> None:
         self._check_open()
         for role, arr, kind in (("dst", dst, dst_kind), ("src", src, src_kind)):
-            if not isinstance(owner_of(arr), kind):
-                where = "be.empty (device)" if kind is DeviceOwner else "be.pinned_empty (host)"
-                raise ValueError(f"{call}: {role} must be an array from {where}, got "
-                                 f"{type(arr).__name__} {getattr(arr, 'shape', '')}")
+            owner = owner_of(arr) if isinstance(arr, np.ndarray) else None
+            on_device = isinstance(owner, DeviceOwner)
+            if not isinstance(arr, np.ndarray) or on_device != (kind is DeviceOwner):
+                where = "a device array (be.empty)" if kind is DeviceOwner else "a host numpy array"
+                raise TypeError(f"{call}: {role} must be {where}, got {type(arr).__name__} "
+                                f"{getattr(arr, 'shape', '')}{' on the device' if on_device else ''}")
+            # A captured copy re-reads the host address at every replay: it must be persistent
+            # pinned memory that vt owns, never a temporary.
+            if stream.capture is not None and kind is PinnedOwner and not isinstance(owner, PinnedOwner):
+                raise ValueError(f"{call}: {role} host array {arr.shape} {arr.dtype} is not pinned "
+                                 f"memory from be.pinned_empty; a captured copy needs a persistent "
+                                 f"pinned buffer")
             if not arr.flags.c_contiguous:
                 raise ValueError(f"{call}: {role} must be C-contiguous (shape {arr.shape}, "
                                  f"strides {arr.strides})")
