@@ -39,16 +39,14 @@ def is_error(result: tuple, err) -> bool:
     return result[0] == err
 
 
-def push_recorder(record) -> None:
-    """Call `record(CudaError)` for every failing check on this thread until `pop_recorder`."""
+def push_recorder(record) -> list:
+    """Call `record(CudaError)` for every failing check on this thread until it is removed from
+    the returned list (this thread's recorders)."""
     stack = getattr(_recorders, "stack", None)
     if stack is None:
         stack = _recorders.stack = []
     stack.append(record)
-
-
-def pop_recorder(record) -> None:
-    _recorders.stack.remove(record)
+    return stack
 
 
 def cuda_error(err, call: str) -> CudaError:

@@ -9,7 +9,7 @@ from cuda.bindings import runtime as cudart
 
 from vt.backend.errors import CaptureError, CudaError
 
-from ._check import check, cuda_error, pop_recorder, push_recorder
+from ._check import check, cuda_error, push_recorder
 from ._handle import HandleOwner
 from ._stream import end_orphaned_capture
 
@@ -65,7 +65,7 @@ class Capture:
                              f"capture on a stream from be.stream()")
         if stream._capture is not None:
             raise CudaError("cudaErrorIllegalState", "cudaStreamBeginCapture",
-                            f"stream {stream.name!r} is already capturing {stream._capture.name!r}")
+                            f"stream {stream.name!r} is already capturing {stream._capture!r}")
         self.name = name
         self._graph: Graph | None = None
         self._stream = stream
@@ -94,19 +94,20 @@ class Capture:
             pool_ctx.__exit__(type(exc), exc, exc.__traceback__)
             raise
         self._pool_ctx = pool_ctx
-        # Backstop for a capture entered and never exited: end it so the stream stays usable and
-        # take the pool out of capture mode (neither callback references self).
-        self._finalizer = weakref.finalize(self, _abandon, self._stream.handle, pool_ctx)
-        self._stream._capture = self
-        push_recorder(self._errors.record)
+        self._stream._capture = self.name
+        self._recorders = push_recorder(self._errors.record)
         self._routing.__enter__()
+        # Backstop for a capture entered and never exited: end it so the stream stays usable,
+        # take the pool out of capture mode and undo the CuPy routing (no reference to self).
+        self._finalizer = weakref.finalize(self, _abandon, self._stream, pool_ctx, self._routing,
+                                           self._recorders, self._errors.record)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        self._routing.__exit__(exc_type, exc, tb)
-        pop_recorder(self._errors.record)
-        self._stream._capture = None
         self._finalizer.detach()
+        self._routing.__exit__(exc_type, exc, tb)
+        self._recorders.remove(self._errors.record)
+        self._stream._capture = None
         try:
             graph, end_error = self._end()
         finally:
@@ -132,8 +133,7 @@ class Capture:
 
     def abandon(self) -> None:
         """End this capture now if it is still open (teardown); the block's work is discarded."""
-        if self._finalizer is not None and self._finalizer.alive:
-            self._stream._capture = None
+        if self._finalizer is not None:
             self._finalizer()
 
     def _end(self):
@@ -158,9 +158,13 @@ class _FirstError:
             self.first = error
 
 
-def _abandon(handle: int, pool_ctx) -> None:
-    end_orphaned_capture(handle)
+def _abandon(stream, pool_ctx, routing, recorders: list, record) -> None:
+    stream._capture = None
+    end_orphaned_capture(stream.handle)
     pool_ctx.__exit__(None, None, None)
+    recorders.remove(record)
+    with contextlib.suppress(Exception):  # best effort: CuPy's state may have moved on since
+        routing.__exit__(None, None, None)
 
 
 def _destroy_graph(graph, graph_exec=None) -> None:

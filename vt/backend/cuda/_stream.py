@@ -19,7 +19,9 @@ class Stream(HandleOwner):
     def __init__(self, name: str = "", *, _borrowed_handle: int | None = None):
         self.name = name
         self._cupy = None
-        self._capture = None  # the vt Capture open on this stream, if any
+        # Name of the vt capture open on this stream. A name, not the Capture: a reference
+        # from the stream would keep an orphaned capture from reaching its finalizer.
+        self._capture: str | None = None
         if _borrowed_handle is not None:
             self.handle = _borrowed_handle
             self.borrowed = True
