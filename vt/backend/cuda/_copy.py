@@ -12,18 +12,18 @@ _D2H = cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost
 _D2D = cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice
 
 
-def copy_h2d(dst, src: np.ndarray, stream) -> None:
-    _check_pair("copy_h2d", dst, src, device_dst=True, device_src=False)
+def copy_h2d(dst, src: np.ndarray, stream, capturing: bool) -> None:
+    _check_pair("copy_h2d", dst, src, device_dst=True, device_src=False, capturing=capturing)
     _memcpy(dst.data.ptr, src.ctypes.data, dst.nbytes, _H2D, stream, "cudaMemcpyAsync(HostToDevice)")
 
 
-def copy_d2h(dst: np.ndarray, src, stream) -> None:
-    _check_pair("copy_d2h", dst, src, device_dst=False, device_src=True)
+def copy_d2h(dst: np.ndarray, src, stream, capturing: bool) -> None:
+    _check_pair("copy_d2h", dst, src, device_dst=False, device_src=True, capturing=capturing)
     _memcpy(dst.ctypes.data, src.data.ptr, dst.nbytes, _D2H, stream, "cudaMemcpyAsync(DeviceToHost)")
 
 
-def copy_d2d(dst, src, stream) -> None:
-    _check_pair("copy_d2d", dst, src, device_dst=True, device_src=True)
+def copy_d2d(dst, src, stream, capturing: bool) -> None:
+    _check_pair("copy_d2d", dst, src, device_dst=True, device_src=True, capturing=capturing)
     _memcpy(dst.data.ptr, src.data.ptr, dst.nbytes, _D2D, stream, "cudaMemcpyAsync(DeviceToDevice)")
 
 
@@ -33,21 +33,19 @@ def _memcpy(dst: int, src: int, nbytes: int, kind, stream, call: str) -> None:
         check(cudart.cudaMemcpyAsync(dst, src, nbytes, kind, stream.handle), call)
 
 
-def _check_pair(op: str, dst, src, *, device_dst: bool, device_src: bool) -> None:
+def _check_pair(op: str, dst, src, *, device_dst: bool, device_src: bool, capturing: bool) -> None:
     import cupy
     for arr, role, on_device in ((dst, "dst", device_dst), (src, "src", device_src)):
         want = cupy.ndarray if on_device else np.ndarray
         if not isinstance(arr, want):
-            where = "be.empty (device)" if on_device else "be.pinned_empty (host)"
-            raise ValueError(f"{op}: {role} must be an array from {where}, got {type(arr).__name__} "
-                             f"{getattr(arr, 'shape', '')}")
+            raise TypeError(f"{op}: {role} must be a {want.__module__}.ndarray, got {type(arr).__name__}")
         if not arr.flags.c_contiguous:
             raise ValueError(f"{op}: {role} must be C-contiguous (shape {arr.shape}, strides {arr.strides})")
-        # Pinned only: a pageable copy is not asynchronous, and a captured one re-reads its
-        # host address at every replay, so it must be a persistent buffer that vt owns.
-        if not on_device and pinned_owner(arr) is None:
-            raise ValueError(f"{op}: {role} host array {arr.shape} {arr.dtype} is not pinned memory; "
-                             f"use an array from be.pinned_empty (host)")
+        # A captured copy re-reads (or re-writes) the host address at every replay: it must be
+        # memory that vt owns and keeps pinned, never a temporary pageable numpy array.
+        if capturing and not on_device and pinned_owner(arr) is None:
+            raise ValueError(f"{op}: {role} host array {arr.shape} {arr.dtype} is not pinned memory from "
+                             f"be.pinned_empty; a captured copy needs a persistent pinned buffer")
     if dst.nbytes != src.nbytes:
         raise ValueError(f"{op}: size mismatch: dst {dst.shape} {dst.dtype} ({dst.nbytes} bytes) vs "
                          f"src {src.shape} {src.dtype} ({src.nbytes} bytes)")

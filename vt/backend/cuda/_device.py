@@ -50,10 +50,10 @@ class Device:
         major, minor = self.compute_capability
         return {
             "device": f"{self.ordinal}: {self.name}",
-            "compute_capability": f"{major}.{minor}",
-            "total_memory": f"{self.total_memory / 2**30:.1f} GiB",
-            "driver_version": f"CUDA {_version(driver)}",
-            "runtime_version": f"CUDA {_version(runtime)}",
+            "compute capability": f"{major}.{minor}",
+            "total memory": f"{self.total_memory / 2**30:.1f} GiB",
+            "driver (CUDA)": _version(driver),
+            "runtime (CUDA)": _version(runtime),
         }
 
 

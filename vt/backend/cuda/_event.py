@@ -71,8 +71,10 @@ class Event(HandleOwner):
         """Milliseconds from `start` to this event; both must be timing-enabled and complete."""
         self._require_open()
         start._require_open()
-        # A timing-disabled event makes CUDA return cudaErrorInvalidResourceHandle, an
-        # incomplete one cudaErrorNotReady: the sim raises the same CudaErrors.
+        for ev, role in ((start, "start"), (self, "end")):
+            if not ev.options.timing_enabled:
+                raise ValueError(f"elapsed_ms: the {role} event {ev._label()} was created with "
+                                 f"timing_enabled=False")
         return float(check(cudart.cudaEventElapsedTime(start._event, self._event), "cudaEventElapsedTime"))
 
     def __repr__(self) -> str:

@@ -2,6 +2,7 @@
 run_cupy (the CUDA kernel), with a float64 `reference` function beside it in its module."""
 from .attention import PagedAttention
 from .embedding import EmbedTokens, GatherRows
+from .fill import Fill
 from .gdn import GDN
 from .gemm import Gemm
 from .kvcache import KVWrite
@@ -11,5 +12,5 @@ from .norm import RMSNorm
 from .rope import RoPE
 from .sampling import MAX_TOP_K, Sample, SamplingParams
 
-__all__ = ["PagedAttention", "EmbedTokens", "GatherRows", "GDN", "Gemm", "KVWrite", "SiluMul",
+__all__ = ["PagedAttention", "EmbedTokens", "GatherRows", "Fill", "GDN", "Gemm", "KVWrite", "SiluMul",
            "Combine", "Router", "RMSNorm", "RoPE", "Sample", "SamplingParams", "MAX_TOP_K"]

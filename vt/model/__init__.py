@@ -1,0 +1,10 @@
+"""The reference hybrid decoder (GDN linear attention + full attention, dense or MoE)."""
+from .config import PRESETS, ModelConfig
+from .inputs import DecodeInputs, PrefillInputs
+from .kernels.sampling import SamplingParams
+from .model import HybridModel
+from .weights import check_weights, init_weights, load_weights, save_weights, weight_shapes
+
+__all__ = ["ModelConfig", "PRESETS", "HybridModel", "DecodeInputs", "PrefillInputs",
+           "SamplingParams", "init_weights", "load_weights", "save_weights", "check_weights",
+           "weight_shapes"]

@@ -1,0 +1,118 @@
+"""Per-step metadata of the model, as DEVICE arrays (a captured graph re-reads them at every
+replay). The host fills pinned twins of the same shapes and copies them in (vt/graphs owns
+those for decode); `upload` is the simple eager way, used by tests and prefill."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+
+def _upload(be, stream, host: dict) -> dict:
+    out = {}
+    for name, a in host.items():
+        a = np.ascontiguousarray(a, np.int32)
+        pinned = be.pinned_empty(a.shape, np.int32)
+        pinned[...] = a
+        out[name] = be.empty(a.shape, np.int32)
+        be.copy_h2d(out[name], pinned, stream)
+        out.setdefault("_keep", []).append(pinned)  # pinned sources live until the copy ran
+    return out
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step of S rows (padded rows point at HybridModel's scratch row/state/block).
+
+    token_rows[S]: row of the token table (= the sequence slot) holding the input token;
+    positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
+    write (position + 1); slot_mapping[S]: cache slot written; block_tables[S, max_blocks];
+    state_idx[S]: GDN recurrent state slot.
+    """
+
+    token_rows: object
+    positions: object
+    seq_lens: object
+    slot_mapping: object
+    block_tables: object
+    state_idx: object
+
+    @property
+    def batch(self) -> int:
+        return int(self.token_rows.shape[0])
+
+    @property
+    def sample_positions(self):
+        return self.positions
+
+    @classmethod
+    def empty(cls, be, batch: int, max_blocks: int) -> "DecodeInputs":
+        """Device buffers for a captured size (their contents are refreshed every step)."""
+        return cls(*(be.empty((batch, max_blocks) if f.name == "block_tables" else (batch,), np.int32)
+                     for f in fields(cls)))
+
+    @classmethod
+    def upload(cls, be, stream, **host) -> "DecodeInputs":
+        d = _upload(be, stream, {f.name: host[f.name] for f in fields(cls)})
+        stream.synchronize()
+        return cls(**{f.name: d[f.name] for f in fields(cls)})
+
+
+@dataclass
+class PrefillInputs:
+    """Prompts of B sequences, concatenated into T tokens, each prompt from position 0.
+
+    Per token: token_ids, positions, slot_mapping, ctx_lens (= position + 1: the prefix it
+    attends to, read from the cache just written), token_seq (its sequence b). Per sequence:
+    cu_seqlens[B+1], last_idx[B] (its last token), last_positions[B], token_rows[B],
+    state_idx[B], block_tables[B, max_blocks]. max_len is the longest prompt (host value).
+    """
+
+    token_ids: object
+    positions: object
+    slot_mapping: object
+    ctx_lens: object
+    token_seq: object
+    cu_seqlens: object
+    last_idx: object
+    last_positions: object
+    token_rows: object
+    state_idx: object
+    block_tables: object
+    max_len: int = 0
+
+    @property
+    def batch(self) -> int:
+        return int(self.token_rows.shape[0])
+
+    @property
+    def tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    @property
+    def sample_positions(self):
+        return self.last_positions
+
+    @classmethod
+    def build(cls, be, stream, prompts, token_rows, state_idx, block_tables, block_size):
+        """From host lists: prompts (list of token lists), and per sequence its token-table
+        row, state slot and block table row ([B, max_blocks] numpy)."""
+        lens = np.array([len(p) for p in prompts], np.int64)
+        if len(prompts) == 0 or lens.min() == 0:
+            raise ValueError(f"PrefillInputs: every prompt needs >= 1 token, got lengths {lens.tolist()}")
+        bt = np.asarray(block_tables, np.int64)
+        need = -(-lens.max() // block_size)
+        if bt.shape[1] < need:
+            raise ValueError(f"PrefillInputs: block_tables has {bt.shape[1]} columns but the "
+                             f"longest prompt ({lens.max()} tokens) needs {need}")
+        pos = np.concatenate([np.arange(n) for n in lens])
+        seq = np.repeat(np.arange(len(lens)), lens)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        host = dict(token_ids=np.concatenate([np.asarray(p) for p in prompts]), positions=pos,
+                    slot_mapping=bt[seq, pos // block_size] * block_size + pos % block_size,
+                    ctx_lens=pos + 1, token_seq=seq, cu_seqlens=cu, last_idx=cu[1:] - 1,
+                    last_positions=lens - 1, token_rows=token_rows, state_idx=state_idx,
+                    block_tables=bt)
+        d = _upload(be, stream, host)
+        stream.synchronize()
+        return cls(**{k: v for k, v in d.items() if k != "_keep"}, max_len=int(lens.max()))

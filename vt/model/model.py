@@ -1,0 +1,200 @@
+"""HybridModel: the reference hybrid decoder on a vt backend (sim: numpy, cuda: CuPy + cuBLAS).
+
+Set-up order: check weights, upload them (fused where one GEMM can serve several HF tensors),
+allocate the paged KV cache, the GDN states and the token table (each with one scratch
+entry for padded rows), then the cuBLAS workspaces. `decode` only launches kernels and takes
+its temporaries from the pool, so it is capturable; those temporaries become the capture's
+scratch.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import kernels as K
+from .config import ModelConfig
+from .inputs import DecodeInputs, PrefillInputs
+from .kernels.gemm import WORKSPACE_BYTES
+from .weights import check_weights
+
+_EMBED, _GATHER, _NORM, _ROPE, _KVW = K.EmbedTokens(), K.GatherRows(), K.RMSNorm(), K.RoPE(), K.KVWrite()
+_ATTN, _GDN, _ACT, _ROUTER, _COMBINE = K.PagedAttention(), K.GDN(), K.SiluMul(), K.Router(), K.Combine()
+_SAMPLE, _FILL = K.Sample(), K.Fill()
+_STAGING_BYTES = 64 << 20
+
+
+class HybridModel:
+    def __init__(self, backend, cfg: ModelConfig, weights: dict[str, np.ndarray],
+                 max_seqs: int | None = None, num_kv_blocks: int | None = None, *,
+                 max_batch: int = 64, gemm_streams: int = 4):
+        check_weights(cfg, weights)
+        self.be, self.cfg = backend, cfg
+        self.max_seqs = max_seqs or cfg.max_seqs
+        self.num_kv_blocks = num_kv_blocks or self.max_seqs * cfg.max_blocks_per_seq
+        self.max_batch = max(max_batch, self.max_seqs)
+        # Scratch entries for padded rows: one past the real ones.
+        self.scratch_row = self.scratch_state = self.max_seqs
+        self.scratch_block = self.num_kv_blocks
+        self.stream = backend.stream(name="model-init")
+        self._staging = backend.pinned_empty((_STAGING_BYTES,), np.uint8)
+        self._upload_weights(weights)
+        st, bs = cfg.storage_dtype, cfg.kv_block_size
+        kv_shape = (self.num_kv_blocks + 1, bs, cfg.kv_heads, cfg.head_dim)
+        self.k_cache = {i: backend.empty(kv_shape, st) for i in cfg.attn_layers}
+        self.v_cache = {i: backend.empty(kv_shape, st) for i in cfg.attn_layers}
+        st_shape = (self.max_seqs + 1, cfg.gdn_heads, cfg.gdn_dk, cfg.gdn_dv)
+        self.states = {i: backend.empty(st_shape, np.float32) for i in cfg.gdn_layers}
+        self.token_table = backend.empty((self.max_seqs + 1,), np.int32)   # [max_seqs + 1]
+        self._iota = self._const(np.arange(self.max_batch + 1, dtype=np.int32))
+        for a in [*self.states.values(), self.token_table]:
+            backend.launch(self.stream, _FILL, a, value=0)
+        ws = [backend.empty((WORKSPACE_BYTES,), np.uint8) for _ in range(gemm_streams)] \
+            if backend.name == "cuda" else []
+        self.gemm = K.Gemm(ws)
+        self.stream.synchronize()
+
+    # ------------------------------------------------------------------ set-up
+    def _const(self, host: np.ndarray):
+        """A device copy of `host` through the pinned staging buffer (eager, synchronous)."""
+        d = self.be.empty(host.shape, host.dtype)
+        src, dst = np.ascontiguousarray(host).reshape(-1).view(np.uint8), d.reshape(-1).view(np.uint8)
+        for a in range(0, src.size, _STAGING_BYTES):
+            n = min(_STAGING_BYTES, src.size - a)
+            self._staging[:n] = src[a: a + n]
+            self.be.copy_h2d(dst[a: a + n], self._staging[:n], self.stream)
+            self.stream.synchronize()  # the staging buffer is reused by the next chunk
+        return d
+
+    def _upload_weights(self, w):
+        c, up = self.cfg, self._const
+        self.emb, self.lm_head = up(w["model.embed_tokens.weight"]), up(w["lm_head.weight"])
+        self.final_norm = up(w["model.norm.weight"])
+        self.layers = []
+        for i, kind in enumerate(c.kinds):
+            p = f"model.layers.{i}."
+            L = {"ln1": up(w[p + "input_layernorm.weight"]), "ln2": up(w[p + "post_attention_layernorm.weight"])}
+            if kind == "A":
+                a = p + "self_attn."
+                L["qkv"] = up(np.concatenate([w[a + n + "_proj.weight"] for n in "qkv"]))  # [(Hq+2Hk)D, H]
+                L["o"] = up(w[a + "o_proj.weight"])
+            else:
+                g = p + "linear_attn."
+                L["in"] = up(np.concatenate([w[g + "in_proj_qkvz.weight"], w[g + "in_proj_ba.weight"]]))
+                L["out"] = up(w[g + "out_proj.weight"])
+                for n in ("A_log", "dt_bias"):
+                    L[n] = up(w[g + n])
+                L["norm"] = up(w[g + "norm.weight"])
+            m = p + "mlp."
+            if c.moe:
+                E = range(c.experts)
+                L["router"] = up(w[m + "gate.weight"])
+                L["egu"] = up(np.stack([np.concatenate([w[f"{m}experts.{e}.gate_proj.weight"],
+                                                        w[f"{m}experts.{e}.up_proj.weight"]]) for e in E]))
+                L["edown"] = up(np.stack([w[f"{m}experts.{e}.down_proj.weight"] for e in E]))
+                m += "shared_expert."
+            if not c.moe or c.shared_ffn:
+                L["gu"] = up(np.concatenate([w[m + "gate_proj.weight"], w[m + "up_proj.weight"]]))  # [2F, H]
+                L["down"] = up(w[m + "down_proj.weight"])
+            self.layers.append(L)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads (all experts: see kernels/moe.py)."""
+        arrs = [self.emb[:0], self.lm_head, self.final_norm] + [a for L in self.layers for a in L.values()]
+        return int(sum(a.nbytes for a in arrs))
+
+    def pad_row(self) -> dict:
+        """Values of a padded decode row: it writes only scratch entries."""
+        bs = self.cfg.kv_block_size
+        return dict(token_rows=self.scratch_row, positions=0, seq_lens=1,
+                    slot_mapping=self.scratch_block * bs, block_tables=self.scratch_block,
+                    state_idx=self.scratch_state)
+
+    # ------------------------------------------------------------------ forward
+    def decode(self, s, inp: DecodeInputs, logits_out) -> None:
+        """One decode step for inp.batch rows; logits_out [S, vocab] fp32. Launches only."""
+        S = inp.batch
+        if S > self.max_batch:
+            raise ValueError(f"decode: batch {S} > max_batch {self.max_batch} of this model")
+        h = self.be.empty((S, self.cfg.hidden), np.float32)   # [S, H] residual stream
+        self.be.launch(s, _EMBED, self.emb, self.token_table, inp.token_rows, h)
+        self._layers(s, h, inp.positions, inp.slot_mapping, inp.block_tables, inp.seq_lens,
+                     self._iota[:S], inp.state_idx, self._iota[: S + 1], fresh=False)
+        self._logits(s, h, logits_out)
+
+    def prefill(self, s, pinp: PrefillInputs, logits_out) -> None:
+        """Eager prefill of whole prompts (from position 0): writes the KV cache and the GDN
+        states; logits_out [B, vocab] fp32 gets each sequence's last-token logits."""
+        h = self.be.empty((pinp.tokens, self.cfg.hidden), np.float32)   # [T, H]
+        self.be.launch(s, _GATHER, self.emb, pinp.token_ids, h)
+        self._layers(s, h, pinp.positions, pinp.slot_mapping, pinp.block_tables, pinp.ctx_lens,
+                     pinp.token_seq, pinp.state_idx, pinp.cu_seqlens, fresh=True)
+        last = self.be.empty((pinp.batch, self.cfg.hidden), np.float32)   # [B, H]
+        self.be.launch(s, _GATHER, h, pinp.last_idx, last)
+        self._logits(s, last, logits_out)
+
+    def sample(self, s, logits, inp, out_tokens, sampling: K.SamplingParams = K.SamplingParams()):
+        """out_tokens[S] int32 <- sampled tokens; also token_table[inp.token_rows]."""
+        self.be.launch(s, _SAMPLE, logits, inp.token_rows, inp.sample_positions, out_tokens,
+                       self.token_table, k=sampling.k, temperature=sampling.temperature,
+                       seed=sampling.seed)
+
+    def _layers(self, s, h, positions, slots, block_tables, lens, rows, state_idx, cu, fresh):
+        c, be, L0 = self.cfg, self.be, self.layers
+        n, st = h.shape[0], c.storage_dtype
+        x = be.empty((n, c.hidden), st)                                   # [N, H] normed
+        hq, hk, D = c.heads, c.kv_heads, c.head_dim
+        g, dk, dv = c.gdn_heads, c.gdn_dk, c.gdn_dv
+        qkv = be.empty((n, (hq + 2 * hk) * D), st) if c.attn_layers else None
+        att = be.empty((n, hq * D), st) if c.attn_layers else None
+        proj = be.empty((n, 2 * g * (dk + dv) + 2 * g), st) if c.gdn_layers else None
+        go = be.empty((n, g * dv), st) if c.gdn_layers else None
+        for i, kind in enumerate(c.kinds):
+            L = L0[i]
+            be.launch(s, _NORM, h, L["ln1"], x, eps=c.rms_eps)
+            if kind == "A":
+                be.launch(s, self.gemm, x, L["qkv"], qkv)
+                be.launch(s, _ROPE, qkv, positions, n_heads=hq + hk, head_dim=D, theta=c.rope_theta)
+                be.launch(s, _KVW, qkv, slots, self.k_cache[i], self.v_cache[i], q_heads=hq,
+                          kv_heads=hk, head_dim=D)
+                be.launch(s, _ATTN, qkv, self.k_cache[i], self.v_cache[i], block_tables, lens, rows,
+                          att, q_heads=hq, kv_heads=hk, head_dim=D)
+                be.launch(s, self.gemm, att, L["o"], h, accumulate=True)
+            else:
+                be.launch(s, self.gemm, x, L["in"], proj)
+                be.launch(s, _GDN, proj, L["A_log"], L["dt_bias"], L["norm"], self.states[i],
+                          state_idx, cu, go, heads=g, dk=dk, dv=dv, fresh=fresh, eps=c.rms_eps)
+                be.launch(s, self.gemm, go, L["out"], h, accumulate=True)
+            be.launch(s, _NORM, h, L["ln2"], x, eps=c.rms_eps)
+            self._mlp(s, L, x, h)
+
+    def _mlp(self, s, L, x, h):
+        c, be, n, st = self.cfg, self.be, x.shape[0], self.cfg.storage_dtype
+        if c.moe:
+            E, F = c.experts, c.expert_ffn
+            rl = be.empty((n, E), np.float32)                              # [N, E] router logits
+            wd = be.empty((n, E), np.float32)
+            topk = be.empty((n, c.top_k), np.int32)
+            gu = be.empty((E, n, 2 * F), st)                               # [E, N, 2F]
+            act = be.empty((E, n, F), st)
+            y = be.empty((E, n, c.hidden), st)                             # [E, N, H]
+            be.launch(s, self.gemm, x, L["router"], rl)
+            be.launch(s, _ROUTER, rl, wd, topk, k=c.top_k)
+            be.launch(s, self.gemm, x, L["egu"], gu)
+            be.launch(s, _ACT, gu, act)
+            be.launch(s, self.gemm, act, L["edown"], y)
+            be.launch(s, _COMBINE, wd, y, h)
+        if "gu" in L:
+            F = L["down"].shape[1]
+            gu = be.empty((n, 2 * F), st)
+            act = be.empty((n, F), st)
+            be.launch(s, self.gemm, x, L["gu"], gu)
+            be.launch(s, _ACT, gu, act)
+            be.launch(s, self.gemm, act, L["down"], h, accumulate=True)
+
+    def _logits(self, s, h, logits_out):
+        x = self.be.empty((h.shape[0], self.cfg.hidden), self.cfg.storage_dtype)
+        self.be.launch(s, _NORM, h, self.final_norm, x, eps=self.cfg.rms_eps)
+        self.be.launch(s, self.gemm, x, self.lm_head, logits_out)                # [S, vocab]
+
+    def close(self) -> None:
+        self.gemm.close()
