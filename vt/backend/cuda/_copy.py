@@ -38,7 +38,9 @@ def _check_pair(op: str, dst, src, *, device_dst: bool, device_src: bool, captur
     for arr, role, on_device in ((dst, "dst", device_dst), (src, "src", device_src)):
         want = cupy.ndarray if on_device else np.ndarray
         if not isinstance(arr, want):
-            raise TypeError(f"{op}: {role} must be a {want.__module__}.ndarray, got {type(arr).__name__}")
+            where = "a device array (cupy, be.empty)" if on_device else "a host numpy array"
+            raise TypeError(f"{op}: {role} must be {where}, got {type(arr).__name__} "
+                            f"{getattr(arr, 'shape', '')}")
         if not arr.flags.c_contiguous:
             raise ValueError(f"{op}: {role} must be C-contiguous (shape {arr.shape}, strides {arr.strides})")
         # A captured copy re-reads (or re-writes) the host address at every replay: it must be

@@ -52,10 +52,10 @@ class Capture:
     reported instead of baked in. Relaxed mode lets cudaMalloc silently succeed (measured,
     DESIGN.md), which would hide a pool that grows during capture.
 
-    The capture is always ended, even when the block raises. An invalidated capture raises
-    CaptureError naming the capture and the first failing call (chained from the block's
-    exception, if any); an exception that did not invalidate it (e.g. CaptureAllocationError:
-    the pool refuses before calling the driver) propagates as it is.
+    The capture is always ended, even when the block raises. An invalidated capture, or a
+    CudaError out of the block, raises CaptureError naming the capture and the first failing
+    call (chained from the block's exception, if any); any other exception (e.g.
+    CaptureAllocationError: the pool refuses before calling the driver) propagates as it is.
     """
 
     def __init__(self, stream, name: str, pool, routing: contextlib.AbstractContextManager, track):
@@ -64,8 +64,8 @@ class Capture:
             raise ValueError(f"capture {name!r}: the legacy/default stream ({stream!r}) cannot be captured; "
                              f"capture on a stream from be.stream()")
         if stream._capture is not None:
-            raise CudaError("cudaErrorIllegalState", "cudaStreamBeginCapture",
-                            f"stream {stream.name!r} is already capturing {stream._capture!r}")
+            raise RuntimeError(f"capture {name!r}: stream {stream.name!r} is already capturing "
+                               f"{stream._capture!r}")
         self.name = name
         self._graph: Graph | None = None
         self._stream = stream
@@ -114,8 +114,8 @@ class Capture:
             self._pool_ctx.__exit__(exc_type, exc, tb)
         if exc is not None or end_error is not None:
             _destroy_graph(graph)
-            if end_error is None:
-                return False  # the capture itself was valid: the block's exception propagates
+            if end_error is None and not isinstance(exc, CudaError):
+                return False  # e.g. CaptureAllocationError: the capture was valid, exc propagates
             cause = exc if exc is not None else end_error
             raise CaptureError(self.name, self._errors.first or cause) from cause
         num_nodes = check(cudart.cudaGraphGetNodes(graph), "cudaGraphGetNodes")[-1]

@@ -52,11 +52,11 @@ class CudaBackend(HandleOwner):
         return {
             "backend": self.name,
             **self.device.info(),
-            "pool_debug": self.pool_debug,
-            "cuda_bindings": cuda.bindings.__version__,
+            "cuda-bindings": cuda.bindings.__version__,
             "cupy": cupy.__version__,
             "numpy": np.__version__,
-            "nvmath": _nvmath_version(),
+            "nvmath-python": _nvmath_version(),
+            "pool": "debug (one cudaMalloc per buffer)" if self.pool_debug else "caching",
         }
 
     # -- streams and events -------------------------------------------------------------
@@ -92,15 +92,15 @@ class CudaBackend(HandleOwner):
 
     def copy_h2d(self, dst, src: np.ndarray, stream: Stream) -> None:
         self._require_open()
-        copy_h2d(dst, src, stream)
+        copy_h2d(dst, src, stream, capturing=stream._capture is not None)
 
     def copy_d2h(self, dst: np.ndarray, src, stream: Stream) -> None:
         self._require_open()
-        copy_d2h(dst, src, stream)
+        copy_d2h(dst, src, stream, capturing=stream._capture is not None)
 
     def copy_d2d(self, dst, src, stream: Stream) -> None:
         self._require_open()
-        copy_d2d(dst, src, stream)
+        copy_d2d(dst, src, stream, capturing=stream._capture is not None)
 
     # -- kernels ------------------------------------------------------------------------
     def launch(self, stream: Stream, kernel, *args, **params) -> None:
