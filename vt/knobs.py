@@ -1,0 +1,181 @@
+"""ExecutorConfig: every executor knob, as a validated dataclass and as an environment variable.
+
+The environment is read only by `ExecutorConfig.from_env`; everything below it receives the
+config object explicitly, so a test can run two modes side by side in one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+H2D_MODES = ("graph", "staged")
+DEFAULT_TRACE_PATH = "vt_trace.json"
+
+# field -> environment variable. The first five are the ones DESIGN.md names; the rest make
+# every field settable the same way for the bench and the CLI.
+ENV_VARS = {
+    "async_executor": "VT_ASYNC_EXECUTOR",
+    "no_dbuf": "VT_ASYNC_EXECUTOR_NO_DBUF",
+    "poison": "VT_ASYNC_EXECUTOR_POISON",
+    "trace": "VT_ASYNC_EXECUTOR_TRACE",
+    "serving_conc": "VT_ASYNC_SERVING_CONC",
+    "ring_depth": "VT_ASYNC_EXECUTOR_RING",
+    "h2d": "VT_ASYNC_EXECUTOR_H2D",
+    "inputs_read_event": "VT_ASYNC_EXECUTOR_INPUTS_READ",
+    "capture_sizes": "VT_CAPTURE_SIZES",
+}
+
+
+@dataclass(frozen=True)
+class ExecutorConfig:
+    """How the decode executor schedules, guards and records its steps.
+
+    async_executor: the slot ring (k slots per size) and the drain skip for graph steps.
+    no_dbuf: skip the drain WITHOUT the ring: the unsafe arm that reproduces hazard-C.
+    poison: after each launch, overwrite the next slot's host vectors as early as the mode
+        lets the host write them, with a pattern that makes a late read visibly wrong.
+    trace: path of a Chrome trace JSON written at close (None: no trace).
+    serving_conc: how many requests the engine runs at once.
+    ring_depth: k, slots per size when the ring is on.
+    capture_sizes: padded batch sizes that get a graph; larger batches run eagerly.
+    h2d: "graph" bakes the H2D into each slot's graph; "staged" copies out of graph into
+        persistent device buffers from a double-buffered pinned staging area (one graph/size).
+    inputs_read_event: with the ring in graph mode, the host waits for an event recorded
+        right after the graph's H2D nodes instead of for the whole replay.
+    depth: 2 is the async pipeline (step N+1 launched before step N's tokens are read);
+        1 is the fully synchronous reference (launch, wait, read, repeat).
+    skip_pool_reserve: test hook: skip the pool pre-grow before capture.
+    """
+    async_executor: bool = False
+    no_dbuf: bool = False
+    poison: bool = False
+    trace: str | None = None
+    serving_conc: int = 8
+    ring_depth: int = 2
+    capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
+    h2d: str = "graph"
+    inputs_read_event: bool = False
+    depth: int = 2
+    skip_pool_reserve: bool = False
+
+    def __post_init__(self):
+        for name in ("async_executor", "no_dbuf", "poison", "inputs_read_event", "skip_pool_reserve"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ExecutorConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        _positive_int("serving_conc", self.serving_conc)
+        _positive_int("ring_depth", self.ring_depth)
+        if self.ring_depth < 2:
+            raise ValueError(f"ExecutorConfig.ring_depth must be >= 2 (a ring of one slot is the "
+                             f"OFF path: set async_executor=False), got {self.ring_depth}")
+        if self.depth not in (1, 2):
+            raise ValueError(f"ExecutorConfig.depth must be 1 (synchronous) or 2 (async), got {self.depth!r}")
+        if self.h2d not in H2D_MODES:
+            raise ValueError(f"ExecutorConfig.h2d must be one of {H2D_MODES}, got {self.h2d!r}")
+        if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
+            raise ValueError(f"ExecutorConfig.trace must be a file path or None, got {self.trace!r}")
+        sizes = tuple(self.capture_sizes)
+        for s in sizes:
+            _positive_int("capture_sizes entry", s)
+        if len(set(sizes)) != len(sizes):
+            raise ValueError(f"ExecutorConfig.capture_sizes has duplicates: {sizes}")
+        object.__setattr__(self, "capture_sizes", tuple(sorted(sizes)))
+        if self.no_dbuf and self.async_executor:
+            raise ValueError(
+                "no_dbuf=True with async_executor=True makes no sense: NO_DBUF is the unsafe arm "
+                "that skips the drain WITHOUT the ring, and the ring already skips it safely; "
+                "set one of them")
+        if self.no_dbuf and self.depth == 1:
+            raise ValueError("no_dbuf=True with depth=1 makes no sense: a synchronous run "
+                             "waits for every step, so there is no drain to skip")
+        if self.inputs_read_event and not self.async_executor:
+            raise ValueError("inputs_read_event=True needs async_executor=True: the event replaces "
+                             "the ring's reuse-event wait; without the ring the drain decides")
+        if self.inputs_read_event and self.h2d == "staged":
+            raise ValueError("inputs_read_event=True applies to h2d='graph'; in 'staged' mode the "
+                             "host already waits only for its out-of-graph copy")
+
+    @property
+    def slots_per_size(self) -> int:
+        """k slots per size with the ring; a single slot otherwise (OFF and NO_DBUF)."""
+        return self.ring_depth if self.async_executor else 1
+
+    @property
+    def skips_graph_drain(self) -> bool:
+        """Whether a step after a graph step (non-owning logits view) skips the drain."""
+        return self.async_executor or self.no_dbuf
+
+    def replace(self, **changes) -> "ExecutorConfig":
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_env(cls, environ=None, **overrides) -> "ExecutorConfig":
+        """Config from VT_* environment variables; keyword overrides win over the environment."""
+        environ = os.environ if environ is None else environ
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - fields
+        if unknown:
+            raise TypeError(f"ExecutorConfig has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
+        values = {}
+        for field, var in ENV_VARS.items():
+            raw = environ.get(var)
+            if raw is not None and field not in overrides:
+                values[field] = _PARSERS[field](var, raw.strip())
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ValueError as e:
+            from_vars = [ENV_VARS[f] + "=" + environ[ENV_VARS[f]] for f in values
+                         if f in ENV_VARS and f not in overrides and ENV_VARS[f] in environ]
+            raise ValueError(f"{e} (environment: {', '.join(from_vars) or 'none set'})") from None
+
+
+def _positive_int(name, v):
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"ExecutorConfig.{name} must be a positive int, got {v!r}")
+
+
+def _parse_bool(var, raw):
+    if raw not in ("0", "1"):
+        raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
+    return raw == "1"
+
+
+def _parse_int(var, raw):
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{var} must be a positive integer, got {raw!r}") from None
+    if v < 1:
+        raise ValueError(f"{var} must be a positive integer, got {raw!r}")
+    return v
+
+
+def _parse_trace(var, raw):
+    if raw in ("", "0"):
+        return None
+    return DEFAULT_TRACE_PATH if raw == "1" else raw
+
+
+def _parse_h2d(var, raw):
+    if raw not in H2D_MODES:
+        raise ValueError(f"{var} must be one of {H2D_MODES}, got {raw!r}")
+    return raw
+
+
+def _parse_sizes(var, raw):
+    try:
+        sizes = tuple(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{var} must be comma-separated positive integers, got {raw!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"{var} must be comma-separated positive integers, got {raw!r}")
+    return sizes
+
+
+_PARSERS = {
+    "async_executor": _parse_bool, "no_dbuf": _parse_bool, "poison": _parse_bool,
+    "inputs_read_event": _parse_bool, "trace": _parse_trace, "serving_conc": _parse_int,
+    "ring_depth": _parse_int, "h2d": _parse_h2d, "capture_sizes": _parse_sizes,
+}

@@ -1,0 +1,267 @@
+"""Runner: one step at a time, depth-2 async, with the drain and its skip.
+
+Step N+1 is launched before the host reads step N's sampled tokens: the tokens reach the
+next step through the model's device token table, and the host copies them into a pinned
+buffer (one per pipeline parity) guarded by that step's done event, read one step late.
+
+Before Refresh(N+1) the host drains (waits for step N) unless the skip applies: the
+previous step's logits are a non-owning graph view AND the ring is on (safe: the slot's
+reuse event guards the host vectors) or NO_DBUF is set (unsafe: nothing guards them).
+Eager, mixed and prefill steps own their logits and always drain.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vt.backend.errors import ClosedError
+from vt.graphs import DecodeGraphDriver, DecodeRows, ForwardLogits
+from vt.graphs.capture import LOGITS_DTYPE
+from vt.stepmodel import PrefillSeq, decode_rows
+from vt.trace import Tracer
+
+
+@dataclass
+class StepPlan:
+    """What one step runs: decode rows of running sequences and/or prompts to prefill."""
+    decode: DecodeRows | None = None
+    prefill: list[PrefillSeq] = field(default_factory=list)
+    tag: object = None   # the caller's row -> request mapping, handed back with the tokens
+
+    @property
+    def n(self) -> int:
+        return (len(self.decode) if self.decode is not None else 0) + len(self.prefill)
+
+
+@dataclass
+class StepHandle:
+    """A launched step. Its tokens are valid after Runner.collect()."""
+    index: int
+    kind: str                 # "graph" | "eager" | "mixed" | "prefill"
+    n: int
+    size: int                 # padded size (n for eager steps)
+    logits: ForwardLogits
+    tag: object
+    parity: int
+    timing: tuple | None
+    host_logits: np.ndarray | None = None   # [n, vocab] when the runner records logits
+    completed: bool = False   # the host has observed the done event
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    graph_steps: int = 0
+    eager_steps: int = 0      # pure decode above the largest captured size
+    mixed_steps: int = 0      # prefill + decode
+    prefill_steps: int = 0
+    drains: int = 0
+    drain_s: float = 0.0
+    ring_waits: int = 0       # slot acquisitions that had to block on the reuse event
+    ring_wait_s: float = 0.0
+    token_waits: int = 0
+    token_wait_s: float = 0.0
+    host_launch_s: float = 0.0   # refresh + launch, per step summed
+    device_ms: float = 0.0
+    steps_by_size: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__, steps_by_size=dict(self.steps_by_size))
+
+
+class Runner:
+    """Launches steps of a step model (vt.stepmodel) through the graph driver."""
+
+    def __init__(self, be, model, config, *, record_logits: bool = False, device_timing: bool = True):
+        self.be, self.model, self.config = be, model, config
+        self.stream = be.stream(name="vt-decode")
+        geo = model.geometry
+        self.capacity = max(geo.max_seqs, max(config.capture_sizes, default=0))
+        self.driver = DecodeGraphDriver(be, self.stream, model.decode, vocab=model.vocab,
+                                        max_blocks=geo.max_blocks, pad=model.pad, config=config,
+                                        eager_capacity=self.capacity)
+        self.tracer = Tracer(be, self.stream, config.trace)
+        self.record_logits = record_logits
+        self.stats = RunnerStats()
+        # One device token buffer is enough (stream order); host copies need one per parity:
+        # step N+1's copy may land before the host has read step N's.
+        self._out_tokens = be.empty((self.capacity,), np.int32)
+        self._tok_host = [be.pinned_empty((self.capacity,), np.int32) for _ in range(2)]
+        self._done = [be.event(blocking_sync=True) for _ in range(2)]
+        self._timing = ([self._timing_pair() for _ in range(2)]
+                        if device_timing or self.tracer.enabled else [None, None])
+        self._last: StepHandle | None = None
+        self._inflight: list[StepHandle] = []
+        self._steps = 0
+        self._closed = False
+
+    def capture(self) -> None:
+        """Capture every graph; owned-logit blocks are pre-grown so serving never mallocs."""
+        self._check_open()
+        self.driver.capture()
+        # Eager logits are always [capacity, vocab] (rows [:n] used): one size class, and at
+        # most depth + 1 alive (the handles in flight plus the one being launched).
+        self.be.pool.reserve(self.capacity * self.model.vocab * np.dtype(LOGITS_DTYPE).itemsize,
+                             count=3)
+
+    # -- launch -------------------------------------------------------------------------
+    def launch(self, plan: StepPlan, sampling=None) -> StepHandle:
+        self._check_open()
+        if plan.n == 0:
+            raise ValueError("an empty step: nothing to decode or prefill")
+        if plan.n > self.capacity:
+            raise ValueError(f"a step of {plan.n} rows exceeds max_seqs={self.capacity}")
+        if len(self._inflight) >= 2:
+            raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
+                               f"not collected; collect the oldest before launching (depth 2)")
+        self._maybe_drain()
+        t0 = time.perf_counter()
+        parity = self._steps % 2
+        slot = None
+        if not plan.prefill:
+            slot, waited = self.driver.acquire(plan.n)
+            if waited:
+                self.stats.ring_waits += 1
+                self.stats.ring_wait_s += waited
+                self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
+        t1 = time.perf_counter()
+        timing = self._timing[parity]
+        if timing is not None:
+            timing[0].record(self.stream)
+        if slot is not None:
+            logits = self.driver.launch_graph(slot, plan.decode)
+            kind, size, inputs = "graph", slot.size, slot.device
+        else:
+            logits, inputs, kind = self._launch_eager(plan)
+            size = plan.n
+        # Padded rows are sampled too (into the scratch row): one fixed shape per size.
+        self.model.sample(self.stream, logits.array, inputs, self._out_tokens[:size], sampling)
+        handle = StepHandle(self._steps, kind, plan.n, size, logits, plan.tag, parity, timing)
+        if self.record_logits:
+            handle.host_logits = self.be.pinned_empty((plan.n, self.model.vocab), LOGITS_DTYPE)
+            self.be.copy_d2h(handle.host_logits, logits.rows, self.stream)
+        self.be.copy_d2h(self._tok_host[parity][:plan.n], self._out_tokens[:plan.n], self.stream)
+        if timing is not None:
+            timing[1].record(self.stream)
+        self._done[parity].record(self.stream)
+        t2 = time.perf_counter()
+        self.tracer.host_span(f"launch {kind} S={size}", t1, t2, step=handle.index, n=plan.n,
+                              slot=slot.name if slot is not None else None)
+        if slot is not None and self.config.poison:
+            self._poison_next(slot, handle)
+        self._count(handle, t2 - t1)
+        self._last = handle
+        self._inflight.append(handle)
+        self._steps += 1
+        return handle
+
+    def _launch_eager(self, plan: StepPlan):
+        """Eager decode rows and/or prefill into logits the step owns."""
+        n_dec = len(plan.decode) if plan.decode is not None else 0
+        parts = ([plan.decode] if n_dec else []) + (
+            [decode_rows(plan.prefill, self.model.geometry.block_size,
+                         [len(s.tokens) - 1 for s in plan.prefill])] if plan.prefill else [])
+        inputs = self.driver.stage_eager(DecodeRows.concat(parts))
+        block = self.driver.new_logits(self.capacity)   # [capacity, vocab]; rows [:n] used
+        if n_dec:
+            self.driver.launch_eager(inputs.rows(0, n_dec), block[:n_dec])
+        if plan.prefill:
+            self.model.prefill(self.stream, plan.prefill, block[n_dec:plan.n])
+        kind = "eager" if not plan.prefill else ("mixed" if n_dec else "prefill")
+        return ForwardLogits(block[:plan.n], plan.n), inputs, kind
+
+    def _maybe_drain(self) -> None:
+        prev = self._last
+        if prev is None or prev.completed:
+            return
+        if prev.logits.non_owning_view and self.config.skips_graph_drain:
+            return
+        self._wait_done(prev, "drain")
+
+    def _poison_next(self, slot, handle: StepHandle) -> None:
+        """Write poison into the slot the next step of this size will use, as soon as this
+        mode lets the host write it: the ring after its guard, OFF after the drain, NO_DBUF
+        at once. A sound mode never lets a replay read the poison."""
+        nxt = self.driver.next_slot(slot)
+        ring = self.driver.rings[slot.size]
+        if ring.guarded:
+            t0 = time.perf_counter()
+            waited = nxt.wait_reusable()
+            if waited:
+                self.stats.ring_waits += 1
+                self.stats.ring_wait_s += waited
+                self.tracer.host_span("ring wait (poison)", t0, t0 + waited, slot=nxt.name)
+        elif not self.config.skips_graph_drain:
+            self._wait_done(handle, "drain")
+        nxt.poison(self.model.pad)
+
+    # -- collect ------------------------------------------------------------------------
+    def collect(self, handle: StepHandle) -> np.ndarray:
+        """Wait for the step and return its sampled tokens [n] (a host copy)."""
+        self._check_open()
+        if handle not in self._inflight:
+            raise ValueError(f"step {handle.index} is not in flight (already collected?)")
+        if handle is not self._inflight[0]:
+            raise ValueError(f"collect steps in launch order: step {self._inflight[0].index} first")
+        self._inflight.pop(0)
+        if not handle.completed:
+            self._wait_done(handle, "tokens")
+        tokens = self._tok_host[handle.parity][:handle.n].copy()
+        if handle.timing is not None:
+            ms = (self.tracer.device_span(f"{handle.kind} S={handle.size}", handle.timing,
+                                          step=handle.index) if self.tracer.enabled
+                  else handle.timing[1].elapsed_ms(handle.timing[0]))
+            self.stats.device_ms += ms
+            handle.timing = None
+        return tokens
+
+    def _wait_done(self, handle: StepHandle, why: str) -> None:
+        t0 = time.perf_counter()
+        self._done[handle.parity].synchronize()
+        dt = time.perf_counter() - t0
+        handle.completed = True
+        if why == "drain":
+            self.stats.drains += 1
+            self.stats.drain_s += dt
+        else:
+            self.stats.token_waits += 1
+            self.stats.token_wait_s += dt
+        self.tracer.host_span(f"wait {why}", t0, t0 + dt, step=handle.index)
+
+    def _count(self, handle: StepHandle, host_s: float) -> None:
+        st = self.stats
+        st.steps += 1
+        st.host_launch_s += host_s
+        setattr(st, f"{handle.kind}_steps", getattr(st, f"{handle.kind}_steps") + 1)
+        if handle.kind == "graph":
+            st.steps_by_size[handle.size] = st.steps_by_size.get(handle.size, 0) + 1
+
+    def _timing_pair(self):
+        return (self.be.event(blocking_sync=True, timing_enabled=True),
+                self.be.event(blocking_sync=True, timing_enabled=True))
+
+    # -- teardown -----------------------------------------------------------------------
+    def synchronize(self) -> None:
+        self._check_open()
+        self.stream.synchronize()
+
+    def close(self) -> str | None:
+        """Wait for the device, write the trace, then free graphs, events, stream (idempotent)."""
+        if self._closed:
+            return None
+        self._closed = True
+        try:
+            self.stream.synchronize()
+            path = self.tracer.write()
+        finally:
+            self.driver.close()
+            for ev in self._done + [e for pair in self._timing if pair for e in pair]:
+                ev.close()
+            self.stream.close()
+        return path
+
+    def _check_open(self):
+        if self._closed:
+            raise ClosedError("Runner is closed")
