@@ -34,7 +34,8 @@ class HandleOwner:
             raise ClosedError(f"{self._kind} {self._label()} used after close()")
 
     def _label(self) -> str:
-        return f"{getattr(self, 'name', '') or hex(id(self))}"
+        name = getattr(self, "name", "")
+        return repr(name) if name else hex(id(self))
 
     def __enter__(self):
         return self
