@@ -83,7 +83,9 @@ class Combine:
     name = "moe_combine"
 
     def run_numpy(self, wd, y, out):
-        out += np.einsum("ne,enh->nh", np.asarray(wd, np.float32), f32(y), dtype=np.float32)
+        wd = np.asarray(wd, np.float32)
+        y = np.where((wd.T != 0)[:, :, None], f32(y), np.float32(0))  # unselected: skipped
+        out += np.einsum("ne,enh->nh", wd, y, dtype=np.float32)
 
     def run_cupy(self, stream_handle, wd, y, out):
         fn = cuda_function(_CODE, "combine", y.dtype)
@@ -105,4 +107,5 @@ def reference_router(logits, k):
 
 
 def reference_combine(wd, y, out):
-    return f64(out) + np.einsum("ne,enh->nh", np.asarray(wd, np.float64), f64(y))
+    wd = np.asarray(wd, np.float64)
+    return f64(out) + np.einsum("ne,enh->nh", wd, np.where((wd.T != 0)[:, :, None], f64(y), 0.0))
