@@ -14,10 +14,15 @@ from vt.stepmodel import ForwardModel, KVGeometry
 
 
 class ToyForward:
-    """forward(stream, inputs, logits_out): launches two kernels, allocates one temporary."""
+    """forward(stream, inputs, logits_out): launches two kernels, allocates one temporary.
 
-    def __init__(self, be, *, vocab: int = 64, geometry: KVGeometry | None = None):
-        self.be, self.vocab = be, vocab
+    device_work_s queues that much extra device time per forward (be.busy_wait) so that, on
+    any backend, the host runs ahead of the device: the regime where hazard-C shows.
+    """
+
+    def __init__(self, be, *, vocab: int = 64, geometry: KVGeometry | None = None,
+                 device_work_s: float = 0.0):
+        self.be, self.vocab, self.device_work_s = be, vocab, device_work_s
         self.geometry = geometry or KVGeometry(max_seqs=64, num_kv_blocks=512, block_size=4,
                                                max_context=64)
         g = self.geometry
@@ -27,6 +32,8 @@ class ToyForward:
 
     def __call__(self, stream, inputs, logits_out) -> None:
         rows = len(inputs.token_rows)
+        if self.device_work_s:
+            self.be.busy_wait(stream, self.device_work_s)
         tmp = self.be.empty((rows, 2), np.float32)   # [S, (acc, state)]: scratch under capture
         self.be.launch(stream, _ATTEND, self.token_table, inputs.token_rows, inputs.positions,
                        inputs.seq_lens, inputs.slot_mapping, inputs.block_tables,

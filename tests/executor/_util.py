@@ -1,0 +1,38 @@
+"""Shared helpers: a seeded workload and one engine run on the toy forward."""
+import numpy as np
+
+from vt.engine import Engine
+from vt.knobs import ExecutorConfig
+from vt.toy import ToyForward
+
+VOCAB = 64
+
+
+def workload(n, seed=0, max_len=7, max_new=(6, 14)):
+    """n fresh random prompts and per-prompt budgets (varied, so steps mix prefill and decode)."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, size=int(rng.integers(1, max_len + 1))) for _ in range(n)]
+    budgets = [int(b) for b in rng.integers(max_new[0], max_new[1] + 1, size=n)]
+    return prompts, budgets
+
+
+def run_toy(be, prompts, budgets, *, device_work_s=0.0, record_logits=True, stop_token=None,
+            **cfg):
+    """Results and stats of one generate() on a fresh toy forward (state starts at zero)."""
+    config = ExecutorConfig(**cfg)
+    toy = ToyForward(be, vocab=VOCAB, device_work_s=device_work_s)
+    with Engine(be, toy.step_model(), config, record_logits=record_logits) as eng:
+        results = eng.generate(prompts, max_new_tokens=budgets, stop_token=stop_token)
+        stats = eng.stats()
+    return results, stats
+
+
+def mismatches(ref, got):
+    """How many requests differ from the reference in tokens (or in logits bytes)."""
+    bad = 0
+    for a, b in zip(ref, got):
+        same = a.tokens == b.tokens and a.finish_reason == b.finish_reason
+        if same and a.logits is not None and b.logits is not None:
+            same = a.logits.tobytes() == b.logits.tobytes()
+        bad += not same
+    return bad

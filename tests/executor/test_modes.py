@@ -1,0 +1,127 @@
+"""The executor's modes against each other on the toy forward, on every backend.
+
+The toy queues DEVICE_WORK_S of device time per forward, so the host runs ahead of the
+device on sim and cuda alike: the regime where hazard-C shows if a mode lets it.
+"""
+import pytest
+
+from vt.backend import get_backend
+
+from ._util import mismatches, run_toy, workload
+
+DEVICE_WORK_S = 0.002
+
+
+@pytest.mark.parametrize("conc", [1, 32])
+def test_off_path_is_byte_identical_to_a_synchronous_run(backend, conc):
+    """VT_ASYNC_EXECUTOR=0 (single slot, drain) == depth-1 run: tokens and logits bytes."""
+    prompts, budgets = workload(conc * 2 if conc > 1 else 4, seed=conc)
+    ref, ref_stats = run_toy(backend, prompts, budgets, depth=1, serving_conc=conc)
+    off, off_stats = run_toy(backend, prompts, budgets, device_work_s=DEVICE_WORK_S,
+                             serving_conc=conc)
+    assert off_stats["graph_steps"] > 0 and ref_stats["graph_steps"] > 0
+    assert all(len(r.tokens) == b for r, b in zip(ref, budgets))
+    assert mismatches(ref, off) == 0
+
+
+@pytest.mark.parametrize("h2d,inputs_read", [("graph", False), ("graph", True), ("staged", False)])
+@pytest.mark.parametrize("conc", [4, 32])
+def test_ring_with_poison_matches_the_off_path(backend, conc, h2d, inputs_read):
+    """Ring ON + POISON, host running ahead: identical to OFF, and the drain really skipped."""
+    prompts, budgets = workload(conc * 2, seed=10 + conc)
+    off, _ = run_toy(backend, prompts, budgets, serving_conc=conc)
+    ring, st = run_toy(backend, prompts, budgets, device_work_s=DEVICE_WORK_S, serving_conc=conc,
+                       async_executor=True, poison=True, h2d=h2d, inputs_read_event=inputs_read)
+    assert mismatches(off, ring) == 0
+    owned = st["eager_steps"] + st["mixed_steps"] + st["prefill_steps"]
+    assert st["graph_steps"] > owned
+    assert st["drains"] <= owned   # only steps after owning steps drain
+
+
+def test_no_dbuf_with_poison_is_detected(backend):
+    """NO_DBUF + POISON (no ring, no drain): replays read poisoned vectors, outputs differ."""
+    prompts, budgets = workload(32, seed=3)
+    off, _ = run_toy(backend, prompts, budgets, serving_conc=16)
+    bad_results, st = run_toy(backend, prompts, budgets, device_work_s=DEVICE_WORK_S,
+                              serving_conc=16, no_dbuf=True, poison=True)
+    bad = mismatches(off, bad_results)
+    print(f"NO_DBUF+POISON on {backend.name}: {bad} of {len(prompts)} requests mismatched")
+    assert bad > 0
+
+
+@pytest.fixture
+def delayed_sim():
+    """A sim whose every device op first sleeps 1 ms: the host always runs ahead."""
+    be = get_backend("sim", device_delay_s=0.001)
+    yield be
+    be.close()
+
+
+def test_no_dbuf_races_on_a_delayed_sim_even_without_poison(delayed_sim):
+    """NO_DBUF alone: Refresh(N+1) overwrites the slot before Replay(N)'s H2D ran."""
+    prompts, budgets = workload(16, seed=4)
+    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    raced, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16, no_dbuf=True)
+    bad = mismatches(off, raced)
+    print(f"NO_DBUF on a delayed sim: {bad} of {len(prompts)} requests mismatched")
+    assert bad > 0
+
+
+@pytest.mark.parametrize("h2d", ["graph", "staged"])
+def test_ring_with_poison_matches_off_on_a_delayed_sim(delayed_sim, h2d):
+    """The same race conditions as above, with the ring: no mismatch."""
+    prompts, budgets = workload(16, seed=4)
+    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, async_executor=True,
+                       poison=True, h2d=h2d)
+    assert mismatches(off, ring) == 0
+    if h2d == "graph":   # staged slots wait only for their short out-of-graph copy
+        assert st["ring_waits"] > 0   # the guard had to block: it was exercised
+
+
+def test_eager_only_matches_graphs(backend):
+    """With no captured sizes every step is eager, and the tokens and logits are the same."""
+    prompts, budgets = workload(8, seed=6)
+    graphs, _ = run_toy(backend, prompts, budgets, serving_conc=8)
+    eager, st = run_toy(backend, prompts, budgets, serving_conc=8, capture_sizes=())
+    assert st["graph_steps"] == 0 and st["eager_steps"] > 0
+    assert mismatches(graphs, eager) == 0
+
+
+def test_oversize_batch_falls_back_to_eager(backend):
+    """Batches above the largest captured size run eagerly, with the same results."""
+    prompts, budgets = workload(12, seed=7)
+    ref, _ = run_toy(backend, prompts, budgets, serving_conc=12)
+    small, st = run_toy(backend, prompts, budgets, serving_conc=12, capture_sizes=(1, 2, 4),
+                        async_executor=True)
+    assert st["eager_steps"] > 0 and st["graph_steps"] > 0
+    assert max(st["steps_by_size"]) <= 4
+    assert mismatches(ref, small) == 0
+
+
+def test_serving_run_makes_no_driver_malloc_after_warm_up(backend):
+    """A whole second serving run calls the driver 0 times; no capture ever did."""
+    from vt.engine import Engine
+    from vt.knobs import ExecutorConfig
+    from vt.toy import ToyForward
+    prompts, budgets = workload(24, seed=8)
+    toy = ToyForward(backend)
+    with Engine(backend, toy.step_model(), ExecutorConfig(async_executor=True, serving_conc=8)) as eng:
+        eng.generate(prompts, max_new_tokens=budgets)
+        before = backend.pool.stats()
+        eng.generate(prompts, max_new_tokens=budgets)
+        after = backend.pool.stats()
+        assert eng.stats()["graph_steps"] > 0
+    assert after.mallocs_during_capture == 0
+    assert after.driver_mallocs == before.driver_mallocs, (before, after)
+
+
+def test_ring_wait_is_load_bearing(delayed_sim, monkeypatch):
+    """The same ring with its reuse-event wait removed fails under POISON: the test can fail."""
+    from vt.graphs.slot import SizeSlot
+    monkeypatch.setattr(SizeSlot, "wait_reusable", lambda self: 0.0)
+    prompts, budgets = workload(16, seed=5)
+    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    broken, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16,
+                        async_executor=True, poison=True, ring_depth=2)
+    assert mismatches(off, broken) > 0
