@@ -1,6 +1,7 @@
 """vt's backends: the only package that talks to CUDA. Pick one with get_backend()."""
 from __future__ import annotations
 
+import functools
 import importlib
 
 from .errors import CaptureAllocationError, CaptureError, ClosedError, CudaError
@@ -41,11 +42,12 @@ def get_backend(name: str = "auto", *, device_delay_s: float = 0.0, pool_debug: 
     return CudaBackend(pool_debug=pool_debug)
 
 
+@functools.lru_cache(maxsize=None)  # whether a GPU is usable does not change within a process
 def _cuda_unavailable_reason() -> str | None:
     """None when the cuda backend can run here, else why not (import failure, no device)."""
     try:
         cuda = importlib.import_module("vt.backend.cuda")
-    except ImportError as exc:  # cuda-python / CuPy not installed, or the backend is absent
+    except Exception as exc:  # not installed, or broken: sim-only use must keep working
         return f"vt.backend.cuda cannot be imported ({type(exc).__name__}: {exc})"
     available = getattr(cuda, "cuda_available", None)
     if available is None:
