@@ -107,8 +107,11 @@ class CudaBackend(HandleOwner):
         """kernel.run_cupy(stream.handle, ...) with `stream` current in CuPy and CuPy's
         allocations served by the pool (capture-safe: the pool never mallocs while capturing)."""
         self._require_open()
+        run = getattr(kernel, "run_cupy", None)
+        if not callable(run):
+            raise TypeError(f"{kernel!r} has no run_cupy(); kernels implement run_numpy and run_cupy")
         with stream.cupy_stream(), self.xp.cuda.using_allocator(self._cupy_malloc):
-            kernel.run_cupy(stream.handle, *args, **params)
+            run(stream.handle, *args, **params)
 
     def busy_wait(self, stream: Stream, seconds: float) -> None:
         """Queue about `seconds` of device time on `stream` (a one-thread spin kernel)."""
