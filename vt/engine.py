@@ -49,7 +49,7 @@ class Engine:
                              f"max_seqs={geo.max_seqs}")
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits)
         self._rows = RowAllocator(geo.max_seqs)
-        self._blocks = BlockAllocator(geo.num_kv_blocks)
+        self._blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
         self._tokens_out = 0
         self._wall_s = 0.0
         self._closed = False
@@ -184,7 +184,22 @@ class Engine:
             r.launched += 1
         rows = self._decode_rows(decode) if decode else None
         prefill = [PrefillSeq(r.row, r.prompt, r.block_table, r.row) for r in new]
+        for r in tag:
+            if r.launched >= r.token_budget(geo.max_context):
+                # Its last token is being sampled: the row and blocks are free for the next
+                # plan already (device users of them are ordered after this step). Releasing
+                # here, not when the token arrives, makes the schedule the same at depth 1
+                # and 2, so the OFF path is byte-identical to the synchronous run.
+                self._release(r, running)
         return StepPlan(decode=rows, prefill=prefill, tag=tag)
+
+    def _release(self, req: Request, running: list[Request]) -> None:
+        if req.row < 0:
+            return
+        self._rows.free(req.row)
+        self._blocks.free(req.blocks)
+        req.row, req.blocks = -1, []
+        running.remove(req)
 
     def _decode_rows(self, reqs: list[Request]) -> DecodeRows:
         bs = self.model.geometry.block_size
@@ -214,11 +229,9 @@ class Engine:
             elif len(req.tokens) >= req.token_budget(geo.max_context):
                 req.finish_reason = "context"
             if req.done:
-                # The device may still run one queued step on this row: any later user of the
-                # row or blocks is ordered after it on the same stream.
-                self._rows.free(req.row)
-                self._blocks.free(req.blocks)
-                running.remove(req)
+                # A stop token arrives one step late: the device may still run a queued step
+                # on this row, and any later user of the row is ordered after it.
+                self._release(req, running)
 
     def _check_open(self):
         if self._closed:

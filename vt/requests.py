@@ -80,15 +80,11 @@ class RowAllocator:
 
 
 class BlockAllocator:
-    """KV blocks 1..num_blocks-1 (block 0 is the scratch block of padded rows)."""
+    """KV blocks 0..num_blocks-1 except the scratch block of padded rows."""
 
-    def __init__(self, num_blocks: int):
-        self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, 0, -1))
-
-    @property
-    def capacity(self) -> int:
-        return self.num_blocks - 1
+    def __init__(self, num_blocks: int, scratch_block: int):
+        self._free = [b for b in range(num_blocks - 1, -1, -1) if b != scratch_block]
+        self.capacity = len(self._free)
 
     @property
     def available(self) -> int:

@@ -19,20 +19,21 @@ from vt.graphs.capture import LOGITS_DTYPE
 @dataclass(frozen=True)
 class KVGeometry:
     """Sequence rows and the paged KV cache. Row `max_seqs` of the token table and of the
-    recurrent state, and KV block 0, are scratch: padded rows point there."""
+    recurrent state, and KV block `scratch_block`, are scratch: padded rows point there."""
     max_seqs: int
-    num_kv_blocks: int
+    num_kv_blocks: int        # all blocks, the scratch block included
     block_size: int
     max_context: int
+    scratch_block: int = 0
 
     def __post_init__(self):
         for name in ("max_seqs", "num_kv_blocks", "block_size", "max_context"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"KVGeometry.{name} must be a positive int, got {v!r}")
-        if self.num_kv_blocks < 2:
-            raise ValueError(f"KVGeometry.num_kv_blocks={self.num_kv_blocks}: block 0 is scratch, "
-                             f"at least one more is needed")
+        if self.num_kv_blocks < 2 or not 0 <= self.scratch_block < self.num_kv_blocks:
+            raise ValueError(f"KVGeometry: num_kv_blocks={self.num_kv_blocks} must hold the scratch "
+                             f"block {self.scratch_block} and at least one more")
 
     @property
     def max_blocks(self) -> int:
@@ -40,7 +41,8 @@ class KVGeometry:
 
     @property
     def pad(self) -> PadRow:
-        return PadRow(token_row=self.max_seqs, state_idx=self.max_seqs, slot=0, block=0)
+        return PadRow(token_row=self.max_seqs, state_idx=self.max_seqs,
+                      slot=self.scratch_block * self.block_size, block=self.scratch_block)
 
 
 @dataclass

@@ -35,6 +35,15 @@ class DecodeInputs:
     block_tables: object
     state_idx: object
 
+    @property
+    def batch(self) -> int:
+        return int(self.token_rows.shape[0])
+
+    @property
+    def sample_positions(self):
+        """The position a sampler keys its RNG on: the input token's (as vt.model's)."""
+        return self.positions
+
     def rows(self, start: int, stop: int) -> "DecodeInputs":
         """A view of rows [start, stop) (contiguous: a forward may treat it like a whole batch)."""
         return DecodeInputs(*(getattr(self, f)[start:stop] for f in FIELDS))
