@@ -143,8 +143,9 @@ _SCATTER = _ScatterRows()
 
 
 def as_step_model(be, model_or_forward):
-    """The step model the runner drives: a ForwardModel as is, a HybridModel adapted."""
-    if isinstance(model_or_forward, ForwardModel):
+    """The step model the runner drives: one already (ForwardModel, an adapter) as is, a
+    vt.model.HybridModel adapted."""
+    if all(hasattr(model_or_forward, a) for a in ("geometry", "pad", "vocab", "decode", "prefill", "sample")):
         return model_or_forward
     if all(hasattr(model_or_forward, a) for a in ("decode", "prefill", "sample", "token_table")):
         from vt.hybrid_adapter import HybridStepModel

@@ -1,0 +1,83 @@
+"""The executor's modes on the bundled model (tiny-dense and tiny-moe), on every backend."""
+import numpy as np
+import pytest
+
+from vt.engine import Engine
+from vt.hybrid_adapter import HybridStepModel
+from vt.knobs import ExecutorConfig
+from vt.model import PRESETS, HybridModel, init_weights
+
+from ._util import mismatches
+
+DEVICE_WORK_S = 0.002
+_WEIGHTS = {}
+
+
+def _weights(preset):
+    if preset not in _WEIGHTS:
+        _WEIGHTS[preset] = init_weights(PRESETS[preset], seed=0)
+    return _WEIGHTS[preset]
+
+
+def _prompts(preset, n, seed):
+    rng = np.random.default_rng(seed)
+    vocab = PRESETS[preset].vocab
+    prompts = [rng.integers(0, vocab, size=int(rng.integers(1, 9))) for _ in range(n)]
+    return prompts, [int(b) for b in rng.integers(3, 9, size=n)]
+
+
+def run_model(be, preset, prompts, budgets, *, device_work_s=0.0, **cfg):
+    """One generate() on a fresh model; device_work_s queues device time before each decode
+    so the host runs ahead of the device on any backend."""
+    model = HybridModel(be, PRESETS[preset], _weights(preset), max_seqs=32, num_kv_blocks=256)
+    step = HybridStepModel(be, model)
+    if device_work_s:
+        decode = step.decode
+
+        def slow_decode(stream, inputs, logits_out):
+            be.busy_wait(stream, device_work_s)
+            decode(stream, inputs, logits_out)
+        step.decode = slow_decode
+    config = ExecutorConfig(capture_sizes=(1, 2, 4, 8, 16, 32), **cfg)
+    with Engine(be, step, config, record_logits=True) as eng:
+        results = eng.generate(prompts, max_new_tokens=budgets)
+        stats = eng.stats()
+    model.close()
+    return results, stats
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("conc", [1, 32])
+def test_model_off_path_is_byte_identical_to_a_synchronous_run(backend, preset, conc):
+    """OFF path on the bundled model == depth-1 run: tokens and logits bytes."""
+    prompts, budgets = _prompts(preset, 40 if conc > 1 else 3, seed=conc)
+    ref, _ = run_model(backend, preset, prompts, budgets, depth=1, serving_conc=conc)
+    off, st = run_model(backend, preset, prompts, budgets, device_work_s=DEVICE_WORK_S,
+                        serving_conc=conc)
+    assert st["graph_steps"] > 0
+    assert all(len(r.tokens) == b for r, b in zip(ref, budgets))
+    assert mismatches(ref, off) == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+@pytest.mark.parametrize("conc", [4, 32])
+def test_model_ring_with_poison_matches_off(backend, preset, conc):
+    """Ring ON + POISON with the host running ahead == OFF, on the bundled model."""
+    prompts, budgets = _prompts(preset, conc + 8, seed=100 + conc)
+    off, _ = run_model(backend, preset, prompts, budgets, serving_conc=conc)
+    ring, st = run_model(backend, preset, prompts, budgets, device_work_s=DEVICE_WORK_S,
+                         serving_conc=conc, async_executor=True, poison=True)
+    assert st["graph_steps"] > 0
+    assert mismatches(off, ring) == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_model_no_dbuf_with_poison_is_detected(backend, preset):
+    """NO_DBUF + POISON on the bundled model: mismatches (counted)."""
+    prompts, budgets = _prompts(preset, 16, seed=7)
+    off, _ = run_model(backend, preset, prompts, budgets, serving_conc=16)
+    bad_results, _ = run_model(backend, preset, prompts, budgets, device_work_s=DEVICE_WORK_S,
+                               serving_conc=16, no_dbuf=True, poison=True)
+    bad = mismatches(off, bad_results)
+    print(f"NO_DBUF+POISON {preset} on {backend.name}: {bad} of {len(prompts)} requests mismatched")
+    assert bad > 0
