@@ -49,10 +49,11 @@ class DecodeGraphDriver:
             graphs = 1 if staged else k
             if not self.config.skip_pool_reserve:
                 self.be.pool.reserve(logits_nbytes(size, self.vocab), count=graphs)
-            outputs = [capture_slot(self.be, self.stream, self.forward, slots[i], self.vocab,
-                                    staged=staged) for i in range(graphs)]
-            for i, slot in enumerate(slots):
-                slot.output = outputs[0 if staged else i]
+            for i in range(graphs):
+                out = capture_slot(self.be, self.stream, self.forward, slots[i], self.vocab,
+                                   staged=staged)
+                for slot in (slots if staged else [slots[i]]):
+                    slot.output = out   # owned by the ring from here: close() frees it
 
     # -- per step -----------------------------------------------------------------------
     def padded_size(self, n: int) -> int | None:

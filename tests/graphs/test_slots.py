@@ -1,0 +1,156 @@
+"""SizeSlot / SlotRing / driver behaviour: capture with warm-up, padding, stale views."""
+import numpy as np
+import pytest
+
+from vt.backend import CaptureAllocationError
+from vt.graphs import DecodeGraphDriver, DecodeRows, StaleLogitsError
+from vt.knobs import ExecutorConfig
+from vt.toy import ToyForward
+
+
+def _driver(be, **cfg):
+    toy = ToyForward(be, vocab=32)
+    g = toy.geometry
+    config = ExecutorConfig(**{"capture_sizes": (1, 2, 4, 8), **cfg})
+    return DecodeGraphDriver(be, be.stream(name="test"), toy, vocab=32, max_blocks=g.max_blocks,
+                             pad=g.pad, config=config, eager_capacity=g.max_seqs), toy
+
+
+def _rows(n, position=0):
+    """n sequences in rows 0..n-1, block i+1 each, at `position`."""
+    bt = np.zeros((n, 16), np.int32)
+    bt[:, 0] = np.arange(1, n + 1)
+    pos = np.full(n, position, np.int32)
+    return DecodeRows(np.arange(n, dtype=np.int32), pos, pos + 1,
+                      (bt[:, 0] * 4 + position).astype(np.int32), bt, np.arange(n, dtype=np.int32))
+
+
+def test_ring_on_without_pool_pre_grow_fails_at_the_second_capture(backend):
+    """Slot 0 takes the warm-up's freed logits block; slot 1 needs a new one: refused."""
+    drv, _ = _driver(backend, async_executor=True, skip_pool_reserve=True)
+    with pytest.raises(CaptureAllocationError, match=r"S=8 slot=1") as err:
+        drv.capture()
+    assert backend.pool.stats().mallocs_during_capture == 0
+    assert err.value.requested == 8 * 32 * 4
+    inputs = drv.stage_eager(_rows(2))          # the capture was ended: the stream still works
+    block = drv.new_logits(2)
+    drv.launch_eager(inputs, block)
+    host = backend.pinned_empty((2, 32), np.float32)
+    host[...] = np.nan
+    backend.copy_d2h(host, block, drv.stream)
+    drv.stream.synchronize()
+    assert np.isfinite(host).all() and np.abs(host).max() <= 1.0
+    drv.close()
+
+
+def test_off_path_needs_no_pre_grow(backend):
+    """One slot per size: the warm-up's block serves its single capture."""
+    drv, _ = _driver(backend, skip_pool_reserve=True)
+    drv.capture()
+    assert sorted(drv.rings) == [1, 2, 4, 8]
+    drv.close()
+
+
+@pytest.mark.parametrize("h2d", ["graph", "staged"])
+def test_capture_with_warm_up_makes_no_malloc_during_capture(backend, h2d):
+    """Warm-up + pre-grow: every size, k=2 slots, 0 driver calls while capturing."""
+    drv, _ = _driver(backend, async_executor=True, h2d=h2d)
+    before = backend.pool.stats()
+    drv.capture()
+    after = backend.pool.stats()
+    assert after.mallocs_during_capture == 0
+    assert after.captures - before.captures == (4 if h2d == "staged" else 8)
+    assert all(len(r.slots) == 2 for r in drv.rings.values())
+    drv.close()
+
+
+def test_padded_size_is_the_smallest_captured_size_that_fits(sim_backend):
+    """3 -> 4, 5 -> 8, 8 -> 8, 9 -> eager (None)."""
+    drv, _ = _driver(sim_backend)
+    drv.capture()
+    assert [drv.padded_size(n) for n in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
+    assert drv.acquire(9) == (None, 0.0)
+    drv.close()
+
+
+def test_padded_rows_point_at_the_scratch_row(sim_backend):
+    """Rows past n in a slot's host vectors hold the pad row after Refresh."""
+    drv, toy = _driver(sim_backend)
+    drv.capture()
+    slot, _ = drv.acquire(3)
+    slot.refresh(_rows(3), toy.geometry.pad)
+    assert slot.host.token_rows.tolist() == [0, 1, 2, toy.geometry.max_seqs]
+    assert slot.host.slot_mapping[3] == toy.geometry.pad.slot
+    drv.close()
+
+
+def test_ring_alternates_slots(sim_backend):
+    """k=2: acquisitions of one size go slot 0, 1, 0; OFF always slot 0."""
+    ring_drv, _ = _driver(sim_backend, async_executor=True)
+    ring_drv.capture()
+    assert [ring_drv.acquire(4)[0].index for _ in range(3)] == [0, 1, 0]
+    ring_drv.close()
+    off_drv, _ = _driver(sim_backend)
+    off_drv.capture()
+    assert [off_drv.acquire(4)[0].index for _ in range(3)] == [0, 0, 0]
+    off_drv.close()
+
+
+def test_ring_acquire_blocks_until_the_slot_replay_finished():
+    """The guard waits on the reuse event of the slot's last replay (blocking)."""
+    from vt.backend import get_backend
+    be = get_backend("sim")
+    drv, toy = _driver(be, async_executor=True)
+    drv.capture()
+    slot, _ = drv.acquire(1)
+    be.busy_wait(drv.stream, 0.05)
+    drv.launch_graph(slot, _rows(1))
+    drv.acquire(1)                      # slot 1: free
+    again, waited = drv.acquire(1)      # slot 0 again: its replay is behind 50 ms of work
+    assert again is slot and waited > 0.02
+    drv.close()
+    be.close()
+
+
+def test_reading_a_stale_logits_view_raises(backend):
+    """A graph view is valid until its slot is replayed again, then raises."""
+    drv, _ = _driver(backend, async_executor=True)
+    drv.capture()
+    a, _ = drv.acquire(2)
+    first = drv.launch_graph(a, _rows(2))
+    assert first.non_owning_view
+    b, _ = drv.acquire(2)
+    second = drv.launch_graph(b, _rows(2))
+    first.array                                   # slot 1 replayed: slot 0's view still valid
+    c, _ = drv.acquire(2)
+    assert c is a
+    drv.launch_graph(c, _rows(2, position=1))
+    with pytest.raises(StaleLogitsError, match=r"S=2 slot=0 generation 1 is stale"):
+        first.array
+    second.rows
+    drv.stream.synchronize()
+    drv.close()
+
+
+def test_eager_logits_own_their_memory(sim_backend):
+    """An eager step's logits are not a graph view and never go stale."""
+    from vt.graphs import ForwardLogits
+    drv, _ = _driver(sim_backend)
+    drv.capture()
+    inputs = drv.stage_eager(_rows(12))
+    block = drv.new_logits(12)
+    drv.launch_eager(inputs, block)
+    fl = ForwardLogits(block, 12)
+    drv.stream.synchronize()
+    assert not fl.non_owning_view and not fl.stale
+    assert np.isfinite(fl.rows).all()
+    drv.close()
+
+
+def test_closed_driver_refuses_use(sim_backend):
+    from vt.backend import ClosedError
+    drv, _ = _driver(sim_backend)
+    drv.close()
+    drv.close()
+    with pytest.raises(ClosedError, match="closed"):
+        drv.acquire(1)
