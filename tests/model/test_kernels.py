@@ -125,6 +125,14 @@ def case_gdn_prefill(rng, st):
     return _gdn_case(rng, st, [0, 3, 8, 9], fresh=True)
 
 
+def case_attention_d128(rng, st):
+    return case_attention(rng, st, D=128)
+
+
+def case_gdn_d128(rng, st):
+    return _gdn_case(rng, st, [0, 1, 2], fresh=False, H=2, dk=128, dv=128)
+
+
 def case_silu_mul(rng, st):
     a = dict(gu=_st(rng, (2, 6, 96), st, 2), out=_poisoned((2, 6, 48), st))
     return Case(a, lambda be, s, d: be.launch(s, K.SiluMul(), d["gu"], d["out"]),

@@ -16,7 +16,8 @@ import numpy as np
 from ._common import cuda_function, f32, f64, f32s, i32, store
 
 _CODE = r"""
-// grid (segments, heads), block DV threads: thread j owns column j of S in registers.
+// grid (segments, heads), block DV threads: thread j owns column j of S in registers
+// (fully unrolled loops over DK keep s[] out of local memory): one read + one write of S.
 extern "C" __global__ void __launch_bounds__(256) gdn(
     const u16* __restrict__ proj, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const u16* __restrict__ norm_w, float* __restrict__ states, const int* __restrict__ state_idx,
@@ -26,6 +27,7 @@ extern "C" __global__ void __launch_bounds__(256) gdn(
   int width = 2 * heads * (DK + DV) + 2 * heads;
   float* S = states + ((long)state_idx[b] * heads + h) * (DK * DV);
   float s[DK];
+#pragma unroll
   for (int i = 0; i < DK; ++i) s[i] = fresh ? 0.f : S[i * DV + j];
   float w = LD(norm_w[j]), Al = expf(A_log[h]), dtb = dt_bias[h];
   for (int t = cu[b]; t < cu[b + 1]; ++t) {
@@ -49,15 +51,18 @@ extern "C" __global__ void __launch_bounds__(256) gdn(
     float v = LD(r[2 * heads * DK + h * DV + j]);
     float z = LD(r[2 * heads * DK + heads * DV + h * DV + j]);
     float u = 0.f;
+#pragma unroll
     for (int i = 0; i < DK; ++i) { s[i] *= alpha; u += s[i] * ks[i]; }
     float delta = beta * (v - u * kn);
     float o = 0.f;
+#pragma unroll
     for (int i = 0; i < DK; ++i) { s[i] += ks[i] * kn * delta; o += s[i] * qs[i]; }
     o *= qn;
     float inv = rsqrtf(block_sum(o * o, sh) / DV + eps);
     out[(long)t * heads * DV + h * DV + j] = ST(o * inv * w * (z / (1.f + expf(-z))));
     __syncthreads();  // qs/ks/ab are rewritten by the next token
   }
+#pragma unroll
   for (int i = 0; i < DK; ++i) S[i * DV + j] = s[i];
 }
 """

@@ -148,7 +148,7 @@ def sample_reference(logits, token_rows, positions, k, temperature, seed):
     if k > 1:
         u = uniforms(seed, token_rows, positions)
         v = np.take_along_axis(x, sel, -1).astype(np.float64)
-        p = np.exp((v - v[:, :1]) / temperature)
+        p = np.exp((v - v[:, :1]) * (1.0 / temperature))  # the kernel multiplies by 1/T
         c = np.cumsum(p, axis=-1)
         pick = np.minimum((c <= (u * c[:, -1])[:, None]).sum(-1), k - 1)
         toks = sel[np.arange(len(sel)), pick]
