@@ -118,7 +118,8 @@ def test_inputs_read_event_completes_before_a_long_replay_ends(be):
     x_h, y_h = be.pinned_empty((n,), np.float32), be.pinned_empty((n,), np.float32)
     x_d, y_d = be.empty((n,), np.float32), be.empty((n,), np.float32)
     inputs_read, done = be.event(blocking_sync=True), be.event(blocking_sync=True)
-    be.busy_wait(s, 0.0)  # loads the spin kernel before the capture
+    be.busy_wait(s, 0.0)  # loads both kernels before the capture
+    be.launch(s, Axpb(), y_d, x_d, a=2.0, b=1.0)
     s.synchronize()
     with be.capture(s, name="inputs-read") as cap:
         be.copy_h2d(x_d, x_h, s)
