@@ -1,0 +1,145 @@
+"""Engine behaviour a server relies on: finish reasons, refusals, errors, trace, lifecycle."""
+import json
+
+import numpy as np
+import pytest
+
+from vt.backend import ClosedError
+from vt.engine import Engine
+from vt.knobs import ExecutorConfig
+from vt.requests import PromptTooLongError
+from vt.stepmodel import KVGeometry
+from vt.toy import ToyForward
+
+from ._util import run_toy, workload
+
+
+def _engine(be, **cfg):
+    return Engine(be, ToyForward(be).step_model(), ExecutorConfig(**cfg))
+
+
+def test_results_come_back_in_prompt_order_with_their_budgets(sim_backend):
+    prompts, budgets = workload(10, seed=1)
+    results, st = run_toy(sim_backend, prompts, budgets, async_executor=True, serving_conc=3)
+    assert [r.index for r in results] == list(range(10))
+    assert [len(r.tokens) for r in results] == budgets
+    assert all(r.finish_reason == "length" for r in results)
+    assert st["tokens"] == sum(budgets) and st["mixed_steps"] > 0
+
+
+def test_stop_token_ends_a_request_and_drops_the_token_past_it(sim_backend):
+    """The stop token is learned one step late; the extra token is not returned."""
+    prompts, budgets = workload(6, seed=2, max_new=(20, 20))
+    free, _ = run_toy(sim_backend, prompts, budgets, async_executor=True)
+    stop = free[0].tokens[3]
+    stopped, _ = run_toy(sim_backend, prompts, budgets, async_executor=True, stop_token=stop)
+    for a, b in zip(free, stopped):
+        cut = a.tokens.index(stop) + 1 if stop in a.tokens else len(a.tokens)
+        assert b.tokens == a.tokens[:cut]
+        assert b.finish_reason == ("stop" if stop in a.tokens else "length")
+
+
+def test_generation_stops_at_the_context_end(sim_backend):
+    geo = KVGeometry(max_seqs=4, num_kv_blocks=64, block_size=4, max_context=8)
+    with Engine(sim_backend, ToyForward(sim_backend, geometry=geo).step_model(),
+                ExecutorConfig(serving_conc=2, capture_sizes=(1, 2))) as eng:
+        (r,) = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=50)
+    assert len(r.tokens) == 4 and r.finish_reason == "context"
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(sim_backend):
+    with _engine(sim_backend) as eng:
+        with pytest.raises(PromptTooLongError, match="prompt 1 has 65 tokens; the context holds 64"):
+            eng.generate([[1], [1] * 65])
+        assert len(eng.generate([[1, 2]], max_new_tokens=2)[0].tokens) == 2   # still usable
+
+
+def test_request_larger_than_the_kv_cache_is_refused_by_name(sim_backend):
+    """Others still run; the refused one ends with KVCacheExhaustedError."""
+    geo = KVGeometry(max_seqs=4, num_kv_blocks=5, block_size=4, max_context=64)
+    with Engine(sim_backend, ToyForward(sim_backend, geometry=geo).step_model(),
+                ExecutorConfig(serving_conc=2, capture_sizes=(1, 2))) as eng:
+        small, big = eng.generate([[1, 2], [3] * 10], max_new_tokens=[3, 20])
+    assert small.finish_reason == "length" and len(small.tokens) == 3
+    assert big.finish_reason == "error" and type(big.error).__name__ == "KVCacheExhaustedError"
+    assert "needs 8 KV blocks" in str(big.error)
+
+
+def test_requests_wait_for_blocks_when_the_cache_is_full(sim_backend):
+    """Each request fits alone but not together: they run one after the other."""
+    geo = KVGeometry(max_seqs=4, num_kv_blocks=5, block_size=4, max_context=64)
+    with Engine(sim_backend, ToyForward(sim_backend, geometry=geo).step_model(),
+                ExecutorConfig(serving_conc=4, capture_sizes=(1, 2))) as eng:
+        results = eng.generate([[1, 2, 3]] * 3, max_new_tokens=10)
+        assert eng.stats()["prefill_steps"] == 3
+    assert all(len(r.tokens) == 10 for r in results)
+
+
+@pytest.mark.parametrize("prompt,match", [([], "non-empty"), ([[1, 2]], "1-D"),
+                                          ([1, 99], "outside"), ([0.5], "token ids")])
+def test_malformed_prompts_are_rejected(sim_backend, prompt, match):
+    with _engine(sim_backend) as eng:
+        with pytest.raises(ValueError, match=match):
+            eng.generate([prompt])
+
+
+def test_bad_max_new_tokens_is_rejected(sim_backend):
+    with _engine(sim_backend) as eng:
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            eng.generate([[1]], max_new_tokens=0)
+        with pytest.raises(ValueError, match="2 max_new_tokens values for 1 prompts"):
+            eng.generate([[1]], max_new_tokens=[1, 2])
+
+
+def test_progress_callback_sees_every_step(sim_backend):
+    seen = []
+    with _engine(sim_backend, async_executor=True) as eng:
+        eng.generate([[1, 2], [3]], max_new_tokens=5, progress=seen.append)
+        steps = eng.stats()["steps"]
+    assert len(seen) == steps and seen[-1].finished == 2 and seen[-1].tokens == 10
+
+
+def test_stats_report_steps_waits_and_pool(sim_backend):
+    with _engine(sim_backend, async_executor=True) as eng:
+        eng.generate([[1, 2]] * 4, max_new_tokens=6)
+        st = eng.stats()
+    assert st["steps"] == st["graph_steps"] + st["eager_steps"] + st["mixed_steps"] + st["prefill_steps"]
+    assert st["mode"] == "ring+graph" and st["pool"]["mallocs_during_capture"] == 0
+    assert st["token_waits"] > 0 and st["device_ms"] > 0
+
+
+def test_trace_is_chrome_json_with_host_and_device_spans(sim_backend, tmp_path):
+    path = tmp_path / "trace.json"
+    eng = _engine(sim_backend, async_executor=True, trace=str(path))
+    eng.generate([[1, 2, 3]] * 3, max_new_tokens=4)
+    assert eng.close() == str(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {e["cat"] for e in spans} == {"host", "device"}
+    assert any(e["name"].startswith("launch graph") for e in spans)
+    assert any(e["name"] == "wait tokens" for e in spans)
+    assert all(e["dur"] >= 0 for e in spans)
+
+
+def test_closed_engine_refuses_use(sim_backend):
+    eng = _engine(sim_backend)
+    eng.close()
+    eng.close()
+    with pytest.raises(ClosedError, match="Engine is closed"):
+        eng.generate([[1]])
+
+
+def test_engine_refuses_something_that_is_not_a_model(sim_backend):
+    with pytest.raises(TypeError, match="ForwardModel"):
+        Engine(sim_backend, lambda s, i, o: None, ExecutorConfig())
+
+
+def test_user_forward_example_runs_on_the_ring(backend):
+    """The docs example: a user forward wrapped as a ForwardModel, ring on."""
+    from vt.stepmodel import ForwardModel
+    toy = ToyForward(backend, vocab=32)
+    model = ForwardModel(backend, toy, vocab=32, token_table=toy.token_table, geometry=toy.geometry)
+    with Engine(backend, model, ExecutorConfig(async_executor=True, serving_conc=4)) as eng:
+        results = eng.generate([np.array([1, 2, 3]), np.array([4])], max_new_tokens=8)
+        assert eng.stats()["graph_steps"] > 0
+    assert all(len(r.tokens) == 8 and max(r.tokens) < 32 for r in results)
