@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 
 from .errors import CaptureAllocationError, CaptureError, ClosedError, CudaError
 from .pool import DeviceBuffer, DevicePool, PoolStats
@@ -18,12 +19,15 @@ def available_backends() -> list[str]:
     return ["cuda", "sim"] if _cuda_unavailable_reason() is None else ["sim"]
 
 
-def get_backend(name: str = "auto", *, device_delay_s: float = 0.0, pool_debug: bool = False):
+def get_backend(name: str = "auto", *, device_delay_s: float = 0.0, pool_debug: bool | None = None):
     """A new backend: "cuda", "sim", or "auto" (cuda when a GPU is usable, else sim).
 
     `device_delay_s` (sim only) sleeps before each device op so the host runs ahead of the
-    device deterministically; `pool_debug` gives every pool buffer its own driver allocation.
+    device deterministically; `pool_debug` gives every pool buffer its own driver allocation
+    (default: VT_POOL_DEBUG=1 in the environment, which tools/memcheck.sh sets).
     """
+    if pool_debug is None:
+        pool_debug = _pool_debug_from_env()
     if name not in ("auto", *BACKENDS):
         raise ValueError(f"unknown backend {name!r}; valid names: 'auto', "
                          + ", ".join(repr(b) for b in BACKENDS))
@@ -57,3 +61,10 @@ def _cuda_unavailable_reason() -> str | None:
     except Exception as exc:  # a broken driver install must not break sim-only use
         return f"cuda_available() raised {type(exc).__name__}: {exc}"
     return None if ok else "no usable CUDA device (cuda_available() is False)"
+
+
+def _pool_debug_from_env() -> bool:
+    value = os.environ.get("VT_POOL_DEBUG", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"VT_POOL_DEBUG={value!r}: expected 0 or 1")
+    return value == "1"
