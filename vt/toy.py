@@ -20,7 +20,9 @@ class ToyForward:
     any backend, the host runs ahead of the device: the regime where hazard-C shows.
     """
 
-    def __init__(self, be, *, vocab: int = 64, geometry: KVGeometry | None = None,
+    DEFAULT_VOCAB = 64
+
+    def __init__(self, be, *, vocab: int = DEFAULT_VOCAB, geometry: KVGeometry | None = None,
                  device_work_s: float = 0.0):
         self.be, self.vocab, self.device_work_s = be, vocab, device_work_s
         self.geometry = geometry or KVGeometry(max_seqs=64, num_kv_blocks=512, block_size=4,

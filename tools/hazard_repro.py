@@ -1,0 +1,128 @@
+"""Reproduce hazard-C and show the ring prevents it: the same workload in four modes.
+
+  OFF              single slot per size, drain: the reference
+  RING+POISON      slot ring, drain skipped for graph steps, host vectors poisoned as early
+                   as the ring lets the host write them: must match OFF (0 mismatches)
+  NO_DBUF+POISON   single slot, drain skipped, poison right after each launch: mismatches
+  NO_DBUF          the same without poison (on a delayed sim; on a GPU only if the host wins)
+
+Each forward is preceded by --device-work-ms of queued device time (be.busy_wait), so the
+host runs ahead of the device on any backend. Prints the mismatch counts (requests whose
+tokens or logits bytes differ from OFF) and exits 1 if a safe mode mismatched or the unsafe
+arm was not detected.
+
+  python tools/hazard_repro.py --backend sim --model toy
+  python tools/hazard_repro.py --backend cuda --model tiny-moe --conc 32 --runs 5
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+
+from vt.backend import get_backend
+from vt.engine import Engine
+from vt.knobs import ExecutorConfig
+
+MODES = {
+    "OFF": dict(),
+    "RING+POISON": dict(async_executor=True, poison=True),
+    "NO_DBUF+POISON": dict(no_dbuf=True, poison=True),
+    "NO_DBUF": dict(no_dbuf=True),
+}
+
+
+def build_step_model(be, name: str, device_work_s: float):
+    if name == "toy":
+        from vt.toy import ToyForward
+        toy = ToyForward(be, device_work_s=device_work_s)
+        return toy.step_model(), None
+    from vt.hybrid_adapter import HybridStepModel
+    from vt.model import PRESETS, HybridModel, init_weights
+    cfg = PRESETS[name]
+    model = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=64, num_kv_blocks=512)
+    step = HybridStepModel(be, model)
+    if device_work_s:
+        decode = step.decode
+
+        def slow_decode(stream, inputs, logits_out):
+            be.busy_wait(stream, device_work_s)
+            decode(stream, inputs, logits_out)
+        step.decode = slow_decode
+    return step, model
+
+
+def run_mode(args, mode: str, prompts, budgets):
+    sim_delay = args.sim_delay_ms / 1e3 if args.backend == "sim" else 0.0
+    be = get_backend(args.backend, device_delay_s=sim_delay)
+    try:
+        step, model = build_step_model(be, args.model, 0.0 if mode == "OFF" else args.device_work_ms / 1e3)
+        config = ExecutorConfig(serving_conc=args.conc, **MODES[mode])
+        with Engine(be, step, config, record_logits=True) as eng:
+            results = eng.generate(prompts, max_new_tokens=budgets)
+            stats = eng.stats()
+        if model is not None:
+            model.close()
+        return results, stats
+    finally:
+        be.close()
+
+
+def mismatches(ref, got) -> int:
+    return sum(a.tokens != b.tokens or a.logits.tobytes() != b.logits.tobytes()
+               for a, b in zip(ref, got))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backend", default="auto", choices=["auto", "sim", "cuda"])
+    p.add_argument("--model", default="toy", help="toy | tiny-dense | tiny-moe | bench-dense | bench-moe")
+    p.add_argument("--conc", type=int, default=32)
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--max-new", type=int, default=12)
+    p.add_argument("--runs", type=int, default=1, help="repeat every unsafe/safe arm this often")
+    p.add_argument("--device-work-ms", type=float, default=2.0)
+    p.add_argument("--sim-delay-ms", type=float, default=1.0, help="sim only: delay per device op")
+    p.add_argument("--json", help="also write the counts here")
+    args = p.parse_args(argv)
+    if args.backend == "auto":
+        from vt.backend import available_backends
+        args.backend = "cuda" if "cuda" in available_backends() else "sim"
+
+    if args.model == "toy":
+        from vt.toy import ToyForward
+        vocab = ToyForward.DEFAULT_VOCAB
+    else:
+        from vt.model import PRESETS
+        vocab = PRESETS[args.model].vocab
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, vocab, size=int(rng.integers(1, 9))) for _ in range(args.requests)]
+    budgets = [int(b) for b in rng.integers(args.max_new // 2, args.max_new + 1, size=args.requests)]
+
+    ref, _ = run_mode(args, "OFF", prompts, budgets)
+    counts = {}
+    print(f"backend={args.backend} model={args.model} conc={args.conc} requests={args.requests} "
+          f"device_work={args.device_work_ms} ms" +
+          (f" sim_delay={args.sim_delay_ms} ms/op" if args.backend == "sim" else ""))
+    for mode in MODES:
+        if mode == "OFF":
+            continue
+        counts[mode] = []
+        for _ in range(args.runs):
+            got, st = run_mode(args, mode, prompts, budgets)
+            counts[mode].append(mismatches(ref, got))
+        print(f"  {mode:<15} mismatched requests per run: {counts[mode]} of {args.requests}  "
+              f"(graph steps {st['graph_steps']}, drains {st['drains']}, ring waits {st['ring_waits']})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(vars(args), counts=counts), f, indent=1)
+    safe_ok = not any(counts["RING+POISON"])
+    detected = all(c > 0 for c in counts["NO_DBUF+POISON"])
+    print(f"ring safe: {safe_ok}; unsafe arm detected every run: {detected}")
+    return 0 if safe_ok and detected else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
