@@ -46,7 +46,7 @@ class StepHandle:
     tag: object
     parity: int
     timing: tuple | None
-    host_logits: np.ndarray | None = None   # [n, vocab] when the runner records logits
+    host_logits: np.ndarray | None = None   # [n, vocab] when recorded; reused two steps later
     completed: bool = False   # the host has observed the done event
 
 
@@ -90,6 +90,10 @@ class Runner:
         self._out_tokens = be.empty((self.capacity,), np.int32)
         self._tok_host = [be.pinned_empty((self.capacity,), np.int32) for _ in range(2)]
         self._done = [be.event(blocking_sync=True) for _ in range(2)]
+        # Recorded logits go through pinned buffers allocated once, like the tokens: a pinned
+        # allocation (and its free) per step would add driver calls that serialize the host.
+        self._logits_host = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE)
+                              for _ in range(2)] if record_logits else None)
         self._timing = ([self._timing_pair() for _ in range(2)]
                         if device_timing or self.tracer.enabled else [None, None])
         self._last: StepHandle | None = None
@@ -140,7 +144,7 @@ class Runner:
         self.model.sample(self.stream, logits.array, inputs, self._out_tokens[:size], sampling)
         handle = StepHandle(self._steps, kind, plan.n, size, logits, plan.tag, parity, timing)
         if self.record_logits:
-            handle.host_logits = self.be.pinned_empty((plan.n, self.model.vocab), LOGITS_DTYPE)
+            handle.host_logits = self._logits_host[parity][:plan.n]
             self.be.copy_d2h(handle.host_logits, logits.rows, self.stream)
         self.be.copy_d2h(self._tok_host[parity][:plan.n], self._out_tokens[:plan.n], self.stream)
         if timing is not None:
