@@ -4,6 +4,7 @@ Fresh random inputs per case, pure outputs poisoned (NaN) before each run. Toler
 fp32 outputs of fp32 paths < 1e-5 relative (max error over max |reference|), fp16/bf16
 outputs < 1e-2, index outputs exact.
 """
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -160,6 +161,16 @@ def case_combine(rng, st):
                 lambda a: {"out": (moe.reference_combine(a["wd"], a["y"], a["out"]), F32)})
 
 
+_GEMMS = weakref.WeakKeyDictionary()
+
+
+def _gemm_of(be):
+    """One Gemm (cuBLAS handle + workspace) per backend: bound eagerly, then reused in captures."""
+    if be not in _GEMMS:
+        _GEMMS[be] = K.Gemm([be.empty((gemm.WORKSPACE_BYTES,), np.uint8)])
+    return _GEMMS[be]
+
+
 def _gemm_case(rng, st, xs, ws, out_dtype, accumulate):
     out_shape = ws[:-2] + (xs[-2], ws[-2]) if len(ws) == 3 else (xs[0], ws[0])
     a = dict(x=_st(rng, xs, st), w=_st(rng, ws, st, 0.1),
@@ -168,7 +179,7 @@ def _gemm_case(rng, st, xs, ws, out_dtype, accumulate):
     if np.dtype(out_dtype) == np.float16 and st == np.uint16:
         a["out"] = to_storage(np.zeros(out_shape) if accumulate else np.full(out_shape, np.nan), st)
     tol = F32 if np.dtype(out_dtype) == np.float32 else F16
-    return Case(a, lambda be, s, d: be.launch(s, K.Gemm(), d["x"], d["w"], d["out"], accumulate=accumulate),
+    return Case(a, lambda be, s, d: be.launch(s, _gemm_of(be), d["x"], d["w"], d["out"], accumulate=accumulate),
                 lambda a: {"out": (gemm.reference(a["x"], a["w"], a["out"] if accumulate else None), tol)})
 
 
