@@ -10,8 +10,11 @@ SOURCES = {
     "rmsnorm f32 in": (norm._CODE, dict(IN_F32=1)),
     "rmsnorm storage in": (norm._CODE, dict(IN_F32=0)),
     "rope": (rope._CODE, {}), "kv_write": (kvcache._CODE, {}),
-    "attention D=128": (attention._CODE, dict(DPL=4)), "attention D=32": (attention._CODE, dict(DPL=1)),
+    "attention D=128": (attention._CODE, dict(DPL=4, G=4)), "attention D=32": (attention._CODE, dict(DPL=1, G=2)),
+    "attention D=64 G=4": (attention._CODE, dict(DPL=2, G=4)), "attention D=256 G=8": (attention._CODE, dict(DPL=8, G=8)),
+    "attention D=96 G=1": (attention._CODE, dict(DPL=3, G=1)),
     "gdn 128x128": (gdn._CODE, dict(DK=128, DV=128)), "gdn 32x32": (gdn._CODE, dict(DK=32, DV=32)),
+    "gdn 64x32": (gdn._CODE, dict(DK=64, DV=32)), "gdn 256x256": (gdn._CODE, dict(DK=256, DV=256)),
     "silu_mul": (mlp._CODE, {}), "moe": (moe._CODE, {}), "sample": (sampling._CODE, {}),
 }
 

@@ -29,7 +29,7 @@ from vt.backend import get_backend
 from vt.model import PRESETS, HybridModel, init_weights
 from vt.model.bench_step import _inputs, copy_bandwidth
 
-_L2_BYTES = 50 << 20          # H100/H200 L2; the GEMM-alone copies cover at least twice it
+_L2_BYTES = 50 << 20  # H100/H200 L2; the GEMM-alone weight copies cover at least 3x it
 _GEMM_CALLS = 20
 
 

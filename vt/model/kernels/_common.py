@@ -113,6 +113,18 @@ def cuda_function(code: str, name: str, storage, **defines):
     return fn
 
 
+_SM_COUNT: list[int] = []
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the current CUDA device (cached; sizes split-work grids)."""
+    if not _SM_COUNT:
+        import cupy as cp
+
+        _SM_COUNT.append(int(cp.cuda.Device().attributes["MultiProcessorCount"]))
+    return _SM_COUNT[0]
+
+
 def storage_of(*arrays) -> np.dtype:
     """The 16-bit storage dtype among `arrays` (fp16 default when none is 16-bit)."""
     for a in arrays:

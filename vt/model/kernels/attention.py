@@ -5,49 +5,142 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import cuda_function, f32, f64, f32s, i32, store
+from ._common import cuda_function, f32, f64, f32s, i32, sm_count, store
 
 _CODE = r"""
 #define NW 4
-// grid (rows, q heads), block NW warps. Warp w takes keys w, w+NW, ...; lane l holds head
-// elements l, l+32, ... (DPL of them), so each K/V row is read by one warp, coalesced. Each
-// warp keeps an online softmax (m, l, acc); the warps are merged through shared memory.
-extern "C" __global__ void paged_attn(const u16* __restrict__ qkv, const u16* __restrict__ kc,
-                                      const u16* __restrict__ vc, const int* __restrict__ bt,
-                                      const int* __restrict__ lens, const int* __restrict__ rows,
-                                      u16* __restrict__ out, int row_stride, int q_heads,
-                                      int kv_heads, int max_blocks, int block_size, float scale) {
-  __shared__ float sm[NW], sl[NW], sacc[NW][DPL * 32];
-  int n = blockIdx.x, h = blockIdx.y, lane = threadIdx.x & 31, w = threadIdx.x >> 5;
-  int kvh = h / (q_heads / kv_heads), L = lens[n];
+#define U 4
+#define D (DPL * 32)
+#if DPL % 8 == 0
+typedef uint4 vec_t;
+#define VW 8
+#elif DPL % 4 == 0
+typedef uint2 vec_t;
+#define VW 4
+#elif DPL % 2 == 0
+typedef unsigned vec_t;
+#define VW 2
+#else
+typedef u16 vec_t;
+#define VW 1
+#endif
+// DPL consecutive storage values at p (aligned to their size) as floats, in VW-wide loads.
+__device__ __forceinline__ void load_vec(const u16* __restrict__ p, float* f) {
+  const vec_t* v = reinterpret_cast<const vec_t*>(p);
+#pragma unroll
+  for (int i = 0; i < DPL / VW; ++i) {
+    union { vec_t r; u16 h[VW]; } x;
+    x.r = v[i];
+#pragma unroll
+    for (int e = 0; e < VW; ++e) f[i * VW + e] = LD(x.h[e]);
+  }
+}
+
+// Split-context decode attention. grid (rows, kv heads, P), block NW warps: block (n, g, p)
+// takes keys [p*c, (p+1)*c) of row n (c = ceil(L/P), L read on the device) for the G query
+// heads of KV head g, so each K/V row is read once for all G heads. Warp w takes keys w,
+// w+NW, ... in batches of U (U independent row loads in flight); lane l holds head elements
+// [l*DPL, (l+1)*DPL) (one coalesced row read per warp). Each warp keeps an online softmax
+// per head; warps merge through shared memory. P == 1 writes the output; otherwise the
+// block writes (acc, max, sum) to part[n, h, p] and paged_attn_combine merges the P splits.
+extern "C" __global__ void __launch_bounds__(NW * 32) paged_attn_split(
+    const u16* __restrict__ qkv, const u16* __restrict__ kc, const u16* __restrict__ vc,
+    const int* __restrict__ bt, const int* __restrict__ lens, const int* __restrict__ rows,
+    u16* __restrict__ out, float* __restrict__ part, int row_stride, int q_heads, int kv_heads,
+    int max_blocks, int block_size, float scale) {
+  __shared__ float sm[NW][G], sl[NW][G], sacc[NW][G][D];
+  int n = blockIdx.x, kvh = blockIdx.y, p = blockIdx.z, P = gridDim.z;
+  int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  int L = lens[n], c = (L + P - 1) / P, j0 = p * c, j1 = min(L, j0 + c);
   const int* table = bt + (long)rows[n] * max_blocks;
-  const u16* q = qkv + (long)n * row_stride + h * (DPL * 32);
-  float qv[DPL], acc[DPL];
-  for (int t = 0; t < DPL; ++t) { qv[t] = LD(q[lane + 32 * t]) * scale; acc[t] = 0.f; }
-  float m = -INFINITY, l = 0.f;
-  for (int j = w; j < L; j += NW) {
-    long off = (((long)table[j / block_size] * block_size + j % block_size) * kv_heads + kvh) * (DPL * 32);
-    float s = 0.f;
-    for (int t = 0; t < DPL; ++t) s += qv[t] * LD(kc[off + lane + 32 * t]);
-    s = warp_sum(s);
-    float mn = fmaxf(m, s), corr = __expf(m - mn), p = __expf(s - mn);
-    l = l * corr + p;
-    for (int t = 0; t < DPL; ++t) acc[t] = acc[t] * corr + p * LD(vc[off + lane + 32 * t]);
-    m = mn;
+  float qv[G][DPL], acc[G][DPL], m[G], l[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    load_vec(qkv + (long)n * row_stride + (kvh * G + g) * D + lane * DPL, qv[g]);
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) { qv[g][t] *= scale; acc[g][t] = 0.f; }
+    m[g] = -INFINITY; l[g] = 0.f;
   }
-  if (lane == 0) { sm[w] = m; sl[w] = l; }
-  for (int t = 0; t < DPL; ++t) sacc[w][lane + 32 * t] = acc[t];
+  for (int j = j0 + w; j < j1; j += NW * U) {
+    float kf[U][DPL], vf[U][DPL];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      int jj = j + u * NW;
+      if (jj < j1) {
+        long off = (((long)table[jj / block_size] * block_size + jj % block_size) * kv_heads + kvh) * D + lane * DPL;
+        load_vec(kc + off, kf[u]);
+        load_vec(vc + off, vf[u]);
+      } else {
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) kf[u][t] = vf[u][t] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float s[U], mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        float d = 0.f;
+#pragma unroll
+        for (int t = 0; t < DPL; ++t) d += qv[g][t] * kf[u][t];
+        s[u] = warp_sum(d);
+        if (j + u * NW < j1) mx = fmaxf(mx, s[u]);
+      }
+      float corr = __expf(m[g] - mx);  // 0 while m is -inf; mx is finite (key j is valid)
+      l[g] *= corr;
+#pragma unroll
+      for (int t = 0; t < DPL; ++t) acc[g][t] *= corr;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        if (j + u * NW < j1) {
+          float pr = __expf(s[u] - mx);
+          l[g] += pr;
+#pragma unroll
+          for (int t = 0; t < DPL; ++t) acc[g][t] += pr * vf[u][t];
+        }
+      }
+      m[g] = mx;
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) { sm[w][g] = m[g]; sl[w][g] = l[g]; }
+#pragma unroll
+    for (int t = 0; t < DPL; ++t) sacc[w][g][lane * DPL + t] = acc[g][t];
+  }
   __syncthreads();
-  float M = -INFINITY;
-  for (int i = 0; i < NW; ++i) M = fmaxf(M, sm[i]);
-  float Ls = 0.f, f[NW];
-  for (int i = 0; i < NW; ++i) { f[i] = sm[i] == -INFINITY ? 0.f : __expf(sm[i] - M); Ls += sl[i] * f[i]; }
-  u16* o = out + (long)n * (q_heads * DPL * 32) + h * (DPL * 32);
-  for (int d = threadIdx.x; d < DPL * 32; d += blockDim.x) {
-    float v = 0.f;
-    for (int i = 0; i < NW; ++i) v += sacc[i][d] * f[i];
-    o[d] = ST(Ls > 0.f ? v / Ls : 0.f);  // a row with no keys (length 0) yields zeros
+  for (int i = threadIdx.x; i < G * D; i += NW * 32) {
+    int g = i / D, d = i % D, h = kvh * G + g;
+    float M = -INFINITY, Ls = 0.f, v = 0.f;
+    for (int k = 0; k < NW; ++k) M = fmaxf(M, sm[k][g]);
+    for (int k = 0; k < NW; ++k) {
+      float f = sm[k][g] == -INFINITY ? 0.f : __expf(sm[k][g] - M);
+      Ls += sl[k][g] * f;
+      v += sacc[k][g][d] * f;
+    }
+    if (P == 1) {
+      out[(long)n * q_heads * D + h * D + d] = ST(Ls > 0.f ? v / Ls : 0.f);  // no keys: zeros
+    } else {
+      float* pr = part + (((long)n * q_heads + h) * P + p) * (D + 2);
+      pr[d] = v;
+      if (d == 0) { pr[D] = M; pr[D + 1] = Ls; }
+    }
   }
+}
+
+// grid (rows, q heads), block D: merge the P splits of paged_attn_split.
+extern "C" __global__ void paged_attn_combine(const float* __restrict__ part, u16* __restrict__ out,
+                                              int q_heads, int P) {
+  int n = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+  const float* pr = part + ((long)n * q_heads + h) * P * (D + 2);
+  float M = -INFINITY, Ls = 0.f, v = 0.f;
+  for (int p = 0; p < P; ++p) M = fmaxf(M, pr[p * (D + 2) + D]);
+  for (int p = 0; p < P; ++p) {
+    float mp = pr[p * (D + 2) + D], f = mp == -INFINITY ? 0.f : __expf(mp - M);
+    Ls += pr[p * (D + 2) + D + 1] * f;
+    v += pr[p * (D + 2) + d] * f;
+  }
+  out[(long)n * q_heads * D + h * D + d] = ST(Ls > 0.f ? v / Ls : 0.f);
 }
 """
 
@@ -84,13 +177,33 @@ class PagedAttention:
 
     def run_cupy(self, stream_handle, qkv, k_cache, v_cache, block_tables, lens, rows, out, *,
                  q_heads, kv_heads, head_dim):
-        fn = cuda_function(_CODE, "paged_attn", qkv.dtype, DPL=head_dim // 32)
+        import cupy as cp
+
+        g = q_heads // kv_heads
+        if g * head_dim > 2048:
+            raise ValueError(f"PagedAttention: (q_heads/kv_heads) * head_dim = {g * head_dim} > 2048 "
+                             f"(the per-block merge buffer would exceed 32 KB of shared memory)")
+        defs = dict(DPL=head_dim // 32, G=g)
         n = qkv.shape[0]
-        if n:
-            fn((n, q_heads), (128,), (qkv, k_cache, v_cache, block_tables, lens, rows, out,
-                                      i32(qkv.shape[1]), i32(q_heads), i32(kv_heads),
-                                      i32(block_tables.shape[1]), i32(k_cache.shape[1]),
-                                      f32s(1.0 / np.sqrt(head_dim))))
+        if not n:
+            return
+        P = splits(n * kv_heads)
+        part = cp.empty((n, q_heads, P, head_dim + 2), np.float32) if P > 1 else None
+        cuda_function(_CODE, "paged_attn_split", qkv.dtype, **defs)(
+            (n, kv_heads, P), (128,),
+            (qkv, k_cache, v_cache, block_tables, lens, rows, out,
+             part if part is not None else np.uint64(0), i32(qkv.shape[1]), i32(q_heads),
+             i32(kv_heads), i32(block_tables.shape[1]), i32(k_cache.shape[1]),
+             f32s(1.0 / np.sqrt(head_dim))))
+        if part is not None:
+            cuda_function(_CODE, "paged_attn_combine", qkv.dtype, **defs)(
+                (n, q_heads), (head_dim,), (part, out, i32(q_heads), i32(P)))
+
+
+def splits(blocks_per_split: int) -> int:
+    """Context splits per (row, KV head): enough blocks for ~4 per SM, at most 32 (a split of a
+    512-token context then still has 16 keys, one batch of U per warp)."""
+    return max(1, min(32, -(-4 * sm_count() // blocks_per_split)))
 
 
 def reference(q, k_cache, v_cache, block_tables, lens, rows):

@@ -16,54 +16,70 @@ import numpy as np
 from ._common import cuda_function, f32, f64, f32s, i32, store
 
 _CODE = r"""
-// grid (segments, heads), block DV threads: thread j owns column j of S in registers
-// (fully unrolled loops over DK keep s[] out of local memory): one read + one write of S.
-extern "C" __global__ void __launch_bounds__(256) gdn(
+#define NP 4                 // parts a state column is split into
+#define RPT (DK / NP)        // state rows per thread
+#define NT (NP * DV)         // threads per block
+// grid (segments, heads), block NT threads: thread (p, j) = (tid / DV, tid % DV) owns rows
+// [p*RPT, (p+1)*RPT) of column j of S in registers (RPT values: no spill at 128x128), so S
+// is read once and written once per segment, coalesced (a warp covers 32 columns of a row).
+// The two dot products over dk (S^T k and S^T q) are summed over the NP parts in shared
+// memory; the gated output norm over dv is a block reduction.
+extern "C" __global__ void __launch_bounds__(NT, 1024 / NT) gdn(
     const u16* __restrict__ proj, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const u16* __restrict__ norm_w, float* __restrict__ states, const int* __restrict__ state_idx,
     const int* __restrict__ cu, u16* __restrict__ out, int heads, int fresh, float eps) {
-  __shared__ float qs[DK], ks[DK], sh[32], ab[2];
-  int b = blockIdx.x, h = blockIdx.y, j = threadIdx.x;
+  __shared__ float qs[DK], ks[DK], sh[32], ab[2], ru[NP][DV], ro[NP][DV];
+  int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, j = tid % DV, p = tid / DV;
   int width = 2 * heads * (DK + DV) + 2 * heads;
-  float* S = states + ((long)state_idx[b] * heads + h) * (DK * DV);
-  float s[DK];
+  float* S = states + ((long)state_idx[b] * heads + h) * (DK * DV) + (long)p * RPT * DV + j;
+  float s[RPT];
 #pragma unroll
-  for (int i = 0; i < DK; ++i) s[i] = fresh ? 0.f : S[i * DV + j];
+  for (int r = 0; r < RPT; ++r) s[r] = fresh ? 0.f : S[r * DV];
   float w = LD(norm_w[j]), Al = expf(A_log[h]), dtb = dt_bias[h];
   for (int t = cu[b]; t < cu[b + 1]; ++t) {
-    const u16* r = proj + (long)t * width;
+    const u16* row = proj + (long)t * width;
     float qq = 0.f, kk = 0.f;
-    for (int i = j; i < DK; i += DV) {
-      float qv = LD(r[h * DK + i]), kv = LD(r[heads * DK + h * DK + i]);
+    for (int i = tid; i < DK; i += NT) {
+      float qv = LD(row[h * DK + i]), kv = LD(row[heads * DK + h * DK + i]);
       qs[i] = qv; ks[i] = kv; qq += qv * qv; kk += kv * kv;
     }
-    qq = block_sum(qq, sh);
-    kk = block_sum(kk, sh);
-    if (j == 0) {
-      float x = LD(r[2 * heads * (DK + DV) + h]) + dtb;
+    if (tid == 0) {
+      float x = LD(row[2 * heads * (DK + DV) + h]) + dtb;
       float sp = x > 20.f ? x : log1pf(expf(x));
       ab[0] = expf(-Al * sp);
-      ab[1] = 1.f / (1.f + expf(-LD(r[2 * heads * (DK + DV) + heads + h])));
+      ab[1] = 1.f / (1.f + expf(-LD(row[2 * heads * (DK + DV) + heads + h])));
     }
-    __syncthreads();
+    qq = block_sum(qq, sh);  // its barriers also publish qs, ks, ab
+    kk = block_sum(kk, sh);
     float qn = rsqrtf(qq + 1e-6f) * rsqrtf((float)DK), kn = rsqrtf(kk + 1e-6f);
     float alpha = ab[0], beta = ab[1];
-    float v = LD(r[2 * heads * DK + h * DV + j]);
-    float z = LD(r[2 * heads * DK + heads * DV + h * DV + j]);
+    float v = LD(row[2 * heads * DK + h * DV + j]);
+    float z = LD(row[2 * heads * DK + heads * DV + h * DV + j]);
     float u = 0.f;
 #pragma unroll
-    for (int i = 0; i < DK; ++i) { s[i] *= alpha; u += s[i] * ks[i]; }
+    for (int r = 0; r < RPT; ++r) { s[r] *= alpha; u += s[r] * ks[p * RPT + r]; }
+    ru[p][j] = u;
+    __syncthreads();
+    u = 0.f;
+#pragma unroll
+    for (int i = 0; i < NP; ++i) u += ru[i][j];
     float delta = beta * (v - u * kn);
     float o = 0.f;
 #pragma unroll
-    for (int i = 0; i < DK; ++i) { s[i] += ks[i] * kn * delta; o += s[i] * qs[i]; }
+    for (int r = 0; r < RPT; ++r) { s[r] += ks[p * RPT + r] * kn * delta; o += s[r] * qs[p * RPT + r]; }
+    ro[p][j] = o;
+    __syncthreads();
+    o = 0.f;
+#pragma unroll
+    for (int i = 0; i < NP; ++i) o += ro[i][j];
     o *= qn;
-    float inv = rsqrtf(block_sum(o * o, sh) / DV + eps);
-    out[(long)t * heads * DV + h * DV + j] = ST(o * inv * w * (z / (1.f + expf(-z))));
-    __syncthreads();  // qs/ks/ab are rewritten by the next token
+    float inv = rsqrtf(block_sum(p == 0 ? o * o : 0.f, sh) / DV + eps);
+    if (p == 0) out[(long)t * heads * DV + h * DV + j] = ST(o * inv * w * (z / (1.f + expf(-z))));
+    // The next token rewrites qs/ks/ab/ru/ro only after block_sum's barriers above, which
+    // every thread passes after its last read of them.
   }
 #pragma unroll
-  for (int i = 0; i < DK; ++i) S[i * DV + j] = s[i];
+  for (int r = 0; r < RPT; ++r) S[r * DV] = s[r];
 }
 """
 
@@ -115,7 +131,7 @@ class GDN:
         fn = cuda_function(_CODE, "gdn", proj.dtype, DK=dk, DV=dv)
         nseg = cu.shape[0] - 1
         if nseg:
-            fn((nseg, heads), (dv,), (proj, A_log, dt_bias, norm_w, states, state_idx, cu, out,
+            fn((nseg, heads), (4 * dv,), (proj, A_log, dt_bias, norm_w, states, state_idx, cu, out,
                                       i32(heads), i32(int(fresh)), f32s(eps)))
 
 
