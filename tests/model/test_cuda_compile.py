@@ -2,7 +2,8 @@
 (skipped where libnvrtc is not installed: pip install nvidia-cuda-nvrtc)."""
 import pytest
 
-from vt.model.kernels import _common, attention, embedding, gdn, kvcache, mlp, moe, norm, rope, sampling
+from vt.model.kernels import (_common, attention, embedding, gdn, kvcache, mlp, moe, norm, rope, sampling,
+                              skinny_gemm)
 
 SOURCES = {
     "gather f16->f32": (embedding._CODE, dict(IN_F32=0, OUT_F32=1)),
@@ -15,6 +16,9 @@ SOURCES = {
     "attention D=96 G=1": (attention._CODE, dict(DPL=3, G=1)),
     "gdn 128x128": (gdn._CODE, dict(DK=128, DV=128)), "gdn 32x32": (gdn._CODE, dict(DK=32, DV=32)),
     "gdn 64x32": (gdn._CODE, dict(DK=64, DV=32)), "gdn 256x256": (gdn._CODE, dict(DK=256, DV=256)),
+    "skinny_gemm 4x4 f32 out": (skinny_gemm._CODE, dict(RT=4, MT=4, OUT_F32=1)),
+    "skinny_gemm 1x1 storage out": (skinny_gemm._CODE, dict(RT=1, MT=1, OUT_F32=0)),
+    "skinny_gemm 2x2": (skinny_gemm._CODE, dict(RT=2, MT=2, OUT_F32=1)),
     "silu_mul": (mlp._CODE, {}), "moe": (moe._CODE, {}), "sample": (sampling._CODE, {}),
 }
 

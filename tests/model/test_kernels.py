@@ -164,14 +164,16 @@ def case_combine(rng, st):
 _GEMMS = weakref.WeakKeyDictionary()
 
 
-def _gemm_of(be):
-    """One Gemm (cuBLAS handle + workspace) per backend: bound eagerly, then reused in captures."""
-    if be not in _GEMMS:
-        _GEMMS[be] = K.Gemm([be.empty((gemm.WORKSPACE_BYTES,), np.uint8)])
-    return _GEMMS[be]
+def _gemm_of(be, impl=None):
+    """One Gemm (cuBLAS handle + workspace) per backend and implementation (None: VT_GEMM):
+    bound eagerly, then reused in captures."""
+    per = _GEMMS.setdefault(be, {})
+    if impl not in per:
+        per[impl] = K.Gemm([be.empty((gemm.WORKSPACE_BYTES,), np.uint8)], backend=impl)
+    return per[impl]
 
 
-def _gemm_case(rng, st, xs, ws, out_dtype, accumulate):
+def _gemm_case(rng, st, xs, ws, out_dtype, accumulate, impl=None):
     out_shape = ws[:-2] + (xs[-2], ws[-2]) if len(ws) == 3 else (xs[0], ws[0])
     a = dict(x=_st(rng, xs, st), w=_st(rng, ws, st, 0.1),
              out=(rng.standard_normal(out_shape).astype(out_dtype) if accumulate
@@ -179,7 +181,8 @@ def _gemm_case(rng, st, xs, ws, out_dtype, accumulate):
     if np.dtype(out_dtype) == np.float16 and st == np.uint16:
         a["out"] = to_storage(np.zeros(out_shape) if accumulate else np.full(out_shape, np.nan), st)
     tol = F32 if np.dtype(out_dtype) == np.float32 else F16
-    return Case(a, lambda be, s, d: be.launch(s, _gemm_of(be), d["x"], d["w"], d["out"], accumulate=accumulate),
+    return Case(a, lambda be, s, d: be.launch(s, _gemm_of(be, impl), d["x"], d["w"], d["out"],
+                                              accumulate=accumulate),
                 lambda a: {"out": (gemm.reference(a["x"], a["w"], a["out"] if accumulate else None), tol)})
 
 
@@ -201,6 +204,20 @@ def case_gemm_batched_shared_x(rng, st):
 
 def case_gemm_batched(rng, st):
     return _gemm_case(rng, st, (4, 5, 64), (4, 32, 64), np.float16, False)
+
+
+def case_gemm_vt_split_k(rng, st):
+    """vt's skinny GEMM, one token tile, K split over 2 blocks (last block reduces)."""
+    return _gemm_case(rng, st, (5, 256), (96, 256), np.float32, False, impl="vt")
+
+
+def case_gemm_vt_m32_accumulate(rng, st):
+    """vt's skinny GEMM at 32 rows (RT=4, MT=4), weight rows not a multiple of the tile."""
+    return _gemm_case(rng, st, (32, 512), (200, 512), np.float32, True, impl="vt")
+
+
+def case_gemm_vt_m12_storage(rng, st):
+    return _gemm_case(rng, st, (12, 384), (72, 384), np.float16, False, impl="vt")
 
 
 def _sample_case(rng, params):
