@@ -60,7 +60,7 @@ def run_demo(args: argparse.Namespace) -> int:
         model = HybridModel(be, cfg, weights, max_seqs=conc, num_kv_blocks=conc * blocks_per_seq)
         del weights
         _log(f"  capturing decode graphs for sizes {list(config.capture_sizes)} "
-             f"({config.slots_per_size} slot(s) per size) ...")
+             f"({config.slots_per_size} slot(s) per size) and warming the eager/prefill shapes ...")
         with Engine(be, model, config) as engine:
             _log(f"  ready in {time.perf_counter() - t0:.1f} s; generating")
             rng = np.random.default_rng(args.seed)
@@ -104,7 +104,7 @@ def _report(results, stats: dict, trace: str | None) -> None:
          f"token waits {1e3 * stats['token_wait_s'] / steps:.3f} ms")
     _log(f"  pool: {stats['pool']['bytes_reserved'] / 2**20:.1f} MiB reserved, "
          f"mallocs during capture {stats['pool']['mallocs_during_capture']}, "
-         f"driver mallocs since capture {stats['driver_mallocs_since_capture']}")
+         f"driver mallocs since warm-up {stats['driver_mallocs_since_warm_up']}")
     if trace:
         _log(f"  trace written to {trace} (open it in https://ui.perfetto.dev)")
     for r in failed:

@@ -1,7 +1,9 @@
 """Engine: continuous batching of requests over the runner.
 
 Each step decodes every running request one token and prefills the newly admitted ones
-(admitted while fewer than `serving_conc` run and their KV blocks are free). The host knows
+(admitted while fewer than `serving_conc` run, their KV blocks are free and the step's prompt
+tokens stay within `max_prefill_tokens`, which bounds the prefill shapes warmed at
+construction: after it, serving makes no driver malloc). The host knows
 each sequence's length without its tokens, so it plans step N+1 before step N's tokens
 arrive; it learns a stop token one step late and drops the extra token that step made.
 """
@@ -39,7 +41,7 @@ class Engine:
     """
 
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
-                 record_logits: bool = False):
+                 record_logits: bool = False, max_prefill_tokens: int | None = None):
         self.be = backend
         self.config = config if config is not None else ExecutorConfig.from_env()
         self.model = as_step_model(backend, model_or_forward)
@@ -47,6 +49,13 @@ class Engine:
         if self.config.serving_conc > geo.max_seqs:
             raise ValueError(f"serving_conc={self.config.serving_conc} exceeds the model's "
                              f"max_seqs={geo.max_seqs}")
+        # A step prefills at most this many prompt tokens (one prompt always fits: a prompt of
+        # up to max_context tokens is admitted alone).
+        if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
+                                               not isinstance(max_prefill_tokens, int) or
+                                               max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
+        self.max_prefill_tokens = max(geo.max_context, max_prefill_tokens or 0)
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits)
         self._rows = RowAllocator(geo.max_seqs)
         self._blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
@@ -55,10 +64,11 @@ class Engine:
         self._closed = False
         try:
             self.runner.capture()
+            self.runner.warm_up(self.max_prefill_tokens)
         except BaseException:
             self.runner.close()
             raise
-        self._pool_after_capture = backend.pool.stats()
+        self._pool_after_warm_up = backend.pool.stats()
 
     # -- public -------------------------------------------------------------------------
     def generate(self, prompts, *, max_new_tokens=16, stop_token: int | None = None,
@@ -103,7 +113,7 @@ class Engine:
         st.update(tokens=self._tokens_out, wall_s=self._wall_s,
                   tokens_per_s=self._tokens_out / self._wall_s if self._wall_s else 0.0,
                   mode=self.mode, pool=pool.__dict__,
-                  driver_mallocs_since_capture=pool.driver_mallocs - self._pool_after_capture.driver_mallocs)
+                  driver_mallocs_since_warm_up=pool.driver_mallocs - self._pool_after_warm_up.driver_mallocs)
         return st
 
     @property
@@ -166,9 +176,11 @@ class Engine:
     def _plan(self, pending: list[Request], running: list[Request]) -> StepPlan:
         geo = self.model.geometry
         decode = [r for r in running if r.wants_decode(geo.max_context)]
-        new = []
+        new, prefill_tokens = [], 0
         while pending and len(running) < self.config.serving_conc:
             req = pending[0]
+            if new and prefill_tokens + req.prompt_len > self.max_prefill_tokens:
+                break   # the next step prefills it
             blocks = self._blocks.alloc(self._blocks_needed(req))
             if blocks is None:
                 break   # waits for running requests to free blocks (always possible: see refusal)
@@ -179,6 +191,7 @@ class Engine:
             req.block_table[:len(blocks)] = blocks
             running.append(req)
             new.append(req)
+            prefill_tokens += req.prompt_len
         tag = decode + new
         for r in tag:
             r.launched += 1

@@ -94,6 +94,11 @@ class Runner:
         # allocation (and its free) per step would add driver calls that serialize the host.
         self._logits_host = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE)
                               for _ in range(2)] if record_logits else None)
+        # Eager, mixed and prefill steps own their logits: three [capacity, vocab] blocks used
+        # in turn, allocated once (at most depth + 1 are alive: the steps in flight and the one
+        # being launched; a later user of a block is ordered after them on the stream).
+        self._eager_logits = [be.empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(3)]
+        self._eager_turn = 0
         self._timing = ([self._timing_pair() for _ in range(2)]
                         if device_timing or self.tracer.enabled else [None, None])
         self._last: StepHandle | None = None
@@ -102,13 +107,33 @@ class Runner:
         self._closed = False
 
     def capture(self) -> None:
-        """Capture every graph; owned-logit blocks are pre-grown so serving never mallocs."""
+        """Capture every graph (warm-up, pre-grow and capture per size: vt/graphs/capture.py)."""
         self._check_open()
         self.driver.capture()
-        # Eager logits are always [capacity, vocab] (rows [:n] used): one size class, and at
-        # most depth + 1 alive (the handles in flight plus the one being launched).
-        self.be.pool.reserve(self.capacity * self.model.vocab * np.dtype(LOGITS_DTYPE).itemsize,
-                             count=3)
+
+    def warm_up(self, max_prefill_tokens: int) -> None:
+        """Run every eager shape once, so that serving never calls the driver afterwards.
+
+        Eager steps run at a fixed set of shapes: decode rows padded to a captured size or the
+        eager capacity (driver.decode_buckets), prefill padded by the step model to its own
+        buckets (powers of two) for up to `max_prefill_tokens` prompt tokens per step. Every
+        temporary dies when its launch returns and goes back to the pool (stream-ordered
+        reuse), so once each shape ran, the pool's free blocks cover any later step.
+        Cost: one eager forward per bucket: about log2 of the largest size, not one per size.
+        """
+        self._check_open()
+        block = self._eager_logits[0]
+        none = np.zeros(0, np.int32)
+        empty = DecodeRows(none, none, none, none, np.zeros((0, self.driver.max_blocks), np.int32), none)
+        for size in self.driver.decode_buckets():
+            inputs = self.driver.stage_eager(empty, size)   # all padding: writes only scratch
+            self.driver.launch_eager(inputs, block[:size])
+            self.model.sample(self.stream, block[:size], inputs, self._out_tokens[:size], None)
+            self.stream.synchronize()   # the staging area is reused by the next bucket
+        warm = getattr(self.model, "warm_up_prefill", None)
+        if warm is not None:
+            warm(self.stream, max_prefill_tokens, block)
+        self.stream.synchronize()
 
     # -- launch -------------------------------------------------------------------------
     def launch(self, plan: StepPlan, sampling=None) -> StepHandle:
@@ -136,12 +161,13 @@ class Runner:
             timing[0].record(self.stream)
         if slot is not None:
             logits = self.driver.launch_graph(slot, plan.decode)
-            kind, size, inputs = "graph", slot.size, slot.device
+            kind, size = "graph", slot.size
+            # Padded rows are sampled too (into the scratch row): one fixed shape per size.
+            self.model.sample(self.stream, logits.array, slot.device, self._out_tokens[:size],
+                              sampling)
         else:
-            logits, inputs, kind = self._launch_eager(plan)
+            logits, kind = self._launch_eager(plan, sampling)
             size = plan.n
-        # Padded rows are sampled too (into the scratch row): one fixed shape per size.
-        self.model.sample(self.stream, logits.array, inputs, self._out_tokens[:size], sampling)
         handle = StepHandle(self._steps, kind, plan.n, size, logits, plan.tag, parity, timing)
         if self.record_logits:
             handle.host_logits = self._logits_host[parity][:plan.n]
@@ -161,20 +187,30 @@ class Runner:
         self._steps += 1
         return handle
 
-    def _launch_eager(self, plan: StepPlan):
-        """Eager decode rows and/or prefill into logits the step owns."""
+    def _launch_eager(self, plan: StepPlan, sampling):
+        """Eager decode rows and/or prefill, sampled, into logits the step owns.
+
+        Decode rows run padded to driver.decode_bucket and are sampled first; the prefill then
+        writes its logits after them (rows [n_dec, n)), over the padded rows' logits, which
+        the stream has already sampled: rows [:n] of the block are the step's logits.
+        """
         n_dec = len(plan.decode) if plan.decode is not None else 0
-        parts = ([plan.decode] if n_dec else []) + (
-            [decode_rows(plan.prefill, self.model.geometry.block_size,
-                         [len(s.tokens) - 1 for s in plan.prefill])] if plan.prefill else [])
-        inputs = self.driver.stage_eager(DecodeRows.concat(parts))
-        block = self.driver.new_logits(self.capacity)   # [capacity, vocab]; rows [:n] used
+        block = self._eager_logits[self._eager_turn % 3]   # [capacity, vocab]
+        self._eager_turn += 1
         if n_dec:
-            self.driver.launch_eager(inputs.rows(0, n_dec), block[:n_dec])
+            size = self.driver.decode_bucket(n_dec)
+            inputs = self.driver.stage_eager(plan.decode, size)
+            self.driver.launch_eager(inputs, block[:size])
+            self.model.sample(self.stream, block[:size], inputs, self._out_tokens[:size], sampling)
         if plan.prefill:
+            rows = decode_rows(plan.prefill, self.model.geometry.block_size,
+                               [len(s.tokens) - 1 for s in plan.prefill])
+            inputs = self.driver.stage_eager(rows, region=1)
             self.model.prefill(self.stream, plan.prefill, block[n_dec:plan.n])
+            self.model.sample(self.stream, block[n_dec:plan.n], inputs,
+                              self._out_tokens[n_dec:plan.n], sampling)
         kind = "eager" if not plan.prefill else ("mixed" if n_dec else "prefill")
-        return ForwardLogits(block[:plan.n], plan.n), inputs, kind
+        return ForwardLogits(block[:plan.n], plan.n), kind
 
     def _maybe_drain(self) -> None:
         prev = self._last

@@ -98,28 +98,46 @@ class ForwardModel:
         self.forward(stream, inputs, logits_out)
 
     def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:
-        """Substep p runs the forward over every sequence with a token at position p."""
+        """Substep p runs the forward over every sequence with a token at position p, padded
+        to row_bucket rows (scratch rows), so the forward only ever sees those few shapes."""
         bs = self.geometry.block_size
         steps, at = [], 0
         for p in range(max(len(s.tokens) for s in seqs)):
             live = [i for i, s in enumerate(seqs) if p < len(s.tokens)]
+            size = self.row_bucket(len(live))
             rows = decode_rows([seqs[i] for i in live], bs, [p] * len(live))
-            view = self._host.rows(at, at + len(live))
-            fill_host(view, rows, self.pad)
+            fill_host(self._host.rows(at, at + size), rows, self.pad)
+            self._host_tokens[at:at + size] = 0
             self._host_tokens[at:at + len(live)] = [seqs[i].tokens[p] for i in live]
-            steps.append((at, live, p))
-            at += len(live)
+            steps.append((at, size, live, p))
+            at += size
         copy_inputs_h2d(self.be, self._dev, self._host, stream, at)
         self.be.copy_h2d(self._dev_tokens[:at], self._host_tokens[:at], stream)
-        for start, live, p in steps:
-            inp = self._dev.rows(start, start + len(live))
+        for start, size, live, p in steps:
+            inp = self._dev.rows(start, start + size)
             self.be.launch(stream, _SCATTER, self.token_table, inp.token_rows,
-                           self._dev_tokens[start:start + len(live)])
-            tmp = self._tmp_logits[:len(live)]
+                           self._dev_tokens[start:start + size])
+            tmp = self._tmp_logits[:size]
             self.forward(stream, inp, tmp)
             for j, i in enumerate(live):
                 if p == len(seqs[i].tokens) - 1:
                     self.be.copy_d2d(logits_out[i:i + 1], tmp[j:j + 1], stream)
+
+    def row_bucket(self, n: int) -> int:
+        """Rows a prefill substep of n live sequences runs at: the next power of two, at most
+        max_seqs (a few shapes, each warmed once by warm_up_prefill)."""
+        return min(1 << max(0, n - 1).bit_length(), self.geometry.max_seqs)
+
+    def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out) -> None:
+        """One prefill substep at every row bucket, on scratch rows only (Runner.warm_up).
+        A substep's shape depends on its live rows only, not on the prompt lengths."""
+        g = self.geometry
+        sizes = sorted({self.row_bucket(n) for n in range(1, g.max_seqs + 1)})
+        scratch = PrefillSeq(g.max_seqs, np.zeros(1, np.int32),
+                             np.full(g.max_blocks, g.scratch_block, np.int32), g.max_seqs)
+        for size in sizes:
+            self.prefill(stream, [scratch] * size, logits_out[:size])
+            stream.synchronize()   # the staging area is reused by the next bucket
 
     def sample(self, stream, logits, inputs, out_tokens, sampling) -> None:
         temperature = 0.0 if sampling is None else float(sampling.temperature)

@@ -176,23 +176,27 @@ def test_uploaded_graph_replays_correctly(be):
 
 
 def test_pool_debug_mode_gives_each_buffer_its_own_cudamalloc():
-    """pool_debug=True: one driver allocation per buffer; the caching pool reuses freed blocks."""
+    """pool_debug=True: one driver allocation of the exact size per buffer (caching by exact
+    size); the normal pool rounds to 512 bytes, so 400 and 404 bytes share a block."""
     from vt.backend.cuda import CudaBackend
     with CudaBackend(pool_debug=True) as be:
         before = be.pool.stats().driver_mallocs
         arrays = [be.empty((100,), np.float32) for _ in range(3)]
         assert be.pool.stats().driver_mallocs == before + 3
         assert len({a.data.ptr for a in arrays}) == 3
+        assert be.pool.stats().bytes_in_use == 3 * 400
         del arrays
         gc.collect()
-        be.empty((100,), np.float32)
+        be.empty((101,), np.float32)              # another exact size: its own allocation
+        assert be.pool.stats().driver_mallocs == before + 4
+        be.empty((100,), np.float32)              # a cached 400-byte block serves it
         assert be.pool.stats().driver_mallocs == before + 4
     with CudaBackend(pool_debug=False) as be:
         a = be.empty((100,), np.float32)
         mallocs = be.pool.stats().driver_mallocs
         del a
         gc.collect()
-        be.empty((100,), np.float32)
+        be.empty((101,), np.float32)
         assert be.pool.stats().driver_mallocs == mallocs
 
 

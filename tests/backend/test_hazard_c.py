@@ -2,6 +2,7 @@
 import time
 
 import numpy as np
+import pytest
 
 TRIALS = 20
 N = 1024
@@ -37,6 +38,7 @@ def _count_corruptions(be, guarded: bool) -> int:
     return corrupted
 
 
+@pytest.mark.needs_overlap
 def test_unguarded_overwrite_after_launch_corrupts_the_replay(backend, record_property):
     """Without a wait, the replay reads the host's next-step data (hazard-C reproduced)."""
     corrupted = _count_corruptions(backend, guarded=False)

@@ -204,17 +204,35 @@ def test_capture_state_ends_when_the_block_raises():
     pool.reserve(512)
 
 
-def test_debug_mode_gives_each_buffer_its_own_allocation_and_frees_it():
-    """debug=True: one raw allocation of the exact size per buffer, raw free on free()."""
+def test_debug_mode_gives_each_buffer_its_own_allocation_of_its_exact_size():
+    """debug=True: one raw allocation of the exact size per buffer, cached by exact size."""
     raw, pool = make_pool(debug=True)
     a, b = pool.alloc(100), pool.alloc(100)
     assert raw.live[a.ptr] == 100 and raw.live[b.ptr] == 100 and a.ptr != b.ptr
+    assert pool.size_class(100) == 100 and pool.stats().bytes_in_use == 200
+    ptr = a.ptr
     a.free()
-    assert a.ptr not in raw.live and pool.stats().free_bytes == 0
+    assert ptr in raw.live and pool.stats().free_bytes == 100
+    assert pool.alloc(101).ptr != ptr, "a different exact size is a different class"
+    assert pool.alloc(100).ptr == ptr and pool.stats().driver_mallocs == 3
+
+
+def test_debug_mode_keeps_reserve_and_retained_blocks_served_in_capture():
+    """debug=True still pre-grows: reserved and freed blocks serve retained requests in a capture."""
+    raw, pool = make_pool(debug=True)
+    pool.reserve(4000, count=2)
+    pool.alloc_retained(3000).free()
+    with pool.capturing("g"):
+        first, second, third = (pool.alloc_retained(4000), pool.alloc_retained(4000),
+                                pool.alloc_retained(3000))
+        with pytest.raises(CaptureAllocationError, match="retained block of 4000 bytes"):
+            pool.alloc_retained(4000)
+    assert raw.live[first.ptr] == raw.live[second.ptr] == 4000 and raw.live[third.ptr] == 3000
+    assert pool.stats().mallocs_during_capture == 0
 
 
 def test_debug_scratch_serves_one_block_per_request_index():
-    """debug=True: the warm-up grows one block per request index; the capture uses them in order."""
+    """debug=True: the warm-up grows one exact-size block per request index; the capture uses them in order."""
     raw, pool = make_pool(debug=True)
     with pool.scratch_warmup("S=2"):
         pool.alloc(1000)
@@ -222,22 +240,22 @@ def test_debug_scratch_serves_one_block_per_request_index():
     with pool.capturing("S=2"):
         first, second = pool.alloc(1000), pool.alloc(3000)
     assert (first.offset, second.offset) == (0, 0)
-    assert raw.live[first.ptr] == 1024 and raw.live[second.ptr] == 3072
+    assert raw.live[first.ptr] == 1000 and raw.live[second.ptr] == 3000
     with pool.capturing("S=2 bigger"):
         pool.alloc(1000)
         with pytest.raises(CaptureAllocationError, match="scratch block of 5000 bytes"):
             pool.alloc(5000)
 
 
-def test_debug_frees_during_capture_wait_until_the_capture_ends():
-    """cudaFree is illegal while capturing: a debug free inside a capture is deferred."""
-    raw, pool = make_pool(debug=True)
-    buf = pool.alloc(512)
-    with pool.capturing("g"):
-        buf.free()
-        assert buf.ptr in raw.live
-    assert buf.ptr not in raw.live
-    assert all(capture is None for _, _, capture in raw.calls)
+def test_frees_during_capture_return_to_the_cache_without_a_driver_call():
+    """Freeing inside a capture (either mode) calls no driver function: the block is cached."""
+    for debug in (False, True):
+        raw, pool = make_pool(debug=debug)
+        buf = pool.alloc(512)
+        with pool.capturing("g"):
+            buf.free()
+        assert buf.ptr in raw.live and pool.stats().free_bytes == 512
+        assert all(capture is None for _, _, capture in raw.calls)
 
 
 def test_close_frees_everything_and_refuses_further_use():
@@ -297,4 +315,4 @@ def test_backend_device_array_returns_its_block_when_it_dies(backend):
     assert in_use >= 4000
     del arr
     gc.collect()
-    assert backend.pool.stats().bytes_in_use == in_use - round_size(4000)
+    assert backend.pool.stats().bytes_in_use == in_use - backend.pool.size_class(4000)

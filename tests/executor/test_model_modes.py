@@ -71,6 +71,7 @@ def test_model_ring_with_poison_matches_off(backend, preset, conc):
     assert mismatches(off, ring) == 0
 
 
+@pytest.mark.needs_overlap
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 def test_model_no_dbuf_with_poison_is_detected(backend, preset):
     """NO_DBUF + POISON on the bundled model: mismatches (counted)."""
@@ -81,3 +82,25 @@ def test_model_no_dbuf_with_poison_is_detected(backend, preset):
     bad = mismatches(off, bad_results)
     print(f"NO_DBUF+POISON {preset} on {backend.name}: {bad} of {len(prompts)} requests mismatched")
     assert bad > 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
+def test_model_serving_makes_no_driver_malloc_after_warm_up(backend, preset):
+    """The bundled model from the first generate() on, prompts of 1 to max_context tokens:
+    0 driver mallocs (prefill padded to warmed token buckets, decode to warmed sizes)."""
+    cfg = PRESETS[preset]
+    rng = np.random.default_rng(11)
+    lengths = [1, cfg.max_context - 4, 2, 100, 37, 3] + [int(n) for n in rng.integers(1, 80, size=6)]
+    prompts = [rng.integers(0, cfg.vocab, size=n) for n in lengths]
+    budgets = [int(b) for b in rng.integers(2, 5, size=len(prompts))]
+    model = HybridModel(backend, cfg, _weights(preset), max_seqs=8, num_kv_blocks=512)
+    config = ExecutorConfig(async_executor=True, serving_conc=6, capture_sizes=(1, 2, 4))
+    with Engine(backend, HybridStepModel(backend, model), config) as eng:
+        before = backend.pool.stats()
+        results = eng.generate(prompts, max_new_tokens=budgets)
+        after = backend.pool.stats()
+        st = eng.stats()
+    assert [len(r.tokens) for r in results] == budgets
+    assert st["prefill_steps"] + st["mixed_steps"] > 1 and st["graph_steps"] > 0
+    assert st["eager_steps"] + st["mixed_steps"] > 0
+    assert after.driver_mallocs == before.driver_mallocs, (before, after)

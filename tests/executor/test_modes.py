@@ -3,6 +3,7 @@
 The toy queues DEVICE_WORK_S of device time per forward, so the host runs ahead of the
 device on sim and cuda alike: the regime where hazard-C shows if a mode lets it.
 """
+import numpy as np
 import pytest
 
 from vt.backend import get_backend
@@ -38,6 +39,7 @@ def test_ring_with_poison_matches_the_off_path(backend, conc, h2d, inputs_read):
     assert st["drains"] <= owned   # only steps after owning steps drain
 
 
+@pytest.mark.needs_overlap
 def test_no_dbuf_with_poison_is_detected(backend):
     """NO_DBUF + POISON (no ring, no drain): replays read poisoned vectors, outputs differ."""
     prompts, budgets = workload(32, seed=3)
@@ -99,21 +101,30 @@ def test_oversize_batch_falls_back_to_eager(backend):
     assert mismatches(ref, small) == 0
 
 
-def test_serving_run_makes_no_driver_malloc_after_warm_up(backend):
-    """A whole second serving run calls the driver 0 times; no capture ever did."""
+@pytest.mark.parametrize("capture_sizes", [(1, 2, 4, 8), (1, 2)], ids=["graphs", "eager"])
+def test_serving_run_makes_no_driver_malloc_after_warm_up(backend, capture_sizes):
+    """From the first generate() on, with prompts of every length up to the context, serving
+    calls the driver 0 times: prefill, mixed and eager steps run at warmed shapes."""
     from vt.engine import Engine
     from vt.knobs import ExecutorConfig
     from vt.toy import ToyForward
-    prompts, budgets = workload(24, seed=8)
+    rng = np.random.default_rng(8)
     toy = ToyForward(backend)
-    with Engine(backend, toy.step_model(), ExecutorConfig(async_executor=True, serving_conc=8)) as eng:
-        eng.generate(prompts, max_new_tokens=budgets)
+    lengths = [1, 2, 3, 64, 63, 33, 17, 5] + [int(n) for n in rng.integers(1, 65, size=16)]
+    prompts = [rng.integers(0, toy.vocab, size=n) for n in lengths]
+    budgets = [int(b) for b in rng.integers(2, 10, size=len(prompts))]
+    config = ExecutorConfig(async_executor=True, serving_conc=8, capture_sizes=capture_sizes)
+    with Engine(backend, toy.step_model(), config) as eng:
         before = backend.pool.stats()
-        eng.generate(prompts, max_new_tokens=budgets)
+        results = eng.generate(prompts, max_new_tokens=budgets)
         after = backend.pool.stats()
-        assert eng.stats()["graph_steps"] > 0
+        st = eng.stats()
+    assert all(r.finish_reason in ("length", "context") for r in results)
+    assert st["prefill_steps"] + st["mixed_steps"] > 0
+    assert (st["eager_steps"] if capture_sizes == (1, 2) else st["graph_steps"]) > 0
     assert after.mallocs_during_capture == 0
     assert after.driver_mallocs == before.driver_mallocs, (before, after)
+    assert st["driver_mallocs_since_warm_up"] == 0
 
 
 def test_ring_wait_is_load_bearing(delayed_sim, monkeypatch):

@@ -2,8 +2,14 @@
 
 Backend-agnostic: it sits on a raw provider with `malloc(nbytes) -> int` and `free(ptr) -> None`
 (cudaMalloc/cudaFree on cuda, numpy blocks on sim). Every block is one raw allocation; free
-blocks are cached by rounded size and served by exact size. During a capture, `alloc` bumps
-through the shared scratch arena and `alloc_retained` takes cached blocks only.
+blocks are cached by size class (`pool.size_class`) and served by exact class. During a
+capture, `alloc` bumps through the shared scratch arena and `alloc_retained` takes cached
+blocks only.
+
+Debug mode (compute-sanitizer) keeps every one of those semantics (free lists, reserve,
+retained blocks served from the cache during capture) and changes only the size class: the
+exact request, so each buffer is a driver allocation of exactly its size and an overrun by
+one element falls outside it. Its scratch arena is one block per request index.
 """
 from __future__ import annotations
 
@@ -70,7 +76,7 @@ class DeviceBuffer:
 
 
 class DevicePool:
-    """Caching pool; `debug=True` gives every buffer its own raw allocation, freed on free()."""
+    """Caching pool; `debug=True` gives every buffer its own raw allocation of its exact size."""
 
     def __init__(self, raw, *, debug: bool = False):
         self.raw = raw
@@ -79,7 +85,6 @@ class DevicePool:
         self._pending: list[int] = []            # blocks released while the lock was busy
         self._free: dict[int, list[int]] = defaultdict(list)   # size -> block ptrs
         self._used: dict[int, int] = {}          # block ptr -> size, handed out
-        self._deferred: dict[int, int] = {}      # debug frees postponed until the capture ends
         self._scratch: dict[int, int] = {}       # every arena block ever made: graphs keep its addresses
         self._arena: tuple[int, int] | None = None   # (ptr, size) the bump allocator serves from
         self._debug_slots: list[tuple[int, int]] = []  # debug: one scratch block per request index
@@ -90,7 +95,7 @@ class DevicePool:
         self._counts = {"mallocs": 0, "capture_mallocs": 0, "captures": 0}
         self._closed = False
         self._finalizer = weakref.finalize(self, _free_all, raw, self._free, self._used,
-                                           self._deferred, self._scratch)
+                                           self._scratch)
 
     # -- allocation ---------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DeviceBuffer:
@@ -99,7 +104,7 @@ class DevicePool:
             if self._capture is not None:
                 return self._alloc_scratch(nbytes)
             if self._warmup is not None:
-                self._warmup.append(round_size(nbytes))
+                self._warmup.append(self.size_class(nbytes))
             return self._alloc_block(nbytes)
 
     def alloc_retained(self, nbytes: int) -> DeviceBuffer:
@@ -111,7 +116,7 @@ class DevicePool:
         """Pre-grow: leave at least `count` free blocks that serve requests of `nbytes`."""
         with self._locked():
             self._refuse_growth_in_capture("reserve")
-            size = round_size(nbytes)
+            size = self.size_class(nbytes)
             while len(self._free[size]) < count:
                 self._free[size].append(self._malloc(size))
 
@@ -136,9 +141,6 @@ class DevicePool:
         finally:
             with self._lock:
                 self._capture = None
-                for ptr in list(self._deferred):
-                    del self._deferred[ptr]
-                    self.raw.free(ptr)
 
     @contextlib.contextmanager
     def scratch_warmup(self, name: str):
@@ -159,6 +161,15 @@ class DevicePool:
             elif sizes:
                 self._grow_arena(sum(sizes))
 
+    def size_class(self, nbytes: int) -> int:
+        """The block size that serves a request: round_size(nbytes), or in debug mode the
+        exact request (at least 1 byte) so the sanitizer sees an overrun past it."""
+        if self.debug:
+            if nbytes < 0:
+                raise ValueError(f"cannot allocate {nbytes} bytes")
+            return max(1, nbytes)
+        return round_size(nbytes)
+
     @property
     def capture_name(self) -> str | None:
         return self._capture
@@ -166,7 +177,7 @@ class DevicePool:
     # -- reporting and teardown -----------------------------------------------------------
     def stats(self) -> PoolStats:
         with self._locked():
-            in_use = sum(self._used.values()) + sum(self._deferred.values())
+            in_use = sum(self._used.values())
             free = sum(size * len(ptrs) for size, ptrs in self._free.items())
             scratch = sum(self._scratch.values())
             return PoolStats(in_use + free + scratch, in_use, free, self._counts["mallocs"],
@@ -194,25 +205,23 @@ class DevicePool:
             yield
 
     def _alloc_block(self, nbytes: int) -> DeviceBuffer:
-        size = round_size(nbytes)
+        size = self.size_class(nbytes)
         if self._free.get(size):
             ptr = self._free[size].pop()
         elif self._capture is not None:
             raise CaptureAllocationError(nbytes, self._free_bytes(), self._capture, "retained",
                                          self._summary())
         else:
-            # debug: the exact size, so compute-sanitizer sees an overrun past the request
-            size = max(1, nbytes) if self.debug else size
             ptr = self._malloc(size)
         self._used[ptr] = size
         return DeviceBuffer(ptr, nbytes, ptr, 0, self._release)
 
     def _alloc_scratch(self, nbytes: int) -> DeviceBuffer:
-        size = round_size(nbytes)
         index, self._request_index = self._request_index, self._request_index + 1
-        if index < len(self._debug_slots) and self._debug_slots[index][1] >= size:
+        if index < len(self._debug_slots) and self._debug_slots[index][1] >= self.size_class(nbytes):
             ptr = self._debug_slots[index][0]
             return DeviceBuffer(ptr, nbytes, ptr, 0)
+        size = round_size(nbytes)   # the bump arena keeps 512-byte alignment in both modes
         arena_ptr, arena_size = self._arena or (0, 0)
         if self._bump + size > arena_size:
             raise CaptureAllocationError(nbytes, arena_size - self._bump, self._capture, "scratch",
@@ -264,12 +273,7 @@ class DevicePool:
             size = self._used.pop(ptr, None)
             if size is None:
                 continue  # the pool was closed after this buffer was handed out
-            if not self.debug:
-                self._free[size].append(ptr)
-            elif self._capture is not None:
-                self._deferred[ptr] = size  # cudaFree is not allowed while capturing
-            else:
-                self.raw.free(ptr)
+            self._free[size].append(ptr)
 
     def _free_bytes(self) -> int:
         return sum(size * len(ptrs) for size, ptrs in self._free.items())
@@ -282,12 +286,12 @@ class DevicePool:
                 f"by this capture, debug={self.debug}")
 
 
-def _free_all(raw, free, used, deferred, scratch) -> None:
+def _free_all(raw, free, used, scratch) -> None:
     for ptrs in free.values():
         for ptr in ptrs:
             raw.free(ptr)
-    for table in (used, deferred, scratch):
+    for table in (used, scratch):
         for ptr in table:
             raw.free(ptr)
-    for table in (free, used, deferred, scratch):
+    for table in (free, used, scratch):
         table.clear()

@@ -27,10 +27,12 @@ class DecodeGraphDriver:
         self.sizes = tuple(config.capture_sizes)
         self.rings: dict[int, SlotRing] = {}
         # Eager steps own their logits and always drain, so one staging area is enough: the
-        # next eager Refresh happens after the drain that waited for this one's copy.
+        # next eager Refresh happens after the drain that waited for this one's copy. Two
+        # regions of eager_capacity rows: a mixed step stages its padded decode rows in the
+        # first and its prefill rows (for sampling) in the second.
         self.eager_capacity = max(eager_capacity, max(self.sizes, default=0))
-        self._eager_host = allocate_inputs(be.pinned_empty, self.eager_capacity, max_blocks)
-        self._eager_device = allocate_inputs(be.empty, self.eager_capacity, max_blocks)
+        self._eager_host = allocate_inputs(be.pinned_empty, 2 * self.eager_capacity, max_blocks)
+        self._eager_device = allocate_inputs(be.empty, 2 * self.eager_capacity, max_blocks)
         self._closed = False
 
     # -- set-up -------------------------------------------------------------------------
@@ -72,17 +74,31 @@ class DecodeGraphDriver:
         slot.refresh(rows, self.pad)
         return slot.launch(self.stream, len(rows))
 
-    def stage_eager(self, rows: DecodeRows) -> DecodeInputs:
-        """Copy rows into the eager device buffers (out of graph); returns the [n] views."""
+    def stage_eager(self, rows: DecodeRows, size: int | None = None, *,
+                    region: int = 0) -> DecodeInputs:
+        """Copy rows into the eager device buffers (out of graph), the tail padded up to `size`
+        rows (default len(rows)); returns the [size] views. region 0 or 1 (see __init__)."""
         self._check_open()
         n = len(rows)
-        if n > self.eager_capacity:
-            raise ValueError(f"an eager step of {n} rows exceeds the eager capacity "
-                             f"{self.eager_capacity} (max_seqs)")
-        view = self._eager_host.rows(0, n)
-        fill_host(view, rows, self.pad)
-        copy_inputs_h2d(self.be, self._eager_device, self._eager_host, self.stream, n)
-        return self._eager_device.rows(0, n)
+        size = n if size is None else size
+        if not n <= size <= self.eager_capacity:
+            raise ValueError(f"an eager step of {n} rows padded to {size} exceeds the eager "
+                             f"capacity {self.eager_capacity} (max_seqs)")
+        start = region * self.eager_capacity
+        host, dev = self._eager_host.rows(start, start + size), self._eager_device.rows(start, start + size)
+        fill_host(host, rows, self.pad)
+        copy_inputs_h2d(self.be, dev, host, self.stream)
+        return dev
+
+    def decode_bucket(self, n: int) -> int:
+        """Rows an eager decode of n rows runs at: the padded captured size, else the eager
+        capacity. A fixed set of shapes, so warming each once (Runner.warm_up) covers every
+        later eager step's temporaries and serving never grows the pool."""
+        size = self.padded_size(n)
+        return self.eager_capacity if size is None else size
+
+    def decode_buckets(self) -> list[int]:
+        return sorted(set(self.rings) | {self.eager_capacity})
 
     def launch_eager(self, inputs: DecodeInputs, logits_out) -> None:
         """The forward, launched directly (no graph) into logits the caller owns."""

@@ -100,6 +100,20 @@ def owner_of(arr) -> _Owner | None:
     return base if isinstance(base, _Owner) else None
 
 
+def stream_view(arr):
+    """What a queued op holds instead of a device array: the same bytes, without the pool
+    buffer's ownership. CUDA's pool semantics: a buffer whose last array dies goes back to the
+    pool at once and may serve the next allocation while queued work still uses it, which is
+    safe on one stream because the stream runs in order. Holding the owner here instead would
+    keep every buffer of a queued op in use, so how many blocks a step needs would depend on
+    how far the host ran ahead: the sim would need memory CUDA does not."""
+    owner = owner_of(arr) if isinstance(arr, np.ndarray) else None
+    if not isinstance(owner, DeviceOwner) or owner.keep is None:
+        return arr
+    offset = arr.__array_interface__["data"][0] - owner._mem.ctypes.data
+    return np.ndarray(arr.shape, arr.dtype, buffer=owner._mem, offset=offset, strides=arr.strides)
+
+
 def as_bytes(arr: np.ndarray) -> np.ndarray:
     """A flat uint8 view of a C-contiguous array (a view: reading happens when it is used)."""
     return arr.reshape(-1).view(np.uint8)

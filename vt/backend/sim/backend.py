@@ -14,7 +14,8 @@ from ..errors import CaptureError, ClosedError, CudaError
 from ..pool import DevicePool
 from ._event import Event
 from ._graph import Capture, Graph
-from ._memory import DeviceOwner, PinnedOwner, RawMemory, as_bytes, owned_array, owner_of
+from ._memory import (DeviceOwner, PinnedOwner, RawMemory, as_bytes, owned_array, owner_of,
+                      stream_view)
 from ._stream import Op, Stream
 
 
@@ -89,6 +90,8 @@ class SimBackend:
         if not callable(run):
             raise TypeError(f"{kernel!r} has no run_numpy(); kernels implement run_numpy and run_cupy")
         label = getattr(kernel, "name", type(kernel).__name__)
+        args = [stream_view(a) for a in args]
+        params = {k: stream_view(v) for k, v in params.items()}
         stream.submit(Op(f"launch({label})", functools.partial(run, *args, **params)))
 
     def busy_wait(self, stream: Stream, seconds: float) -> None:
@@ -193,7 +196,7 @@ class SimBackend:
         if dst.nbytes != src.nbytes:
             raise ValueError(f"{call}: dst has {dst.nbytes} bytes ({dst.shape} {dst.dtype}) but "
                              f"src has {src.nbytes} ({src.shape} {src.dtype})")
-        dst_bytes, src_bytes = as_bytes(dst), as_bytes(src)
+        dst_bytes, src_bytes = as_bytes(stream_view(dst)), as_bytes(stream_view(src))
         stream.submit(Op(f"{call}({src.nbytes} B)",
                          functools.partial(np.copyto, dst_bytes, src_bytes)))
 
