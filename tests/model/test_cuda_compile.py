@@ -2,8 +2,7 @@
 (skipped where libnvrtc is not installed: pip install nvidia-cuda-nvrtc)."""
 import pytest
 
-from vt.model.kernels import (_common, attention, embedding, gdn, kvcache, mlp, moe, norm, rope, sampling,
-                              skinny_gemm)
+from vt.model.kernels import (_common, attention, embedding, gdn, kvcache, mlp, moe, norm, rope, sampling)
 
 SOURCES = {
     "gather f16->f32": (embedding._CODE, dict(IN_F32=0, OUT_F32=1)),
@@ -11,14 +10,13 @@ SOURCES = {
     "rmsnorm f32 in": (norm._CODE, dict(IN_F32=1)),
     "rmsnorm storage in": (norm._CODE, dict(IN_F32=0)),
     "rope": (rope._CODE, {}), "kv_write": (kvcache._CODE, {}),
-    "attention D=128": (attention._CODE, dict(DPL=4, G=4)), "attention D=32": (attention._CODE, dict(DPL=1, G=2)),
-    "attention D=64 G=4": (attention._CODE, dict(DPL=2, G=4)), "attention D=256 G=8": (attention._CODE, dict(DPL=8, G=8)),
-    "attention D=96 G=1": (attention._CODE, dict(DPL=3, G=1)),
+    "attention D=128": (attention._CODE, dict(LPK=16, EPL=8, G=4)),
+    "attention D=32": (attention._CODE, dict(LPK=4, EPL=8, G=2)),
+    "attention D=64 G=4": (attention._CODE, dict(LPK=8, EPL=8, G=4)),
+    "attention D=256 G=8": (attention._CODE, dict(LPK=32, EPL=8, G=8)),
+    "attention D=96 G=1": (attention._CODE, dict(LPK=8, EPL=12, G=1)),
     "gdn 128x128": (gdn._CODE, dict(DK=128, DV=128)), "gdn 32x32": (gdn._CODE, dict(DK=32, DV=32)),
     "gdn 64x32": (gdn._CODE, dict(DK=64, DV=32)), "gdn 256x256": (gdn._CODE, dict(DK=256, DV=256)),
-    "skinny_gemm 4x4 f32 out": (skinny_gemm._CODE, dict(RT=4, MT=4, OUT_F32=1)),
-    "skinny_gemm 1x1 storage out": (skinny_gemm._CODE, dict(RT=1, MT=1, OUT_F32=0)),
-    "skinny_gemm 2x2": (skinny_gemm._CODE, dict(RT=2, MT=2, OUT_F32=1)),
     "silu_mul": (mlp._CODE, {}), "moe": (moe._CODE, {}), "sample": (sampling._CODE, {}),
 }
 

@@ -82,19 +82,20 @@ def case_kv_write(rng, st):
                                               q_heads=hq, kv_heads=hk, head_dim=D), expect)
 
 
-def case_attention(rng, st, D=64):
-    hq, hk, bs, nb = 8, 2, 8, 40
-    lens = np.array([1, 37, 0, 16, 9], np.int32)
-    bt = rng.permutation(nb)[: 5 * 8].reshape(5, 8).astype(np.int32)
-    rows = rng.permutation(5).astype(np.int32)
-    a = dict(qkv=_st(rng, (5, (hq + 2 * hk) * D), st), kc=_st(rng, (nb, bs, hk, D), st),
+def case_attention(rng, st, D=64, hq=8, hk=2, bs=8, lens=(1, 37, 0, 16, 9)):
+    N, lens = len(lens), np.array(lens, np.int32)
+    mb = max(8, -(-int(lens.max()) // bs))  # block-table columns
+    nb = N * mb
+    bt = rng.permutation(nb).reshape(N, mb).astype(np.int32)
+    rows = rng.permutation(N).astype(np.int32)
+    a = dict(qkv=_st(rng, (N, (hq + 2 * hk) * D), st), kc=_st(rng, (nb, bs, hk, D), st),
              vc=_st(rng, (nb, bs, hk, D), st), bt=bt, lens=lens, rows=rows,
-             out=_poisoned((5, hq * D), st))
+             out=_poisoned((N, hq * D), st))
 
     def expect(a):
-        q = a["qkv"][:, : hq * D].reshape(5, hq, D)
+        q = a["qkv"][:, : hq * D].reshape(N, hq, D)
         o = attention.reference(q, a["kc"], a["vc"], a["bt"], a["lens"], a["rows"])
-        return {"out": (o.reshape(5, -1), F16)}
+        return {"out": (o.reshape(N, -1), F16)}
     return Case(a, lambda be, s, d: be.launch(
         s, K.PagedAttention(), d["qkv"], d["kc"], d["vc"], d["bt"], d["lens"], d["rows"], d["out"],
         q_heads=hq, kv_heads=hk, head_dim=D), expect)
@@ -128,6 +129,21 @@ def case_gdn_prefill(rng, st):
 
 def case_attention_d128(rng, st):
     return case_attention(rng, st, D=128)
+
+
+def case_attention_bench_heads_long_context(rng, st):
+    """The bench's heads (32 q / 8 kv, D=128) at 24 rows x up to 512 keys: few splits (2 on an
+    H200), each split many batches of keys per warp, some rows shorter than a batch."""
+    lens = rng.integers(1, 513, 24)
+    lens[:3] = (512, 3, 0)
+    return case_attention(rng, st, D=128, hq=32, hk=8, bs=16, lens=tuple(lens))
+
+
+def case_attention_unsplit_d96(rng, st):
+    """72 rows x 8 kv heads fill the GPU without splitting (P == 1 writes the output itself);
+    D=96 reads a row with 8 lanes x 12 elements."""
+    lens = rng.integers(0, 200, 72)
+    return case_attention(rng, st, D=96, hq=16, hk=8, bs=16, lens=tuple(lens))
 
 
 def case_gdn_d128(rng, st):
@@ -164,16 +180,14 @@ def case_combine(rng, st):
 _GEMMS = weakref.WeakKeyDictionary()
 
 
-def _gemm_of(be, impl=None):
-    """One Gemm (cuBLAS handle + workspace) per backend and implementation (None: VT_GEMM):
-    bound eagerly, then reused in captures."""
-    per = _GEMMS.setdefault(be, {})
-    if impl not in per:
-        per[impl] = K.Gemm([be.empty((gemm.WORKSPACE_BYTES,), np.uint8)], backend=impl)
-    return per[impl]
+def _gemm_of(be):
+    """One Gemm (cuBLAS handle + workspace) per backend: bound eagerly, then reused in captures."""
+    if be not in _GEMMS:
+        _GEMMS[be] = K.Gemm([be.empty((gemm.WORKSPACE_BYTES,), np.uint8)])
+    return _GEMMS[be]
 
 
-def _gemm_case(rng, st, xs, ws, out_dtype, accumulate, impl=None):
+def _gemm_case(rng, st, xs, ws, out_dtype, accumulate):
     out_shape = ws[:-2] + (xs[-2], ws[-2]) if len(ws) == 3 else (xs[0], ws[0])
     a = dict(x=_st(rng, xs, st), w=_st(rng, ws, st, 0.1),
              out=(rng.standard_normal(out_shape).astype(out_dtype) if accumulate
@@ -181,7 +195,7 @@ def _gemm_case(rng, st, xs, ws, out_dtype, accumulate, impl=None):
     if np.dtype(out_dtype) == np.float16 and st == np.uint16:
         a["out"] = to_storage(np.zeros(out_shape) if accumulate else np.full(out_shape, np.nan), st)
     tol = F32 if np.dtype(out_dtype) == np.float32 else F16
-    return Case(a, lambda be, s, d: be.launch(s, _gemm_of(be, impl), d["x"], d["w"], d["out"],
+    return Case(a, lambda be, s, d: be.launch(s, _gemm_of(be), d["x"], d["w"], d["out"],
                                               accumulate=accumulate),
                 lambda a: {"out": (gemm.reference(a["x"], a["w"], a["out"] if accumulate else None), tol)})
 
@@ -204,20 +218,6 @@ def case_gemm_batched_shared_x(rng, st):
 
 def case_gemm_batched(rng, st):
     return _gemm_case(rng, st, (4, 5, 64), (4, 32, 64), np.float16, False)
-
-
-def case_gemm_vt_split_k(rng, st):
-    """vt's skinny GEMM, one token tile, K split over 2 blocks (last block reduces)."""
-    return _gemm_case(rng, st, (5, 256), (96, 256), np.float32, False, impl="vt")
-
-
-def case_gemm_vt_m32_accumulate(rng, st):
-    """vt's skinny GEMM at 32 rows (RT=4, MT=4), weight rows not a multiple of the tile."""
-    return _gemm_case(rng, st, (32, 512), (200, 512), np.float32, True, impl="vt")
-
-
-def case_gemm_vt_m12_storage(rng, st):
-    return _gemm_case(rng, st, (12, 384), (72, 384), np.float16, False, impl="vt")
 
 
 def _sample_case(rng, params):

@@ -11,18 +11,17 @@ scalars read when the call is enqueued, so under capture they are baked like ker
 cuBLAS is column-major: a row-major [R, C] array is a column-major [C, R] one. With
 y^T = w x^T: A = w (col-major [K, N], op T), B = x (col-major [K, M], op N), C = y
 (col-major [N, M]), m = N, n = M, k = K, leading dims = row strides.
+
+A custom skinny tensor-core GEMM was measured 1.3-1.8x slower than cuBLAS for these shapes on the
+H200 (docs/benchmarks.md has the numbers), so cuBLAS is the one GEMM path.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from . import skinny_gemm
 from ._common import f32, f64, store
 
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommended workspace on Hopper
-_BACKENDS = ("cublas", "vt")
 
 _CUDA_TYPE = {np.dtype(np.float16): 2, np.dtype(np.uint16): 14, np.dtype(np.float32): 0}  # cudaDataType
 
@@ -32,14 +31,7 @@ class Gemm:
 
     name = "gemm"
 
-    def __init__(self, workspaces=(), backend: str | None = None):
-        """backend: "cublas" (default) or "vt" (skinny_gemm.py for M <= 32 2-D GEMMs, cuBLAS
-        for the rest); None reads VT_GEMM, so the two can be A/B-ed on the GPU."""
-        backend = backend or os.environ.get("VT_GEMM", "cublas")
-        if backend not in _BACKENDS:
-            raise ValueError(f"Gemm: backend {backend!r} (VT_GEMM) is not one of {_BACKENDS}")
-        self.backend = backend
-        self._vt_ws: dict[int, tuple] = {}  # stream -> (split-K partials, counters)
+    def __init__(self, workspaces=()):
         self._free_ws = list(workspaces)  # device uint8 arrays of WORKSPACE_BYTES
         self._used_ws = []  # bound to a handle: kept alive as long as the handle
         self._handles: dict[int, int] = {}
@@ -71,9 +63,6 @@ class Gemm:
         cublas.set_workspace(h, ws.data.ptr, ws.nbytes)
         self._handles[stream_handle] = h
         self._used_ws.append(ws)
-        if self.backend == "vt":  # eager, on this stream: the counters start at zero
-            self._vt_ws[stream_handle] = (cp.empty(skinny_gemm.PART_FLOATS, np.float32),
-                                          cp.zeros(skinny_gemm.COUNTERS, np.int32))
         return h
 
     def run_cupy(self, stream_handle, x, w, out, *, accumulate=False):
@@ -87,9 +76,6 @@ class Gemm:
             if a.strides[-1] != a.itemsize:
                 raise ValueError(f"Gemm: arrays must be contiguous in their last axis, got strides {a.strides}")
         h = self._handle(stream_handle)
-        if self.backend == "vt" and skinny_gemm.supports(x, w, out):
-            skinny_gemm.launch(x, w, out, *self._vt_ws[stream_handle], accumulate)
-            return
         beta = self._beta[bool(accumulate)].ctypes.data
         t = (_CUDA_TYPE[w.dtype], _CUDA_TYPE[x.dtype], _CUDA_TYPE[out.dtype])
         ldb, ldc = x.strides[-2] // x.itemsize, out.strides[-2] // out.itemsize
