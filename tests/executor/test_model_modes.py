@@ -39,10 +39,12 @@ def run_model(be, preset, prompts, budgets, *, device_work_s=0.0, **cfg):
             decode(stream, inputs, logits_out)
         step.decode = slow_decode
     config = ExecutorConfig(capture_sizes=(1, 2, 4, 8, 16, 32), **cfg)
-    with Engine(be, step, config, record_logits=True) as eng:
-        results = eng.generate(prompts, max_new_tokens=budgets)
-        stats = eng.stats()
-    model.close()
+    try:
+        with Engine(be, step, config, record_logits=True) as eng:
+            results = eng.generate(prompts, max_new_tokens=budgets)
+            stats = eng.stats()
+    finally:
+        model.close()   # destroys its cuBLAS handles (memcheck's leak check counts them)
     return results, stats
 
 
@@ -95,11 +97,14 @@ def test_model_serving_makes_no_driver_malloc_after_warm_up(backend, preset):
     budgets = [int(b) for b in rng.integers(2, 5, size=len(prompts))]
     model = HybridModel(backend, cfg, _weights(preset), max_seqs=8, num_kv_blocks=512)
     config = ExecutorConfig(async_executor=True, serving_conc=6, capture_sizes=(1, 2, 4))
-    with Engine(backend, HybridStepModel(backend, model), config) as eng:
-        before = backend.pool.stats()
-        results = eng.generate(prompts, max_new_tokens=budgets)
-        after = backend.pool.stats()
-        st = eng.stats()
+    try:
+        with Engine(backend, HybridStepModel(backend, model), config) as eng:
+            before = backend.pool.stats()
+            results = eng.generate(prompts, max_new_tokens=budgets)
+            after = backend.pool.stats()
+            st = eng.stats()
+    finally:
+        model.close()
     assert [len(r.tokens) for r in results] == budgets
     assert st["prefill_steps"] + st["mixed_steps"] > 1 and st["graph_steps"] > 0
     assert st["eager_steps"] + st["mixed_steps"] > 0
