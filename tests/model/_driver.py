@@ -1,7 +1,7 @@
 """A minimal host-side driver of HybridModel for tests: block tables, padding, eager steps."""
 import numpy as np
 
-from vt.model import DecodeInputs, PrefillInputs, SamplingParams
+from vt.model import PrefillInputs, SamplingParams, upload_decode_inputs
 
 
 class Driver:
@@ -50,7 +50,7 @@ class Driver:
     def decode(self, rows, S, sampling=SamplingParams()):
         """One eager step: returns (logits [S, V], sampled tokens [S]) on the host."""
         be, s = self.io.be, self.io.s
-        inp = DecodeInputs.upload(be, s, **self.decode_host(rows, S))
+        inp = upload_decode_inputs(be, s, **self.decode_host(rows, S))
         logits = be.empty((S, self.cfg.vocab), np.float32)
         toks = be.empty((S,), np.int32)
         self.m.decode(s, inp, logits)

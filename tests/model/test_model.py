@@ -3,7 +3,7 @@ padded rows, greedy generation, and a captured decode step replayed bit-identica
 import numpy as np
 import pytest
 
-from vt.model import PRESETS, DecodeInputs, HybridModel, SamplingParams, init_weights
+from vt.model import PRESETS, HybridModel, SamplingParams, decode_inputs_empty, init_weights
 from vt.model.reference import ReferenceModel
 
 from ._driver import Driver
@@ -99,7 +99,7 @@ def test_captured_decode_replays_bit_identical_to_eager(backend, preset):
     for drv in (d_e, d_g):
         drv.prefill(prompts, rows)
     s = d_g.io.s
-    inp = DecodeInputs.empty(be, S, m_g.cfg.max_blocks_per_seq)
+    inp = decode_inputs_empty(be, S, m_g.cfg.max_blocks_per_seq)
     host = {k: be.pinned_empty(v.shape, np.int32) for k, v in vars(inp).items()}
     logits = be.empty((S, m_g.cfg.vocab), np.float32, retained=True)
     toks = be.empty((S,), np.int32, retained=True)

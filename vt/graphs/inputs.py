@@ -27,7 +27,13 @@ class PadRow:
 
 @dataclass
 class DecodeInputs:
-    """One row per batch entry: device arrays [S] (block_tables [S, max_blocks])."""
+    """One decode step of S rows, what a forward reads (device arrays; pinned twins on the host).
+
+    token_rows[S]: row of the token table (= the sequence slot) holding the input token;
+    positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
+    write (position + 1); slot_mapping[S]: KV cache slot written; block_tables[S, max_blocks];
+    state_idx[S]: recurrent (GDN) state slot. Padded rows point at the model's scratch row.
+    """
     token_rows: object
     positions: object
     seq_lens: object

@@ -19,7 +19,7 @@ from collections import defaultdict
 import numpy as np
 
 from vt.backend import get_backend
-from vt.model import PRESETS, DecodeInputs, HybridModel, init_weights
+from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs
 
 
 def _timed(be, s, fn, iters, repeats):
@@ -76,7 +76,7 @@ def _inputs(be, s, m, S, context):
     for r in range(S):
         bt[r, :per] = np.arange(r * per, (r + 1) * per)
     pos = np.full(S, context, np.int32)
-    return DecodeInputs.upload(be, s, token_rows=np.arange(S), positions=pos, seq_lens=pos + 1,
+    return upload_decode_inputs(be, s, token_rows=np.arange(S), positions=pos, seq_lens=pos + 1,
                                slot_mapping=bt[:, context // bs] * bs + context % bs,
                                block_tables=bt, state_idx=np.arange(S))
 

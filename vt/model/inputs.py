@@ -3,9 +3,12 @@ replay). The host fills pinned twins of the same shapes and copies them in (vt/g
 those for decode); `upload` is the simple eager way, used by tests and prefill."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import numpy as np
+
+# One definition of the decode inputs for the driver and every forward (the bundled model is one).
+from vt.graphs.inputs import FIELDS, DecodeInputs, allocate_inputs
 
 
 def _upload(be, stream, host: dict) -> dict:
@@ -20,42 +23,16 @@ def _upload(be, stream, host: dict) -> dict:
     return out
 
 
-@dataclass
-class DecodeInputs:
-    """One decode step of S rows (padded rows point at HybridModel's scratch row/state/block).
+def decode_inputs_empty(be, batch: int, max_blocks: int) -> DecodeInputs:
+    """Device buffers for one decode size (their contents are refreshed every step)."""
+    return allocate_inputs(be.empty, batch, max_blocks)
 
-    token_rows[S]: row of the token table (= the sequence slot) holding the input token;
-    positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
-    write (position + 1); slot_mapping[S]: cache slot written; block_tables[S, max_blocks];
-    state_idx[S]: GDN recurrent state slot.
-    """
 
-    token_rows: object
-    positions: object
-    seq_lens: object
-    slot_mapping: object
-    block_tables: object
-    state_idx: object
-
-    @property
-    def batch(self) -> int:
-        return int(self.token_rows.shape[0])
-
-    @property
-    def sample_positions(self):
-        return self.positions
-
-    @classmethod
-    def empty(cls, be, batch: int, max_blocks: int) -> "DecodeInputs":
-        """Device buffers for a captured size (their contents are refreshed every step)."""
-        return cls(*(be.empty((batch, max_blocks) if f.name == "block_tables" else (batch,), np.int32)
-                     for f in fields(cls)))
-
-    @classmethod
-    def upload(cls, be, stream, **host) -> "DecodeInputs":
-        d = _upload(be, stream, {f.name: host[f.name] for f in fields(cls)})
-        stream.synchronize()
-        return cls(**{f.name: d[f.name] for f in fields(cls)})
+def upload_decode_inputs(be, stream, **host) -> DecodeInputs:
+    """Eager, synchronous upload of host arrays (tests, bench); vt/graphs does it per step."""
+    d = _upload(be, stream, {f: host[f] for f in FIELDS})
+    stream.synchronize()
+    return DecodeInputs(*(d[f] for f in FIELDS))
 
 
 @dataclass
