@@ -19,7 +19,8 @@ import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .errors import CaptureAllocationError, ClosedError
+from ._handle import HandleOwner
+from .errors import CaptureAllocationError
 
 ALIGN = 512
 
@@ -46,6 +47,8 @@ class DeviceBuffer:
     """A piece of device memory. `free()` is idempotent; garbage collection frees it too.
 
     Scratch buffers (served during a capture) belong to the arena: their free() does nothing.
+    Not a HandleOwner: a scratch buffer, made on every request during a capture, carries no
+    finalizer at all, and a block's finalizer must not run at exit.
     """
 
     def __init__(self, ptr: int, nbytes: int, block_ptr: int, offset: int, release=None):
@@ -75,7 +78,7 @@ class DeviceBuffer:
         return f"DeviceBuffer(ptr={self.ptr:#x}, nbytes={self.nbytes}, {kind})"
 
 
-class DevicePool:
+class DevicePool(HandleOwner):
     """Caching pool; `debug=True` gives every buffer its own raw allocation of its exact size."""
 
     def __init__(self, raw, *, debug: bool = False):
@@ -93,9 +96,7 @@ class DevicePool:
         self._capture: str | None = None
         self._warmup: list[int] | None = None
         self._counts = {"mallocs": 0, "capture_mallocs": 0, "captures": 0}
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _free_all, raw, self._free, self._used,
-                                           self._scratch)
+        self._own(_free_all, raw, self._free, self._used, self._scratch)
 
     # -- allocation ---------------------------------------------------------------------
     def alloc(self, nbytes: int) -> DeviceBuffer:
@@ -185,24 +186,21 @@ class DevicePool:
 
     def close(self) -> None:
         """Free every raw block (idempotent). Buffers still alive become dangling."""
+        # Under the lock, so an allocation in another thread sees the pool open or closed,
+        # never with its blocks half freed.
         with self._lock:
-            self._closed = True
-            self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
+            super().close()
 
     # -- private --------------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self):
         with self._lock:
-            if self._closed:
-                raise ClosedError("DevicePool is closed")
+            self._require_open()
             self._drain()
             yield
+
+    def _closed_message(self) -> str:
+        return "DevicePool is closed"
 
     def _alloc_block(self, nbytes: int) -> DeviceBuffer:
         size = self.size_class(nbytes)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from cuda.bindings import runtime as cudart
 
 from ._check import check, is_error
-from ._handle import HandleOwner
+from .._handle import HandleOwner
 
 _NOT_READY = cudart.cudaError_t.cudaErrorNotReady
 

@@ -10,7 +10,7 @@ from cuda.bindings import runtime as cudart
 from vt.backend.errors import CaptureError, CudaError
 
 from ._check import check, cuda_error, push_recorder
-from ._handle import HandleOwner
+from .._handle import HandleOwner
 from ._stream import end_orphaned_capture
 
 _SUCCESS = cudart.cudaError_t.cudaSuccess

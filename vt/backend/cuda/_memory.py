@@ -7,7 +7,7 @@ import numpy as np
 from cuda.bindings import runtime as cudart
 
 from ._check import check
-from ._handle import HandleOwner
+from .._handle import HandleOwner
 
 
 class RawMemory:

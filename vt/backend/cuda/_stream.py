@@ -4,7 +4,7 @@ from __future__ import annotations
 from cuda.bindings import runtime as cudart
 
 from ._check import check, is_error
-from ._handle import HandleOwner
+from .._handle import HandleOwner
 
 _NOT_READY = cudart.cudaError_t.cudaErrorNotReady
 _NOT_CAPTURING = cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone

@@ -11,7 +11,7 @@ from ._copy import copy_d2d, copy_d2h, copy_h2d
 from ._device import Device
 from ._event import Event, EventOptions
 from ._graph import Capture, Graph
-from ._handle import HandleOwner
+from .._handle import HandleOwner
 from ._memory import RawMemory, device_array, pinned_empty
 from ._spin import BusyWait
 from ._stream import Stream, legacy_stream

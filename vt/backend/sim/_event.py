@@ -4,14 +4,16 @@ from __future__ import annotations
 import threading
 import time
 
-from ..errors import ClosedError, CudaError
+from .._handle import HandleOwner
+from ..errors import CudaError
 from ._stream import Op
 
 
-class Event:
+class Event(HandleOwner):
     """A sim event. `blocking_sync` picks how the host waits: a threading wait, or a spin.
 
-    Holds no OS resource, so unlike streams it needs no finalizer: close() only marks it closed.
+    Holds no OS resource, so unlike streams it has nothing to release: close() only marks it
+    closed.
     """
 
     def __init__(self, *, blocking_sync: bool = True, timing_enabled: bool = False,
@@ -25,12 +27,12 @@ class Event:
         self._cv = threading.Condition()
         self._stream = None        # stream of the latest record, whose op failures sync reports
         self._capture = None       # the capture that holds the latest record, if recorded in one
-        self._closed = False
+        self._own()
 
     def record(self, stream, *, external: bool = False) -> None:
         """Record on `stream`; inside a capture a node (external=True: re-recorded per replay)."""
-        self._check_open()
-        stream._check_open()
+        self._require_open()
+        stream._require_open()
         if stream.capture is not None:
             self._capture = stream.capture
             node = _ExternalRecord(self) if external else Op(f"record({self.name})",
@@ -45,21 +47,21 @@ class Event:
 
     def synchronize(self) -> None:
         """Wait for the latest record issued before this call."""
-        self._check_open()
+        self._require_open()
         self._refuse_in_capture("cudaEventSynchronize")
         self.wait_for(self.issued, spin=not self.blocking_sync)
         if self._stream is not None:
             self._stream.raise_pending_error()
 
     def query(self) -> bool:
-        self._check_open()
+        self._require_open()
         self._refuse_in_capture("cudaEventQuery")
         return self._completed >= self.issued
 
     def elapsed_ms(self, start: "Event") -> float:
         """Milliseconds from `start`'s latest record to this event's, timed when they ran."""
-        self._check_open()
-        start._check_open()
+        self._require_open()
+        start._require_open()
         for ev, role in ((start, "start"), (self, "end")):
             if not ev.timing_enabled:
                 raise ValueError(f"elapsed_ms: the {role} event {ev.name!r} was created with "
@@ -79,15 +81,6 @@ class Event:
         with self._cv:
             self._cv.wait_for(lambda: self._completed >= generation)
 
-    def close(self) -> None:
-        self._closed = True
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def _complete(self, generation: int) -> None:
         with self._cv:
             if generation > self._completed:   # records on two streams may complete out of order
@@ -95,9 +88,8 @@ class Event:
                 self._time = time.perf_counter()
             self._cv.notify_all()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"event {self.name!r} is closed")
+    def _closed_message(self) -> str:
+        return f"event {self.name!r} is closed"
 
     def _refuse_in_capture(self, call: str) -> None:
         # CUDA refuses the call with cudaErrorCapturedEvent; it does not invalidate the capture.

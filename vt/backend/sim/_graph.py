@@ -1,13 +1,15 @@
 """Sim capture and graphs: a capture records a stream's ops, a replay re-enqueues them."""
 from __future__ import annotations
 
-import weakref
-
-from ..errors import ClosedError, CudaError
+from .._handle import HandleOwner
+from ..errors import CudaError
 
 
 class Capture:
-    """The ops recorded on one capturing stream; `graph` exists once the capture ended cleanly."""
+    """The ops recorded on one capturing stream; `graph` exists once the capture ended cleanly.
+
+    Not a HandleOwner: it holds nothing to release, and SimBackend.capture ends it (`active`).
+    """
 
     def __init__(self, name: str, stream):
         self.name = name
@@ -38,40 +40,28 @@ class Capture:
         raise error
 
 
-class Graph:
+class Graph(HandleOwner):
     """An executable sim graph. Each launch re-enqueues every node: memory is read when it runs."""
 
     def __init__(self, nodes: list, name: str):
         self.name = name
         self._nodes = list(nodes)
-        self._closed = False
         # Nothing of the OS to release: the finalizer only drops the nodes' array references.
-        self._finalizer = weakref.finalize(self, self._nodes.clear)
+        self._own(self._nodes.clear)
 
     @property
     def num_nodes(self) -> int:
         return len(self._nodes)
 
     def upload(self, stream) -> None:
-        self._check_open()
-        stream._check_open()
+        self._require_open()
+        stream._require_open()
 
     def launch(self, stream) -> None:
-        self._check_open()
-        stream._check_open()
+        self._require_open()
+        stream._require_open()
         for node in self._nodes:
             node.replay(stream)
 
-    def close(self) -> None:
-        self._closed = True
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"graph {self.name!r} is closed")
+    def _closed_message(self) -> str:
+        return f"graph {self.name!r} is closed"

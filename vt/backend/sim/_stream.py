@@ -5,11 +5,11 @@ import itertools
 import queue
 import threading
 import time
-import weakref
 from dataclasses import dataclass
 from typing import Callable
 
-from ..errors import ClosedError, CudaError
+from .._handle import HandleOwner
+from ..errors import CudaError
 
 _handles = itertools.count(0x5000)
 
@@ -25,8 +25,11 @@ class Op:
         stream.submit(self)
 
 
-class Stream:
-    """A non-blocking sim stream. Ops run on its worker thread; the host only enqueues."""
+class Stream(HandleOwner):
+    """A non-blocking sim stream. Ops run on its worker thread; the host only enqueues.
+
+    close() is idempotent; ops already queued still run (as cudaStreamDestroy lets them finish).
+    """
 
     def __init__(self, name: str = "stream", *, device_delay_s: float = 0.0, legacy: bool = False):
         self.name = name
@@ -34,12 +37,11 @@ class Stream:
         self.handle = 0 if legacy else next(_handles)   # cudaStreamLegacy is handle 0 too
         self.capture = None      # the Capture recording this stream's ops, if any
         self._worker = _Worker(name, device_delay_s)
-        self._closed = False
-        self._finalizer = weakref.finalize(self, self._worker.stop)
+        self._own(self._worker.stop)
 
     def submit(self, op: Op) -> None:
         """Enqueue `op`, or record it when the stream captures."""
-        self._check_open()
+        self._require_open()
         if self.capture is not None:
             self.capture.record(op)
         else:
@@ -47,19 +49,19 @@ class Stream:
 
     def wait_event(self, event) -> None:
         """Later ops on this stream wait for the event's latest record issued before this call."""
-        self._check_open()
+        self._require_open()
         target = event.issued
         self.submit(Op(f"wait_event({event.name})", lambda: event.wait_for(target), work=False))
 
     def synchronize(self) -> None:
         """Block until every op issued so far ran; raise an op's failure if one was recorded."""
-        self._check_open()
+        self._require_open()
         self._refuse_in_capture("cudaStreamSynchronize")
         self._worker.wait(self._worker.submitted)
         self.raise_pending_error()
 
     def query(self) -> bool:
-        self._check_open()
+        self._require_open()
         self._refuse_in_capture("cudaStreamQuery")
         return self._worker.done >= self._worker.submitted
 
@@ -70,23 +72,11 @@ class Stream:
             raise RuntimeError(f"sim op {label!r} on stream {self.name!r} failed: "
                                f"{type(exc).__name__}: {exc}") from exc
 
-    def close(self) -> None:
-        """Idempotent; ops already queued still run (as cudaStreamDestroy lets them finish)."""
-        self._closed = True
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def __repr__(self):
         return f"SimStream({self.name!r}{', legacy' if self.legacy else ''})"
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError(f"stream {self.name!r} is closed")
+    def _closed_message(self) -> str:
+        return f"stream {self.name!r} is closed"
 
     def _refuse_in_capture(self, call: str) -> None:
         if self.capture is not None:

@@ -10,7 +10,8 @@ import weakref
 
 import numpy as np
 
-from ..errors import CaptureError, ClosedError, CudaError
+from .._handle import HandleOwner
+from ..errors import CaptureError, CudaError
 from ..pool import DevicePool
 from ._event import Event
 from ._graph import Capture, Graph
@@ -19,8 +20,11 @@ from ._memory import (DeviceOwner, PinnedOwner, RawMemory, as_bytes, owned_array
 from ._stream import Op, Stream
 
 
-class SimBackend:
-    """CPU backend. `device_delay_s` sleeps before each device op, so the host runs ahead."""
+class SimBackend(HandleOwner):
+    """CPU backend. `device_delay_s` sleeps before each device op, so the host runs ahead.
+
+    close() is idempotent: it closes every stream, event and graph of this backend, then the pool.
+    """
 
     name = "sim"
     xp = np
@@ -35,38 +39,37 @@ class SimBackend:
         self._owned: weakref.WeakSet = weakref.WeakSet()   # streams, events, graphs to close
         self._streams: weakref.WeakSet = weakref.WeakSet()
         self._legacy: Stream | None = None
-        self._closed = False
-        self._finalizer = weakref.finalize(self, _close_all, self._owned, self.pool)
+        self._own(_close_all, self._owned, self.pool)
 
     # -- objects --------------------------------------------------------------------------
     def stream(self, name: str = "compute") -> Stream:
-        self._check_open()
-        return self._own(Stream(name, device_delay_s=self.device_delay_s))
+        self._require_open()
+        return self._track(Stream(name, device_delay_s=self.device_delay_s))
 
     def legacy_stream(self) -> Stream:
         """The legacy default stream (refused for capture, as on CUDA)."""
-        self._check_open()
+        self._require_open()
         if self._legacy is None:
-            self._legacy = self._own(Stream("legacy", device_delay_s=self.device_delay_s,
-                                            legacy=True))
+            self._legacy = self._track(Stream("legacy", device_delay_s=self.device_delay_s,
+                                              legacy=True))
         return self._legacy
 
     def event(self, blocking_sync: bool = True, timing_enabled: bool = False,
               name: str = "event") -> Event:
-        self._check_open()
-        return self._own(Event(blocking_sync=blocking_sync, timing_enabled=timing_enabled,
-                               name=name))
+        self._require_open()
+        return self._track(Event(blocking_sync=blocking_sync, timing_enabled=timing_enabled,
+                                 name=name))
 
     def pinned_empty(self, shape, dtype) -> np.ndarray:
         """A host array the sim treats as pinned: the only host memory copies accept."""
-        self._check_open()
+        self._require_open()
         shape, dtype = _shape(shape), np.dtype(dtype)
         mem = np.empty(math.prod(shape) * dtype.itemsize, np.uint8)
         return owned_array(PinnedOwner(mem, shape, dtype), shape)
 
     def empty(self, shape, dtype, retained: bool = False) -> np.ndarray:
         """A device array over a pool buffer; the buffer returns to the pool when the array dies."""
-        self._check_open()
+        self._require_open()
         shape, dtype = _shape(shape), np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         buf = self.pool.alloc_retained(nbytes) if retained else self.pool.alloc(nbytes)
@@ -85,7 +88,7 @@ class SimBackend:
 
     def launch(self, stream: Stream, kernel, *args, **params) -> None:
         """Enqueue kernel.run_numpy(*args, **params); the worker runs it, reading arrays then."""
-        self._check_open()
+        self._require_open()
         run = getattr(kernel, "run_numpy", None)
         if not callable(run):
             raise TypeError(f"{kernel!r} has no run_numpy(); kernels implement run_numpy and run_cupy")
@@ -96,15 +99,15 @@ class SimBackend:
 
     def busy_wait(self, stream: Stream, seconds: float) -> None:
         """Queue `seconds` of device time (a sleep op)."""
-        self._check_open()
+        self._require_open()
         stream.submit(Op(f"busy_wait({seconds}s)", functools.partial(time.sleep, seconds)))
 
     # -- capture --------------------------------------------------------------------------
     @contextlib.contextmanager
     def capture(self, stream: Stream, name: str = "graph"):
         """Record `stream`'s ops into a graph (global mode); `cap.graph` after a clean exit."""
-        self._check_open()
-        stream._check_open()
+        self._require_open()
+        stream._require_open()
         if stream.legacy:
             raise ValueError(f"capture {name!r}: the legacy stream cannot be captured; "
                              f"use be.stream()")
@@ -130,7 +133,7 @@ class SimBackend:
         if not cap.nodes:
             warnings.warn(f"capture {name!r} recorded no work; its graph does nothing",
                           RuntimeWarning, stacklevel=3)
-        cap._graph = self._own(Graph(cap.nodes, name))
+        cap._graph = self._track(Graph(cap.nodes, name))
 
     def is_capturing(self, stream: Stream) -> bool:
         return stream.capture is not None
@@ -138,45 +141,33 @@ class SimBackend:
     # -- device-wide ----------------------------------------------------------------------
     def synchronize(self) -> None:
         """Wait for every stream; raise the first recorded op failure."""
-        self._check_open()
+        self._require_open()
         _refuse_in_capture(self._captures, "cudaDeviceSynchronize")
-        streams = [s for s in list(self._streams) if not s._closed]
+        streams = [s for s in list(self._streams) if not s.closed]
         for s in streams:
             s._worker.wait(s._worker.submitted)
         for s in streams:
             s.raise_pending_error()
 
     def info(self) -> dict:
-        self._check_open()
+        self._require_open()
         return {"backend": "sim", "device": "CPU simulator (numpy worker threads)",
                 "total memory": "host memory", "driver (CUDA)": "none", "runtime (CUDA)": "none",
                 "numpy": np.__version__, "device_delay_s": self.device_delay_s,
                 "pool": "debug (one allocation per buffer)" if self.pool.debug else "caching"}
 
-    def close(self) -> None:
-        """Idempotent: closes every stream, event and graph of this backend, then the pool."""
-        self._closed = True
-        self._finalizer()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     # -- private --------------------------------------------------------------------------
-    def _own(self, obj):
+    def _track(self, obj):
         self._owned.add(obj)
         if isinstance(obj, Stream):
             self._streams.add(obj)
         return obj
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedError("sim backend is closed")
+    def _closed_message(self) -> str:
+        return "sim backend is closed"
 
     def _copy(self, call, dst, dst_kind, src, src_kind, stream) -> None:
-        self._check_open()
+        self._require_open()
         for role, arr, kind in (("dst", dst, dst_kind), ("src", src, src_kind)):
             owner = owner_of(arr) if isinstance(arr, np.ndarray) else None
             on_device = isinstance(owner, DeviceOwner)
