@@ -45,14 +45,7 @@ def build_step_model(be, name: str, device_work_s: float):
     from vt.model import PRESETS, HybridModel, init_weights
     cfg = PRESETS[name]
     model = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=64, num_kv_blocks=512)
-    step = HybridStepModel(be, model)
-    if device_work_s:
-        decode = step.decode
-
-        def slow_decode(stream, inputs, logits_out):
-            be.busy_wait(stream, device_work_s)
-            decode(stream, inputs, logits_out)
-        step.decode = slow_decode
+    step = HybridStepModel(be, model, device_work_s=device_work_s)
     return step, model
 
 

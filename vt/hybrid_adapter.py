@@ -23,11 +23,15 @@ _PER_SEQ = ("last_idx", "last_positions", "token_rows", "state_idx")
 
 
 class HybridStepModel:
-    def __init__(self, be, model):
+    """device_work_s (hazard tests and tools): queue that much device time before each decode,
+    so the host runs ahead of the device on any backend (as the toy forward's option does)."""
+
+    def __init__(self, be, model, *, device_work_s: float = 0.0):
         from vt.model import PrefillInputs, SamplingParams
         self._PrefillInputs, self._greedy = PrefillInputs, SamplingParams()
         cfg = model.cfg
         self.be, self.m, self.vocab = be, model, cfg.vocab
+        self.device_work_s = device_work_s
         # The model's scratch block sits past its num_kv_blocks real ones.
         self.geometry = KVGeometry(max_seqs=model.max_seqs, num_kv_blocks=model.num_kv_blocks + 1,
                                    block_size=cfg.kv_block_size, max_context=cfg.max_context,
@@ -50,6 +54,8 @@ class HybridStepModel:
         return self.m.token_table
 
     def decode(self, stream, inputs, logits_out) -> None:
+        if self.device_work_s:
+            self.be.busy_wait(stream, self.device_work_s)
         self.m.decode(stream, inputs, logits_out)
 
     def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:

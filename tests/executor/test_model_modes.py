@@ -30,14 +30,7 @@ def run_model(be, preset, prompts, budgets, *, device_work_s=0.0, **cfg):
     """One generate() on a fresh model; device_work_s queues device time before each decode
     so the host runs ahead of the device on any backend."""
     model = HybridModel(be, PRESETS[preset], _weights(preset), max_seqs=32, num_kv_blocks=256)
-    step = HybridStepModel(be, model)
-    if device_work_s:
-        decode = step.decode
-
-        def slow_decode(stream, inputs, logits_out):
-            be.busy_wait(stream, device_work_s)
-            decode(stream, inputs, logits_out)
-        step.decode = slow_decode
+    step = HybridStepModel(be, model, device_work_s=device_work_s)
     config = ExecutorConfig(capture_sizes=(1, 2, 4, 8, 16, 32), **cfg)
     try:
         with Engine(be, step, config, record_logits=True) as eng:
