@@ -26,8 +26,11 @@ for s in "${stages[@]}"; do
     smoke) stage smoke python3 tools/gpu_smoke.py ;;
     tests) stage tests python3 -m pytest -q -rs tests ;;
     memcheck) stage memcheck1 bash tools/memcheck.sh; stage memcheck2 bash tools/memcheck.sh ;;
-    bench) stage bench python3 -m vt.model.bench_step --preset bench-dense bench-moe --batch 1 8 32 ;;
-    hazard) stage hazard python3 tools/hazard_repro.py --backend cuda ;;
+    bench) stage bench-dense python3 -m vt.model.bench_step --preset bench-dense --batch 1 8 32
+           stage bench-moe python3 -m vt.model.bench_step --preset bench-moe --batch 1 8 32 ;;
+    hazard) for m in tiny-dense tiny-moe; do for c in 4 32; do
+              stage "hazard-$m-$c" python3 tools/hazard_repro.py --backend cuda --model $m --conc $c --runs 5
+            done; done ;;
     run) stage run python3 -m vt run ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
