@@ -72,9 +72,24 @@ def test_device_array_is_a_cupy_array_over_a_pool_block(be):
     d = be.empty((256, 4), np.float16)
     assert isinstance(d, cupy.ndarray) and d.shape == (256, 4) and d.dtype == np.float16
     assert be.pool.stats().bytes_in_use >= before + d.nbytes
+    owner = weakref.ref(d.data.mem._owner)   # the pool's DeviceBuffer under the array
     del d
     gc.collect()
+    assert owner() is None, f"the DeviceBuffer outlived its array; held by {_holders(owner())}"
     assert be.pool.stats().bytes_in_use == before
+
+
+def _holders(obj, depth=3) -> list[str]:
+    """Who keeps `obj` alive, a few levels up (for a failure message)."""
+    if depth == 0:
+        return []
+    out = []
+    for ref in gc.get_referrers(obj):
+        if isinstance(ref, list) and len(ref) > 100:   # gc.get_objects()-style lists
+            continue
+        where = f" {ref.f_code.co_filename}:{ref.f_lineno}" if type(ref).__name__ == "frame" else ""
+        out.append(f"{type(ref).__name__}{where} <- {_holders(ref, depth - 1)}")
+    return out
 
 
 def test_cupy_temporaries_in_capture_come_from_the_vt_pool(be):
