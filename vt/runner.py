@@ -160,7 +160,11 @@ class Runner:
         if timing is not None:
             timing[0].record(self.stream)
         if slot is not None:
-            logits = self.driver.launch_graph(slot, plan.decode)
+            t_refresh = time.perf_counter()
+            self.driver.refresh(slot, plan.decode)
+            self.tracer.host_span("refresh", t_refresh, time.perf_counter(), step=self._steps,
+                                  slot=slot.name)
+            logits = self.driver.replay(slot, plan.n)
             kind, size = "graph", slot.size
             # Padded rows are sampled too (into the scratch row): one fixed shape per size.
             self.model.sample(self.stream, logits.array, slot.device, self._out_tokens[:size],

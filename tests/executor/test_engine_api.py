@@ -109,6 +109,7 @@ def test_stats_report_steps_waits_and_pool(sim_backend):
 
 
 def test_trace_is_chrome_json_with_host_and_device_spans(sim_backend, tmp_path):
+    """The trace is Chrome JSON with host spans (refresh, launch, waits) and device spans."""
     path = tmp_path / "trace.json"
     eng = _engine(sim_backend, async_executor=True, trace=str(path))
     eng.generate([[1, 2, 3]] * 3, max_new_tokens=4)
@@ -117,6 +118,7 @@ def test_trace_is_chrome_json_with_host_and_device_spans(sim_backend, tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["cat"] for e in spans} == {"host", "device"}
     assert any(e["name"].startswith("launch graph") for e in spans)
+    assert any(e["name"] == "refresh" and e["args"]["slot"] for e in spans)
     assert any(e["name"] == "wait tokens" for e in spans)
     assert all(e["dur"] >= 0 for e in spans)
 

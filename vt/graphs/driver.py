@@ -71,8 +71,16 @@ class DecodeGraphDriver:
 
     def launch_graph(self, slot: SizeSlot, rows: DecodeRows) -> ForwardLogits:
         """Refresh the slot's host vectors and replay it."""
+        self.refresh(slot, rows)
+        return self.replay(slot, len(rows))
+
+    def refresh(self, slot: SizeSlot, rows: DecodeRows) -> None:
+        """Write the step's rows (tail padded) into the slot's pinned vectors."""
         slot.refresh(rows, self.pad)
-        return slot.launch(self.stream, len(rows))
+
+    def replay(self, slot: SizeSlot, n: int) -> ForwardLogits:
+        """Replay the slot's graph; its first `n` logits rows are the real ones."""
+        return slot.launch(self.stream, n)
 
     def stage_eager(self, rows: DecodeRows, size: int | None = None, *,
                     region: int = 0) -> DecodeInputs:
