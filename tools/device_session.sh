@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
-# Stages: smoke tests memcheck bench hazard run (default: all, in that order).
+# Stages: info smoke tests memcheck bench hazard run (default: all, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -11,7 +11,7 @@ else
   export PYTHONPATH=$PWD
 fi
 export PYTHONUNBUFFERED=1
-stages=("$@"); [ ${#stages[@]} -gt 0 ] || stages=(smoke tests memcheck bench hazard run)
+stages=("$@"); [ ${#stages[@]} -gt 0 ] || stages=(info smoke tests memcheck bench hazard run)
 status=0
 stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report rc
   local name=$1; shift
@@ -23,6 +23,7 @@ stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report rc
 }
 for s in "${stages[@]}"; do
   case $s in
+    info) stage info python3 -m vt info ;;
     smoke) stage smoke python3 tools/gpu_smoke.py ;;
     tests) stage tests python3 -m pytest -q -rs tests ;;
     memcheck) stage memcheck1 bash tools/memcheck.sh; stage memcheck2 bash tools/memcheck.sh ;;
