@@ -38,11 +38,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
-from vt.backend import get_backend                   # noqa: E402
 from vt.engine import Engine                         # noqa: E402
 from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig   # noqa: E402
-from vt.model import PRESETS, HybridModel, init_weights      # noqa: E402
-from vt.model.bench_step import _timed               # noqa: E402
+from vt.demo import build_model, pick_backend, random_prompts, resolve_preset   # noqa: E402
+from vt.model import PRESETS                          # noqa: E402
+from vt.model.bench_step import timed_ms              # noqa: E402
 
 MODES = {
     "drain": dict(async_executor=False),
@@ -106,30 +106,20 @@ def measure_ceiling(be, eng, conc: int, iters: int = 20, repeats: int = 5) -> di
     def step():
         slot.output.launch(stream)
         eng.model.sample(stream, slot.output.logits, slot.device, toks, None)
-    step_ms = _timed(be, stream, step, iters, repeats)
+    step_ms = timed_ms(be, stream, step, iters, repeats)
     return dict(conc=conc, size=size, step_ms=step_ms, tokens_per_s=conc / (step_ms * 1e-3),
                 iters=iters, repeats=repeats)
 
 
 def run(args) -> dict:
-    be = get_backend(args.backend, **({"device_delay_s": args.sim_delay_ms / 1e3}
-                                      if args.sim_delay_ms else {}))
-    preset = args.preset or ("bench-dense" if be.name == "cuda" else "tiny-dense")
-    if preset not in PRESETS:
-        raise SystemExit(f"bench: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    cfg = PRESETS[preset]
+    be = pick_backend(args.backend, args.sim_delay_ms)
     context = args.prompt_len + args.new_tokens
-    if context > cfg.max_context:
-        raise SystemExit(f"bench: prompt-len + new-tokens = {context} exceeds {preset}'s "
-                         f"max_context {cfg.max_context}")
     max_conc = max(args.conc)
     cells, ceilings, out_tokens = [], {}, {}
     try:
+        preset, cfg = resolve_preset(be, args.preset, context, "bench")
         t0 = time.perf_counter()
-        weights = init_weights(cfg, seed=args.seed)
-        model = HybridModel(be, cfg, weights, max_seqs=max_conc,
-                            num_kv_blocks=max_conc * -(-context // cfg.kv_block_size))
-        del weights
+        model = build_model(be, cfg, max_seqs=max_conc, context=context, seed=args.seed)
         info = be.info()
         _log(f"bench: backend={be.name} device={info.get('device', '')!r} preset={preset} "
              f"prompt_len={args.prompt_len} new_tokens={args.new_tokens}; one shared model, "
@@ -138,7 +128,7 @@ def run(args) -> dict:
         try:
             for conc in args.conc:
                 rng = np.random.default_rng(args.seed + conc)
-                prompts = [rng.integers(0, cfg.vocab, args.prompt_len).tolist() for _ in range(2 * conc)]
+                prompts = random_prompts(rng, cfg.vocab, 2 * conc, args.prompt_len)
                 for mode in args.modes:
                     i += 1
                     _log(f"[{i}/{total}] conc={conc} mode={mode}: {len(prompts)} requests ...")

@@ -32,39 +32,62 @@ def _config(args: argparse.Namespace):
     return ExecutorConfig.from_env(**overrides)
 
 
-def run_demo(args: argparse.Namespace) -> int:
+def pick_backend(name: str, sim_delay_ms: float = 0.0):
+    """get_backend(name), with the sim-only per-op device delay when one is asked for."""
     from vt.backend import get_backend
+    return get_backend(name, **({"device_delay_s": sim_delay_ms / 1e3} if sim_delay_ms else {}))
+
+
+def resolve_preset(be, preset: str | None, context: int, who: str):
+    """(name, ModelConfig): the given preset, or the default for the backend (bench-dense on
+    cuda, tiny-dense on sim); exits with a clear message if it is unknown or `context` tokens
+    (prompt + new tokens) do not fit its max_context."""
+    from vt.model import PRESETS
+    name = preset or ("bench-dense" if be.name == "cuda" else "tiny-dense")
+    if name not in PRESETS:
+        raise SystemExit(f"{who}: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    if context > cfg.max_context:
+        raise SystemExit(f"{who}: prompt + new tokens = {context} exceeds {name}'s max_context "
+                         f"{cfg.max_context}")
+    return name, cfg
+
+
+def build_model(be, cfg, *, max_seqs: int, context: int, seed: int, log=lambda msg: None):
+    """A HybridModel with seeded random weights and KV blocks for max_seqs sequences of
+    `context` tokens each."""
+    from vt.model import HybridModel, init_weights
+    log(f"  initialising weights (seed {seed}) ...")
+    weights = init_weights(cfg, seed=seed)
+    log(f"  uploading the model and allocating KV cache for {max_seqs} sequences ...")
+    return HybridModel(be, cfg, weights, max_seqs=max_seqs,
+                       num_kv_blocks=max_seqs * -(-context // cfg.kv_block_size))
+
+
+def random_prompts(rng, vocab: int, n: int, length: int) -> list[list[int]]:
+    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
+
+
+def run_demo(args: argparse.Namespace) -> int:
     from vt.engine import Engine
-    from vt.model import PRESETS, HybridModel, init_weights
 
     config = _config(args)
-    be = get_backend(args.backend, **({"device_delay_s": args.sim_delay_ms / 1e3} if args.sim_delay_ms else {}))
-    preset = args.preset or ("bench-dense" if be.name == "cuda" else "tiny-dense")
-    if preset not in PRESETS:
-        raise SystemExit(f"vt run: unknown preset {preset!r}; choose from {', '.join(PRESETS)}")
-    cfg = PRESETS[preset]
+    be = pick_backend(args.backend, args.sim_delay_ms)
     conc = config.serving_conc
     n_requests = args.requests or 2 * conc
-    context = args.prompt_len + args.steps
-    if context > cfg.max_context:
-        raise SystemExit(f"vt run: prompt-len + steps = {context} exceeds the preset's max_context "
-                         f"{cfg.max_context}")
-    blocks_per_seq = -(-context // cfg.kv_block_size)
     try:
+        preset, cfg = resolve_preset(be, args.preset, args.prompt_len + args.steps, "vt run")
         _log(f"vt run: backend={be.name} preset={preset} mode={_mode_name(config)} conc={conc} "
              f"requests={n_requests} prompt_len={args.prompt_len} new_tokens={args.steps}")
         t0 = time.perf_counter()
-        _log(f"  initialising weights (seed {args.seed}) ...")
-        weights = init_weights(cfg, seed=args.seed)
-        _log(f"  uploading the model and allocating KV cache for {conc} sequences ...")
-        model = HybridModel(be, cfg, weights, max_seqs=conc, num_kv_blocks=conc * blocks_per_seq)
-        del weights
+        model = build_model(be, cfg, max_seqs=conc, context=args.prompt_len + args.steps,
+                            seed=args.seed, log=_log)
         _log(f"  capturing decode graphs for sizes {list(config.capture_sizes)} "
              f"({config.slots_per_size} slot(s) per size) and warming the eager/prefill shapes ...")
         with Engine(be, model, config) as engine:
             _log(f"  ready in {time.perf_counter() - t0:.1f} s; generating")
-            rng = np.random.default_rng(args.seed)
-            prompts = [rng.integers(0, cfg.vocab, args.prompt_len).tolist() for _ in range(n_requests)]
+            prompts = random_prompts(np.random.default_rng(args.seed), cfg.vocab, n_requests,
+                                     args.prompt_len)
             results = engine.generate(prompts, max_new_tokens=args.steps, progress=_progress_printer())
             stats = engine.stats()
             trace = engine.close()

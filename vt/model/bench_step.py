@@ -22,7 +22,7 @@ from vt.backend import get_backend
 from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs
 
 
-def _timed(be, s, fn, iters, repeats):
+def timed_ms(be, s, fn, iters, repeats):
     """Median over `repeats` of the mean ms of `iters` back-to-back fn(s) calls."""
     a, b = be.event(timing_enabled=True), be.event(timing_enabled=True)
     out = []
@@ -40,7 +40,7 @@ def copy_bandwidth(be, s, nbytes=1 << 30):
     """Bytes read + written per second by a device-to-device copy of `nbytes`."""
     src, dst = be.empty((nbytes,), np.uint8), be.empty((nbytes,), np.uint8)
     be.copy_d2d(dst, src, s)
-    ms = _timed(be, s, lambda: be.copy_d2d(dst, src, s), 5, 5)
+    ms = timed_ms(be, s, lambda: be.copy_d2d(dst, src, s), 5, 5)
     return 2 * nbytes / (ms * 1e-3)
 
 
@@ -120,12 +120,12 @@ def main(argv=None):
         with be.pool.scratch_warmup(f"bench S={S}"):
             step()
             s.synchronize()
-        eager_ms = _timed(be, s, step, 3, 3)
+        eager_ms = timed_ms(be, s, step, 3, 3)
         with be.capture(s, name=f"bench decode S={S}") as cap:
             step()
         g = cap.graph
         g.upload(s)
-        ms = _timed(be, s, lambda: g.launch(s), a.iters, a.repeats)
+        ms = timed_ms(be, s, lambda: g.launch(s), a.iters, a.repeats)
         wb, ab = m.weight_bytes, m.weight_bytes + S * (st_bytes + kv_bytes)
         rows.append(dict(preset=a.preset, batch=S, step_ms=ms, eager_ms=eager_ms, weight_bytes=wb,
                          all_bytes=ab, copy_bw=bw, ratio=wb / (ms * 1e-3) / bw,
