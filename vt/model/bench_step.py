@@ -69,7 +69,7 @@ class _Breakdown:
         return dict(sorted(tot.items(), key=lambda kv: -kv[1]))
 
 
-def _inputs(be, s, m, S, context):
+def bench_inputs(be, s, m, S, context):
     bs, mb = m.cfg.kv_block_size, m.cfg.max_blocks_per_seq
     per = -(-(context + 1) // bs)
     bt = np.full((S, mb), m.scratch_block, np.int32)
@@ -110,7 +110,7 @@ def main(argv=None):
     kv_bytes = len(cfg.attn_layers) * cfg.kv_heads * cfg.head_dim * 2 * 2 * (a.context + 1)
     rows = []
     for S in a.batch:
-        inp = _inputs(be, s, m, S, a.context)
+        inp = bench_inputs(be, s, m, S, a.context)
         logits = be.empty((S, cfg.vocab), np.float32, retained=True)
         toks = be.empty((S,), np.int32, retained=True)
 

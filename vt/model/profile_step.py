@@ -27,7 +27,7 @@ import numpy as np
 
 from vt.backend import get_backend
 from vt.model import PRESETS, HybridModel, init_weights
-from vt.model.bench_step import _inputs, copy_bandwidth
+from vt.model.bench_step import bench_inputs, copy_bandwidth
 
 _L2_BYTES = 50 << 20  # H100/H200 L2; the GEMM-alone weight copies cover at least 3x it
 _GEMM_CALLS = 20
@@ -117,7 +117,7 @@ def _gemm_alone(be, s, m, fam, kernel, args, params, iters, repeats):
 
 def profile_batch(be, s, m, S, context, modes, iters, repeats):
     cfg = m.cfg
-    inp = _inputs(be, s, m, S, context)
+    inp = bench_inputs(be, s, m, S, context)
     logits = be.empty((S, cfg.vocab), np.float32, retained=True)
     toks = be.empty((S,), np.int32, retained=True)
     base, seen = _step_graph(be, s, m, inp, logits, toks, f"profile S={S}")
