@@ -1,7 +1,11 @@
-"""Shared fixtures: the same test functions run on every available backend."""
+"""Shared fixtures: the same test functions run on every available backend; and a suite-wide
+check that no pool, on any backend, ever called the driver's malloc while a graph was captured."""
 import pytest
 
 from vt.backend import available_backends, get_backend
+from vt.backend.pool import DevicePool
+
+_pool_totals = {"pools": 0, "captures": 0, "capture_mallocs": 0}
 
 
 def _backend_params():
@@ -35,3 +39,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def no_malloc_during_any_capture(monkeypatch):
+    """Every DevicePool a test makes (fixtures, direct CudaBackend/SimBackend, engines) must report
+    0 raw mallocs during capture when the test ends: the pool serves captures from pre-grown
+    memory only (issue 2). Totals are printed at the end of the run."""
+    pools = []
+    init = DevicePool.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        pools.append(self)
+
+    monkeypatch.setattr(DevicePool, "__init__", tracking_init)
+    yield
+    for pool in pools:
+        captures, capture_mallocs = pool.capture_counts
+        _pool_totals["pools"] += 1
+        _pool_totals["captures"] += captures
+        _pool_totals["capture_mallocs"] += capture_mallocs
+        assert capture_mallocs == 0, f"{pool!r}: {capture_mallocs} driver mallocs during capture"
+
+
+def pytest_terminal_summary(terminalreporter):
+    t = _pool_totals
+    if t["pools"]:
+        terminalreporter.write_line(
+            f"vt pools checked: {t['pools']} pools, {t['captures']} captures, "
+            f"{t['capture_mallocs']} driver mallocs during capture")

@@ -110,6 +110,7 @@ def test_pool_never_calls_the_driver_while_capturing():
                 request()
     assert all(capture is None for _, _, capture in raw.calls)
     assert pool.stats().mallocs_during_capture == 0
+    assert pool.capture_counts == (1, 0)
 
 
 def test_scratch_arena_restarts_at_each_capture_and_is_shared():
@@ -264,9 +265,12 @@ def test_close_frees_everything_and_refuses_further_use():
     kept = pool.alloc(512)
     pool.alloc(1024).free()
     pool.reserve_scratch(2048)
+    with pool.capturing("g"):
+        pass
     pool.close()
     pool.close()
     assert raw.live == {}
+    assert pool.capture_counts == (1, 0)   # still readable: the suite checks closed pools too
     kept.free()  # a buffer outliving its pool is harmless
     with pytest.raises(ClosedError, match="DevicePool is closed"):
         pool.alloc(512)

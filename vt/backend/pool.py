@@ -175,6 +175,12 @@ class DevicePool(HandleOwner):
     def capture_name(self) -> str | None:
         return self._capture
 
+    @property
+    def capture_counts(self) -> tuple[int, int]:
+        """(captures entered, raw mallocs made while capturing): readable after close(), so a
+        test suite can check every pool it made, closed or not, for the must-stay-0 count."""
+        return self._counts["captures"], self._counts["capture_mallocs"]
+
     # -- reporting and teardown -----------------------------------------------------------
     def stats(self) -> PoolStats:
         with self._locked():
