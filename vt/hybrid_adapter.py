@@ -110,5 +110,8 @@ class HybridStepModel:
         pinp = self._PrefillInputs(**views, max_len=int(min(lens.max(), g.max_context)))
         self.m.prefill(stream, pinp, self._logits)
 
+    def release_stream(self, stream) -> None:
+        self.m.release_stream(stream)
+
     def sample(self, stream, logits, inputs, out_tokens, sampling) -> None:
         self.m.sample(stream, logits, inputs, out_tokens, sampling if sampling is not None else self._greedy)

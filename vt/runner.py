@@ -303,6 +303,7 @@ class Runner:
             self.driver.close()
             for ev in self._done + [e for pair in self._timing if pair for e in pair]:
                 ev.close()
+            self.model.release_stream(self.stream)   # after the graphs that used it are gone
             self.stream.close()
         return path
 

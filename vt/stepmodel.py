@@ -4,7 +4,10 @@ forward into one.
 A step model has `vocab`, `geometry` (KVGeometry), `pad` (PadRow) and three launch-only
 methods: `decode(stream, inputs, logits_out)` (capturable), `prefill(stream, seqs,
 logits_out)` (eager; logits of each sequence's last prompt token) and `sample(stream,
-logits, inputs, out_tokens, sampling)` (writes out_tokens and the device token table).
+logits, inputs, out_tokens, sampling)` (writes out_tokens and the device token table); and
+`release_stream(stream)`, called by the runner's close() once the graphs captured on its
+stream are destroyed, to free per-stream resources (the bundled model's cuBLAS handle), so
+that many engines can run one after another on one model.
 """
 from __future__ import annotations
 
@@ -138,6 +141,9 @@ class ForwardModel:
         for size in sizes:
             self.prefill(stream, [scratch] * size, logits_out[:size])
             stream.synchronize()   # the staging area is reused by the next bucket
+
+    def release_stream(self, stream) -> None:
+        """Nothing to free: a user forward keeps no per-stream state vt knows of."""
 
     def sample(self, stream, logits, inputs, out_tokens, sampling) -> None:
         temperature = 0.0 if sampling is None else float(sampling.temperature)

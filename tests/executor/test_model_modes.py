@@ -102,3 +102,25 @@ def test_model_serving_makes_no_driver_malloc_after_warm_up(backend, preset):
     assert st["prefill_steps"] + st["mixed_steps"] > 1 and st["graph_steps"] > 0
     assert st["eager_steps"] + st["mixed_steps"] > 0
     assert after.driver_mallocs == before.driver_mallocs, (before, after)
+
+
+def test_engines_one_after_another_share_one_model(backend):
+    """Engine.close() gives back the model's per-stream resources (its cuBLAS handle and
+    workspace): with room for one GEMM stream, three engines still run on one model in turn,
+    and each drain run on the shared model yields the same tokens and logits bytes."""
+    preset = "tiny-dense"
+    prompts, budgets = _prompts(preset, 6, seed=5)
+    model = HybridModel(backend, PRESETS[preset], _weights(preset), max_seqs=8,
+                        num_kv_blocks=64, gemm_streams=1)
+    runs = []
+    try:
+        for _ in range(3):
+            # Each engine captures on its own new stream; the warm-up's first GEMM on it needs
+            # the one workspace, which the previous engine's close() returned.
+            with Engine(backend, HybridStepModel(backend, model),
+                        ExecutorConfig(capture_sizes=(1, 2, 4, 8), serving_conc=4),
+                        record_logits=True) as eng:
+                runs.append(eng.generate(prompts, max_new_tokens=budgets))
+    finally:
+        model.close()
+    assert mismatches(runs[0], runs[1]) == 0 and mismatches(runs[0], runs[2]) == 0

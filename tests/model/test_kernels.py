@@ -309,3 +309,23 @@ def test_top_k_sampling_follows_the_softmax_of_the_top_k():
     freq = np.array([(toks == t).mean() for t in top])
     assert set(np.unique(toks)) <= set(top)
     assert np.abs(freq - p).max() < 0.015, (freq, p)
+
+
+@pytest.mark.gpu
+def test_gemm_release_stream_returns_the_workspace_for_another_stream():
+    """A Gemm with one workspace serves one stream; release_stream (Runner.close) destroys
+    that stream's cuBLAS handle and lets the next stream take the workspace."""
+    from vt.backend.cuda import CudaBackend
+    with CudaBackend() as be:
+        g = K.Gemm([be.empty((gemm.WORKSPACE_BYTES,), np.uint8)])
+        x, w, out = be.empty((2, 64), np.float16), be.empty((32, 64), np.float16), be.empty((2, 32), np.float32)
+        first, second = be.stream("first"), be.stream("second")
+        be.launch(first, g, x, w, out)   # values do not matter: this is about the handles
+        with pytest.raises(RuntimeError, match="no pre-allocated cuBLAS workspace left"):
+            be.launch(second, g, x, w, out)
+        first.synchronize()
+        g.release_stream(first.handle)
+        g.release_stream(first.handle)   # idempotent
+        be.launch(second, g, x, w, out)
+        second.synchronize()
+        g.close()

@@ -196,5 +196,10 @@ class HybridModel:
         self.be.launch(s, _NORM, h, self.final_norm, x, eps=self.cfg.rms_eps)
         self.be.launch(s, self.gemm, x, self.lm_head, logits_out)                # [S, vocab]
 
+    def release_stream(self, stream) -> None:
+        """`stream` will not run this model again (its graphs are gone): free what the model
+        holds for it (the GEMM's cuBLAS handle and workspace), so another stream can use them."""
+        self.gemm.release_stream(stream.handle)
+
     def close(self) -> None:
         self.gemm.close()

@@ -35,8 +35,8 @@ class Gemm:
 
     def __init__(self, workspaces=()):
         self._free_ws = list(workspaces)  # device uint8 arrays of WORKSPACE_BYTES
-        self._used_ws = []  # bound to a handle: kept alive as long as the handle
-        self._handles: dict[int, int] = {}
+        self._used_ws: dict[int, object] = {}  # stream handle -> its handle's workspace
+        self._handles: dict[int, int] = {}     # stream handle -> cuBLAS handle
         self._alpha = np.ones(1, np.float32)
         self._beta = {False: np.zeros(1, np.float32), True: np.ones(1, np.float32)}
         # Backstop: a Gemm dropped without close() still destroys its handles (each holds
@@ -60,15 +60,28 @@ class Gemm:
             raise RuntimeError(f"Gemm: first use of stream {stream_handle:#x} is inside a capture; "
                                f"run the model once eagerly on that stream before capturing")
         if not self._free_ws:
-            raise RuntimeError("Gemm: no pre-allocated cuBLAS workspace left for another stream "
-                               "(HybridModel(..., gemm_streams=N) sets how many)")
+            raise RuntimeError(f"Gemm: no pre-allocated cuBLAS workspace left for stream "
+                               f"{stream_handle:#x}: {len(self._handles)} streams hold one "
+                               f"(HybridModel(..., gemm_streams=N) sets how many; "
+                               f"release_stream() returns a finished stream's)")
         ws = self._free_ws.pop()
         h = cublas.create()
         cublas.set_stream(h, stream_handle)
         cublas.set_workspace(h, ws.data.ptr, ws.nbytes)
         self._handles[stream_handle] = h
-        self._used_ws.append(ws)
+        self._used_ws[stream_handle] = ws
         return h
+
+    def release_stream(self, stream_handle: int) -> None:
+        """The caller is done with this stream (its graphs are destroyed): destroy its cuBLAS
+        handle and return the workspace for another stream. No-op for a stream never used."""
+        h = self._handles.pop(stream_handle, None)
+        if h is None:
+            return
+        from nvmath.bindings import cublas
+
+        cublas.destroy(h)
+        self._free_ws.append(self._used_ws.pop(stream_handle))
 
     def run_cupy(self, stream_handle, x, w, out, *, accumulate=False):
         from nvmath.bindings import cublas
