@@ -247,6 +247,35 @@ def case_sample_top_k(rng, st):
     return _sample_case(rng, K.SamplingParams(temperature=0.8, top_k=40, seed=1234))
 
 
+
+def _routed_case(rng, st, per_slot):
+    """RoutedGemm (storage out, as in the model): 3 rows, top-2 of 6 experts, one expert
+    picked twice; x one row per row (gate/up) or one per slot (down)."""
+    n, k, E, N, K_ = 3, 2, 6, 48, 64
+    topk = np.array([[4, 1], [1, 5], [0, 3]], np.int32)
+    a = dict(x=_st(rng, (n * k if per_slot else n, K_), st), w=_st(rng, (E, N, K_), st, 0.1),
+             topk=topk, out=_poisoned((n * k, N), st))
+    return Case(a, lambda be, s, d: be.launch(s, K.RoutedGemm(_gemm_of(be)), d["x"], d["w"],
+                                              d["topk"], d["out"]),
+                lambda a: {"out": (gemm.reference_routed(a["x"], a["w"], a["topk"]), F16)})
+
+
+def case_gemm_routed_rows(rng, st):
+    return _routed_case(rng, st, per_slot=False)
+
+
+def case_gemm_routed_slots(rng, st):
+    return _routed_case(rng, st, per_slot=True)
+
+
+def case_combine_routed(rng, st):
+    wd, topk = moe.reference_router(rng.standard_normal((5, 8)), 2)
+    a = dict(wd=wd.astype(np.float32), topk=topk.astype(np.int32), y=_st(rng, (10, 64), st),
+             out=rng.standard_normal((5, 64)).astype(np.float32))
+    return Case(a, lambda be, s, d: be.launch(s, K.CombineRouted(), d["wd"], d["topk"], d["y"], d["out"]),
+                lambda a: {"out": (moe.reference_combine_routed(a["wd"], a["topk"], a["y"], a["out"]), F32)})
+
+
 CASES = {n[5:]: f for n, f in dict(globals()).items() if n.startswith("case_")}
 _DTYPE_FREE = {"router", "sample_greedy", "sample_top_k"}
 PARAMS = [pytest.param(n, d, id=f"{n}-{d}") for n in CASES for d in DTYPES

@@ -18,6 +18,7 @@ from .weights import check_weights
 
 _EMBED, _GATHER, _NORM, _ROPE, _KVW = K.EmbedTokens(), K.GatherRows(), K.RMSNorm(), K.RoPE(), K.KVWrite()
 _ATTN, _GDN, _ACT, _ROUTER, _COMBINE = K.PagedAttention(), K.GDN(), K.SiluMul(), K.Router(), K.Combine()
+_COMBINE_ROUTED = K.CombineRouted()
 _SAMPLE, _FILL = K.Sample(), K.Fill()
 _STAGING_BYTES = 64 << 20
 
@@ -50,6 +51,7 @@ class HybridModel:
         ws = [backend.empty((WORKSPACE_BYTES,), np.uint8) for _ in range(gemm_streams)] \
             if backend.name == "cuda" else []
         self.gemm = K.Gemm(ws)
+        self.routed_gemm = K.RoutedGemm(self.gemm)   # shares the GEMM's cuBLAS handles
         self.stream.synchronize()
 
     # ------------------------------------------------------------------ set-up
@@ -98,9 +100,24 @@ class HybridModel:
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of weights one decode step reads (all experts: see kernels/moe.py)."""
+        """Bytes of all the weights a step may read (every expert; the embedding table, only
+        gathered, excluded)."""
         arrs = [self.emb[:0], self.lm_head, self.final_norm] + [a for L in self.layers for a in L.values()]
         return int(sum(a.nbytes for a in arrs))
+
+    def routed(self, rows: int) -> bool:
+        """Whether a forward over `rows` rows computes only each row's top-k experts: when that
+        reads fewer expert matrices (rows * top_k) than all of them (kernels/moe.py)."""
+        return self.cfg.moe and rows * self.cfg.top_k < self.cfg.experts
+
+    def weight_bytes_read(self, rows: int) -> int:
+        """Weight bytes one decode step of `rows` rows reads: weight_bytes, less the experts a
+        routed step does not touch (a matrix picked by two rows counts twice: it is fetched
+        by two products)."""
+        if not self.routed(rows):
+            return self.weight_bytes
+        expert = sum(L[k].nbytes // self.cfg.experts for L in self.layers for k in ("egu", "edown"))
+        return self.weight_bytes - expert * (self.cfg.experts - rows * self.cfg.top_k)
 
     def pad_row(self) -> dict:
         """Values of a padded decode row: it writes only scratch entries."""
@@ -174,15 +191,25 @@ class HybridModel:
             rl = be.empty((n, E), np.float32)                              # [N, E] router logits
             wd = be.empty((n, E), np.float32)
             topk = be.empty((n, c.top_k), np.int32)
-            gu = be.empty((E, n, 2 * F), st)                               # [E, N, 2F]
-            act = be.empty((E, n, F), st)
-            y = be.empty((E, n, c.hidden), st)                             # [E, N, H]
             be.launch(s, self.gemm, x, L["router"], rl)
             be.launch(s, _ROUTER, rl, wd, topk, k=c.top_k)
-            be.launch(s, self.gemm, x, L["egu"], gu)
-            be.launch(s, _ACT, gu, act)
-            be.launch(s, self.gemm, act, L["edown"], y)
-            be.launch(s, _COMBINE, wd, y, h)
+            if self.routed(n):        # only the selected experts (kernels/moe.py)
+                slots = n * c.top_k
+                gu = be.empty((slots, 2 * F), st)                          # [N * k, 2F]
+                act = be.empty((slots, F), st)
+                y = be.empty((slots, c.hidden), st)                        # [N * k, H]
+                be.launch(s, self.routed_gemm, x, L["egu"], topk, gu)
+                be.launch(s, _ACT, gu, act)
+                be.launch(s, self.routed_gemm, act, L["edown"], topk, y)
+                be.launch(s, _COMBINE_ROUTED, wd, topk, y, h)
+            else:                     # every expert for every row
+                gu = be.empty((E, n, 2 * F), st)                           # [E, N, 2F]
+                act = be.empty((E, n, F), st)
+                y = be.empty((E, n, c.hidden), st)                         # [E, N, H]
+                be.launch(s, self.gemm, x, L["egu"], gu)
+                be.launch(s, _ACT, gu, act)
+                be.launch(s, self.gemm, act, L["edown"], y)
+                be.launch(s, _COMBINE, wd, y, h)
         if "gu" in L:
             F = L["down"].shape[1]
             gu = be.empty((n, 2 * F), st)

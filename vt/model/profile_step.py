@@ -173,8 +173,8 @@ def main(argv=None):
           f"(read + written); context {a.context}; set-up {time.perf_counter() - t0:.1f} s")
     for S in a.batch:
         t_base, rows = profile_batch(be, s, m, S, a.context, a.mode, a.iters, a.repeats)
-        print(f"\nS={S}: captured step {t_base:.3f} ms  (weights {m.weight_bytes / (t_base * 1e-3) / 1e12:.2f}"
-              f" TB/s, ratio {m.weight_bytes / (t_base * 1e-3) / bw:.3f})")
+        print(f"\nS={S}: captured step {t_base:.3f} ms  (weights {m.weight_bytes_read(S) / (t_base * 1e-3) / 1e12:.2f}"
+              f" TB/s, ratio {m.weight_bytes_read(S) / (t_base * 1e-3) / bw:.3f})")
         hdr = "".join(f"{md + ' ms':>11}" for md in a.mode)
         print(f"  {'family':<22}{'n':>4}{hdr}{'%step':>7}{'alone ms/call':>15}{'TB/s':>7}")
         for r in rows:

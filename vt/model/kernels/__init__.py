@@ -4,13 +4,13 @@ from .attention import PagedAttention
 from .embedding import EmbedTokens, GatherRows
 from .fill import Fill
 from .gdn import GDN
-from .gemm import Gemm
+from .gemm import Gemm, RoutedGemm
 from .kvcache import KVWrite
 from .mlp import SiluMul
-from .moe import Combine, Router
+from .moe import Combine, CombineRouted, Router
 from .norm import RMSNorm
 from .rope import RoPE
 from .sampling import MAX_TOP_K, Sample, SamplingParams
 
-__all__ = ["PagedAttention", "EmbedTokens", "GatherRows", "Fill", "GDN", "Gemm", "KVWrite", "SiluMul",
-           "Combine", "Router", "RMSNorm", "RoPE", "Sample", "SamplingParams", "MAX_TOP_K"]
+__all__ = ["PagedAttention", "EmbedTokens", "GatherRows", "Fill", "GDN", "Gemm", "RoutedGemm", "KVWrite", "SiluMul",
+           "Combine", "CombineRouted", "Router", "RMSNorm", "RoPE", "Sample", "SamplingParams", "MAX_TOP_K"]

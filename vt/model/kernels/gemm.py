@@ -21,7 +21,7 @@ import weakref
 
 import numpy as np
 
-from ._common import f32, f64, store
+from ._common import cuda_function, f32, f64, i32, store
 
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommended workspace on Hopper
 
@@ -112,6 +112,92 @@ class Gemm:
         """Destroy the cuBLAS handles (idempotent)."""
         self._finalizer()
 
+
+class RoutedGemm:
+    """The top-k experts of each row only: out[b] = x[row or b] @ w[topk.flat[b]]^T for
+    b = row * k + slot, one cuBLAS batched GEMM (gemm_batched_ex) of n * k single-column
+    products on the Gemm's handle.
+
+    x is [n, K] (gate/up: each row's input, shared by its k slots) or [n * k, K] (down: one
+    activation per slot); w is [E, N, K]; topk [n, k] int32; out [n * k, N]. The A/B/C pointer
+    arrays are written on the device by a small kernel from topk, so a captured graph follows
+    each replay's routing; they live in vt's pool (be.launch routes CuPy's allocations there).
+    Reads n * k expert matrices, against all E for Gemm over the expert axis: the model takes
+    this path when n * k < E (kernels/moe.py).
+    """
+
+    name = "gemm_routed"
+
+    def __init__(self, gemm: Gemm):
+        self._gemm = gemm
+        self._beta0 = np.zeros(1, np.float32)
+
+    @staticmethod
+    def _per_slot(x, topk) -> bool:
+        n, k = topk.shape
+        if x.shape[0] == n:
+            return False
+        if x.shape[0] == n * k:
+            return True
+        raise ValueError(f"RoutedGemm: x has {x.shape[0]} rows for topk {topk.shape}: "
+                         f"expected {n} (one per row) or {n * k} (one per slot)")
+
+    def run_numpy(self, x, w, topk, out):
+        per_slot, k = self._per_slot(x, topk), topk.shape[1]
+        experts = np.asarray(topk).reshape(-1)
+        xs = f32(x)
+        y = [f32(w[e]) @ xs[b if per_slot else b // k] for b, e in enumerate(experts)]
+        store(out, np.stack(y) if y else np.zeros(out.shape, np.float32))
+
+    def run_cupy(self, stream_handle, x, w, topk, out):
+        import cupy as cp
+        from nvmath.bindings import cublas
+
+        n, k = topk.shape
+        count = n * k
+        if count == 0:
+            return
+        per_slot = self._per_slot(x, topk)
+        _, N, K = w.shape
+        for a in (x, w, out, topk):
+            if not a.flags.c_contiguous:
+                raise ValueError(f"RoutedGemm: arrays must be C-contiguous, got strides {a.strides}")
+        h = self._gemm._handle(stream_handle)
+        ptrs = cp.empty((3, count), cp.int64)
+        fn = cuda_function(_PTRS, "routed_ptrs", np.float16)
+        fn((-(-count // 128),), (128,),
+           (topk, ptrs, np.int64(w.data.ptr), np.int64(w.strides[0]), np.int64(x.data.ptr),
+            np.int64(x.strides[0]), np.int64(out.data.ptr), np.int64(out.strides[0]),
+            i32(count), i32(k), i32(per_slot)))
+        t = (_CUDA_TYPE[w.dtype], _CUDA_TYPE[x.dtype], _CUDA_TYPE[out.dtype])
+        cublas.gemm_batched_ex(h, 1, 0, N, 1, K, self._gemm._alpha.ctypes.data,
+                               ptrs[0].data.ptr, t[0], K, ptrs[1].data.ptr, t[1], K,
+                               self._beta0.ctypes.data, ptrs[2].data.ptr, t[2], N, count, 68, -1)
+
+
+_PTRS = r"""
+// Pointer arrays of RoutedGemm's batched GEMM (bytes): A = expert topk[b]'s weights,
+// B = the input of row b / k (or of slot b), C = output row b.
+extern "C" __global__ void routed_ptrs(const int* __restrict__ topk, long long* __restrict__ ptrs,
+                                       long long w, long long w_stride, long long x, long long x_stride,
+                                       long long out, long long out_stride, int count, int k,
+                                       int per_slot) {
+  int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= count) return;
+  ptrs[b] = w + (long long)topk[b] * w_stride;
+  ptrs[count + b] = x + (long long)(per_slot ? b : b / k) * x_stride;
+  ptrs[2 * count + b] = out + (long long)b * out_stride;
+}
+"""
+
+
+def reference_routed(x, w, topk):
+    """float64: [n * k, N] products of each slot's input with its expert's weights."""
+    topk = np.asarray(topk)
+    k = topk.shape[1]
+    xs = f64(x)
+    per_slot = xs.shape[0] == topk.size and k > 1
+    return np.stack([f64(w[e]) @ xs[b if per_slot else b // k] for b, e in enumerate(topk.reshape(-1))])
 
 def _destroy_handles(handles: dict) -> None:
     if handles:

@@ -1,8 +1,13 @@
-"""MoE routing and combine. Expert compute itself is two batched GEMMs over ALL experts for
-every row (gemm.py), which is capturable with fixed shapes and reads every expert's weights
-once per step -- the same bytes a grouped GEMM reads once the batch touches every expert
-(batch 32, top-4 of 32). The combine below multiplies by the routing weight and skips
-unselected experts, so their (computed, unused) outputs never reach the residual."""
+"""MoE routing and combine. Expert compute takes one of two paths, chosen per shape (so a
+captured graph keeps its path):
+
+- all experts (n * k >= E, e.g. batch 32, top-4 of 32): two batched GEMMs over every expert
+  for every row (gemm.Gemm on [E, N, K] weights), each expert's weights read once; Combine
+  multiplies by the dense routing weights and skips unselected experts, so their (computed,
+  unused) outputs never reach the residual;
+- routed (n * k < E, small decode batches): gemm.RoutedGemm computes only each row's top-k
+  experts (n * k expert matrices read instead of E), and CombineRouted adds them up.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -45,6 +50,19 @@ extern "C" __global__ void combine(const float* __restrict__ wd, const u16* __re
       float we = wd[(long)r * E + e];
       if (we != 0.f) acc += we * LD(y[((long)e * n + r) * H + c]);
     }
+    out[(long)r * H + c] += acc;
+  }
+}
+
+// out[r, :] += sum_t wd[r, topk[r, t]] * y[r * k + t, :]   (y: RoutedGemm's per-slot rows)
+extern "C" __global__ void combine_routed(const float* __restrict__ wd, const int* __restrict__ topk,
+                                          const u16* __restrict__ y, float* __restrict__ out,
+                                          int n, int E, int k, int H) {
+  int r = blockIdx.x;
+  for (int c = threadIdx.x; c < H; c += blockDim.x) {
+    float acc = 0.f;
+    for (int t = 0; t < k; ++t)
+      acc += wd[(long)r * E + topk[(long)r * k + t]] * LD(y[((long)r * k + t) * H + c]);
     out[(long)r * H + c] += acc;
   }
 }
@@ -94,6 +112,23 @@ class Combine:
             fn((n,), (256,), (wd, y, out, i32(n), i32(wd.shape[1]), i32(H)))
 
 
+class CombineRouted:
+    """out [N, H] fp32 += sum_t wd[r, topk[r, t]] * y[r * k + t] (y [N * k, H] storage)."""
+
+    name = "moe_combine_routed"
+
+    def run_numpy(self, wd, topk, y, out):
+        n, k = topk.shape
+        w = np.take_along_axis(np.asarray(wd, np.float32), np.asarray(topk), -1)   # [N, k]
+        out += np.einsum("nk,nkh->nh", w, f32(y).reshape(n, k, -1), dtype=np.float32)
+
+    def run_cupy(self, stream_handle, wd, topk, y, out):
+        fn = cuda_function(_CODE, "combine_routed", y.dtype)
+        n, H = out.shape
+        if n:
+            fn((n,), (256,), (wd, topk, y, out, i32(n), i32(wd.shape[1]), i32(topk.shape[1]), i32(H)))
+
+
 def reference_router(logits, k):
     """float64: softmax, top-k, renormalise. Returns (dense weights [N, E], topk [N, k])."""
     x = np.asarray(logits, np.float64)
@@ -109,3 +144,9 @@ def reference_router(logits, k):
 def reference_combine(wd, y, out):
     wd = np.asarray(wd, np.float64)
     return f64(out) + np.einsum("ne,enh->nh", wd, np.where((wd.T != 0)[:, :, None], f64(y), 0.0))
+
+
+def reference_combine_routed(wd, topk, y, out):
+    n, k = np.asarray(topk).shape
+    w = np.take_along_axis(np.asarray(wd, np.float64), np.asarray(topk), -1)
+    return f64(out) + np.einsum("nk,nkh->nh", w, f64(y).reshape(n, k, -1))
