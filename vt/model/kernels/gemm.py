@@ -194,10 +194,10 @@ extern "C" __global__ void routed_ptrs(const int* __restrict__ topk, long long* 
 def reference_routed(x, w, topk):
     """float64: [n * k, N] products of each slot's input with its expert's weights."""
     topk = np.asarray(topk)
-    k = topk.shape[1]
+    per_slot, k = RoutedGemm._per_slot(x, topk), topk.shape[1]
     xs = f64(x)
-    per_slot = xs.shape[0] == topk.size and k > 1
     return np.stack([f64(w[e]) @ xs[b if per_slot else b // k] for b, e in enumerate(topk.reshape(-1))])
+
 
 def _destroy_handles(handles: dict) -> None:
     if handles:
