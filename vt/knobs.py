@@ -13,6 +13,18 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 H2D_MODES = ("graph", "staged")
 DEFAULT_TRACE_PATH = "vt_trace.json"
 
+# One spelling per executor mode, shared by the engine, the CLI and the bench: name -> the
+# ExecutorConfig fields that make it. "no_dbuf" is the unsafe arm (hazard-C on purpose).
+MODES = {
+    "sync": dict(depth=1),
+    "drain": dict(),
+    "ring": dict(async_executor=True),
+    "ring_inputs_read": dict(async_executor=True, inputs_read_event=True),
+    "staged": dict(async_executor=True, h2d="staged"),
+    "no_dbuf": dict(no_dbuf=True),
+}
+SAFE_MODES = tuple(m for m in MODES if m != "no_dbuf")
+
 # field -> environment variable. The first five are the ones DESIGN.md names; the rest make
 # every field settable the same way for the bench and the CLI.
 ENV_VARS = {
@@ -95,6 +107,25 @@ class ExecutorConfig:
         if self.inputs_read_event and self.h2d == "staged":
             raise ValueError("inputs_read_event=True applies to h2d='graph'; in 'staged' mode the "
                              "host already waits only for its out-of-graph copy")
+
+    @property
+    def mode(self) -> str:
+        """The name in MODES this config runs (poison and trace are orthogonal to it)."""
+        if self.depth == 1:
+            return "sync"
+        if self.no_dbuf:
+            return "no_dbuf"
+        if not self.async_executor:
+            return "drain"
+        return "staged" if self.h2d == "staged" else (
+            "ring_inputs_read" if self.inputs_read_event else "ring")
+
+    @classmethod
+    def for_mode(cls, mode: str, **overrides) -> "ExecutorConfig":
+        """The config of a mode by its name in MODES; keyword overrides for the other fields."""
+        if mode not in MODES:
+            raise ValueError(f"unknown executor mode {mode!r}; choose from {', '.join(MODES)}")
+        return cls(**{**MODES[mode], **overrides})
 
     @property
     def slots_per_size(self) -> int:
