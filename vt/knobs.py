@@ -184,9 +184,16 @@ def _parse_int(var, raw):
 
 
 def _parse_trace(var, raw):
+    # 0/1 like the other switches, or a path; a path must end in .json so that a boolean
+    # spelled another way (yes, true, on) is rejected instead of becoming a file of that name.
     if raw in ("", "0"):
         return None
-    return DEFAULT_TRACE_PATH if raw == "1" else raw
+    if raw == "1":
+        return DEFAULT_TRACE_PATH
+    if not raw.lower().endswith(".json"):
+        raise ValueError(f"{var} must be 0, 1 (writes {DEFAULT_TRACE_PATH}) or a path ending in "
+                         f".json, got {raw!r}")
+    return raw
 
 
 def _parse_h2d(var, raw):

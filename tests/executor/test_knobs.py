@@ -27,6 +27,20 @@ def test_trace_one_means_the_default_path_and_zero_means_off():
     assert ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR_TRACE": "0"}).trace is None
 
 
+@pytest.mark.parametrize("value", ["yes", "true", "on", "trace", "out.txt", "2"])
+def test_trace_is_0_1_or_a_json_path(value):
+    """Anything else, a boolean spelled another way above all, is refused instead of becoming
+    a trace file of that name."""
+    with pytest.raises(ValueError, match=r"VT_ASYNC_EXECUTOR_TRACE must be 0, 1 .* ending in "
+                                         rf"\.json, got '{value}'"):
+        ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR_TRACE": value})
+
+
+@pytest.mark.parametrize("value", ["t.json", "/tmp/run 1/T.JSON"])
+def test_trace_json_paths_are_taken_as_given(value):
+    assert ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR_TRACE": value}).trace == value
+
+
 def test_overrides_win_over_the_environment():
     c = ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR": "1"}, async_executor=False, no_dbuf=True)
     assert c.no_dbuf and not c.async_executor
@@ -36,7 +50,8 @@ def test_overrides_win_over_the_environment():
     ("VT_ASYNC_EXECUTOR", "yes"), ("VT_ASYNC_EXECUTOR", "2"), ("VT_ASYNC_EXECUTOR_NO_DBUF", "true"),
     ("VT_ASYNC_EXECUTOR_POISON", "-1"), ("VT_ASYNC_SERVING_CONC", "0"),
     ("VT_ASYNC_SERVING_CONC", "many"), ("VT_ASYNC_EXECUTOR_H2D", "pinned"),
-    ("VT_CAPTURE_SIZES", "1,x"), ("VT_ASYNC_EXECUTOR_RING", "1.5")])
+    ("VT_CAPTURE_SIZES", "1,x"), ("VT_ASYNC_EXECUTOR_RING", "1.5"),
+    ("VT_ASYNC_EXECUTOR_TRACE", "yes")])
 def test_invalid_environment_values_name_the_variable(var, value):
     with pytest.raises(ValueError, match=var):
         ExecutorConfig.from_env({var: value})

@@ -27,10 +27,17 @@ class HybridModel:
     def __init__(self, backend, cfg: ModelConfig, weights: dict[str, np.ndarray],
                  max_seqs: int | None = None, num_kv_blocks: int | None = None, *,
                  max_batch: int = 64, gemm_streams: int = 4):
+        # None means "the default"; anything else must be a real size. Checked first: 0 used to
+        # become the default silently and a negative count failed deep inside the pool.
+        for name, v in (("max_seqs", max_seqs), ("num_kv_blocks", num_kv_blocks)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise ValueError(f"HybridModel: {name} must be a positive int, or None for the "
+                                 f"default, got {v!r}")
         check_weights(cfg, weights)
         self.be, self.cfg = backend, cfg
-        self.max_seqs = max_seqs or cfg.max_seqs
-        self.num_kv_blocks = num_kv_blocks or self.max_seqs * cfg.max_blocks_per_seq
+        self.max_seqs = cfg.max_seqs if max_seqs is None else max_seqs
+        self.num_kv_blocks = (self.max_seqs * cfg.max_blocks_per_seq if num_kv_blocks is None
+                              else num_kv_blocks)
         self.max_batch = max(max_batch, self.max_seqs)
         # Scratch entries for padded rows: one past the real ones.
         self.scratch_row = self.scratch_state = self.max_seqs
