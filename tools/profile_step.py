@@ -1,6 +1,6 @@
 """Per-kernel-family device time INSIDE a captured decode step, and each GEMM shape alone.
 
-    python -m vt.model.profile_step --preset bench-dense --batch 1 32 [--mode remove double]
+    python3 tools/profile_step.py --preset bench-dense --batch 1 32 [--mode remove double]
 
 Eager per-launch event timing includes host launch gaps, so it misattributes small kernels.
 Here every number comes from replays of captured graphs (events around `iters` back-to-back
@@ -21,13 +21,19 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from vt.backend import get_backend
-from vt.model import PRESETS, HybridModel, init_weights
-from vt.model.bench_step import bench_inputs, copy_bandwidth
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench_step, next to this file
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt, from a checkout
+
+from bench_step import bench_inputs, copy_bandwidth            # noqa: E402
+from vt.backend import get_backend                             # noqa: E402
+from vt.bench.timer import timed_ms                            # noqa: E402
+from vt.model import PRESETS, HybridModel, init_weights        # noqa: E402
 
 _L2_BYTES = 50 << 20  # H100/H200 L2; the GEMM-alone weight copies cover at least 3x it
 _GEMM_CALLS = 20
@@ -58,18 +64,9 @@ class _Edit:
 
 
 def _time_graph(be, s, g, iters, repeats) -> float:
-    """Median over `repeats` of the mean device ms of one replay in `iters` back-to-back ones."""
-    a, b = be.event(timing_enabled=True), be.event(timing_enabled=True)
-    g.launch(s)  # warm-up
-    out = []
-    for _ in range(repeats):
-        a.record(s)
-        for _ in range(iters):
-            g.launch(s)
-        b.record(s)
-        b.synchronize()
-        out.append(b.elapsed_ms(a) / iters)
-    return statistics.median(out)
+    """Median over `repeats` of the mean device ms of one replay in `iters` back-to-back ones,
+    after a warm-up replay."""
+    return timed_ms(be, s, lambda: g.launch(s), iters, repeats, warmup=1)
 
 
 def _capture(be, s, fn, name):

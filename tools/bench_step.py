@@ -1,6 +1,6 @@
 """Device time of one captured decode step, and weight bytes read over copy bandwidth.
 
-    python -m vt.model.bench_step --preset bench-dense --batch 1 8 32 [--breakdown] [--json F]
+    python3 tools/bench_step.py --preset bench-dense --batch 1 8 32 [--breakdown] [--json F]
 
 For each batch size: capture decode + sample once (after an eager warm-up), replay it
 back to back, time the replays with events (median over repeats). The bandwidth reference is
@@ -12,28 +12,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 
-from vt.backend import get_backend
-from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
-
-def timed_ms(be, s, fn, iters, repeats):
-    """Median over `repeats` of the mean ms of `iters` back-to-back fn(s) calls."""
-    a, b = be.event(timing_enabled=True), be.event(timing_enabled=True)
-    out = []
-    for _ in range(repeats):
-        a.record(s)
-        for _ in range(iters):
-            fn()
-        b.record(s)
-        b.synchronize()
-        out.append(b.elapsed_ms(a) / iters)
-    return statistics.median(out)
+from vt.backend import get_backend                                           # noqa: E402
+from vt.bench.timer import timed_ms                                          # noqa: E402
+from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs   # noqa: E402
 
 
 def copy_bandwidth(be, s, nbytes=1 << 30):
