@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--force", action="store_true",
                      help="run a bench-* preset on the sim backend anyway (GBs of memory, minutes)")
     run.set_defaults(func=cmd_run)
+
+    from vt.bench.cli import add_parser as add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

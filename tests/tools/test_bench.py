@@ -1,4 +1,5 @@
-"""tools/bench.py on the sim backend: every (mode, conc) cell measured, ring == drain."""
+"""tools/bench.py is a thin wrapper of `vt bench`; the model workload's premise: engines run one
+after another on one shared model give the tokens a fresh model gives."""
 import importlib.util
 import json
 from pathlib import Path
@@ -6,6 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from vt.backend import get_backend
+from vt.bench.run import make_engine, run_vt
 from vt.model import PRESETS, HybridModel, init_weights
 
 _PATH = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
@@ -14,48 +16,40 @@ bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bench)
 
 
-def test_bench_measures_every_cell_and_ring_matches_drain(tmp_path, capsys):
-    """A sim run of 2 modes x conc 1, 4: every cell in the JSON with tokens/s > 0, a ceiling
-    per conc, and ring's tokens identical to drain's."""
+def test_tools_bench_is_vt_bench(tmp_path):
     out = tmp_path / "bench.json"
-    assert bench.main(["--backend", "sim", "--preset", "tiny-dense", "--modes", "drain", "ring",
-                       "--conc", "1", "4", "--new-tokens", "5", "--prompt-len", "3",
-                       "--json", str(out)]) == 0
+    assert bench.main(["--backend", "sim", "--device-us", "0", "--conc", "2", "--modes", "drain",
+                       "ring", "--steps", "3", "--no-bar", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
-    cells = {(c["mode"], c["conc"]): c for c in res["cells"]}
-    assert set(cells) == {(m, c) for m in ("drain", "ring") for c in (1, 4)}
-    for (mode, conc), c in cells.items():
-        assert c["tokens"] == 2 * conc * 5, (mode, conc, c["tokens"])
-        assert c["tokens_per_s"] > 0 and c["device_ms_per_step"] > 0 and c["graph_steps"] > 0
-        assert c["identical_to_drain"], (mode, conc)
-        assert c["tokens_sha1"] == cells["drain", conc]["tokens_sha1"]
-    assert [c["conc"] for c in res["ceilings"]] == [1, 4]
-    assert all(c["tokens_per_s"] > 0 for c in res["ceilings"])
-    table = capsys.readouterr().out
-    assert "conc" in table and "ring" in table and "ceiling" in table
+    assert {(c["mode"], c["status"]) for c in res["cells"]} == {
+        ("drain", "ok"), ("ring", "ok"), ("torch_sync", "absent"), ("torch_async", "absent")}
 
 
 def test_bench_shared_model_runs_match_a_fresh_model():
-    """The bench's premise: a run on a model that served other runs == the run on a fresh one."""
+    """A run on a model that served other runs == the run on a fresh one."""
     be = get_backend("sim")
     cfg = PRESETS["tiny-dense"]
     weights = init_weights(cfg, seed=0)
     rng = np.random.default_rng(3)
-    prompts = [rng.integers(0, cfg.vocab, 3).tolist() for _ in range(8)]
-    other = [rng.integers(0, cfg.vocab, 5).tolist() for _ in range(8)]
+    prompts = [rng.integers(0, cfg.vocab, 3).tolist() for _ in range(4)]
+    other = [rng.integers(0, cfg.vocab, 5).tolist() for _ in range(4)]
 
     def fresh_model():
         return HybridModel(be, cfg, weights, max_seqs=4, num_kv_blocks=64)
+
+    def cell(model, mode, ps, new):
+        with make_engine(be, model, mode, 4, profile=False, max_prefill_tokens=4 * 5) as eng:
+            return run_vt(eng, ps, new)[1]
     try:
         m = fresh_model()
         try:
-            _, ref = bench.run_cell(be, m, "drain", 4, prompts, 5)
+            ref = cell(m, "drain", prompts, 5)
         finally:
             m.close()
         m = fresh_model()
         try:
-            bench.run_cell(be, m, "ring", 4, other, 7)
-            _, again = bench.run_cell(be, m, "drain", 4, prompts, 5)
+            cell(m, "ring", other, 7)
+            again = cell(m, "drain", prompts, 5)
         finally:
             m.close()
     finally:
