@@ -209,7 +209,7 @@ def run_demo(args: argparse.Namespace) -> int:
         _log(f"  capturing decode graphs for sizes {list(config.capture_sizes)} "
              f"({config.slots_per_size} slot(s) per size) and warming the eager/prefill shapes ...")
         from vt.engine import Engine   # here: a usage error or a refused preset needs none of it
-        with Engine(be, model, config) as engine:
+        with Engine(be, model, config, profile=True) as engine:
             _log(f"  ready in {time.perf_counter() - t0:.1f} s; generating")
             prompts = random_prompts(np.random.default_rng(args.seed), cfg.vocab, n_requests,
                                      args.prompt_len)
@@ -241,10 +241,11 @@ def _report(results, stats: dict, trace: str | None) -> None:
          f"mode {stats['mode']}")
     _log(f"  steps {stats['steps']} (graph {stats['graph_steps']}, eager {stats['eager_steps']}, "
          f"mixed {stats['mixed_steps']}, prefill {stats['prefill_steps']})")
-    _log(f"  per step: host refresh+launch {1e3 * stats['host_launch_s'] / steps:.3f} ms, "
-         f"device {stats['device_ms'] / steps:.3f} ms, drain waits {1e3 * stats['drain_s'] / steps:.3f} ms, "
-         f"ring waits {1e3 * stats['ring_wait_s'] / steps:.3f} ms, "
-         f"token waits {1e3 * stats['token_wait_s'] / steps:.3f} ms")
+    us = {k: 1e6 * stats[k] / steps for k in ("acquire_s", "refresh_s", "launch_s", "drain_s",
+                                              "token_wait_s")}
+    _log(f"  per step (µs): acquire {us['acquire_s']:.1f}, refresh {us['refresh_s']:.1f}, launch "
+         f"{us['launch_s']:.1f}, drain waits {us['drain_s']:.1f}, token waits {us['token_wait_s']:.1f}, "
+         f"device {1e3 * stats['device_ms'] / steps:.1f}")
     _log(f"  pool: {stats['pool']['bytes_reserved'] / 2**20:.1f} MiB reserved, "
          f"mallocs during capture {stats['pool']['mallocs_during_capture']}, "
          f"driver mallocs since warm-up {stats['driver_mallocs_since_warm_up']}")

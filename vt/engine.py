@@ -3,25 +3,32 @@
 Each step decodes every running request one token and prefills the newly admitted ones
 (admitted while fewer than `serving_conc` run, their KV blocks are free and the step's prompt
 tokens stay within `max_prefill_tokens`, which bounds the prefill shapes warmed at
-construction: after it, serving makes no driver malloc). The host knows
-each sequence's length without its tokens, so it plans step N+1 before step N's tokens
-arrive; it learns a stop token one step late and drops the extra token that step made.
+construction: after it, serving makes no driver malloc). The running requests' per-step state
+is a persistent DecodeBatch (vt/batch.py), advanced in place. The host knows each sequence's
+length without its tokens, so it plans step N+1 before step N's tokens arrive.
+
+Schedule = f(requests) at every depth: a stop token takes effect on the schedule two steps
+after the step that sampled it (the earliest the async pipeline can know it), also at depth 1,
+so the synchronous run and the async modes see the same batches. A request's tokens depend
+only on its prompt, its sampling and the model (the sampler keys on seed and position).
 """
 from __future__ import annotations
 
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
 from vt.backend.errors import ClosedError
-from vt.graphs import DecodeRows
+from vt.batch import DecodeBatch
 from vt.knobs import ExecutorConfig
-from vt.requests import (BlockAllocator, KVCacheExhaustedError, PromptTooLongError, Request,
-                         RequestResult, RowAllocator)
+from vt.requests import (BlockAllocator, EngineBusyError, Request, RequestResult, RowAllocator)
 from vt.runner import Runner, StepPlan
-from vt.stepmodel import PrefillSeq, as_step_model
+from vt.step import PrefillSeq
+from vt.submit import make_requests
 
 
 @dataclass(frozen=True)
@@ -34,14 +41,36 @@ class Progress:
     elapsed_s: float
 
 
+@dataclass
+class Phase:
+    """Host and device time of the engine-loop iterations that launched one kind of step
+    ("decode": pure decode; "prefill": any step that prefills). The host split is filled with
+    profile=True only; steps and wall_s always."""
+    steps: int = 0
+    wall_s: float = 0.0
+    plan_s: float = 0.0
+    acquire_s: float = 0.0
+    refresh_s: float = 0.0
+    launch_s: float = 0.0
+    collect_s: float = 0.0
+    drain_s: float = 0.0
+    device_ms: float = 0.0
+
+
+_RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
+
+
 class Engine:
     """Engine(backend, model_or_forward, config): captures at construction; close() when done.
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
+    profile=True: device timing events around each step and the per-phase host split.
+    One generate() at a time: a second thread's call raises EngineBusyError.
     """
 
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
-                 record_logits: bool = False, max_prefill_tokens: int | None = None):
+                 record_logits: bool = False, max_prefill_tokens: int | None = None,
+                 profile: bool = False):
         self.be = backend
         self.config = config if config is not None else ExecutorConfig.from_env()
         self.model = as_step_model(backend, model_or_forward)
@@ -49,19 +78,22 @@ class Engine:
         if self.config.serving_conc > geo.max_seqs:
             raise ValueError(f"serving_conc={self.config.serving_conc} exceeds the model's "
                              f"max_seqs={geo.max_seqs}")
-        # A step prefills at most this many prompt tokens (one prompt always fits: a prompt of
-        # up to max_context tokens is admitted alone).
         if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
                                                not isinstance(max_prefill_tokens, int) or
                                                max_prefill_tokens < 1):
             raise ValueError(f"max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
+        # A step prefills at most this many prompt tokens (one prompt always fits: a prompt of
+        # up to max_context tokens is admitted alone).
         self.max_prefill_tokens = max(geo.max_context, max_prefill_tokens or 0)
-        self.runner = Runner(backend, self.model, self.config, record_logits=record_logits)
-        self._rows = RowAllocator(geo.max_seqs)
-        self._blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
+        self.record_logits, self.profile = record_logits, profile
+        self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
+                             profile=profile)
+        self._lock = threading.Lock()
         self._tokens_out = 0
         self._wall_s = 0.0
+        self._phases = {"decode": Phase(), "prefill": Phase()}
         self._closed = False
+        self._reset_schedule()
         try:
             self.runner.capture()
             self.runner.warm_up(self.max_prefill_tokens)
@@ -76,53 +108,53 @@ class Engine:
                  ) -> list[RequestResult]:
         """Run every prompt to completion; results in prompt order.
 
-        max_new_tokens: one int for all prompts, or one per prompt. sampling: passed to the
-        model's sampler (vt.model SamplingParams; None is greedy).
+        max_new_tokens: one int for all prompts, or one per prompt. sampling: None (greedy),
+        one vt.SamplingParams for all, or one per prompt. A request that cannot be served
+        whole raises RequestTooLargeError before any step runs. On any exception (a kernel,
+        the progress callback, KeyboardInterrupt) the engine waits for its stream, drops the
+        steps in flight, frees every row and KV block and re-raises: the next generate()
+        serves as a fresh engine would.
         """
         self._check_open()
-        reqs = self._make_requests(prompts, max_new_tokens, stop_token)
-        pending = [r for r in reqs if not r.done]
-        running: list[Request] = []
-        inflight = None
-        t0 = time.perf_counter()
-        depth = self.config.depth
-        while pending or running or inflight is not None:
-            plan = self._plan(pending, running)
-            handle = self.runner.launch(plan, sampling) if plan.n else None
-            if depth == 1:
-                ready, handle = handle, None
-            else:
-                ready = inflight   # step N's tokens, read after step N+1 is launched
-            if ready is not None:
-                self._collect(ready, running)
-                if progress is not None:
-                    progress(Progress(ready.index, sum(r.done for r in reqs), len(reqs),
-                                      self._tokens_out, time.perf_counter() - t0))
-            elif handle is None:
-                raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
-                                   f"{len(running)} running, nothing launched or in flight")
-            inflight = handle
-        self._wall_s += time.perf_counter() - t0
-        return [r.result() for r in reqs]
+        reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
+                             self.model.vocab, self._blocks.capacity)
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusyError("Engine.generate() is already running in another thread; an "
+                                  "Engine serves one generate() at a time: wait for it to return "
+                                  "or give each thread its own Engine")
+        try:
+            return self._serve(reqs, progress)
+        except BaseException as exc:
+            device_error = self.runner.abort()
+            self._reset_schedule()
+            if device_error is not None and device_error is not exc:
+                exc.add_note(f"vt: the device also reported: {device_error}")
+            raise
+        finally:
+            self._lock.release()
 
     def stats(self) -> dict:
-        """Steps, graph vs eager steps, waits and their time, pool state."""
+        """Steps, graph vs eager steps, waits and their time, per-phase time, pool state."""
         self._check_open()
         st = self.runner.stats.as_dict()
         pool = self.be.pool.stats()
         st.update(tokens=self._tokens_out, wall_s=self._wall_s,
                   tokens_per_s=self._tokens_out / self._wall_s if self._wall_s else 0.0,
                   mode=self.mode, pool=pool.__dict__,
+                  phases={k: dict(vars(p)) for k, p in self._phases.items()},
                   driver_mallocs_since_warm_up=pool.driver_mallocs - self._pool_after_warm_up.driver_mallocs)
         return st
 
     @property
     def mode(self) -> str:
-        c = self.config
-        base = ("sync" if c.depth == 1 else "ring" if c.async_executor else
-                "no_dbuf" if c.no_dbuf else "drain")
-        extra = [c.h2d] + (["inputs_read"] if c.inputs_read_event else []) + (["poison"] if c.poison else [])
-        return "+".join([base] + extra)
+        """The executor mode's name (vt.knobs.MODES), "+poison" when poisoning."""
+        return self.config.mode + ("+poison" if self.config.poison else "")
+
+    def device_ceiling_us(self, n: int, replays: int = 200) -> float:
+        """µs per replay of the captured decode graph for n rows, back to back with no host
+        work: the device-bound ceiling of a decode step. Call it between generate() calls."""
+        self._check_open()
+        return self.runner.ceiling_us(n, replays)
 
     def close(self) -> str | None:
         """Idempotent. Returns the trace path when a trace was written."""
@@ -137,115 +169,170 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
-    # -- scheduling ---------------------------------------------------------------------
-    def _make_requests(self, prompts, max_new_tokens, stop_token) -> list[Request]:
-        prompts = list(prompts)
-        budgets = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple, np.ndarray))
-                   else [max_new_tokens] * len(prompts))
-        if len(budgets) != len(prompts):
-            raise ValueError(f"{len(budgets)} max_new_tokens values for {len(prompts)} prompts")
-        for m in budgets:
-            if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1:
-                raise ValueError(f"max_new_tokens must be positive ints, got {m!r}")
-        geo, reqs = self.model.geometry, []
-        for i, (p, max_new) in enumerate(zip(prompts, budgets)):
-            arr = np.asarray(p)
-            if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-                raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of token ids, got "
-                                 f"shape {arr.shape} dtype {arr.dtype}")
-            if arr.min() < 0 or arr.max() >= self.model.vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.model.vocab})")
-            if arr.size > geo.max_context:
-                raise PromptTooLongError(f"prompt {i} has {arr.size} tokens; the context holds "
-                                         f"{geo.max_context}")
-            req = Request(i, arr.astype(np.int32), int(max_new), stop_token)
-            need = self._blocks_needed(req)
-            if need > self._blocks.capacity:
-                req.finish_reason = "error"
-                req.error = KVCacheExhaustedError(
-                    f"request {i} needs {need} KV blocks (prompt {arr.size} + {req.token_budget(geo.max_context)} "
-                    f"new tokens, block size {geo.block_size}) but the cache has {self._blocks.capacity}; refused")
-            reqs.append(req)
-        return reqs
+    # -- the loop -----------------------------------------------------------------------
+    def _serve(self, reqs: list[Request], progress) -> list[RequestResult]:
+        total = reqs[-1].end if reqs else 0
+        self._out = np.zeros(total, np.int32)                  # every request's tokens
+        self._limit = np.array([r.end for r in reqs], np.int64)  # per request: where they stop
+        self._out_logits = (np.zeros((total, self.model.vocab), np.float32)
+                            if self.record_logits else None)
+        self._reqs, self._finished = reqs, 0
+        pending, inflight, deferred = deque(reqs), None, []
+        depth, clock, t_start = self.config.depth, time.perf_counter, time.perf_counter()
+        runner_st = self.runner.stats
+        while pending or self._batch.n or inflight is not None or deferred:
+            t0 = clock()
+            before = [getattr(runner_st, k) for k in _RUNNER_SPLIT] if self.profile else None
+            plan, admitted = self._plan(pending)
+            t1 = clock()
+            handle = None
+            if plan.n:
+                handle = self.runner.launch(plan)
+                self._after_launch(plan, admitted)
+            elif inflight is None and not deferred:
+                raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
+                                   f"{self._batch.n} running, nothing launched or in flight")
+            t2 = clock()
+            if depth == 1:
+                for req in deferred:          # a stop sampled two steps ago (module docstring)
+                    self._leave(req)
+                ready, handle, deferred = handle, None, []
+            else:
+                ready = inflight
+            device_ms = runner_st.device_ms
+            if ready is not None:
+                stopped = self._store(ready, self.runner.collect(ready))
+                if depth == 1:
+                    deferred = stopped
+                else:
+                    for req in stopped:
+                        self._leave(req)
+                if progress is not None:
+                    progress(Progress(ready.index, self._finished, len(reqs), self._tokens_out,
+                                      clock() - t_start))
+            t3 = clock()
+            ph = self._phases["prefill" if plan.prefill else "decode"]
+            ph.steps += bool(plan.n)
+            ph.wall_s += t3 - t0
+            if before is not None:
+                ph.plan_s += t1 - t0
+                ph.collect_s += t3 - t2
+                ph.device_ms += runner_st.device_ms - device_ms
+                for k, b in zip(_RUNNER_SPLIT, before):
+                    setattr(ph, k, getattr(ph, k) + getattr(runner_st, k) - b)
+            inflight = handle
+        self._wall_s += clock() - t_start
+        return [self._result(r) for r in reqs]
 
-    def _blocks_needed(self, req: Request) -> int:
-        geo = self.model.geometry
-        slots = req.prompt_len + req.token_budget(geo.max_context) - 1
-        return -(-slots // geo.block_size)
-
-    def _plan(self, pending: list[Request], running: list[Request]) -> StepPlan:
-        geo = self.model.geometry
-        decode = [r for r in running if r.wants_decode(geo.max_context)]
-        new, prefill_tokens = [], 0
-        while pending and len(running) < self.config.serving_conc:
+    def _plan(self, pending: deque) -> tuple[StepPlan, list[Request]]:
+        """This step's rows: every request in the batch decodes; pending ones are admitted
+        (prefilled) while there is room. Copies of the per-row destination, request index and
+        stop token go with the step (the batch changes before its tokens arrive)."""
+        b, geo = self._batch, self.model.geometry
+        n_dec = b.n
+        admitted, prefill_tokens = [], 0
+        while pending and n_dec + len(admitted) < self.config.serving_conc:
             req = pending[0]
-            if new and prefill_tokens + req.prompt_len > self.max_prefill_tokens:
+            if admitted and prefill_tokens + req.prompt_len > self.max_prefill_tokens:
                 break   # the next step prefills it
-            blocks = self._blocks.alloc(self._blocks_needed(req))
+            blocks = self._blocks.alloc(-(-(req.prompt_len + req.max_new_tokens - 1) // geo.block_size))
             if blocks is None:
                 break   # waits for running requests to free blocks (always possible: see refusal)
-            row = self._rows.alloc()
-            pending.pop(0)
-            req.row, req.blocks = row, blocks
-            req.block_table = np.zeros(geo.max_blocks, np.int32)
-            req.block_table[:len(blocks)] = blocks
-            running.append(req)
-            new.append(req)
+            pending.popleft()
+            req.row, req.blocks = self._rows.alloc(), blocks
+            admitted.append(req)
             prefill_tokens += req.prompt_len
-        tag = decode + new
-        for r in tag:
-            r.launched += 1
-        rows = self._decode_rows(decode) if decode else None
-        prefill = [PrefillSeq(r.row, r.prompt, r.block_table, r.row) for r in new]
-        for r in tag:
-            if r.launched >= r.token_budget(geo.max_context):
-                # Its last token is being sampled: the row and blocks are free for the next
-                # plan already (device users of them are ordered after this step). Releasing
-                # here, not when the token arrives, makes the schedule the same at depth 1
-                # and 2, so the OFF path is byte-identical to the synchronous run.
-                self._release(r, running)
-        return StepPlan(decode=rows, prefill=prefill, tag=tag)
+        decode = b.step_rows() if n_dec else None
+        prefill = []
+        for req in admitted:
+            bt = np.full(geo.max_blocks, geo.scratch_block, np.int32)
+            bt[:len(req.blocks)] = req.blocks
+            prefill.append(PrefillSeq(req.row, req.prompt, bt, req.row, req.sampling))
+        if admitted:
+            dest = np.concatenate([b.dest[:n_dec], [r.base for r in admitted]])
+            rid = np.concatenate([b.rid[:n_dec], [r.index for r in admitted]])
+            stop = np.concatenate([b.stop[:n_dec], [_stop_id(r) for r in admitted]])
+        else:
+            dest, rid, stop = b.dest[:n_dec].copy(), b.rid[:n_dec].copy(), b.stop[:n_dec].copy()
+        return StepPlan(decode, prefill, tag=(dest, rid, stop)), admitted
 
-    def _release(self, req: Request, running: list[Request]) -> None:
-        if req.row < 0:
-            return
-        self._rows.free(req.row)
-        self._blocks.free(req.blocks)
-        req.row, req.blocks = -1, []
-        running.remove(req)
+    def _after_launch(self, plan: StepPlan, admitted: list[Request]) -> None:
+        """Advance the batch past the launched step. A request whose last token was just
+        launched leaves now: its row and blocks are free for the next plan already (device
+        users of them are stream-ordered after this step)."""
+        b = self._batch
+        n_dec = len(plan.decode) if plan.decode is not None else 0
+        for i in b.advance(n_dec)[::-1]:   # descending: remove() moves the last entry
+            self._leave(b.reqs[i])
+        for req, seq in zip(admitted, plan.prefill):
+            if req.max_new_tokens == 1:
+                self._free(req)
+            else:
+                b.add(req, req.row, seq.block_table, req.sampling, pos=req.prompt_len,
+                      left=req.max_new_tokens - 1, dest=req.base + 1, stop=_stop_id(req))
 
-    def _decode_rows(self, reqs: list[Request]) -> DecodeRows:
-        bs = self.model.geometry.block_size
-        # The input is the token sampled last (position L + launched - 2 after this step's
-        # increment); the device token table holds it, the host needs only where it sits.
-        pos = np.array([r.prompt_len + r.launched - 2 for r in reqs], np.int32)
-        bt = np.stack([r.block_table for r in reqs])
-        slots = bt[np.arange(len(reqs)), pos // bs] * bs + pos % bs
-        rows = np.array([r.row for r in reqs], np.int32)
-        return DecodeRows(rows, pos, pos + 1, slots.astype(np.int32), bt, rows.copy())
+    def _store(self, handle, tokens: np.ndarray) -> list[Request]:
+        """Put a step's tokens where they belong; returns the requests that just stopped."""
+        dest, rid, stop = handle.tag
+        self._out[dest] = tokens
+        if self._out_logits is not None:
+            self._out_logits[dest] = handle.host_logits
+        limit = self._limit[rid]
+        valid = dest < limit            # False: past a stop learned earlier
+        stopped = []
+        for i in np.flatnonzero((tokens == stop) & valid):
+            req = self._reqs[rid[i]]
+            req.end = int(dest[i]) + 1
+            req.finish_reason = "stop"
+            self._limit[req.index] = limit[i] = req.end
+            stopped.append(req)
+        self._tokens_out += int(np.count_nonzero(valid))
+        self._finished += int(np.count_nonzero(dest + 1 == limit))
+        return stopped
 
-    def _collect(self, handle, running: list[Request]) -> None:
-        tokens = self.runner.collect(handle)
+    def _leave(self, req: Request) -> None:
+        """The request decodes no more: out of the batch, its row and blocks freed."""
+        if req.batch_index >= 0:
+            self._batch.remove(req.batch_index)
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        if req.row >= 0:
+            self._rows.free(req.row)
+            self._blocks.free(req.blocks)
+            req.row, req.blocks = -1, []
+
+    def _result(self, req: Request) -> RequestResult:
+        span = slice(req.base, req.end)
+        logits = self._out_logits[span].copy() if self._out_logits is not None else None
+        return RequestResult(req.index, req.prompt_len, self._out[span].tolist(),
+                             req.finish_reason or "length", logits)
+
+    def _reset_schedule(self) -> None:
+        """Every row and KV block free, nothing running (construction, and after a failure)."""
         geo = self.model.geometry
-        for i, req in enumerate(handle.tag):
-            if req.done:
-                continue   # stopped at an earlier step; this token was computed past the stop
-            tok = int(tokens[i])
-            req.tokens.append(tok)
-            if handle.host_logits is not None:
-                req.logits.append(handle.host_logits[i].copy())
-            self._tokens_out += 1
-            if req.stop_token is not None and tok == req.stop_token:
-                req.finish_reason = "stop"
-            elif len(req.tokens) >= req.max_new_tokens:
-                req.finish_reason = "length"
-            elif len(req.tokens) >= req.token_budget(geo.max_context):
-                req.finish_reason = "context"
-            if req.done:
-                # A stop token arrives one step late: the device may still run a queued step
-                # on this row, and any later user of the row is ordered after it.
-                self._release(req, running)
+        self._rows = RowAllocator(geo.max_seqs)
+        self._blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
+        self._batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size)
 
     def _check_open(self):
         if self._closed:
             raise ClosedError("Engine is closed")
+
+
+def as_step_model(be, model_or_forward):
+    """The step model the runner drives: one already (ForwardModel, an adapter) as is, a
+    vt.model.HybridModel adapted."""
+    if all(hasattr(model_or_forward, a) for a in ("geometry", "pad", "vocab", "decode", "prefill", "sample")):
+        return model_or_forward
+    if all(hasattr(model_or_forward, a) for a in ("decode", "prefill", "sample", "token_table")):
+        from vt.hybrid_adapter import HybridStepModel
+        return HybridStepModel(be, model_or_forward)
+    raise TypeError(f"Engine needs a vt.model.HybridModel or a vt.ForwardModel wrapping a "
+                    f"user-written forward, got {type(model_or_forward).__name__}; wrap a bare "
+                    f"forward as ForwardModel(be, forward, vocab=..., token_table=..., geometry=...)")
+
+
+def _stop_id(req: Request) -> int:
+    return -1 if req.stop_token is None else req.stop_token
+

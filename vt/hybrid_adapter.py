@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vt.stepmodel import KVGeometry, PrefillSeq
+from vt.step import KVGeometry, PrefillSeq, kv_slot
 
 _PER_TOKEN = ("token_ids", "positions", "slot_mapping", "ctx_lens", "token_seq")
 _PER_SEQ = ("last_idx", "last_positions", "token_rows", "state_idx")
@@ -27,8 +27,8 @@ class HybridStepModel:
     so the host runs ahead of the device on any backend (as the toy forward's option does)."""
 
     def __init__(self, be, model, *, device_work_s: float = 0.0):
-        from vt.model import PrefillInputs, SamplingParams
-        self._PrefillInputs, self._greedy = PrefillInputs, SamplingParams()
+        from vt.model import PrefillInputs
+        self._PrefillInputs = PrefillInputs
         cfg = model.cfg
         self.be, self.m, self.vocab = be, model, cfg.vocab
         self.device_work_s = device_work_s
@@ -95,7 +95,7 @@ class HybridStepModel:
         bt = np.stack([s.block_table for s in seqs] + [scratch_bt] * q)
         pad = self.pad
         values = dict(token_ids=np.concatenate([s.tokens for s in seqs] + [np.zeros(lens[len(seqs):].sum(), np.int32)]),
-                      positions=pos, slot_mapping=bt[seq, pos // bs] * bs + pos % bs,
+                      positions=pos, slot_mapping=kv_slot(bt[seq], pos, bs),
                       ctx_lens=pos + 1, token_seq=seq, cu_seqlens=cu, last_idx=cu[1:] - 1,
                       last_positions=(lens - 1) % g.max_context,
                       token_rows=[s.row for s in seqs] + [pad.token_row] * q,
@@ -113,5 +113,5 @@ class HybridStepModel:
     def release_stream(self, stream) -> None:
         self.m.release_stream(stream)
 
-    def sample(self, stream, logits, inputs, out_tokens, sampling) -> None:
-        self.m.sample(stream, logits, inputs, out_tokens, sampling if sampling is not None else self._greedy)
+    def sample(self, stream, logits, inputs, out_tokens) -> None:
+        self.m.sample(stream, logits, inputs, out_tokens)

@@ -1,65 +1,66 @@
-"""Requests, their results, and the host-side allocators of sequence rows and KV blocks."""
+"""Requests, their results, the errors of requests that cannot be served, and the host-side
+allocators of sequence rows and KV blocks."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-
-class PromptTooLongError(ValueError):
-    """A prompt does not fit the model's context."""
+from vt.step import GREEDY, SamplingParams
 
 
-class KVCacheExhaustedError(RuntimeError):
-    """A request needs more KV blocks than the cache can ever give it (it is refused)."""
+class RequestTooLargeError(ValueError):
+    """A request cannot be served whole: its prompt plus max_new_tokens exceed the model's
+    context, or it needs more KV blocks than the whole cache has. generate() raises it before
+    running any step, so nothing is served partially."""
+
+
+class PromptTooLongError(RequestTooLargeError):
+    """The prompt alone does not fit the model's context."""
+
+
+class KVCacheExhaustedError(RequestTooLargeError):
+    """The request needs more KV blocks than the whole cache has."""
+
+
+class EngineBusyError(RuntimeError):
+    """generate() was called while another thread's generate() runs on the same Engine."""
 
 
 @dataclass
 class RequestResult:
-    """tokens: generated ids; finish_reason: "stop" | "length" | "context" | "error"."""
+    """One request's outcome.
+
+    tokens: the generated ids. finish_reason: "stop" (the stop token was sampled; it is the
+    last token) or "length" (max_new_tokens were generated). logits: [len(tokens), vocab]
+    float32 when the Engine records logits, else None.
+    """
     index: int
     prompt_len: int
     tokens: list[int]
     finish_reason: str
-    error: Exception | None = None
-    logits: np.ndarray | None = None   # [len(tokens), vocab] when the engine recorded logits
+    logits: np.ndarray | None = None
 
 
 @dataclass
 class Request:
+    """A request inside one generate() call. Its tokens land in the call's flat output buffer
+    at [base, base + max_new_tokens); `end` is where they stop (moved up by a stop token)."""
     index: int
     prompt: np.ndarray        # [L] int32
     max_new_tokens: int
     stop_token: int | None
+    sampling: SamplingParams = GREEDY
+    base: int = 0
+    end: int = 0
     row: int = -1
     blocks: list[int] = field(default_factory=list)
-    block_table: np.ndarray | None = None
-    launched: int = 0         # tokens whose sampling has been launched (prefill included)
-    tokens: list[int] = field(default_factory=list)
-    logits: list[np.ndarray] = field(default_factory=list)
+    batch_index: int = -1     # its entry in the DecodeBatch, -1 when not decoding
     finish_reason: str | None = None
-    error: Exception | None = None
 
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    def token_budget(self, max_context: int) -> int:
-        """Tokens this request may generate: max_new_tokens, cut where the context ends
-        (the last generated token needs no KV slot)."""
-        return min(self.max_new_tokens, max_context - self.prompt_len + 1)
-
-    def wants_decode(self, max_context: int) -> bool:
-        return not self.done and self.row >= 0 and 0 < self.launched < self.token_budget(max_context)
-
-    def result(self) -> RequestResult:
-        logits = np.stack(self.logits) if self.logits else None
-        return RequestResult(self.index, self.prompt_len, list(self.tokens), self.finish_reason,
-                             self.error, logits)
 
 
 class RowAllocator:
@@ -74,10 +75,6 @@ class RowAllocator:
     def free(self, row: int) -> None:
         self._free.append(row)
 
-    @property
-    def available(self) -> int:
-        return len(self._free)
-
 
 class BlockAllocator:
     """KV blocks 0..num_blocks-1 except the scratch block of padded rows."""
@@ -85,10 +82,6 @@ class BlockAllocator:
     def __init__(self, num_blocks: int, scratch_block: int):
         self._free = [b for b in range(num_blocks - 1, -1, -1) if b != scratch_block]
         self.capacity = len(self._free)
-
-    @property
-    def available(self) -> int:
-        return len(self._free)
 
     def alloc(self, n: int) -> list[int] | None:
         """n blocks, or None (nothing taken) when fewer are free."""

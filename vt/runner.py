@@ -1,13 +1,14 @@
 """Runner: one step at a time, depth-2 async, with the drain and its skip.
 
-Step N+1 is launched before the host reads step N's sampled tokens: the tokens reach the
-next step through the model's device token table, and the host copies them into a pinned
-buffer (one per pipeline parity) guarded by that step's done event, read one step late.
+A graph step is one graph launch: the slot's input block H2D, the forward, the sampler (which
+writes the next step's input token into the device token table) and the tokens' D2H into the
+slot's pinned output, then one event record. Step N+1 is launched before the host reads step
+N's tokens.
 
 Before Refresh(N+1) the host drains (waits for step N) unless the skip applies: the
 previous step's logits are a non-owning graph view AND the ring is on (safe: the slot's
-reuse event guards the host vectors) or NO_DBUF is set (unsafe: nothing guards them).
-Eager, mixed and prefill steps own their logits and always drain.
+event guards its block) or NO_DBUF is set (unsafe: nothing guards it). Eager, mixed and
+prefill steps own their logits and always drain.
 """
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vt.backend.errors import ClosedError
-from vt.graphs import DecodeGraphDriver, DecodeRows, ForwardLogits
-from vt.graphs.capture import LOGITS_DTYPE
-from vt.stepmodel import PrefillSeq, decode_rows
+from vt.eager import EagerPath
+from vt.graphs import DecodeGraphDriver, ForwardLogits, GraphSettings
+from vt.step import LOGITS_DTYPE, DecodeRows, PrefillSeq
 from vt.trace import Tracer
 
 
@@ -44,10 +45,11 @@ class StepHandle:
     size: int                 # padded size (n for eager steps)
     logits: ForwardLogits
     tag: object
-    parity: int
-    timing: tuple | None
-    host_logits: np.ndarray | None = None   # [n, vocab] when recorded; reused two steps later
-    completed: bool = False   # the host has observed the done event
+    out_host: np.ndarray      # pinned [>= n] the step's tokens land in
+    done: object              # event recorded after everything the step does
+    timing: tuple | None = None
+    host_logits: np.ndarray | None = None   # [n, vocab] when recorded
+    tokens: np.ndarray | None = None        # host copy, taken when the host saw `done`
 
 
 @dataclass
@@ -59,12 +61,13 @@ class RunnerStats:
     prefill_steps: int = 0
     drains: int = 0
     drain_s: float = 0.0
-    ring_waits: int = 0       # slot acquisitions that had to block on the reuse event
-    ring_wait_s: float = 0.0
+    ring_waits: int = 0       # slot acquisitions that had to block on the slot's event
+    acquire_s: float = 0.0
+    refresh_s: float = 0.0
+    launch_s: float = 0.0
     token_waits: int = 0
     token_wait_s: float = 0.0
-    host_launch_s: float = 0.0   # refresh + launch, per step summed
-    device_ms: float = 0.0
+    device_ms: float = 0.0    # with profile only
     steps_by_size: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
@@ -72,39 +75,38 @@ class RunnerStats:
 
 
 class Runner:
-    """Launches steps of a step model (vt.stepmodel) through the graph driver."""
+    """Launches steps of a step model (vt.step.StepModel): graphs through the driver, the rest
+    through the eager path. profile=True adds device timing events around each step."""
 
-    def __init__(self, be, model, config, *, record_logits: bool = False, device_timing: bool = True):
+    def __init__(self, be, model, config, *, record_logits: bool = False, profile: bool = False):
         self.be, self.model, self.config = be, model, config
         self.stream = be.stream(name="vt-decode")
         geo = model.geometry
         self.capacity = max(geo.max_seqs, max(config.capture_sizes, default=0))
-        self.driver = DecodeGraphDriver(be, self.stream, model.decode, vocab=model.vocab,
-                                        max_blocks=geo.max_blocks, pad=model.pad, config=config,
-                                        eager_capacity=self.capacity)
+        settings = GraphSettings(sizes=config.capture_sizes, slots_per_size=config.slots_per_size,
+                                 guarded=config.async_executor, staged=config.h2d == "staged",
+                                 inputs_read=config.inputs_read_event,
+                                 reserve_pool=not config.skip_pool_reserve)
+        self.driver = DecodeGraphDriver(be, self.stream, self._decode_and_sample, vocab=model.vocab,
+                                        max_blocks=geo.max_blocks, pad=model.pad, settings=settings)
+        self.eager = EagerPath(be, self.stream, model, capacity=self.capacity,
+                               graph_size=self.driver.padded_size)
         self.tracer = Tracer(be, self.stream, config.trace)
-        self.record_logits = record_logits
+        self.profile = profile or self.tracer.enabled
         self.stats = RunnerStats()
-        # One device token buffer is enough (stream order); host copies need one per parity:
-        # step N+1's copy may land before the host has read step N's.
-        self._out_tokens = be.empty((self.capacity,), np.int32)
-        self._tok_host = [be.pinned_empty((self.capacity,), np.int32) for _ in range(2)]
-        self._done = [be.event(blocking_sync=True) for _ in range(2)]
-        # Recorded logits go through pinned buffers allocated once, like the tokens: a pinned
-        # allocation (and its free) per step would add driver calls that serialize the host.
-        self._logits_host = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE)
-                              for _ in range(2)] if record_logits else None)
-        # Eager, mixed and prefill steps own their logits: three [capacity, vocab] blocks used
-        # in turn, allocated once (at most depth + 1 are alive: the steps in flight and the one
-        # being launched; a later user of a block is ordered after them on the stream).
-        self._eager_logits = [be.empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(3)]
-        self._eager_turn = 0
-        self._timing = ([self._timing_pair() for _ in range(2)]
-                        if device_timing or self.tracer.enabled else [None, None])
+        self._skip_graph_drain = config.skips_graph_drain
+        self._record = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(2)],
+                        [be.event(blocking_sync=True) for _ in range(2)]) if record_logits else None
+        self._timing = ([tuple(be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
+                         for _ in range(2)] if self.profile else None)
         self._last: StepHandle | None = None
         self._inflight: list[StepHandle] = []
         self._steps = 0
         self._closed = False
+
+    def _decode_and_sample(self, stream, inputs, logits, out_tokens) -> None:
+        self.model.decode(stream, inputs, logits)
+        self.model.sample(stream, logits, inputs, out_tokens)
 
     def capture(self) -> None:
         """Capture every graph (warm-up, pre-grow and capture per size: vt/graphs/capture.py)."""
@@ -112,184 +114,158 @@ class Runner:
         self.driver.capture()
 
     def warm_up(self, max_prefill_tokens: int) -> None:
-        """Run every eager shape once, so that serving never calls the driver afterwards.
-
-        Eager steps run at a fixed set of shapes: decode rows padded to a captured size or the
-        eager capacity (driver.decode_buckets), prefill padded by the step model to its own
-        buckets (powers of two) for up to `max_prefill_tokens` prompt tokens per step. Every
-        temporary dies when its launch returns and goes back to the pool (stream-ordered
-        reuse), so once each shape ran, the pool's free blocks cover any later step.
-        Cost: one eager forward per bucket: about log2 of the largest size, not one per size.
-        """
+        """Run every eager shape once, so that serving never calls the driver afterwards."""
         self._check_open()
-        block = self._eager_logits[0]
-        none = np.zeros(0, np.int32)
-        empty = DecodeRows(none, none, none, none, np.zeros((0, self.driver.max_blocks), np.int32), none)
-        for size in self.driver.decode_buckets():
-            inputs = self.driver.stage_eager(empty, size)   # all padding: writes only scratch
-            self.driver.launch_eager(inputs, block[:size])
-            self.model.sample(self.stream, block[:size], inputs, self._out_tokens[:size], None)
-            self.stream.synchronize()   # the staging area is reused by the next bucket
-        warm = getattr(self.model, "warm_up_prefill", None)
-        if warm is not None:
-            warm(self.stream, max_prefill_tokens, block)
-        self.stream.synchronize()
+        self.eager.warm_up(self.driver.rings, max_prefill_tokens)
 
     # -- launch -------------------------------------------------------------------------
-    def launch(self, plan: StepPlan, sampling=None) -> StepHandle:
+    def launch(self, plan: StepPlan) -> StepHandle:
         self._check_open()
-        if plan.n == 0:
+        n = plan.n
+        if n == 0:
             raise ValueError("an empty step: nothing to decode or prefill")
-        if plan.n > self.capacity:
-            raise ValueError(f"a step of {plan.n} rows exceeds max_seqs={self.capacity}")
+        if n > self.capacity:
+            raise ValueError(f"a step of {n} rows exceeds max_seqs={self.capacity}")
         if len(self._inflight) >= 2:
             raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
                                f"not collected; collect the oldest before launching (depth 2)")
-        self._maybe_drain()
+        prev = self._last
+        if prev is not None and prev.tokens is None and not (
+                prev.logits.non_owning_view and self._skip_graph_drain):
+            self._wait(prev, drain=True)
+        st, index = self.stats, self._steps
         t0 = time.perf_counter()
-        parity = self._steps % 2
-        slot = None
-        if not plan.prefill:
-            slot, waited = self.driver.acquire(plan.n)
-            if waited:
-                self.stats.ring_waits += 1
-                self.stats.ring_wait_s += waited
-                self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
+        slot, waited = self.driver.acquire(n) if not plan.prefill else (None, 0.0)
         t1 = time.perf_counter()
-        timing = self._timing[parity]
+        if waited:
+            st.ring_waits += 1
+            self.tracer.host_span("ring wait", t0, t1, slot=slot.name)
+        st.acquire_s += t1 - t0
+        timing = self._timing[index % 2] if self._timing is not None else None
         if timing is not None:
             timing[0].record(self.stream)
         if slot is not None:
-            t_refresh = time.perf_counter()
-            self.driver.refresh(slot, plan.decode)
-            self.tracer.host_span("refresh", t_refresh, time.perf_counter(), step=self._steps,
-                                  slot=slot.name)
-            logits = self.driver.replay(slot, plan.n)
-            kind, size = "graph", slot.size
-            # Padded rows are sampled too (into the scratch row): one fixed shape per size.
-            self.model.sample(self.stream, logits.array, slot.device, self._out_tokens[:size],
-                              sampling)
+            slot.host.fill(plan.decode, self.model.pad)
+            t2 = time.perf_counter()
+            st.refresh_s += t2 - t1
+            self.tracer.host_span("refresh", t1, t2, step=index, slot=slot.name)
+            logits = slot.launch(self.stream, n)
+            handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host,
+                                slot.done)
         else:
-            logits, kind = self._launch_eager(plan, sampling)
-            size = plan.n
-        handle = StepHandle(self._steps, kind, plan.n, size, logits, plan.tag, parity, timing)
-        if self.record_logits:
-            handle.host_logits = self._logits_host[parity][:plan.n]
+            t2 = t1
+            logits, kind = self.eager.launch(plan.decode, plan.prefill, index % 2)
+            done = self.eager.done[index % 2]
+            done.record(self.stream)
+            handle = StepHandle(index, kind, n, n, logits, plan.tag, self.eager.out_host[index % 2],
+                                done)
+        if self._record is not None:
+            handle.host_logits = self._record[0][index % 2][:n]
             self.be.copy_d2h(handle.host_logits, logits.rows, self.stream)
-        self.be.copy_d2h(self._tok_host[parity][:plan.n], self._out_tokens[:plan.n], self.stream)
+            handle.done = self._record[1][index % 2]
+            handle.done.record(self.stream)
         if timing is not None:
             timing[1].record(self.stream)
-        self._done[parity].record(self.stream)
-        t2 = time.perf_counter()
-        self.tracer.host_span(f"launch {kind} S={size}", t1, t2, step=handle.index, n=plan.n,
-                              slot=slot.name if slot is not None else None)
+            handle.timing = timing
+        t3 = time.perf_counter()
+        st.launch_s += t3 - t2
+        self.tracer.host_span(f"launch {handle.kind} S={handle.size}", t2, t3, step=index, n=n)
         if slot is not None and self.config.poison:
             self._poison_next(slot, handle)
-        self._count(handle, t2 - t1)
+        self._count(handle)
         self._last = handle
         self._inflight.append(handle)
         self._steps += 1
         return handle
 
-    def _launch_eager(self, plan: StepPlan, sampling):
-        """Eager decode rows and/or prefill, sampled, into logits the step owns.
-
-        Decode rows run padded to driver.decode_bucket and are sampled first; the prefill then
-        writes its logits after them (rows [n_dec, n)), over the padded rows' logits, which
-        the stream has already sampled: rows [:n] of the block are the step's logits.
-        """
-        n_dec = len(plan.decode) if plan.decode is not None else 0
-        block = self._eager_logits[self._eager_turn % 3]   # [capacity, vocab]
-        self._eager_turn += 1
-        if n_dec:
-            size = self.driver.decode_bucket(n_dec)
-            inputs = self.driver.stage_eager(plan.decode, size)
-            self.driver.launch_eager(inputs, block[:size])
-            self.model.sample(self.stream, block[:size], inputs, self._out_tokens[:size], sampling)
-        if plan.prefill:
-            rows = decode_rows(plan.prefill, self.model.geometry.block_size,
-                               [len(s.tokens) - 1 for s in plan.prefill])
-            inputs = self.driver.stage_eager(rows, region=1)
-            self.model.prefill(self.stream, plan.prefill, block[n_dec:plan.n])
-            self.model.sample(self.stream, block[n_dec:plan.n], inputs,
-                              self._out_tokens[n_dec:plan.n], sampling)
-        kind = "eager" if not plan.prefill else ("mixed" if n_dec else "prefill")
-        return ForwardLogits(block[:plan.n], plan.n), kind
-
-    def _maybe_drain(self) -> None:
-        prev = self._last
-        if prev is None or prev.completed:
-            return
-        if prev.logits.non_owning_view and self.config.skips_graph_drain:
-            return
-        self._wait_done(prev, "drain")
-
     def _poison_next(self, slot, handle: StepHandle) -> None:
         """Write poison into the slot the next step of this size will use, as soon as this
-        mode lets the host write it: the ring after its guard, OFF after the drain, NO_DBUF
+        mode lets the host write it: the ring after its guard, drain after the drain, NO_DBUF
         at once. A sound mode never lets a replay read the poison."""
         nxt = self.driver.next_slot(slot)
-        ring = self.driver.rings[slot.size]
-        if ring.guarded:
-            t0 = time.perf_counter()
-            waited = nxt.wait_reusable()
-            if waited:
+        if self.driver.rings[slot.size].guarded:
+            if nxt.wait_reusable():
                 self.stats.ring_waits += 1
-                self.stats.ring_wait_s += waited
-                self.tracer.host_span("ring wait (poison)", t0, t0 + waited, slot=nxt.name)
-        elif not self.config.skips_graph_drain:
-            self._wait_done(handle, "drain")
-        nxt.poison(self.model.pad)
+        elif not self._skip_graph_drain:
+            self._wait(handle, drain=True)
+        nxt.host.poison(self.model.pad)
 
     # -- collect ------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> np.ndarray:
-        """Wait for the step and return its sampled tokens [n] (a host copy)."""
+        """Wait for the oldest step in flight and return its sampled tokens [n] (a host copy)."""
         self._check_open()
-        if handle not in self._inflight:
-            raise ValueError(f"step {handle.index} is not in flight (already collected?)")
-        if handle is not self._inflight[0]:
-            raise ValueError(f"collect steps in launch order: step {self._inflight[0].index} first")
+        if not self._inflight or handle is not self._inflight[0]:
+            raise ValueError(f"step {handle.index} is not the oldest step in flight "
+                             f"(in flight: {[h.index for h in self._inflight]})")
         self._inflight.pop(0)
-        if not handle.completed:
-            self._wait_done(handle, "tokens")
-        tokens = self._tok_host[handle.parity][:handle.n].copy()
+        if handle.tokens is None:
+            self._wait(handle, drain=False)
         if handle.timing is not None:
-            ms = (self.tracer.device_span(f"{handle.kind} S={handle.size}", handle.timing,
-                                          step=handle.index) if self.tracer.enabled
-                  else handle.timing[1].elapsed_ms(handle.timing[0]))
-            self.stats.device_ms += ms
+            start, end = handle.timing
+            self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
+                                                             handle.timing, step=handle.index)
+                                     if self.tracer.enabled else end.elapsed_ms(start))
             handle.timing = None
-        return tokens
+        return handle.tokens
 
-    def _wait_done(self, handle: StepHandle, why: str) -> None:
+    def _wait(self, handle: StepHandle, *, drain: bool) -> None:
+        """Block on the step's done event, then copy its tokens out of the pinned buffer (the
+        next launch of its slot may overwrite that buffer before the host collects)."""
         t0 = time.perf_counter()
-        self._done[handle.parity].synchronize()
+        handle.done.synchronize()
+        handle.tokens = handle.out_host[:handle.n].copy()
         dt = time.perf_counter() - t0
-        handle.completed = True
-        if why == "drain":
+        if drain:
             self.stats.drains += 1
             self.stats.drain_s += dt
         else:
             self.stats.token_waits += 1
             self.stats.token_wait_s += dt
-        self.tracer.host_span(f"wait {why}", t0, t0 + dt, step=handle.index)
+        self.tracer.host_span("wait drain" if drain else "wait tokens", t0, t0 + dt,
+                              step=handle.index)
 
-    def _count(self, handle: StepHandle, host_s: float) -> None:
+    def _count(self, handle: StepHandle) -> None:
         st = self.stats
         st.steps += 1
-        st.host_launch_s += host_s
         setattr(st, f"{handle.kind}_steps", getattr(st, f"{handle.kind}_steps") + 1)
         if handle.kind == "graph":
             st.steps_by_size[handle.size] = st.steps_by_size.get(handle.size, 0) + 1
 
-    def _timing_pair(self):
-        return (self.be.event(blocking_sync=True, timing_enabled=True),
-                self.be.event(blocking_sync=True, timing_enabled=True))
+    # -- recovery, measurement, teardown ------------------------------------------------
+    def abort(self) -> BaseException | None:
+        """After a failure mid-run: wait for the stream, drop the steps in flight. Returns the
+        device-side error the wait raised, if any (the sim reports a failed op this way)."""
+        error = None
+        try:
+            self.stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 (reported to the caller, who re-raises its own)
+            error = exc
+        self._inflight.clear()
+        self._last = None
+        return error
 
-    # -- teardown -----------------------------------------------------------------------
-    def synchronize(self) -> None:
+    def ceiling_us(self, n: int, replays: int) -> float:
+        """µs per replay of the decode graph for n rows, back to back with no host work (an
+        all-padding block: writes only scratch), timed with events."""
         self._check_open()
+        size = self.driver.padded_size(n)
+        if size is None:
+            raise ValueError(f"no captured graph serves {n} rows (sizes {self.driver.sizes})")
+        slot = self.driver.rings[size].slots[0]
         self.stream.synchronize()
+        slot.host.poison(self.model.pad)
+        start, end = (self.be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
+        try:
+            slot.launch(self.stream, size)        # one untimed replay
+            start.record(self.stream)
+            for _ in range(replays):
+                slot.launch(self.stream, size)
+            end.record(self.stream)
+            end.synchronize()
+            return end.elapsed_ms(start) * 1e3 / replays
+        finally:
+            start.close()
+            end.close()
 
     def close(self) -> str | None:
         """Wait for the device, write the trace, then free graphs, events, stream (idempotent)."""
@@ -301,7 +277,10 @@ class Runner:
             path = self.tracer.write()
         finally:
             self.driver.close()
-            for ev in self._done + [e for pair in self._timing if pair for e in pair]:
+            self.eager.close()
+            events = [e for pair in (self._timing or []) for e in pair]
+            events += self._record[1] if self._record is not None else []
+            for ev in events:
                 ev.close()
             self.model.release_stream(self.stream)   # after the graphs that used it are gone
             self.stream.close()

@@ -7,15 +7,15 @@ import pytest
 from vt.backend import ClosedError
 from vt.engine import Engine
 from vt.knobs import ExecutorConfig
-from vt.requests import PromptTooLongError
+from vt.requests import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
 from vt.stepmodel import KVGeometry
 from vt.toy import ToyForward
 
 from ._util import run_toy, workload
 
 
-def _engine(be, **cfg):
-    return Engine(be, ToyForward(be).step_model(), ExecutorConfig(**cfg))
+def _engine(be, profile=False, **cfg):
+    return Engine(be, ToyForward(be).step_model(), ExecutorConfig(**cfg), profile=profile)
 
 
 def test_results_come_back_in_prompt_order_with_their_budgets(sim_backend):
@@ -39,12 +39,17 @@ def test_stop_token_ends_a_request_and_drops_the_token_past_it(sim_backend):
         assert b.finish_reason == ("stop" if stop in a.tokens else "length")
 
 
-def test_generation_stops_at_the_context_end(sim_backend):
+def test_a_request_beyond_the_context_is_refused_before_any_step(sim_backend):
+    """Policy: a request that cannot be served whole raises; nothing runs, the engine stays usable."""
     geo = KVGeometry(max_seqs=4, num_kv_blocks=64, block_size=4, max_context=8)
     with Engine(sim_backend, ToyForward(sim_backend, geometry=geo).step_model(),
                 ExecutorConfig(serving_conc=2, capture_sizes=(1, 2))) as eng:
-        (r,) = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=50)
-    assert len(r.tokens) == 4 and r.finish_reason == "context"
+        with pytest.raises(RequestTooLargeError, match=r"request 1: prompt 5 \+ max_new_tokens 50 - 1 "
+                           r"= 54 tokens exceed the context of 8: lower max_new_tokens to at most 4"):
+            eng.generate([[1], [1, 2, 3, 4, 5]], max_new_tokens=[3, 50])
+        assert eng.stats()["steps"] == 0
+        (r,) = eng.generate([[1, 2, 3, 4, 5]], max_new_tokens=4)
+    assert len(r.tokens) == 4 and r.finish_reason == "length"
 
 
 def test_prompt_longer_than_the_context_is_a_clear_error(sim_backend):
@@ -55,14 +60,16 @@ def test_prompt_longer_than_the_context_is_a_clear_error(sim_backend):
 
 
 def test_request_larger_than_the_kv_cache_is_refused_by_name(sim_backend):
-    """Others still run; the refused one ends with KVCacheExhaustedError."""
+    """Same policy as the context: KVCacheExhaustedError (a RequestTooLargeError) before any step."""
     geo = KVGeometry(max_seqs=4, num_kv_blocks=5, block_size=4, max_context=64)
     with Engine(sim_backend, ToyForward(sim_backend, geometry=geo).step_model(),
                 ExecutorConfig(serving_conc=2, capture_sizes=(1, 2))) as eng:
-        small, big = eng.generate([[1, 2], [3] * 10], max_new_tokens=[3, 20])
+        with pytest.raises(KVCacheExhaustedError, match="request 1 needs 8 KV blocks .* the whole "
+                                                        "cache has 4: lower max_new_tokens"):
+            eng.generate([[1, 2], [3] * 10], max_new_tokens=[3, 20])
+        assert eng.stats()["steps"] == 0
+        (small,) = eng.generate([[1, 2]], max_new_tokens=3)
     assert small.finish_reason == "length" and len(small.tokens) == 3
-    assert big.finish_reason == "error" and type(big.error).__name__ == "KVCacheExhaustedError"
-    assert "needs 8 KV blocks" in str(big.error)
 
 
 def test_requests_wait_for_blocks_when_the_cache_is_full(sim_backend):
@@ -100,12 +107,15 @@ def test_progress_callback_sees_every_step(sim_backend):
 
 
 def test_stats_report_steps_waits_and_pool(sim_backend):
-    with _engine(sim_backend, async_executor=True) as eng:
+    with _engine(sim_backend, async_executor=True, profile=True) as eng:
         eng.generate([[1, 2]] * 4, max_new_tokens=6)
         st = eng.stats()
     assert st["steps"] == st["graph_steps"] + st["eager_steps"] + st["mixed_steps"] + st["prefill_steps"]
-    assert st["mode"] == "ring+graph" and st["pool"]["mallocs_during_capture"] == 0
+    assert st["mode"] == "ring" and st["pool"]["mallocs_during_capture"] == 0
     assert st["token_waits"] > 0 and st["device_ms"] > 0
+    dec, pre = st["phases"]["decode"], st["phases"]["prefill"]
+    assert dec["steps"] + pre["steps"] == st["steps"] and pre["steps"] == st["prefill_steps"]
+    assert dec["wall_s"] > 0 and dec["refresh_s"] > 0 and dec["launch_s"] > 0 and dec["device_ms"] > 0
 
 
 def test_trace_is_chrome_json_with_host_and_device_spans(sim_backend, tmp_path):

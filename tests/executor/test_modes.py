@@ -112,14 +112,14 @@ def test_serving_run_makes_no_driver_malloc_after_warm_up(backend, capture_sizes
     toy = ToyForward(backend)
     lengths = [1, 2, 3, 64, 63, 33, 17, 5] + [int(n) for n in rng.integers(1, 65, size=16)]
     prompts = [rng.integers(0, toy.vocab, size=n) for n in lengths]
-    budgets = [int(b) for b in rng.integers(2, 10, size=len(prompts))]
+    budgets = [min(int(b), 65 - n) for b, n in zip(rng.integers(2, 10, size=len(prompts)), lengths)]
     config = ExecutorConfig(async_executor=True, serving_conc=8, capture_sizes=capture_sizes)
     with Engine(backend, toy.step_model(), config) as eng:
         before = backend.pool.stats()
         results = eng.generate(prompts, max_new_tokens=budgets)
         after = backend.pool.stats()
         st = eng.stats()
-    assert all(r.finish_reason in ("length", "context") for r in results)
+    assert all(r.finish_reason == "length" for r in results)
     assert st["prefill_steps"] + st["mixed_steps"] > 0
     assert (st["eager_steps"] if capture_sizes == (1, 2) else st["graph_steps"]) > 0
     assert after.mallocs_during_capture == 0

@@ -1,19 +1,29 @@
-"""SizeSlot / SlotRing / driver behaviour: capture with warm-up, padding, stale views."""
+"""SizeSlot / SlotRing / driver behaviour: capture with warm-up, padding, stale views, and the
+whole decode step (inputs H2D, forward, sampling, tokens D2H) in one graph."""
 import numpy as np
 import pytest
 
 from vt.backend import CaptureAllocationError
-from vt.graphs import DecodeGraphDriver, DecodeRows, StaleLogitsError
+from vt.graphs import DecodeGraphDriver, GraphSettings, StaleLogitsError
 from vt.knobs import ExecutorConfig
+from vt.step import DecodeRows
 from vt.toy import ToyForward
 
 
 def _driver(be, **cfg):
     toy = ToyForward(be, vocab=32)
+    model = toy.step_model()
     g = toy.geometry
-    config = ExecutorConfig(**{"capture_sizes": (1, 2, 4, 8), **cfg})
-    return DecodeGraphDriver(be, be.stream(name="test"), toy, vocab=32, max_blocks=g.max_blocks,
-                             pad=g.pad, config=config, eager_capacity=g.max_seqs), toy
+    c = ExecutorConfig(**{"capture_sizes": (1, 2, 4, 8), **cfg})
+    settings = GraphSettings(sizes=c.capture_sizes, slots_per_size=c.slots_per_size,
+                             guarded=c.async_executor, staged=c.h2d == "staged",
+                             inputs_read=c.inputs_read_event, reserve_pool=not c.skip_pool_reserve)
+
+    def step(stream, inputs, logits, out_tokens):
+        model.decode(stream, inputs, logits)
+        model.sample(stream, logits, inputs, out_tokens)
+    return DecodeGraphDriver(be, be.stream(name="test"), step, vocab=32, max_blocks=g.max_blocks,
+                             pad=g.pad, settings=settings), toy
 
 
 def _rows(n, position=0):
@@ -25,6 +35,11 @@ def _rows(n, position=0):
                       (bt[:, 0] * 4 + position).astype(np.int32), bt, np.arange(n, dtype=np.int32))
 
 
+def _launch(drv, slot, rows):
+    slot.host.fill(rows, drv.pad)
+    return slot.launch(drv.stream, len(rows))
+
+
 def test_ring_on_without_pool_pre_grow_fails_at_the_second_capture(backend):
     """Slot 0 takes the warm-up's freed logits block; slot 1 needs a new one: refused."""
     drv, _ = _driver(backend, async_executor=True, skip_pool_reserve=True)
@@ -32,14 +47,10 @@ def test_ring_on_without_pool_pre_grow_fails_at_the_second_capture(backend):
         drv.capture()
     assert backend.pool.stats().mallocs_during_capture == 0
     assert err.value.requested == 8 * 32 * 4
-    inputs = drv.stage_eager(_rows(2))          # the capture was ended: the stream still works
-    block = drv.new_logits(2)
-    drv.launch_eager(inputs, block)
-    host = backend.pinned_empty((2, 32), np.float32)
-    host[...] = np.nan
-    backend.copy_d2h(host, block, drv.stream)
-    drv.stream.synchronize()
-    assert np.isfinite(host).all() and np.abs(host).max() <= 1.0
+    slot = drv.rings[8].slots[0]                # captured before the failure: still replays
+    out = _launch(drv, slot, _rows(2))
+    drv.stream.synchronize()                    # the capture was ended: the stream still works
+    assert np.isfinite(out.rows).all() and np.abs(out.rows).max() <= 1.0
     drv.close()
 
 
@@ -78,9 +89,30 @@ def test_padded_rows_point_at_the_scratch_row(sim_backend):
     drv, toy = _driver(sim_backend)
     drv.capture()
     slot, _ = drv.acquire(3)
-    slot.refresh(_rows(3), toy.geometry.pad)
-    assert slot.host.token_rows.tolist() == [0, 1, 2, toy.geometry.max_seqs]
-    assert slot.host.slot_mapping[3] == toy.geometry.pad.slot
+    slot.host.fill(_rows(3), toy.geometry.pad)
+    inp = slot.host.inputs
+    assert inp.token_rows.tolist() == [0, 1, 2, toy.geometry.max_seqs]
+    assert inp.slot_mapping[3] == toy.geometry.pad.slot
+    assert (inp.temperature[3], inp.top_k[3]) == (0.0, 1)   # padded rows sample greedily
+    slot.host.fill(_rows(1), toy.geometry.pad)              # fewer rows: the tail is padded again
+    assert inp.token_rows.tolist() == [0] + [toy.geometry.max_seqs] * 3
+    drv.close()
+
+
+def test_the_graph_returns_the_sampled_tokens_in_the_slot_pinned_output(backend):
+    """One launch: inputs in, forward, sampling, token table updated, tokens back on the host."""
+    drv, toy = _driver(backend)
+    drv.capture()
+    slot, _ = drv.acquire(2)
+    slot.out_host[...] = -1
+    out = _launch(drv, slot, _rows(2))
+    slot.done.synchronize()
+    expected = np.argmax(out.rows, axis=1)
+    assert slot.out_host[:2].tolist() == expected.tolist()
+    table = backend.pinned_empty(toy.token_table.shape, np.int32)
+    backend.copy_d2h(table, toy.token_table, drv.stream)
+    drv.stream.synchronize()
+    assert table[:2].tolist() == expected.tolist()
     drv.close()
 
 
@@ -104,7 +136,7 @@ def test_ring_acquire_blocks_until_the_slot_replay_finished():
     drv.capture()
     slot, _ = drv.acquire(1)
     be.busy_wait(drv.stream, 0.05)
-    drv.launch_graph(slot, _rows(1))
+    _launch(drv, slot, _rows(1))
     drv.acquire(1)                      # slot 1: free
     again, waited = drv.acquire(1)      # slot 0 again: its replay is behind 50 ms of work
     assert again is slot and waited > 0.02
@@ -117,33 +149,18 @@ def test_reading_a_stale_logits_view_raises(backend):
     drv, _ = _driver(backend, async_executor=True)
     drv.capture()
     a, _ = drv.acquire(2)
-    first = drv.launch_graph(a, _rows(2))
+    first = _launch(drv, a, _rows(2))
     assert first.non_owning_view
     b, _ = drv.acquire(2)
-    second = drv.launch_graph(b, _rows(2))
+    second = _launch(drv, b, _rows(2))
     first.array                                   # slot 1 replayed: slot 0's view still valid
     c, _ = drv.acquire(2)
     assert c is a
-    drv.launch_graph(c, _rows(2, position=1))
+    _launch(drv, c, _rows(2, position=1))
     with pytest.raises(StaleLogitsError, match=r"S=2 slot=0 generation 1 is stale"):
         first.array
     second.rows
     drv.stream.synchronize()
-    drv.close()
-
-
-def test_eager_logits_own_their_memory(sim_backend):
-    """An eager step's logits are not a graph view and never go stale."""
-    from vt.graphs import ForwardLogits
-    drv, _ = _driver(sim_backend)
-    drv.capture()
-    inputs = drv.stage_eager(_rows(12))
-    block = drv.new_logits(12)
-    drv.launch_eager(inputs, block)
-    fl = ForwardLogits(block, 12)
-    drv.stream.synchronize()
-    assert not fl.non_owning_view and not fl.stale
-    assert np.isfinite(fl.rows).all()
     drv.close()
 
 

@@ -22,11 +22,12 @@ class Driver:
         """Prefill and sample (writing the token table); returns (logits, tokens) on the host."""
         be, s = self.io.be, self.io.s
         pin = PrefillInputs.build(be, s, prompts, token_rows=rows, state_idx=[self.state[r] for r in rows],
-                                  block_tables=self.bt[rows], block_size=self.cfg.kv_block_size)
+                                  block_tables=self.bt[rows], block_size=self.cfg.kv_block_size,
+                                  sampling=sampling)
         logits = be.empty((len(rows), self.cfg.vocab), np.float32)
         toks = be.empty((len(rows),), np.int32)
         self.m.prefill(s, pin, logits)
-        self.m.sample(s, logits, pin, toks, sampling)
+        self.m.sample(s, logits, pin, toks)
         for r, p in zip(rows, prompts):
             self.lens[r] = len(p)
         return self.io.get(logits), self.io.get(toks)
@@ -50,10 +51,10 @@ class Driver:
     def decode(self, rows, S, sampling=SamplingParams()):
         """One eager step: returns (logits [S, V], sampled tokens [S]) on the host."""
         be, s = self.io.be, self.io.s
-        inp = upload_decode_inputs(be, s, **self.decode_host(rows, S))
+        inp = upload_decode_inputs(be, s, sampling=sampling, **self.decode_host(rows, S))
         logits = be.empty((S, self.cfg.vocab), np.float32)
         toks = be.empty((S,), np.int32)
         self.m.decode(s, inp, logits)
-        self.m.sample(s, logits, inp, toks, sampling)
+        self.m.sample(s, logits, inp, toks)
         self.advance(rows)
         return self.io.get(logits), self.io.get(toks)

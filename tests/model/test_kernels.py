@@ -220,31 +220,36 @@ def case_gemm_batched(rng, st):
     return _gemm_case(rng, st, (4, 5, 64), (4, 32, 64), np.float16, False)
 
 
-def _sample_case(rng, params):
+def _sample_case(rng, mixed):
+    """6 rows; with `mixed`, each row has its own temperature, top_k and seed (greedy rows
+    included), as requests with different sampling share one graph."""
     V = 300
     lg = (rng.standard_normal((6, V)) * 2).astype(np.float32)
     lg[1, 7] = lg[1, 9] = lg[1].max() + 1  # tie at the top: index 7 wins
+    temp = (np.array([0.8, 0.0, 1.3, 0.5, 0.0, 2.0], np.float32) if mixed
+            else np.zeros(6, np.float32))
     a = dict(logits=lg, rows=rng.permutation(8)[:6].astype(np.int32),
-             pos=rng.integers(0, 100, 6).astype(np.int32), out=_poisoned(6, np.int32),
+             pos=rng.integers(0, 100, 6).astype(np.int32), temp=temp,
+             top_k=rng.integers(2, 60, 6).astype(np.int32),
+             seed=rng.integers(0, 2**63, 6, dtype=np.uint64), out=_poisoned(6, np.int32),
              table=_poisoned(9, np.int32))
 
     def expect(a):
-        toks = sampling.sample_reference(a["logits"], a["rows"], a["pos"], params.k,
-                                         params.temperature, params.seed)
+        toks = sampling.sample_reference(a["logits"], a["pos"], a["temp"], a["top_k"], a["seed"])
         table = a["table"].copy()
         table[a["rows"]] = toks
         return {"out": (toks, 0), "table": (table, 0)}
     return Case(a, lambda be, s, d: be.launch(
-        s, K.Sample(), d["logits"], d["rows"], d["pos"], d["out"], d["table"], k=params.k,
-        temperature=params.temperature, seed=params.seed), expect)
+        s, K.Sample(), d["logits"], d["rows"], d["pos"], d["temp"], d["top_k"], d["seed"],
+        d["out"], d["table"]), expect)
 
 
 def case_sample_greedy(rng, st):
-    return _sample_case(rng, K.SamplingParams())
+    return _sample_case(rng, mixed=False)
 
 
 def case_sample_top_k(rng, st):
-    return _sample_case(rng, K.SamplingParams(temperature=0.8, top_k=40, seed=1234))
+    return _sample_case(rng, mixed=True)
 
 
 
@@ -327,11 +332,11 @@ def test_kernel_replay_is_bit_identical_to_eager(io, name, dtype):
 
 
 def test_top_k_sampling_follows_the_softmax_of_the_top_k():
-    """Over many (row, position) counters the sampled frequencies match softmax(top-k / T)."""
+    """Over many positions the sampled frequencies match softmax(top-k / T)."""
     V, k, T, n = 50, 5, 0.7, 20000
     lg = np.random.default_rng(3).standard_normal(V).astype(np.float32)
-    toks = sampling.sample_reference(np.tile(lg, (n, 1)), np.zeros(n, np.int32),
-                                     np.arange(n, dtype=np.int32), k, T, seed=99)
+    toks = sampling.sample_reference(np.tile(lg, (n, 1)), np.arange(n, dtype=np.int32),
+                                     np.float32(T), k, np.uint64(99))
     top = np.argsort(-lg)[:k]
     p = np.exp((lg[top] - lg[top].max()) / T)
     p /= p.sum()

@@ -3,7 +3,9 @@ padded rows, greedy generation, and a captured decode step replayed bit-identica
 import numpy as np
 import pytest
 
-from vt.model import PRESETS, HybridModel, SamplingParams, decode_inputs_empty, init_weights
+from vt.inputblock import InputBlock
+from vt.model import PRESETS, HybridModel, SamplingParams, init_weights
+from vt.step import PadRow
 from vt.model.reference import ReferenceModel
 
 from ._driver import Driver
@@ -103,19 +105,24 @@ def test_captured_decode_replays_bit_identical_to_eager(backend, preset, S):
     for drv in (d_e, d_g):
         drv.prefill(prompts, rows)
     s = d_g.io.s
-    inp = decode_inputs_empty(be, S, m_g.cfg.max_blocks_per_seq)
-    host = {k: be.pinned_empty(v.shape, np.int32) for k, v in vars(inp).items()}
+    mb = m_g.cfg.max_blocks_per_seq
+    host, dev = InputBlock(be.pinned_empty, S, mb), InputBlock(be.empty, S, mb)
+    inp = dev.inputs
+    m_g_pad = PadRow(m_g.scratch_row, m_g.scratch_state)
     logits = be.empty((S, m_g.cfg.vocab), np.float32, retained=True)
     toks = be.empty((S,), np.int32, retained=True)
 
     def step():
-        for k, v in vars(inp).items():   # the graph's H2D: re-reads the pinned vectors
-            be.copy_h2d(v, host[k], s)
+        host.copy_to(be, dev, s)         # the graph's H2D: re-reads the pinned block
         m_g.decode(s, inp, logits)
         m_g.sample(s, logits, inp, toks)
 
-    for k, v in d_g.decode_host(rows, S).items():
-        host[k][...] = v
+    def refresh():
+        host.pad_from(0, m_g_pad)        # greedy sampling vectors; the rows below overwrite
+        for k, v in d_g.decode_host(rows, S).items():
+            getattr(host.inputs, k)[...] = v
+
+    refresh()
     with be.pool.scratch_warmup("decode warm-up"):
         step()                       # eager warm-up: one real step (advances the sequences)
         s.synchronize()
@@ -126,8 +133,7 @@ def test_captured_decode_replays_bit_identical_to_eager(backend, preset, S):
         step()
     assert be.pool.stats().mallocs_during_capture == 0
     for _ in range(4):
-        for k, v in d_g.decode_host(rows, S).items():
-            host[k][...] = v
+        refresh()
         cap.graph.launch(s)
         s.synchronize()
         d_g.advance(rows)

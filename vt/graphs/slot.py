@@ -1,67 +1,66 @@
 """SizeSlot and SlotRing: what keeps Refresh(N+1) from writing host vectors Replay(N) has not
-read yet (hazard-C, DESIGN.md)."""
+read yet (hazard-C, docs/design.md)."""
 from __future__ import annotations
 
 import time
 
-from vt.graphs.inputs import DecodeInputs, PadRow, allocate_inputs, copy_inputs_h2d, fill_host, poison_host
+import numpy as np
+
 from vt.graphs.logits import ForwardLogits, GraphOutput
+from vt.inputblock import InputBlock
 
 
 class SizeSlot:
-    """One ring position of one padded size: pinned host vectors, their device twins, the
-    graph (with its retained logits) and the events that say when the host may write again.
+    """One ring position of one padded size: the pinned input block, its device twin, the
+    graph (with its retained logits), the pinned tokens it returns and the events that say
+    when the host may write the block again and when the step is done.
 
-    h2d="graph": the graph's own H2D nodes read `host` AT REPLAY, so `host` is busy until the
-    replay has run (reuse_event, or inputs_read_event right after the H2D nodes).
-    h2d="staged": slots of one size share `device` and `output`; the out-of-graph copy reads
-    `host`, so `host` is busy until that copy has run (reuse_event is recorded after it).
+    h2d="graph": the graph's own H2D node reads `host` AT REPLAY, so `host` is busy until the
+    replay has run (`done`, or `inputs_read_event` right after the H2D node).
+    h2d="staged": slots of one size share `device`, `out_device` and `output`; the out-of-graph
+    copy reads `host`, so `host` is busy until that copy has run (`staged_read`).
     """
 
     def __init__(self, be, size: int, index: int, max_blocks: int, *, staged: bool,
-                 inputs_read: bool, device: DecodeInputs | None = None):
+                 inputs_read: bool, shared: "SizeSlot | None" = None):
         self.be, self.size, self.index, self.staged = be, size, index, staged
         self.name = f"S={size} slot={index}"
-        self.host = allocate_inputs(be.pinned_empty, size, max_blocks)
-        self.device = device if device is not None else allocate_inputs(be.empty, size, max_blocks)
+        self.host = InputBlock(be.pinned_empty, size, max_blocks)
+        self.device = shared.device if shared else InputBlock(be.empty, size, max_blocks)
+        self.out_device = shared.out_device if shared else be.empty((size,), np.int32)   # [S]
+        self.out_host = be.pinned_empty((size,), np.int32)    # [S] this slot's sampled tokens
         self.output: GraphOutput | None = None
-        # Blocking sync: the host sleeps in the driver instead of spinning a core (DESIGN.md
-        # measured 0.5 ms CPU vs 202 ms for a 200 ms wait).
-        self.reuse_event = be.event(blocking_sync=True)
+        # Blocking sync: the host sleeps in the driver instead of spinning a core (docs/design.md:
+        # 0.5 ms of CPU against 202 ms for a 200 ms wait).
+        self.done = be.event(blocking_sync=True)
+        self.staged_read = be.event(blocking_sync=True) if staged else None
         self.inputs_read_event = be.event(blocking_sync=True) if inputs_read else None
 
-    @property
-    def generation(self) -> int:
-        return self.output.generation if self.output is not None else 0
-
     def wait_reusable(self) -> float:
-        """Block until the host vectors are no longer read by the device; seconds waited."""
-        ev = self.inputs_read_event or self.reuse_event
+        """Block until the device no longer reads the host block; seconds waited (0: free)."""
+        ev = self.inputs_read_event or self.staged_read or self.done
         if ev.query():
             return 0.0
         t0 = time.perf_counter()
         ev.synchronize()
         return time.perf_counter() - t0
 
-    def refresh(self, rows, pad: PadRow) -> None:
-        fill_host(self.host, rows, pad)
-
-    def poison(self, pad: PadRow) -> None:
-        poison_host(self.host, pad)
-
     def launch(self, stream, n: int) -> ForwardLogits:
-        """Replay on `stream`; the returned view is valid until this graph's next launch."""
+        """Replay on `stream`, then record `done`: the tokens are in out_host once it completes.
+        The returned view is valid until this graph's next launch."""
+        be = self.be
         if self.staged:
-            copy_inputs_h2d(self.be, self.device, self.host, stream)
-            self.reuse_event.record(stream)
+            self.host.copy_to(be, self.device, stream)
+            self.staged_read.record(stream)
             gen = self.output.launch(stream)
+            be.copy_d2h(self.out_host, self.out_device, stream)
         else:
             gen = self.output.launch(stream)
-            self.reuse_event.record(stream)
+        self.done.record(stream)
         return ForwardLogits(self.output.logits, n, output=self.output, generation=gen)
 
     def close(self):
-        for ev in (self.reuse_event, self.inputs_read_event):
+        for ev in (self.done, self.staged_read, self.inputs_read_event):
             if ev is not None:
                 ev.close()
         self.output = None   # the ring closes outputs: staged slots share one
@@ -69,8 +68,8 @@ class SizeSlot:
 
 class SlotRing:
     """k SizeSlots of one size used in turn. With `guarded`, acquiring a slot first waits on
-    its event, so the host never rewrites vectors a queued replay will still read. Unguarded
-    (k=1) is the OFF path, whose drain protects the slot, or NO_DBUF, the unsafe arm."""
+    its event, so the host never rewrites a block a queued replay will still read. Unguarded
+    (k=1) is the drain path, whose drain protects the slot, or NO_DBUF, the unsafe arm."""
 
     def __init__(self, slots: list[SizeSlot], guarded: bool):
         self.slots, self.guarded, self._next = slots, guarded, 0

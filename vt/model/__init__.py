@@ -1,7 +1,7 @@
 """The reference hybrid decoder (GDN linear attention + full attention, dense or MoE)."""
 from .config import PRESETS, ModelConfig
 from .inputs import DecodeInputs, PrefillInputs, decode_inputs_empty, upload_decode_inputs
-from .kernels.sampling import SamplingParams
+from vt.step import SamplingParams
 from .model import HybridModel
 from .weights import check_weights, init_weights, load_weights, save_weights, weight_shapes
 

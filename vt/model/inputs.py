@@ -8,16 +8,23 @@ from dataclasses import dataclass
 import numpy as np
 
 # One definition of the decode inputs for the driver and every forward (the bundled model is one).
-from vt.graphs.inputs import FIELDS, DecodeInputs, allocate_inputs
+from vt.inputblock import InputBlock
+from vt.step import FIELDS, GREEDY, DecodeInputs, SamplingParams, kv_slot
+
+
+def _sampling_vectors(sampling: SamplingParams, n: int) -> dict:
+    """Per-row sampling vectors of n rows that all sample with `sampling`."""
+    return dict(temperature=np.full(n, sampling.temperature, np.float32),
+                top_k=np.full(n, sampling.k, np.int32), seed=np.full(n, sampling.seed, np.uint64))
 
 
 def _upload(be, stream, host: dict) -> dict:
     out = {}
     for name, a in host.items():
-        a = np.ascontiguousarray(a, np.int32)
-        pinned = be.pinned_empty(a.shape, np.int32)
+        a = np.ascontiguousarray(a, a.dtype if name in ("temperature", "seed") else np.int32)
+        pinned = be.pinned_empty(a.shape, a.dtype)
         pinned[...] = a
-        out[name] = be.empty(a.shape, np.int32)
+        out[name] = be.empty(a.shape, a.dtype)
         be.copy_h2d(out[name], pinned, stream)
         out.setdefault("_keep", []).append(pinned)  # pinned sources live until the copy ran
     return out
@@ -25,11 +32,13 @@ def _upload(be, stream, host: dict) -> dict:
 
 def decode_inputs_empty(be, batch: int, max_blocks: int) -> DecodeInputs:
     """Device buffers for one decode size (their contents are refreshed every step)."""
-    return allocate_inputs(be.empty, batch, max_blocks)
+    return InputBlock(be.empty, batch, max_blocks).inputs
 
 
-def upload_decode_inputs(be, stream, **host) -> DecodeInputs:
-    """Eager, synchronous upload of host arrays (tests, bench); vt/graphs does it per step."""
+def upload_decode_inputs(be, stream, *, sampling: SamplingParams = GREEDY, **host) -> DecodeInputs:
+    """Eager, synchronous upload of host arrays (tests, bench); vt/graphs does it per step.
+    Rows sample with `sampling` unless `host` gives the sampling vectors itself."""
+    host = {**_sampling_vectors(sampling, len(host["token_rows"])), **host}
     d = _upload(be, stream, {f: host[f] for f in FIELDS})
     stream.synchronize()
     return DecodeInputs(*(d[f] for f in FIELDS))
@@ -57,6 +66,9 @@ class PrefillInputs:
     state_idx: object
     block_tables: object
     max_len: int = 0
+    temperature: object = None   # [B] f32, top_k [B] i32, seed [B] u64: each sequence's sampling
+    top_k: object = None
+    seed: object = None
 
     @property
     def batch(self) -> int:
@@ -71,9 +83,10 @@ class PrefillInputs:
         return self.last_positions
 
     @classmethod
-    def build(cls, be, stream, prompts, token_rows, state_idx, block_tables, block_size):
+    def build(cls, be, stream, prompts, token_rows, state_idx, block_tables, block_size,
+              sampling: SamplingParams = GREEDY):
         """From host lists: prompts (list of token lists), and per sequence its token-table
-        row, state slot and block table row ([B, max_blocks] numpy)."""
+        row, state slot and block table row ([B, max_blocks] numpy); all sample with `sampling`."""
         lens = np.array([len(p) for p in prompts], np.int64)
         if len(prompts) == 0 or lens.min() == 0:
             raise ValueError(f"PrefillInputs: every prompt needs >= 1 token, got lengths {lens.tolist()}")
@@ -86,10 +99,10 @@ class PrefillInputs:
         seq = np.repeat(np.arange(len(lens)), lens)
         cu = np.concatenate([[0], np.cumsum(lens)])
         host = dict(token_ids=np.concatenate([np.asarray(p) for p in prompts]), positions=pos,
-                    slot_mapping=bt[seq, pos // block_size] * block_size + pos % block_size,
+                    slot_mapping=kv_slot(bt[seq], pos, block_size),
                     ctx_lens=pos + 1, token_seq=seq, cu_seqlens=cu, last_idx=cu[1:] - 1,
                     last_positions=lens - 1, token_rows=token_rows, state_idx=state_idx,
-                    block_tables=bt)
+                    block_tables=bt, **_sampling_vectors(sampling, len(prompts)))
         d = _upload(be, stream, host)
         stream.synchronize()
         return cls(**{k: v for k, v in d.items() if k != "_keep"}, max_len=int(lens.max()))

@@ -156,11 +156,11 @@ class HybridModel:
         self.be.launch(s, _GATHER, h, pinp.last_idx, last)
         self._logits(s, last, logits_out)
 
-    def sample(self, s, logits, inp, out_tokens, sampling: K.SamplingParams = K.SamplingParams()):
-        """out_tokens[S] int32 <- sampled tokens; also token_table[inp.token_rows]."""
-        self.be.launch(s, _SAMPLE, logits, inp.token_rows, inp.sample_positions, out_tokens,
-                       self.token_table, k=sampling.k, temperature=sampling.temperature,
-                       seed=sampling.seed)
+    def sample(self, s, logits, inp, out_tokens) -> None:
+        """out_tokens[S] int32 <- sampled tokens (each row's temperature, top_k and seed from
+        `inp`); also token_table[inp.token_rows]."""
+        self.be.launch(s, _SAMPLE, logits, inp.token_rows, inp.sample_positions, inp.temperature,
+                       inp.top_k, inp.seed, out_tokens, self.token_table)
 
     def _layers(self, s, h, positions, slots, block_tables, lens, rows, state_idx, cu, fresh):
         c, be, L0 = self.cfg, self.be, self.layers

@@ -1,42 +1,19 @@
 """Sampling on the device: greedy argmax, or temperature + top-k with a counter-based RNG.
 
-The random number of a row is a hash of (seed, token-table row, position), all read from
-device arrays, so a replayed graph draws fresh numbers each step with no host involvement,
-and a sequence's draws do not depend on which batch slot or padded size it ran in.
-The sampled token goes to out_tokens[r] and to token_table[token_rows[r]] (the next step's
-input, read on the device by EmbedTokens).
+Each row reads its own temperature, top_k and seed from device vectors (DecodeInputs), so
+requests with different sampling share one graph. The random number of a row is a hash of
+(seed, position) only, read from device arrays: a replayed graph draws fresh numbers each step
+with no host involvement, and a request's draws do not depend on its row, its batch mates,
+the padded size or the schedule. The sampled token goes to out_tokens[r] and to
+token_table[token_rows[r]] (the next step's input, read on the device by EmbedTokens).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
+from vt.step import MAX_TOP_K, SamplingParams  # noqa: F401  (SamplingParams: re-exported)
+
 from ._common import i32
-
-MAX_TOP_K = 256
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 = greedy; otherwise sample among the top_k logits (1..MAX_TOP_K)."""
-
-    temperature: float = 0.0
-    top_k: int = 1
-    seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"SamplingParams: temperature={self.temperature} must be >= 0")
-        if self.temperature > 0 and not 1 <= self.top_k <= MAX_TOP_K:
-            raise ValueError(f"SamplingParams: top_k={self.top_k} must be in 1..{MAX_TOP_K}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"SamplingParams: seed={self.seed} must be in [0, 2**63)")
-
-    @property
-    def k(self) -> int:
-        return 1 if self.temperature == 0 else self.top_k
-
 
 _CODE = r"""
 typedef unsigned long long u64;
@@ -52,11 +29,16 @@ __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
 // grid rows, block 256. Pass t picks the largest logit strictly after pass t-1's pick in the
 // order (value desc, index asc), so k passes give the top k without any sort buffer.
 extern "C" __global__ void sample(const float* __restrict__ logits, const int* __restrict__ rows,
-                                  const int* __restrict__ pos, int* __restrict__ out,
-                                  int* __restrict__ table, int V, int k, double inv_temp, u64 seed) {
+                                  const int* __restrict__ pos, const float* __restrict__ temp,
+                                  const int* __restrict__ top_k, const u64* __restrict__ seeds,
+                                  int* __restrict__ out, int* __restrict__ table, int V) {
   __shared__ float sv[256], wv[8];
   __shared__ int si[256], wi[8];
   const float* x = logits + (long)blockIdx.x * V;
+  const float t_row = temp[blockIdx.x];
+  // Greedy rows (temperature 0) take the top 1; the kernel keeps at most 256 in shared memory.
+  const int k = t_row > 0.f ? max(1, min(top_k[blockIdx.x], 256)) : 1;
+  const double inv_temp = t_row > 0.f ? 1.0 / (double)t_row : 1.0;
   int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
   float prev = INFINITY; int prev_i = -1;
   for (int t = 0; t < k; ++t) {
@@ -85,7 +67,7 @@ extern "C" __global__ void sample(const float* __restrict__ logits, const int* _
   if (k > 1 && si[0] >= 0) {
     double total = 0.0;
     for (int t = 0; t < k && si[t] >= 0; ++t) total += exp(((double)sv[t] - sv[0]) * inv_temp);
-    u64 h = mix64(seed * 0x9e3779b97f4a7c15ull + (((u64)(unsigned)rows[r] << 32) | (unsigned)pos[r]));
+    u64 h = mix64(seeds[r] * 0x9e3779b97f4a7c15ull + (u64)(unsigned)pos[r]);
     double u = (double)(h >> 11) * (1.0 / 9007199254740992.0) * total, acc = 0.0;
     for (int t = 0; t < k && si[t] >= 0; ++t) {
       tok = si[t];
@@ -107,50 +89,51 @@ def _mix64(z):
     return z ^ (z >> np.uint64(31))
 
 
-def uniforms(seed, rows, positions):
-    """The kernel's per-row uniform in [0, 1): hash of (seed, row, position)."""
+def uniforms(seeds, positions):
+    """The kernel's per-row uniform in [0, 1): hash of (seed, position)."""
     with np.errstate(over="ignore"):
-        key = (np.asarray(rows).astype(np.uint32).astype(np.uint64) << np.uint64(32)) | \
-            np.asarray(positions).astype(np.uint32).astype(np.uint64)
-        h = _mix64(np.full(key.shape, seed, np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key)
+        key = np.asarray(positions).astype(np.uint32).astype(np.uint64)
+        h = _mix64(np.asarray(seeds, np.uint64) * np.uint64(0x9E3779B97F4A7C15) + key)
     return (h >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
 
 
 class Sample:
-    """logits [S, V] fp32 -> out_tokens [S] int32, token_table[token_rows] = out_tokens."""
+    """logits [S, V] fp32 -> out_tokens [S] int32, token_table[token_rows] = out_tokens; each
+    row's temperature [S] f32, top_k [S] i32 and seed [S] u64 from device vectors."""
 
     name = "sample"
 
-    def run_numpy(self, logits, token_rows, positions, out_tokens, token_table, *, k,
-                  temperature, seed):
-        out_tokens[...] = sample_reference(logits, token_rows, positions, k, temperature, seed)
+    def run_numpy(self, logits, token_rows, positions, temperature, top_k, seed, out_tokens,
+                  token_table):
+        out_tokens[...] = sample_reference(logits, positions, temperature, top_k, seed)
         token_table[token_rows] = out_tokens
 
-    def run_cupy(self, stream_handle, logits, token_rows, positions, out_tokens, token_table, *,
-                 k, temperature, seed):
+    def run_cupy(self, stream_handle, logits, token_rows, positions, temperature, top_k, seed,
+                 out_tokens, token_table):
         from ._common import cuda_function
 
         fn = cuda_function(_CODE, "sample", np.float16)
         n, V = logits.shape
         if n:
-            inv_t = 1.0 / temperature if temperature > 0 else 1.0
-            fn((n,), (256,), (logits, token_rows, positions, out_tokens, token_table, i32(V),
-                              i32(k), np.float64(inv_t), np.uint64(seed)))
+            fn((n,), (256,), (logits, token_rows, positions, temperature, top_k, seed, out_tokens,
+                              token_table, i32(V)))
 
 
-def sample_reference(logits, token_rows, positions, k, temperature, seed):
+def sample_reference(logits, positions, temperature, top_k, seed):
     """float64 reference of the kernel: same order, same uniforms, same inverse-CDF rule."""
     x = np.asarray(logits, np.float32)
+    n = x.shape[0]
+    temperature = np.broadcast_to(np.asarray(temperature, np.float32), (n,))
+    k_rows = np.where(temperature > 0, np.clip(np.broadcast_to(top_k, (n,)), 1, MAX_TOP_K), 1)
     valid = ~np.isnan(x)
     order = np.lexsort((np.broadcast_to(np.arange(x.shape[1]), x.shape), -np.where(valid, x, -np.inf)), axis=-1)
-    sel = order[:, :k]
-    toks = sel[:, 0].copy()
-    if k > 1:
-        u = uniforms(seed, token_rows, positions)
-        v = np.take_along_axis(x, sel, -1).astype(np.float64)
-        p = np.exp((v - v[:, :1]) * (1.0 / temperature))  # the kernel multiplies by 1/T
-        c = np.cumsum(p, axis=-1)
-        pick = np.minimum((c <= (u * c[:, -1])[:, None]).sum(-1), k - 1)
-        toks = sel[np.arange(len(sel)), pick]
+    toks = order[:, 0].copy()
+    u = uniforms(np.broadcast_to(np.asarray(seed, np.uint64), (n,)), positions)
+    for r in np.flatnonzero(k_rows > 1):
+        sel = order[r, :k_rows[r]]
+        v = x[r, sel].astype(np.float64)
+        p = np.exp((v - v[0]) * (1.0 / np.float64(temperature[r])))  # the kernel multiplies by 1/T
+        c = np.cumsum(p)
+        toks[r] = sel[min(int((c <= u[r] * c[-1]).sum()), k_rows[r] - 1)]
     toks[~valid.any(-1)] = 0
     return toks.astype(np.int32)
