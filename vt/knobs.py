@@ -25,7 +25,7 @@ MODES = {
 }
 SAFE_MODES = tuple(m for m in MODES if m != "no_dbuf")
 
-# field -> environment variable. The first five are the ones DESIGN.md names; the rest make
+# field -> environment variable. The first five are the design's own knobs (docs/design.md); the rest make
 # every field settable the same way for the bench and the CLI.
 ENV_VARS = {
     "async_executor": "VT_ASYNC_EXECUTOR",

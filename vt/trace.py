@@ -22,8 +22,6 @@ class Tracer:
         self._t0 = time.perf_counter()
         self._anchor = None
         self._anchor_host = 0.0
-        self._stream = stream
-        self._be = be
         if self.enabled:
             self._anchor = be.event(blocking_sync=True, timing_enabled=True)
             self._anchor.record(stream)
@@ -32,19 +30,9 @@ class Tracer:
             # time maps to this host time within one round trip (tens of µs).
             self._anchor_host = time.perf_counter()
 
-    def now(self) -> float:
-        return time.perf_counter()
-
     def host_span(self, name: str, start: float, end: float, **args) -> None:
         if self.enabled:
             self.events.append(_span(name, "host", HOST_TID, self._us(start), (end - start) * 1e6, args))
-
-    def timing_pair(self):
-        """(start, end) timing events for a device span, or None when disabled."""
-        if not self.enabled:
-            return None
-        return (self._be.event(blocking_sync=True, timing_enabled=True),
-                self._be.event(blocking_sync=True, timing_enabled=True))
 
     def device_span(self, name: str, pair, **args) -> float:
         """Add the span between a completed pair's records; returns its device ms."""

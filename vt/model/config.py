@@ -111,7 +111,7 @@ _TINY = dict(hidden=128, layers=4, heads=4, head_dim=32, kv_heads=2, layer_patte
              gdn_heads=4, gdn_dk=32, gdn_dv=32, vocab=512, kv_block_size=8, max_seqs=16,
              max_context=256)
 # Bench presets: hidden 4096 so that each decode GEMM reads enough bytes to approach the
-# bandwidth floor (DESIGN.md: 4096x14336 GEMMs read at 3.6-3.8 TB/s); ~4 GB of fp16 weights
+# bandwidth floor (docs/design.md; measured: 4096x14336 GEMMs read at 3.6-3.8 TB/s); ~4 GB of fp16 weights
 # for the dense one, i.e. ~1 ms per decode step at the copy bandwidth. 16 GDN heads of 128x128
 # (Qwen3-Next's q/k head count): the fp32 state read + written per step is then 0.4 GB at
 # batch 32, next to ~4.5 GB of weights.

@@ -14,7 +14,7 @@ _NOT_READY = cudart.cudaError_t.cudaErrorNotReady
 @dataclass(frozen=True)
 class EventOptions:
     """blocking_sync -> cudaEventBlockingSync: synchronize() sleeps on the driver instead of
-    spinning a host core (DESIGN.md: 0.5 ms of CPU for a 200 ms wait, vs 202 ms spinning).
+    spinning a host core (docs/design.md: 0.5 ms of CPU for a 200 ms wait, vs 202 ms spinning).
     timing_enabled=False -> cudaEventDisableTiming: cheaper record, no elapsed_ms."""
 
     blocking_sync: bool = True

@@ -50,7 +50,7 @@ class Capture:
     Global mode (cudaStreamCaptureModeGlobal): any capture-unsafe call from any thread — a
     cudaMalloc, a synchronize, a query — fails and invalidates the capture, so a mistake is
     reported instead of baked in. Relaxed mode lets cudaMalloc silently succeed (measured,
-    DESIGN.md), which would hide a pool that grows during capture.
+    docs/design.md), which would hide a pool that grows during capture.
 
     The capture is always ended, even when the block raises. An invalidated capture, or a
     CudaError out of the block, raises CaptureError naming the capture and the first failing

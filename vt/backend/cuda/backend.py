@@ -21,7 +21,7 @@ class CudaBackend(HandleOwner):
     """Streams, events, memory, copies, kernel launches and graph capture on one CUDA device.
 
     Every CuPy allocation made while vt launches a kernel (or captures) is served by `self.pool`:
-    CuPy's own pool, cold, would cudaMalloc inside a capture and break it (DESIGN.md).
+    CuPy's own pool, cold, would cudaMalloc inside a capture and break it (docs/design.md).
     """
 
     name = "cuda"

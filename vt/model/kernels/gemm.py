@@ -2,7 +2,7 @@
 also batched over a leading expert axis (w [B, N, K], x [M, K] shared or [B, M, K]).
 
 cuda: nvmath-python's low-level cuBLAS bindings (`gemm_ex` / `gemm_strided_batched_ex`),
-because CuPy refuses cuBLAS on a capturing stream (DESIGN.md, measured). Each stream gets its
+because CuPy refuses cuBLAS on a capturing stream (measured: docs/design.md). Each stream gets its
 own cuBLAS handle whose stream and workspace are set on the first EAGER call on that stream,
 never during a capture; the workspaces are pre-allocated by the model from vt's pool.
 Inputs are storage dtype, compute is fp32, the output is fp32 or storage. alpha/beta are host
@@ -17,6 +17,7 @@ H200 (docs/benchmarks.md has the numbers), so cuBLAS is the one GEMM path.
 """
 from __future__ import annotations
 
+import os
 import weakref
 
 import numpy as np
@@ -26,6 +27,22 @@ from ._common import cuda_function, f32, f64, i32, store
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommended workspace on Hopper
 
 _CUDA_TYPE = {np.dtype(np.float16): 2, np.dtype(np.uint16): 14, np.dtype(np.float32): 0}  # cudaDataType
+
+# compute-sanitizer initcheck (2025.3.1, H200) does not see cuBLAS's writes: every element of
+# every gemm_ex output tried (fp16, M 1..1024 x N 8..520) read as uninitialised in the next
+# kernel, so each vt kernel that reads a GEMM output (gdn's proj, silu_mul's gate/up, rope's
+# qkv, sample's logits ...) was reported. With VT_INITCHECK=1 (tools/sanitize.sh sets it for initcheck) a
+# CuPy fill writes zeros over the output first, a write initcheck sees, standing in for the
+# one cuBLAS makes; vt's kernels are then checked on what they really read. Off otherwise (one
+# more kernel per GEMM).
+_INITCHECK = os.environ.get("VT_INITCHECK", "0") == "1"
+
+
+def _mark_written(out, accumulate=False) -> None:
+    """Under initcheck: write the GEMM output before cuBLAS does (see _INITCHECK). An
+    accumulating GEMM reads its output, so that was written already."""
+    if _INITCHECK and not accumulate:
+        out.fill(0)  # a CuPy kernel on the current (= launch) stream; capturable
 
 
 class Gemm:
@@ -94,6 +111,7 @@ class Gemm:
             if a.strides[-1] != a.itemsize:
                 raise ValueError(f"Gemm: arrays must be contiguous in their last axis, got strides {a.strides}")
         h = self._handle(stream_handle)
+        _mark_written(out, accumulate)
         beta = self._beta[bool(accumulate)].ctypes.data
         t = (_CUDA_TYPE[w.dtype], _CUDA_TYPE[x.dtype], _CUDA_TYPE[out.dtype])
         ldb, ldc = x.strides[-2] // x.itemsize, out.strides[-2] // out.itemsize
@@ -170,6 +188,7 @@ class RoutedGemm:
             np.int64(x.strides[0]), np.int64(out.data.ptr), np.int64(out.strides[0]),
             i32(count), i32(k), i32(per_slot)))
         t = (_CUDA_TYPE[w.dtype], _CUDA_TYPE[x.dtype], _CUDA_TYPE[out.dtype])
+        _mark_written(out)
         cublas.gemm_batched_ex(h, 1, 0, N, 1, K, self._gemm._alpha.ctypes.data,
                                ptrs[0].data.ptr, t[0], K, ptrs[1].data.ptr, t[1], K,
                                self._beta0.ctypes.data, ptrs[2].data.ptr, t[2], N, count, 68, -1)
