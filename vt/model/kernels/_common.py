@@ -108,9 +108,14 @@ def cuda_function(code: str, name: str, storage, **defines):
     if fn is None:
         import cupy as cp
 
-        opts = ("-std=c++17", f"-DVT_BF16={int(bf16)}") + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
-        fn = _FUNCS[key] = cp.RawModule(code=PRELUDE + code, options=opts).get_function(name)
+        fn = _FUNCS[key] = cp.RawModule(code=PRELUDE + code, options=nvrtc_options(bf16, defines)).get_function(name)
     return fn
+
+
+def nvrtc_options(bf16: bool, defines: dict) -> tuple[str, ...]:
+    """The NVRTC options of a kernel build (CuPy adds the target architecture); the compile
+    test (tests/model/test_cuda_compile.py) compiles with the same ones."""
+    return ("-std=c++17", f"-DVT_BF16={int(bf16)}") + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
 
 
 _SM_COUNT: list[int] = []
