@@ -31,10 +31,10 @@ _CUDA_TYPE = {np.dtype(np.float16): 2, np.dtype(np.uint16): 14, np.dtype(np.floa
 # compute-sanitizer initcheck (2025.3.1, H200) does not see cuBLAS's writes: every element of
 # every gemm_ex output tried (fp16, M 1..1024 x N 8..520) read as uninitialised in the next
 # kernel, so each vt kernel that reads a GEMM output (gdn's proj, silu_mul's gate/up, rope's
-# qkv, sample's logits ...) was reported. With VT_INITCHECK=1 (tools/sanitize.sh sets it for initcheck) a
-# CuPy fill writes zeros over the output first, a write initcheck sees, standing in for the
-# one cuBLAS makes; vt's kernels are then checked on what they really read. Off otherwise (one
-# more kernel per GEMM).
+# qkv, sample's logits ...) was reported. With VT_INITCHECK=1 (tools/sanitize.sh sets it for
+# initcheck) a CuPy fill writes zeros over the output first, a write initcheck sees, standing in
+# for the one cuBLAS makes; vt's kernels are then checked on what they really read. Off
+# otherwise (one more kernel per GEMM).
 _INITCHECK = os.environ.get("VT_INITCHECK", "0") == "1"
 
 
