@@ -87,16 +87,20 @@ def vt_row(ident: dict, fast: dict, prof: dict | None, *, conc: int, ceiling_us:
                tokens_ok=tokens_ok, tokens_sha1=tokens_sha1(tokens),
                driver_mallocs_since_warm_up=fast.get("driver_mallocs_since_warm_up"))
     if prof is not None:
-        pdec, _ = phases(prof)
+        pdec, ppre = phases(prof)
         n = max(pdec["steps"], 1)
         per = {p: 1e6 * pdec[f"{p}_s"] / n for p in (*HOST_PARTS, "drain")}
         wall_us = 1e6 * pdec["wall_s"] / n
         device_us = 1e3 * pdec["device_ms"] / n
+        # Blocked on the device: the drains, and the token waits inside collect. The runner
+        # counts token waits per run; the prefill phase's collect time bounds its share.
+        token_wait_s = max(0.0, prof.get("token_wait_s", 0.0) - ppre["collect_s"])
+        wait_us = per["drain"] + 1e6 * token_wait_s / n
         row.update({f"host_{p}_us": per[p] for p in HOST_PARTS},
                    host_drain_us=per["drain"],
                    host_other_us=wall_us - sum(per.values()),
-                   host_us=wall_us - per["drain"],
-                   wait_us=per["drain"],
+                   host_us=wall_us - wait_us,
+                   wait_us=wait_us,
                    device_us=device_us, gpu_idle_us=max(0.0, wall_us - device_us),
                    profiled_steps_per_s=pdec["steps"] / pdec["wall_s"] if pdec["wall_s"] else None)
     _ceiling(row, ceiling_us)

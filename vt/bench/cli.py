@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   vt bench --backend sim --workload synthetic --json bench.json
   vt bench --workload synthetic --device-us 0 100 400 --conc 32 --json s.json --png s.png
   vt bench --workload model --preset bench-small --conc 1 32 64 --json m.json --png m.png
+  vt bench --from-json small.json dense.json moe.json --png presets.png
 """
 
 
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"decode steps per cell (default: {_STEPS['cuda']} on cuda, "
                         f"{_STEPS['sim']} on sim)")
     p.add_argument("--prompt-len", type=int, default=None,
-                   help="prompt tokens per request (default: 4 synthetic, 16 model)")
+                   help="prompt tokens per request (default: 2 synthetic, 16 model)")
     p.add_argument("--ceiling-replays", type=int, default=None,
                    help=f"back-to-back replays per ceiling (default: {_REPLAYS['cuda']} on cuda, "
                         f"{_REPLAYS['sim']} on sim)")
@@ -50,6 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sim-delay-ms", type=float, default=0.0,
                    help="sim only: device delay per op, so the host runs ahead")
     p.add_argument("--no-bar", action="store_true", help="plain progress lines, no tqdm bar")
+    p.add_argument("--from-json", nargs="+", metavar="JSON",
+                   help="measure nothing: print the tables of saved results (several runs of one "
+                        "workload are merged, e.g. one per preset) and write --json/--png from them")
     p.add_argument("--json", help="write the results (every column of every cell) to this path")
     p.add_argument("--png", help="write the plot to this path (needs matplotlib: vt[bench])")
 
@@ -75,8 +79,8 @@ def _resolve(args: argparse.Namespace, error) -> None:
         args.conc = [1, 32, 64] if model else [1, 32]
     if args.steps is None:
         args.steps = _STEPS[backend]
-    if args.prompt_len is None:
-        args.prompt_len = 16 if model else 4
+    if args.prompt_len is None:   # synthetic: a short prefill (it spins D per prompt token)
+        args.prompt_len = 16 if model else 2
     if args.ceiling_replays is None:
         args.ceiling_replays = _REPLAYS[backend]
     if args.preset is None:
@@ -109,8 +113,11 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
     def fail(msg):
         from vt.demo import UsageError   # `vt` prints its one line and exits 2
         raise UsageError(f"vt bench: {msg}")
-    _resolve(args, error or fail)
-    res = run(args, lambda total: Progress(total, bar=False if args.no_bar else None))
+    if args.from_json:
+        res = report.merge([report.read_json(path) for path in args.from_json])
+    else:
+        _resolve(args, error or fail)
+        res = run(args, lambda total: Progress(total, bar=False if args.no_bar else None))
     print()
     print(report.table(res))
     if args.json:

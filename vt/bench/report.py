@@ -91,6 +91,32 @@ def write_json(res: dict, path: str) -> None:
     Path(path).write_text(json.dumps(res, indent=1))
 
 
+def read_json(path: str) -> dict:
+    res = json.loads(Path(path).read_text())
+    if res.get("format") != "vt-bench/1":
+        raise SystemExit(f"vt bench: {path} is not a vt bench result (format {res.get('format')!r})")
+    return res
+
+
+def merge(results: list[dict]) -> dict:
+    """Several runs of one workload as one result (e.g. one run per preset): cells, presets,
+    concs, modes and D values united; the rest is the first run's."""
+    first = dict(results[0])
+    if any(r["workload"] != first["workload"] for r in results):
+        raise SystemExit("vt bench: --from-json results must all be of one workload")
+    if len(results) == 1:
+        return first
+    first["cells"] = [c for r in results for c in r["cells"]]
+    first["concs"] = sorted({c for r in results for c in r["concs"]})
+    first["modes"] = list(dict.fromkeys(m for r in results for m in r["modes"]))
+    for key in ("presets", "spin_us"):
+        if first.get(key) is not None:
+            first[key] = list(dict.fromkeys(v for r in results for v in r[key]))
+    first["merged_from"] = [dict(vt_commit=r.get("vt_commit"), started=r.get("started"),
+                                 presets=r.get("presets"), concs=r["concs"]) for r in results]
+    return first
+
+
 def write_png(res: dict, path: str) -> str | None:
     """Writes the figure; returns None, or why it could not (matplotlib missing)."""
     try:

@@ -38,9 +38,9 @@ def run_vt(engine, prompts, new_tokens: int) -> tuple[dict, list]:
     before = engine.stats()
     results = engine.generate(prompts, max_new_tokens=new_tokens)
     delta = cells.stats_delta(before, engine.stats())
-    errors = [r.error for r in results if r.error is not None]
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {len(results)} requests failed: {errors[0]}")
+    short = [r.index for r in results if len(r.tokens) != new_tokens]
+    if short:
+        raise RuntimeError(f"requests {short[:8]} ended before {new_tokens} tokens")
     return delta, [list(map(int, r.tokens)) for r in results]
 
 
