@@ -1,84 +1,150 @@
 """DecodeBatch: the running requests' per-step state, persistent across steps.
 
-Entries [0, n) are the requests that decode in the next step, in batch order. Each vector is
-preallocated for max_seqs entries; a step reads views of them (no copies), advances them in
-place with a few vectorised numpy operations, and Python work per request happens only when
-one joins (admission) or leaves (finish: the last entry moves into its place). A block-table
-row is written once, at admission: every block a request can need is allocated then.
+Entries [0, n) are the requests that decode in the next step, in batch order. Every running
+request decodes at every step, so its position is an offset plus the batch's step counter
+`t`: a step writes positions, sequence lengths and KV slots straight into a slot's pinned
+block with one `np.add(offset, t, out=...)` each, and nothing is advanced per row. What
+changes at known steps is scheduled when a request joins: the step that launches its last
+token (it leaves) and the steps where it enters a new KV block (its slot offset moves).
+Per-row vectors that change only when the batch does (rows, sampling, block tables) are
+copied into a slot only when the batch's `version` moved since that slot's last fill.
+Python work per request happens only when one joins, crosses a block, or leaves.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from vt.step import DecodeRows, SamplingParams, kv_slot
+from vt.step import DecodeRows, SamplingParams
 
 
 class DecodeBatch:
     def __init__(self, capacity: int, max_blocks: int, block_size: int):
         self.capacity, self.block_size = capacity, block_size
         self.n = 0
+        self.t = 0                 # decode steps launched so far
+        self.version = 0           # bumped whenever an entry joins, leaves or moves
         self.reqs: list = [None] * capacity
         self.rows = np.zeros(capacity, np.int32)        # token-table row = recurrent state slot
-        self.pos = np.zeros(capacity, np.int32)         # position of the next step's input token
-        self.seq_lens = np.ones(capacity, np.int32)     # pos + 1
-        self.slots = np.zeros(capacity, np.int32)       # KV slot of pos
+        self.pos_off = np.zeros(capacity, np.int32)     # position of the input token - t
+        self.slot_off = np.zeros(capacity, np.int32)    # its KV slot - t (until the next block)
         self.block_tables = np.zeros((capacity, max_blocks), np.int32)
         self.temperature = np.zeros(capacity, np.float32)
         self.top_k = np.ones(capacity, np.int32)
         self.seed = np.zeros(capacity, np.uint64)
-        self.left = np.zeros(capacity, np.int32)        # tokens still to launch
-        self.dest = np.zeros(capacity, np.int64)        # where its next token goes (engine's buffer)
+        self.dest_off = np.zeros(capacity, np.int64)    # where its next token goes - t
         self.stop = np.full(capacity, -1, np.int32)     # stop token, -1: none
         self.rid = np.zeros(capacity, np.int64)         # the request's index in its generate()
+        self._leaving: dict[int, list] = {}             # t -> requests whose last token it launches
+        self._crossing: dict[int, list] = {}            # t -> requests entering a new KV block
 
     def add(self, req, row: int, block_table: np.ndarray, sampling: SamplingParams, *,
             pos: int, left: int, dest: int, stop: int) -> None:
-        """A request joins at the end; it decodes from the next step on."""
-        i = self.n
+        """A request joins at the end; it decodes from the next step on, `left` tokens."""
+        i, t, bs = self.n, self.t, self.block_size
         if i >= self.capacity:
             raise RuntimeError(f"DecodeBatch is full ({self.capacity} requests)")
         self.reqs[i] = req
-        self.rows[i], self.pos[i], self.seq_lens[i] = row, pos, pos + 1
+        self.rows[i], self.pos_off[i] = row, pos - t
         self.block_tables[i] = block_table
-        self.slots[i] = kv_slot(block_table, pos, self.block_size)
+        self.slot_off[i] = block_table[pos // bs] * bs + pos % bs - t
         self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.k, sampling.seed
-        self.left[i], self.dest[i], self.stop[i], self.rid[i] = left, dest, stop, req.index
+        self.dest_off[i], self.stop[i], self.rid[i] = dest - t, stop, req.index
         req.batch_index = i
+        self._leaving.setdefault(t + left - 1, []).append(req)
+        # The step at t + j has input position pos + j: it enters block b at j = b * bs - pos.
+        for b in range(pos // bs + 1, (pos + left - 1) // bs + 1):
+            self._crossing.setdefault(t + b * bs - pos, []).append(req)
         self.n = i + 1
+        self.version += 1
 
-    def remove(self, i: int) -> None:
-        """The entry at i leaves; the last one moves into its place."""
-        last = self.n - 1
-        self.reqs[i].batch_index = -1
+    def remove(self, req) -> None:
+        """The request leaves (finished or stopped); the last entry moves into its place."""
+        i, last = req.batch_index, self.n - 1
+        if i < 0:
+            return
+        req.batch_index = -1
         if i != last:
             moved = self.reqs[last]
             self.reqs[i] = moved
             moved.batch_index = i
-            for a in (self.rows, self.pos, self.seq_lens, self.slots, self.block_tables,
-                      self.temperature, self.top_k, self.seed, self.left, self.dest, self.stop, self.rid):
+            for a in (self.rows, self.pos_off, self.slot_off, self.block_tables, self.temperature,
+                      self.top_k, self.seed, self.dest_off, self.stop, self.rid):
                 a[i] = a[last]
         self.reqs[last] = None
         self.n = last
+        self.version += 1
+
+    def begin_step(self) -> None:
+        """Before the step at t is planned: move the slot offsets of requests entering a new
+        KV block at this step (scheduled at join; a request that left is skipped)."""
+        bs = self.block_size
+        for req in self._crossing.pop(self.t, ()):
+            i = req.batch_index
+            if i >= 0:
+                pos = int(self.pos_off[i]) + self.t
+                self.slot_off[i] = self.block_tables[i, pos // bs] * bs - self.t
+
+    def finishing(self) -> int:
+        """How many entries launch their last token at the step at t."""
+        return len(self._leaving.get(self.t, ()))
+
+    def end_step(self) -> list:
+        """The step at t was launched: t moves on. Returns the requests whose last token it was."""
+        leaving = self._leaving.pop(self.t, [])
+        self.t += 1
+        return leaving
+
+    def dest(self) -> np.ndarray:
+        """Where each entry's token of the step at t goes (a copy: the batch changes after)."""
+        return self.dest_off[:self.n] + self.t
 
     def step_rows(self) -> DecodeRows:
-        """The next decode step's rows: views, valid until the batch changes."""
-        n = self.n
-        return DecodeRows(self.rows[:n], self.pos[:n], self.seq_lens[:n], self.slots[:n],
-                          self.block_tables[:n], self.rows[:n], self.temperature[:n],
-                          self.top_k[:n], self.seed[:n])
+        """The step at t as plain DecodeRows (new arrays): for the eager path."""
+        n, t = self.n, self.t
+        pos = self.pos_off[:n] + t
+        return DecodeRows(self.rows[:n].copy(), pos, pos + 1, self.slot_off[:n] + t,
+                          self.block_tables[:n].copy(), self.rows[:n].copy(),
+                          self.temperature[:n].copy(), self.top_k[:n].copy(), self.seed[:n].copy())
 
-    def advance(self, n: int) -> np.ndarray:
-        """Entries [0, n) launched one token: move them one position on. Returns the indices
-        whose last token that was (ascending)."""
-        pos, slots = self.pos[:n], self.slots[:n]
-        pos += 1
-        self.seq_lens[:n] += 1
-        slots += 1
-        self.dest[:n] += 1
-        left = self.left[:n]
-        left -= 1
-        # Into a new KV block (an entry that launched its last token has no next position).
-        crossed = np.flatnonzero((pos % self.block_size == 0) & (left > 0))
-        if crossed.size:
-            slots[crossed] = kv_slot(self.block_tables[crossed], pos[crossed], self.block_size)
-        return np.flatnonzero(left == 0)
+    def clear(self) -> None:
+        """Nothing running (after a failure)."""
+        for req in self.reqs[:self.n]:
+            req.batch_index = -1
+        self.reqs = [None] * self.capacity
+        self.n = 0
+        self._leaving.clear()
+        self._crossing.clear()
+        self.version += 1
+
+
+class BatchStep:
+    """The decode rows of the step at t, as the runner sees them: len() and a fast fill of a
+    graph slot's input block."""
+
+    __slots__ = ("batch", "n")
+
+    def __init__(self, batch: DecodeBatch):
+        self.batch, self.n = batch, batch.n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def fill_block(self, block, pad) -> None:
+        """Write this step into `block` (an InputBlock's pinned twin): three adds every step,
+        the rest only when the batch or the row count changed since the block's last fill."""
+        b, n, t, inp = self.batch, self.n, self.batch.t, block.inputs
+        if block.filled != (b, b.version, n):
+            inp.token_rows[:n] = b.rows[:n]
+            inp.state_idx[:n] = b.rows[:n]
+            inp.temperature[:n] = b.temperature[:n]
+            inp.top_k[:n] = b.top_k[:n]
+            inp.seed[:n] = b.seed[:n]
+            inp.block_tables[:n] = b.block_tables[:n]
+            block.pad_from(n, pad)
+            block.filled = (b, b.version, n)
+        np.add(b.pos_off[:n], t, out=inp.positions[:n])
+        np.add(b.pos_off[:n], t + 1, out=inp.seq_lens[:n])
+        np.add(b.slot_off[:n], t, out=inp.slot_mapping[:n])
+
+    def rows(self) -> DecodeRows:
+        return self.batch.step_rows()

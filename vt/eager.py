@@ -88,6 +88,7 @@ class EagerPath:
     def _stage(self, blocks, rows: DecodeRows, size: int):
         """Fill the host block (tail padded), copy it to the device; the [size] device views."""
         host, dev = blocks
+        rows = rows.rows() if hasattr(rows, "rows") else rows   # the engine's batch: as DecodeRows
         if not len(rows) <= size <= self.capacity:
             raise ValueError(f"an eager step of {len(rows)} rows padded to {size} exceeds the "
                              f"eager capacity {self.capacity} (max_seqs)")

@@ -23,7 +23,7 @@ from typing import Callable
 import numpy as np
 
 from vt.backend.errors import ClosedError
-from vt.batch import DecodeBatch
+from vt.batch import BatchStep, DecodeBatch
 from vt.knobs import ExecutorConfig
 from vt.requests import (BlockAllocator, EngineBusyError, Request, RequestResult, RowAllocator)
 from vt.runner import Runner, StepPlan
@@ -177,6 +177,7 @@ class Engine:
         self._out_logits = (np.zeros((total, self.model.vocab), np.float32)
                             if self.record_logits else None)
         self._reqs, self._finished = reqs, 0
+        self._stops = any(r.stop_token is not None for r in reqs)
         pending, inflight, deferred = deque(reqs), None, []
         depth, clock, t_start = self.config.depth, time.perf_counter, time.perf_counter()
         runner_st = self.runner.stats
@@ -226,9 +227,11 @@ class Engine:
 
     def _plan(self, pending: deque) -> tuple[StepPlan, list[Request]]:
         """This step's rows: every request in the batch decodes; pending ones are admitted
-        (prefilled) while there is room. Copies of the per-row destination, request index and
-        stop token go with the step (the batch changes before its tokens arrive)."""
+        (prefilled) while there is room. The step carries where its tokens go (and, when the
+        call has stop tokens, each row's request and stop token): the batch changes before
+        the tokens arrive."""
         b, geo = self._batch, self.model.geometry
+        b.begin_step()
         n_dec = b.n
         admitted, prefill_tokens = [], 0
         while pending and n_dec + len(admitted) < self.config.serving_conc:
@@ -242,41 +245,48 @@ class Engine:
             req.row, req.blocks = self._rows.alloc(), blocks
             admitted.append(req)
             prefill_tokens += req.prompt_len
-        decode = b.step_rows() if n_dec else None
         prefill = []
         for req in admitted:
             bt = np.full(geo.max_blocks, geo.scratch_block, np.int32)
             bt[:len(req.blocks)] = req.blocks
             prefill.append(PrefillSeq(req.row, req.prompt, bt, req.row, req.sampling))
+        dest = b.dest()
+        rid = stop = None
+        if self._stops:
+            rid, stop = b.rid[:n_dec].copy(), b.stop[:n_dec].copy()
+        n_last = b.finishing()
         if admitted:
-            dest = np.concatenate([b.dest[:n_dec], [r.base for r in admitted]])
-            rid = np.concatenate([b.rid[:n_dec], [r.index for r in admitted]])
-            stop = np.concatenate([b.stop[:n_dec], [_stop_id(r) for r in admitted]])
-        else:
-            dest, rid, stop = b.dest[:n_dec].copy(), b.rid[:n_dec].copy(), b.stop[:n_dec].copy()
-        return StepPlan(decode, prefill, tag=(dest, rid, stop)), admitted
+            dest = np.concatenate([dest, [r.base for r in admitted]])
+            n_last += sum(r.max_new_tokens == 1 for r in admitted)
+            if self._stops:
+                rid = np.concatenate([rid, [r.index for r in admitted]])
+                stop = np.concatenate([stop, [_stop_id(r) for r in admitted]])
+        decode = BatchStep(b) if n_dec else None
+        return StepPlan(decode, prefill, tag=(dest, rid, stop, n_last)), admitted
 
     def _after_launch(self, plan: StepPlan, admitted: list[Request]) -> None:
-        """Advance the batch past the launched step. A request whose last token was just
+        """Move the batch past the launched step. A request whose last token was just
         launched leaves now: its row and blocks are free for the next plan already (device
-        users of them are stream-ordered after this step)."""
-        b = self._batch
-        n_dec = len(plan.decode) if plan.decode is not None else 0
-        for i in b.advance(n_dec)[::-1]:   # descending: remove() moves the last entry
-            self._leave(b.reqs[i])
+        users of them are stream-ordered after this step). Admitted ones join."""
+        for req in self._batch.end_step():
+            self._leave(req)
         for req, seq in zip(admitted, plan.prefill):
             if req.max_new_tokens == 1:
                 self._free(req)
             else:
-                b.add(req, req.row, seq.block_table, req.sampling, pos=req.prompt_len,
-                      left=req.max_new_tokens - 1, dest=req.base + 1, stop=_stop_id(req))
+                self._batch.add(req, req.row, seq.block_table, req.sampling, pos=req.prompt_len,
+                                left=req.max_new_tokens - 1, dest=req.base + 1, stop=_stop_id(req))
 
     def _store(self, handle, tokens: np.ndarray) -> list[Request]:
         """Put a step's tokens where they belong; returns the requests that just stopped."""
-        dest, rid, stop = handle.tag
+        dest, rid, stop, n_last = handle.tag
         self._out[dest] = tokens
         if self._out_logits is not None:
             self._out_logits[dest] = handle.host_logits
+        if rid is None:                 # no stop tokens in this call: every token counts
+            self._tokens_out += len(tokens)
+            self._finished += n_last
+            return []
         limit = self._limit[rid]
         valid = dest < limit            # False: past a stop learned earlier
         stopped = []
@@ -292,8 +302,7 @@ class Engine:
 
     def _leave(self, req: Request) -> None:
         """The request decodes no more: out of the batch, its row and blocks freed."""
-        if req.batch_index >= 0:
-            self._batch.remove(req.batch_index)
+        self._batch.remove(req)
         self._free(req)
 
     def _free(self, req: Request) -> None:

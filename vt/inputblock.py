@@ -30,12 +30,19 @@ class InputBlock:
         views["block_tables"] = self.raw[at:].reshape(size, max_blocks)
         self.inputs = DecodeInputs(**views)
         self._padded_from: int | None = None   # rows [n:] hold the pad row since the last fill
+        self.filled = None   # what a fast fill (rows.fill_block) last wrote; None: unknown
 
-    def fill(self, rows: DecodeRows, pad: PadRow) -> None:
-        """Write the step's rows into [:n] and pad the tail (host twin only)."""
+    def fill(self, rows, pad: PadRow) -> None:
+        """Write the step's rows into [:n] and pad the tail (host twin only). `rows` is
+        DecodeRows, or an object with its own fill_block(block, pad) (the engine's batch)."""
         n = len(rows)
         if n > self.size:
             raise ValueError(f"{n} rows do not fit an input block of {self.size} rows")
+        fill_block = getattr(rows, "fill_block", None)
+        if fill_block is not None:
+            fill_block(self, pad)
+            return
+        self.filled = None
         self._write(0, rows)
         if self._padded_from != n:            # the tail only changes when n does
             self.pad_from(n, pad)
@@ -44,7 +51,7 @@ class InputBlock:
         """Rows into [start, start + n), padding up to `stop` (a block holding several steps)."""
         self._write(start, rows)
         self.pad_from(start + len(rows), pad, stop)
-        self._padded_from = None
+        self._padded_from = self.filled = None
 
     def pad_from(self, start: int, pad: PadRow, stop: int | None = None) -> None:
         """Rows [start:stop] point at the scratch row and sample greedily."""
@@ -64,7 +71,7 @@ class InputBlock:
         """Redirect every row to the scratch row. In range on purpose: a replay that reads the
         poison computes wrong rows (detectable) instead of faulting the device."""
         self.pad_from(0, pad)
-        self._padded_from = None   # the next fill rewrites the tail too
+        self._padded_from = self.filled = None   # the next fill rewrites everything
 
     def copy_to(self, be, dst: "InputBlock", stream) -> None:
         """One async copy of the whole block (H2D; captured when the stream captures)."""

@@ -37,6 +37,7 @@ ENV_VARS = {
     "h2d": "VT_ASYNC_EXECUTOR_H2D",
     "inputs_read_event": "VT_ASYNC_EXECUTOR_INPUTS_READ",
     "capture_sizes": "VT_CAPTURE_SIZES",
+    "wait_poll_us": "VT_WAIT_POLL_US",
 }
 
 
@@ -59,6 +60,8 @@ class ExecutorConfig:
     depth: 2 is the async pipeline (step N+1 launched before step N's tokens are read);
         1 is the fully synchronous reference (launch, wait, read, repeat).
     skip_pool_reserve: test hook: skip the pool pre-grow before capture.
+    wait_poll_us: how long the host polls an event before a blocking wait (vt/waits.py);
+        None: the measured default on cuda, 0 (block at once) on the sim.
     """
     async_executor: bool = False
     no_dbuf: bool = False
@@ -71,6 +74,7 @@ class ExecutorConfig:
     inputs_read_event: bool = False
     depth: int = 2
     skip_pool_reserve: bool = False
+    wait_poll_us: float | None = None
 
     def __post_init__(self):
         for name in ("async_executor", "no_dbuf", "poison", "inputs_read_event", "skip_pool_reserve"):
@@ -83,6 +87,11 @@ class ExecutorConfig:
                              f"OFF path: set async_executor=False), got {self.ring_depth}")
         if self.depth not in (1, 2):
             raise ValueError(f"ExecutorConfig.depth must be 1 (synchronous) or 2 (async), got {self.depth!r}")
+        if self.wait_poll_us is not None and (isinstance(self.wait_poll_us, bool) or
+                                              not isinstance(self.wait_poll_us, (int, float)) or
+                                              not 0 <= self.wait_poll_us < 1e6):
+            raise ValueError(f"ExecutorConfig.wait_poll_us must be a number of microseconds in "
+                             f"[0, 1e6) or None, got {self.wait_poll_us!r}")
         if self.h2d not in H2D_MODES:
             raise ValueError(f"ExecutorConfig.h2d must be one of {H2D_MODES}, got {self.h2d!r}")
         if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
@@ -212,8 +221,19 @@ def _parse_sizes(var, raw):
     return sizes
 
 
+def _parse_poll(var, raw):
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{var} must be a number of microseconds >= 0, got {raw!r}") from None
+    if not 0 <= v < 1e6:
+        raise ValueError(f"{var} must be a number of microseconds in [0, 1e6), got {raw!r}")
+    return v
+
+
 _PARSERS = {
     "async_executor": _parse_bool, "no_dbuf": _parse_bool, "poison": _parse_bool,
     "inputs_read_event": _parse_bool, "trace": _parse_trace, "serving_conc": _parse_int,
     "ring_depth": _parse_int, "h2d": _parse_h2d, "capture_sizes": _parse_sizes,
+    "wait_poll_us": _parse_poll,
 }

@@ -22,6 +22,7 @@ from vt.eager import EagerPath
 from vt.graphs import DecodeGraphDriver, ForwardLogits, GraphSettings
 from vt.step import LOGITS_DTYPE, DecodeRows, PrefillSeq
 from vt.trace import Tracer
+from vt.waits import DEFAULT_POLL_US, wait_event
 
 
 @dataclass
@@ -74,6 +75,16 @@ class RunnerStats:
         return dict(self.__dict__, steps_by_size=dict(self.steps_by_size))
 
 
+def _decode_and_sample(model):
+    """The captured step. A closure over the model only: a bound method of the runner would
+    make runner -> driver -> runner a cycle, freed only by the cyclic GC at any later moment
+    (its pinned buffers with it)."""
+    def step(stream, inputs, logits, out_tokens) -> None:
+        model.decode(stream, inputs, logits)
+        model.sample(stream, logits, inputs, out_tokens)
+    return step
+
+
 class Runner:
     """Launches steps of a step model (vt.step.StepModel): graphs through the driver, the rest
     through the eager path. profile=True adds device timing events around each step."""
@@ -83,11 +94,17 @@ class Runner:
         self.stream = be.stream(name="vt-decode")
         geo = model.geometry
         self.capacity = max(geo.max_seqs, max(config.capture_sizes, default=0))
+        # Poll before blocking on the GPU (vt/waits.py); on the sim a poll would take the GIL
+        # from the worker thread that completes the event, so it blocks at once.
+        poll_us = config.wait_poll_us
+        if poll_us is None:
+            poll_us = DEFAULT_POLL_US if be.name == "cuda" else 0.0
+        self._poll_s = poll_us * 1e-6
         settings = GraphSettings(sizes=config.capture_sizes, slots_per_size=config.slots_per_size,
                                  guarded=config.async_executor, staged=config.h2d == "staged",
                                  inputs_read=config.inputs_read_event,
-                                 reserve_pool=not config.skip_pool_reserve)
-        self.driver = DecodeGraphDriver(be, self.stream, self._decode_and_sample, vocab=model.vocab,
+                                 reserve_pool=not config.skip_pool_reserve, poll_s=self._poll_s)
+        self.driver = DecodeGraphDriver(be, self.stream, _decode_and_sample(model), vocab=model.vocab,
                                         max_blocks=geo.max_blocks, pad=model.pad, settings=settings)
         self.eager = EagerPath(be, self.stream, model, capacity=self.capacity,
                                graph_size=self.driver.padded_size)
@@ -103,10 +120,6 @@ class Runner:
         self._inflight: list[StepHandle] = []
         self._steps = 0
         self._closed = False
-
-    def _decode_and_sample(self, stream, inputs, logits, out_tokens) -> None:
-        self.model.decode(stream, inputs, logits)
-        self.model.sample(stream, logits, inputs, out_tokens)
 
     def capture(self) -> None:
         """Capture every graph (warm-up, pre-grow and capture per size: vt/graphs/capture.py)."""
@@ -133,50 +146,77 @@ class Runner:
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
             self._wait(prev, drain=True)
-        st, index = self.stats, self._steps
-        t0 = time.perf_counter()
-        slot, waited = self.driver.acquire(n) if not plan.prefill else (None, 0.0)
-        t1 = time.perf_counter()
-        if waited:
-            st.ring_waits += 1
-            self.tracer.host_span("ring wait", t0, t1, slot=slot.name)
-        st.acquire_s += t1 - t0
-        timing = self._timing[index % 2] if self._timing is not None else None
-        if timing is not None:
-            timing[0].record(self.stream)
-        if slot is not None:
-            slot.host.fill(plan.decode, self.model.pad)
-            t2 = time.perf_counter()
-            st.refresh_s += t2 - t1
-            self.tracer.host_span("refresh", t1, t2, step=index, slot=slot.name)
-            logits = slot.launch(self.stream, n)
-            handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host,
-                                slot.done)
-        else:
-            t2 = t1
-            logits, kind = self.eager.launch(plan.decode, plan.prefill, index % 2)
-            done = self.eager.done[index % 2]
-            done.record(self.stream)
-            handle = StepHandle(index, kind, n, n, logits, plan.tag, self.eager.out_host[index % 2],
-                                done)
-        if self._record is not None:
-            handle.host_logits = self._record[0][index % 2][:n]
-            self.be.copy_d2h(handle.host_logits, logits.rows, self.stream)
-            handle.done = self._record[1][index % 2]
-            handle.done.record(self.stream)
-        if timing is not None:
-            timing[1].record(self.stream)
-            handle.timing = timing
-        t3 = time.perf_counter()
-        st.launch_s += t3 - t2
-        self.tracer.host_span(f"launch {handle.kind} S={handle.size}", t2, t3, step=index, n=n)
+        slot = None
+        if not plan.prefill:
+            t0 = time.perf_counter()
+            slot, waited = self.driver.acquire(n)
+            if waited:
+                self.stats.ring_waits += 1
+                self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
+            self.stats.acquire_s += time.perf_counter() - t0
+        handle = self._launch_graph(slot, plan) if slot is not None else self._launch_eager(plan)
         if slot is not None and self.config.poison:
             self._poison_next(slot, handle)
-        self._count(handle)
         self._last = handle
         self._inflight.append(handle)
         self._steps += 1
         return handle
+
+    def _launch_graph(self, slot, plan: StepPlan) -> StepHandle:
+        """The fast path: refresh the slot's block, one graph launch, one event record."""
+        st, index, n = self.stats, self._steps, plan.n
+        t1 = time.perf_counter()
+        slot.host.fill(plan.decode, self.model.pad)
+        t2 = time.perf_counter()
+        timing = self._start_timing(index)
+        logits = slot.launch(self.stream, n)
+        handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done)
+        self._finish_launch(handle, timing)
+        t3 = time.perf_counter()
+        st.refresh_s += t2 - t1
+        st.launch_s += t3 - t2
+        st.steps += 1
+        st.graph_steps += 1
+        st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
+        if self.tracer.enabled:
+            self.tracer.host_span("refresh", t1, t2, step=index, slot=slot.name)
+            self.tracer.host_span(f"launch graph S={slot.size}", t2, t3, step=index, n=n)
+        return handle
+
+    def _launch_eager(self, plan: StepPlan) -> StepHandle:
+        index, n, parity = self._steps, plan.n, self._steps % 2
+        t2 = time.perf_counter()
+        timing = self._start_timing(index)
+        logits, kind = self.eager.launch(plan.decode, plan.prefill, parity)
+        done = self.eager.done[parity]
+        done.record(self.stream)
+        handle = StepHandle(index, kind, n, n, logits, plan.tag, self.eager.out_host[parity], done)
+        self._finish_launch(handle, timing)
+        t3 = time.perf_counter()
+        self.stats.launch_s += t3 - t2
+        self.stats.steps += 1
+        setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
+        self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
+        return handle
+
+    def _start_timing(self, index: int):
+        if self._timing is None:
+            return None
+        timing = self._timing[index % 2]
+        timing[0].record(self.stream)
+        return timing
+
+    def _finish_launch(self, handle: StepHandle, timing) -> None:
+        """Recorded logits (a test/debug option) and the profile's end event, after the step."""
+        if self._record is not None:
+            parity = handle.index % 2
+            handle.host_logits = self._record[0][parity][:handle.n]
+            self.be.copy_d2h(handle.host_logits, handle.logits.rows, self.stream)
+            handle.done = self._record[1][parity]
+            handle.done.record(self.stream)
+        if timing is not None:
+            timing[1].record(self.stream)
+            handle.timing = timing
 
     def _poison_next(self, slot, handle: StepHandle) -> None:
         """Write poison into the slot the next step of this size will use, as soon as this
@@ -184,7 +224,7 @@ class Runner:
         at once. A sound mode never lets a replay read the poison."""
         nxt = self.driver.next_slot(slot)
         if self.driver.rings[slot.size].guarded:
-            if nxt.wait_reusable():
+            if nxt.wait_reusable(self._poll_s):
                 self.stats.ring_waits += 1
         elif not self._skip_graph_drain:
             self._wait(handle, drain=True)
@@ -212,7 +252,7 @@ class Runner:
         """Block on the step's done event, then copy its tokens out of the pinned buffer (the
         next launch of its slot may overwrite that buffer before the host collects)."""
         t0 = time.perf_counter()
-        handle.done.synchronize()
+        wait_event(handle.done, self._poll_s)
         handle.tokens = handle.out_host[:handle.n].copy()
         dt = time.perf_counter() - t0
         if drain:
@@ -223,13 +263,6 @@ class Runner:
             self.stats.token_wait_s += dt
         self.tracer.host_span("wait drain" if drain else "wait tokens", t0, t0 + dt,
                               step=handle.index)
-
-    def _count(self, handle: StepHandle) -> None:
-        st = self.stats
-        st.steps += 1
-        setattr(st, f"{handle.kind}_steps", getattr(st, f"{handle.kind}_steps") + 1)
-        if handle.kind == "graph":
-            st.steps_by_size[handle.size] = st.steps_by_size.get(handle.size, 0) + 1
 
     # -- recovery, measurement, teardown ------------------------------------------------
     def abort(self) -> BaseException | None:

@@ -130,7 +130,7 @@ def test_serving_run_makes_no_driver_malloc_after_warm_up(backend, capture_sizes
 def test_ring_wait_is_load_bearing(delayed_sim, monkeypatch):
     """The same ring with its reuse-event wait removed fails under POISON: the test can fail."""
     from vt.graphs.slot import SizeSlot
-    monkeypatch.setattr(SizeSlot, "wait_reusable", lambda self: 0.0)
+    monkeypatch.setattr(SizeSlot, "wait_reusable", lambda self, poll_s=0.0: 0.0)
     prompts, budgets = workload(16, seed=5)
     off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
     broken, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16,

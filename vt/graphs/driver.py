@@ -26,6 +26,7 @@ class GraphSettings:
     staged: bool                  # h2d="staged": out-of-graph copy, one graph per size
     inputs_read: bool             # the ring waits on an event right after the H2D node
     reserve_pool: bool = True     # pre-grow the pool before capture (off: a test hook)
+    poll_s: float = 0.0           # how long a guard polls before blocking (vt/waits.py)
 
 
 class DecodeGraphDriver:
@@ -70,7 +71,7 @@ class DecodeGraphDriver:
         """The slot for a batch of n rows (None: eager) and the seconds its guard waited."""
         self._check_open()
         size = self.padded_size(n)
-        return (None, 0.0) if size is None else self.rings[size].acquire()
+        return (None, 0.0) if size is None else self.rings[size].acquire(self.settings.poll_s)
 
     def next_slot(self, slot: SizeSlot) -> SizeSlot:
         """The slot the next step of this size will use (slot itself without the ring)."""

@@ -2,12 +2,11 @@
 read yet (hazard-C, docs/design.md)."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from vt.graphs.logits import ForwardLogits, GraphOutput
 from vt.inputblock import InputBlock
+from vt.waits import wait_event
 
 
 class SizeSlot:
@@ -36,14 +35,9 @@ class SizeSlot:
         self.staged_read = be.event(blocking_sync=True) if staged else None
         self.inputs_read_event = be.event(blocking_sync=True) if inputs_read else None
 
-    def wait_reusable(self) -> float:
+    def wait_reusable(self, poll_s: float = 0.0) -> float:
         """Block until the device no longer reads the host block; seconds waited (0: free)."""
-        ev = self.inputs_read_event or self.staged_read or self.done
-        if ev.query():
-            return 0.0
-        t0 = time.perf_counter()
-        ev.synchronize()
-        return time.perf_counter() - t0
+        return wait_event(self.inputs_read_event or self.staged_read or self.done, poll_s)
 
     def launch(self, stream, n: int) -> ForwardLogits:
         """Replay on `stream`, then record `done`: the tokens are in out_host once it completes.
@@ -78,10 +72,10 @@ class SlotRing:
         """The slot the next acquire returns."""
         return self.slots[self._next]
 
-    def acquire(self) -> tuple[SizeSlot, float]:
+    def acquire(self, poll_s: float = 0.0) -> tuple[SizeSlot, float]:
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
-        return slot, (slot.wait_reusable() if self.guarded else 0.0)
+        return slot, (slot.wait_reusable(poll_s) if self.guarded else 0.0)
 
     def close(self):
         outputs = {id(s.output): s.output for s in self.slots if s.output is not None}

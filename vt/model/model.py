@@ -53,7 +53,9 @@ class HybridModel:
         self.states = {i: backend.empty(st_shape, np.float32) for i in cfg.gdn_layers}
         self.token_table = backend.empty((self.max_seqs + 1,), np.int32)   # [max_seqs + 1]
         self._iota = self._const(np.arange(self.max_batch + 1, dtype=np.int32))
-        for a in [*self.states.values(), self.token_table]:
+        # Everything a step can read is defined: padded rows read the scratch block and state,
+        # and sanitizer runs (initcheck) flag reads of memory nobody wrote.
+        for a in [*self.states.values(), *self.k_cache.values(), *self.v_cache.values(), self.token_table]:
             backend.launch(self.stream, _FILL, a, value=0)
         ws = [backend.empty((WORKSPACE_BYTES,), np.uint8) for _ in range(gemm_streams)] \
             if backend.name == "cuda" else []

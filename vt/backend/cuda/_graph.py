@@ -10,6 +10,7 @@ from cuda.bindings import runtime as cudart
 from vt.backend.errors import CaptureError, CudaError
 
 from ._check import check, cuda_error, push_recorder
+from ._memory import capture_closed, capture_opened
 from .._handle import HandleOwner
 from ._stream import end_orphaned_capture
 
@@ -94,6 +95,7 @@ class Capture:
             pool_ctx.__exit__(type(exc), exc, exc.__traceback__)
             raise
         self._pool_ctx = pool_ctx
+        capture_opened()
         self._stream._capture = self.name
         self._recorders = push_recorder(self._errors.record)
         self._routing.__enter__()
@@ -111,6 +113,7 @@ class Capture:
         try:
             graph, end_error = self._end()
         finally:
+            capture_closed()
             self._pool_ctx.__exit__(exc_type, exc, tb)
         if exc is not None or end_error is not None:
             _destroy_graph(graph)
@@ -161,6 +164,7 @@ class _FirstError:
 def _abandon(stream, pool_ctx, routing, recorders: list, record) -> None:
     stream._capture = None
     end_orphaned_capture(stream.handle)
+    capture_closed()
     pool_ctx.__exit__(None, None, None)
     recorders.remove(record)
     with contextlib.suppress(Exception):  # best effort: CuPy's state may have moved on since

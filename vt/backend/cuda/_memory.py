@@ -90,5 +90,27 @@ def memory_type(ptr: int):
     return check(cudart.cudaPointerGetAttributes(ptr), "cudaPointerGetAttributes").type
 
 
+# cudaFreeHost while a global-mode capture is open fails and invalidates that capture. A
+# pinned array can die at any moment (the cyclic garbage collector runs where it likes), so
+# frees that come while a capture is open wait for the last capture to end.
+_open_captures = 0
+_deferred_frees: list[int] = []
+
+
+def capture_opened() -> None:
+    global _open_captures
+    _open_captures += 1
+
+
+def capture_closed() -> None:
+    global _open_captures
+    _open_captures -= 1
+    while _open_captures == 0 and _deferred_frees:
+        _free_host(_deferred_frees.pop())
+
+
 def _free_host(ptr: int) -> None:
+    if _open_captures:
+        _deferred_frees.append(ptr)
+        return
     check(cudart.cudaFreeHost(ptr), "cudaFreeHost")
