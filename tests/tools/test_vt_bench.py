@@ -193,6 +193,46 @@ def test_torch_peer_reason_when_it_cannot_run():
     assert any(w in reason for w in ("torch", "cupy", "CUDA"))
 
 
+def test_torch_peer_loops_on_cpu_tensors():
+    """The peer's host loops (sync and depth 2: which pinned block, which step's tokens when)
+    and its sampling + feedback, on CPU tensors: the graph's replay runs the forward in torch
+    ops and then the peer's own _sample_and_feed_back; events and stream are no-ops."""
+    torch = pytest.importorskip("torch")
+    S, V = 3, SYNTH_VOCAB
+
+    class _NoOp:
+        def record(self, *a):
+            pass
+
+        def synchronize(self):
+            pass
+
+    peer = object.__new__(torch_peer.TorchPeer)
+    peer.torch, peer.S, peer.vocab, peer.stream = torch, S, V, _NoOp()
+    peer.table = torch.zeros(S + 1, dtype=torch.int32)
+    peer.inputs = torch.zeros(2, S, dtype=torch.int32)
+    peer.logits = torch.zeros(S, V)
+    peer.tokens = torch.zeros(S, dtype=torch.int32)
+    peer.pinned_in = [torch.zeros(2, S, dtype=torch.int32) for _ in range(2)]
+    peer.pinned_tok = [torch.zeros(S, dtype=torch.int32) for _ in range(2)]
+    peer.np_in, peer.np_tok = [p.numpy() for p in peer.pinned_in], [p.numpy() for p in peer.pinned_tok]
+    peer.in_ready, peer.tok_ready = [_NoOp(), _NoOp()], [_NoOp(), _NoOp()]
+
+    class _Graph:
+        def replay(self):
+            rows, pos = peer.inputs[0].long(), peer.inputs[1].long()
+            target = (peer.table[rows].long() % V * 7 + pos * 13 + 1) % V
+            peer.logits.zero_()
+            peer.logits[torch.arange(S), target] = 1.0
+            peer._sample_and_feed_back()
+    peer.graph = _Graph()
+    prompts = [[5, 17], [4000, 1, 2], [9]]
+    want = [expected_tokens(p, 7) for p in prompts]
+    for variant in torch_peer.VARIANTS:
+        res = peer.run(variant, prompts, 6)
+        assert res["tokens"] == want, variant
+
+
 @pytest.mark.gpu
 def test_torch_peer_tokens_match_the_synthetic_forward():
     if "cuda" not in available_backends() or torch_peer.unavailable_reason() is not None:

@@ -114,12 +114,17 @@ class TorchPeer:
         self.stream.synchronize()
 
     def _body(self) -> None:
-        """The step on the device: the user forward, argmax, token feedback."""
-        torch, cp = self.torch, self._cp
-        with self._cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        """The step on the device: the user forward (vt's synthetic kernels on torch's
+        current stream), then sampling and token feedback."""
+        cp = self._cp
+        with self._cupy.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream):
             launch_spin_cupy(cp["ns"])
             launch_logits_cupy(cp["table"], cp["rows"], cp["pos"], cp["logits"])
-        self.tokens.copy_(torch.argmax(self.logits, dim=1))
+        self._sample_and_feed_back()
+
+    def _sample_and_feed_back(self) -> None:
+        """tokens = argmax(logits); table[rows] = tokens (the next step's input)."""
+        self.tokens.copy_(self.torch.argmax(self.logits, dim=1))
         self.table.index_put_((self.inputs[0],), self.tokens)
 
     def set_device_us(self, us: float) -> None:
