@@ -112,6 +112,23 @@ def test_model_workload_on_the_sim(tmp_path, capsys):
     assert len(merged["cells"]) == 2 * len(res["cells"]) and merged["presets"] == ["tiny-dense"]
 
 
+def test_a_peer_that_fails_to_set_up_leaves_the_vt_cells(tmp_path, monkeypatch):
+    from vt.bench import run as run_mod
+
+    class Broken:
+        def __init__(self, S):
+            raise RuntimeError("no graph for you")
+    monkeypatch.setattr(run_mod, "torch_absent_reason", lambda be, args: None)
+    monkeypatch.setattr(torch_peer, "TorchPeer", Broken)
+    out = tmp_path / "b.json"
+    assert main(["--backend", "sim", "--device-us", "0", "--conc", "2", "--modes", "drain",
+                 "--steps", "3", "--no-bar", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["torch"]["available"] is False and "no graph for you" in res["torch"]["absent_reason"]
+    by = {r["mode"]: r for r in res["cells"]}
+    assert by["drain"]["status"] == "ok" and by["torch_async"]["status"] == "absent"
+
+
 def test_overlap_efficiency_and_ratios():
     """h = 100, d = 100 us in drain: the ideal ring gain is 2x; a ring at 1.5x drain is 0.75."""
     base = dict(workload="synthetic", conc=32, spin_us=100.0, impl="vt")

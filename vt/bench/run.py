@@ -91,8 +91,12 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
                                                       max_prefill_tokens=conc * args.prompt_len)
                     progress.step(f"captured {mode} S={conc}{' (profiled)' if prof else ''}")
             if reason is None:
-                peer = torch_peer.TorchPeer(conc)
-                progress.step(f"captured torch S={conc}")
+                try:
+                    peer = torch_peer.TorchPeer(conc)
+                except Exception as exc:   # keep the vt cells; the peer's rows say why
+                    reason = f"the torch peer failed to set up: {type(exc).__name__}: {exc}"
+                    progress.log(f"vt bench: {reason}")
+                progress.step(f"captured torch S={conc}" if peer else "torch peer absent")
             for d in args.spin_us:
                 model.set_device_us(d)
                 ident = dict(workload="synthetic", conc=conc, spin_us=d)
@@ -158,7 +162,7 @@ def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
 def run(args, progress_factory) -> dict:
     """The whole bench: returns the result dict (report.py prints and writes it)."""
     from vt.demo import pick_backend
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
     be = pick_backend(args.backend, args.sim_delay_ms)
     try:
         reason = torch_absent_reason(be, args)
@@ -170,10 +174,13 @@ def run(args, progress_factory) -> dict:
     finally:
         be.close()
     cells.add_comparisons(rows)
+    peer_rows = [r for r in rows if r["impl"] == "torch"]
+    if reason is None:   # the peer may have failed to set up here (its rows say why)
+        reason = next((r["absent_reason"] for r in peer_rows if r["status"] != "ok"), None)
     return dict(
         format="vt-bench/1", workload=args.workload, backend=be.name,
         device=str(info.get("device", "")), host=platform.node(), python=platform.python_version(),
-        vt_commit=_commit(), started=time.strftime("%Y-%m-%d %H:%M:%S"),
+        vt_commit=_commit(), started=started,
         wall_s=time.perf_counter() - t0,
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
         presets=list(args.preset) if args.workload == "model" else None,
