@@ -133,6 +133,11 @@ class BatchStep:
         """Write this step into `block` (an InputBlock's pinned twin): three adds every step,
         the rest only when the batch or the row count changed since the block's last fill."""
         b, n, t, inp = self.batch, self.n, self.batch.t, block.inputs
+        views = block.step_views
+        if views is None or views[0] is not b or views[1] != n:
+            # [:n] views made once per (block, n): slicing costs as much as the adds below
+            views = block.step_views = (b, n, b.pos_off[:n], b.slot_off[:n], inp.positions[:n],
+                                        inp.seq_lens[:n], inp.slot_mapping[:n])
         if block.filled != (b, b.version, n):
             inp.token_rows[:n] = b.rows[:n]
             inp.state_idx[:n] = b.rows[:n]
@@ -142,9 +147,10 @@ class BatchStep:
             inp.block_tables[:n] = b.block_tables[:n]
             block.pad_from(n, pad)
             block.filled = (b, b.version, n)
-        np.add(b.pos_off[:n], t, out=inp.positions[:n])
-        np.add(b.pos_off[:n], t + 1, out=inp.seq_lens[:n])
-        np.add(b.slot_off[:n], t, out=inp.slot_mapping[:n])
+        _, _, pos_off, slot_off, positions, seq_lens, slots = views
+        np.add(pos_off, t, out=positions)
+        np.add(pos_off, t + 1, out=seq_lens)
+        np.add(slot_off, t, out=slots)
 
     def rows(self) -> DecodeRows:
         return self.batch.step_rows()

@@ -31,6 +31,7 @@ class InputBlock:
         self.inputs = DecodeInputs(**views)
         self._padded_from: int | None = None   # rows [n:] hold the pad row since the last fill
         self.filled = None   # what a fast fill (rows.fill_block) last wrote; None: unknown
+        self.step_views = None   # a fast fill's cached [:n] views (it owns their meaning)
 
     def fill(self, rows, pad: PadRow) -> None:
         """Write the step's rows into [:n] and pad the tail (host twin only). `rows` is

@@ -37,20 +37,23 @@ class StepPlan:
         return (len(self.decode) if self.decode is not None else 0) + len(self.prefill)
 
 
-@dataclass
 class StepHandle:
-    """A launched step. Its tokens are valid after Runner.collect()."""
-    index: int
-    kind: str                 # "graph" | "eager" | "mixed" | "prefill"
-    n: int
-    size: int                 # padded size (n for eager steps)
-    logits: ForwardLogits
-    tag: object
-    out_host: np.ndarray      # pinned [>= n] the step's tokens land in
-    done: object              # event recorded after everything the step does
-    timing: tuple | None = None
-    host_logits: np.ndarray | None = None   # [n, vocab] when recorded
-    tokens: np.ndarray | None = None        # host copy, taken when the host saw `done`
+    """A launched step. Its tokens are valid after Runner.collect(). (A plain class with
+    slots: one is made per step, on the host's critical path.)"""
+
+    __slots__ = ("index", "kind", "n", "size", "logits", "tag", "out_host", "done", "slot",
+                 "timing", "host_logits", "tokens")
+
+    def __init__(self, index: int, kind: str, n: int, size: int, logits: ForwardLogits, tag,
+                 out_host: np.ndarray, done, slot=None):
+        self.index, self.kind, self.n, self.size = index, kind, n, size   # kind: graph|eager|mixed|prefill
+        self.logits, self.tag = logits, tag
+        self.out_host = out_host      # pinned [>= n]: the step's tokens land here
+        self.done = done              # event recorded after everything the step does
+        self.slot = slot              # the graph slot (None: eager)
+        self.timing = None            # (start, end) timing events with profile
+        self.host_logits = None       # [n, vocab] when recorded
+        self.tokens = None            # host copy, taken when the host saw `done`
 
 
 @dataclass
@@ -170,7 +173,9 @@ class Runner:
         t2 = time.perf_counter()
         timing = self._start_timing(index)
         logits = slot.launch(self.stream, n)
-        handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done)
+        slot.last_index = index
+        handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done,
+                            slot)
         self._finish_launch(handle, timing)
         t3 = time.perf_counter()
         st.refresh_s += t2 - t1
@@ -254,6 +259,9 @@ class Runner:
         t0 = time.perf_counter()
         wait_event(handle.done, self._poll_s)
         handle.tokens = handle.out_host[:handle.n].copy()
+        slot = handle.slot
+        if slot is not None and slot.last_index == handle.index:   # not launched again since
+            slot.idle = True
         dt = time.perf_counter() - t0
         if drain:
             self.stats.drains += 1

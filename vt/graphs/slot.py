@@ -34,15 +34,22 @@ class SizeSlot:
         self.done = be.event(blocking_sync=True)
         self.staged_read = be.event(blocking_sync=True) if staged else None
         self.inputs_read_event = be.event(blocking_sync=True) if inputs_read else None
+        # True once the host saw this slot's last step done (Runner._wait): the next acquire
+        # then needs no event query at all (with k slots that is the usual case).
+        self.idle = True
+        self.last_index = -1   # the runner's index of the last step launched on this slot
 
     def wait_reusable(self, poll_s: float = 0.0) -> float:
         """Block until the device no longer reads the host block; seconds waited (0: free)."""
+        if self.idle:
+            return 0.0
         return wait_event(self.inputs_read_event or self.staged_read or self.done, poll_s)
 
     def launch(self, stream, n: int) -> ForwardLogits:
         """Replay on `stream`, then record `done`: the tokens are in out_host once it completes.
         The returned view is valid until this graph's next launch."""
         be = self.be
+        self.idle = False
         if self.staged:
             self.host.copy_to(be, self.device, stream)
             self.staged_read.record(stream)

@@ -13,14 +13,14 @@ from cuda.bindings import runtime as cudart
 
 from vt.backend.errors import CudaError
 
-_SUCCESS = cudart.cudaError_t.cudaSuccess
+SUCCESS = cudart.cudaError_t.cudaSuccess
 _recorders = threading.local()
 
 
 def check(result: tuple, call: str):
     """Unpack `(err, *values)`: raise CudaError on failure, else return None / the value / the values."""
     err, *values = result
-    if err != _SUCCESS:
+    if err != SUCCESS:
         raise cuda_error(err, call)
     if not values:
         return None
@@ -53,7 +53,7 @@ def cuda_error(err, call: str) -> CudaError:
     """The CudaError for return code `err` of `call` (recorded by any open capture)."""
     name = error_name(err)
     ok, text = cudart.cudaGetErrorString(err)
-    detail = text.decode() if ok == _SUCCESS and text else ""
+    detail = text.decode() if ok == SUCCESS and text else ""
     # A failed runtime call also sets the thread's last-error state; clear it so a later
     # cudaGetLastError (CuPy calls it after some launches) does not report this error again.
     cudart.cudaGetLastError()

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from cuda.bindings import runtime as cudart
 
-from ._check import check, is_error
+from ._check import SUCCESS, check, cuda_error
 from .._handle import HandleOwner
 
 _NOT_READY = cudart.cudaError_t.cudaErrorNotReady
@@ -45,13 +45,15 @@ class Event(HandleOwner):
         (cudaEventRecordExternal) makes it an event-record node that re-records this event on
         every replay, so the host can wait on a point inside the graph (inputs-read event)."""
         self._require_open()
-        stream._require_open()
         if external:
             check(cudart.cudaEventRecordWithFlags(self._event, stream.handle,
                                                   cudart.cudaEventRecordExternal),
                   "cudaEventRecordWithFlags(cudaEventRecordExternal)")
-        else:
-            check(cudart.cudaEventRecord(self._event, stream.handle), "cudaEventRecord")
+        else:   # on every step's path: one error compare
+            err = cudart.cudaEventRecord(self._event, stream.handle)[0]
+            if err != SUCCESS:
+                stream._require_open()
+                raise cuda_error(err, "cudaEventRecord")
 
     def synchronize(self) -> None:
         """Block the host until the event completes (sleeping if blocking_sync)."""
@@ -61,11 +63,12 @@ class Event(HandleOwner):
     def query(self) -> bool:
         """True when the work before the last record has completed (or it was never recorded)."""
         self._require_open()
-        result = cudart.cudaEventQuery(self._event)
-        if is_error(result, _NOT_READY):
+        err = cudart.cudaEventQuery(self._event)[0]
+        if err == SUCCESS:
+            return True
+        if err == _NOT_READY:
             return False
-        check(result, "cudaEventQuery")
-        return True
+        raise cuda_error(err, "cudaEventQuery")
 
     def elapsed_ms(self, start: "Event") -> float:
         """Milliseconds from `start` to this event; both must be timing-enabled and complete."""

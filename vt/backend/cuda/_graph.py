@@ -9,12 +9,11 @@ from cuda.bindings import runtime as cudart
 
 from vt.backend.errors import CaptureError, CudaError
 
-from ._check import check, cuda_error, push_recorder
+from ._check import SUCCESS, check, cuda_error, push_recorder
 from ._memory import capture_closed, capture_opened
 from .._handle import HandleOwner
 from ._stream import end_orphaned_capture
 
-_SUCCESS = cudart.cudaError_t.cudaSuccess
 _INVALIDATED = cudart.cudaStreamCaptureStatus.cudaStreamCaptureStatusInvalidated
 _SPECIAL_STREAMS = (0, int(cudart.cudaStreamLegacy), int(cudart.cudaStreamPerThread))
 
@@ -37,9 +36,12 @@ class Graph(HandleOwner):
         check(cudart.cudaGraphUpload(self._exec, stream.handle), "cudaGraphUpload")
 
     def launch(self, stream) -> None:
+        # On every decode step's path: the open check and one error compare, nothing else.
         self._require_open()
-        stream._require_open()
-        check(cudart.cudaGraphLaunch(self._exec, stream.handle), "cudaGraphLaunch")
+        err = cudart.cudaGraphLaunch(self._exec, stream.handle)[0]
+        if err != SUCCESS:
+            stream._require_open()
+            raise cuda_error(err, "cudaGraphLaunch")
 
     def __repr__(self) -> str:
         return f"<Graph {self.name!r} nodes={self.num_nodes}{' closed' if self.closed else ''}>"
@@ -142,9 +144,9 @@ class Capture:
     def _end(self):
         """End the capture: (graph or None, CudaError or None). Invalidated counts as an error."""
         err, status = cudart.cudaStreamIsCapturing(self._stream.handle)
-        invalidated = err == _SUCCESS and status == _INVALIDATED
+        invalidated = err == SUCCESS and status == _INVALIDATED
         err, graph = cudart.cudaStreamEndCapture(self._stream.handle)
-        if err != _SUCCESS:
+        if err != SUCCESS:
             return None, cuda_error(err, "cudaStreamEndCapture")
         if invalidated:  # not expected (end reports it), kept so an invalidation is never missed
             return graph, CudaError("cudaErrorStreamCaptureInvalidated", "cudaStreamEndCapture",
