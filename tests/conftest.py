@@ -1,5 +1,7 @@
 """Shared fixtures: the same test functions run on every available backend; and a suite-wide
 check that no pool, on any backend, ever called the driver's malloc while a graph was captured."""
+import os
+
 import pytest
 
 from vt.backend import available_backends, get_backend
@@ -31,8 +33,19 @@ def sim_backend():
     be.close()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="run the tests marked slow (the long fuzz and soak; also VT_SLOW=1)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu skip with a reason on a machine without a CUDA GPU."""
+    """Tests marked slow skip with a reason unless --run-slow or VT_SLOW=1; tests marked gpu
+    skip with a reason on a machine without a CUDA GPU."""
+    if not (config.getoption("--run-slow") or os.environ.get("VT_SLOW") == "1"):
+        slow = pytest.mark.skip(reason="slow: run with --run-slow or VT_SLOW=1")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(slow)
     if "cuda" in available_backends():
         return
     skip = pytest.mark.skip(reason="no CUDA GPU on this machine")

@@ -1,0 +1,174 @@
+"""Reproducibility, property-based: random serving workloads through every safe mode against
+the synchronous run, token for token (issue 8, part 2).
+
+The harness is tools/fuzz.py (the GPU runner uses it too; tests/executor/_fuzz.py adds the
+hypothesis drawer). A failing example prints its case as JSON with the command that replays
+it (`python3 tools/fuzz.py --replay '...'`) and hypothesis' @reproduce_failure blob; the seed
+tests print the numpy seed (`tools/fuzz.py --seed N --cases 1`). Each test prints the steps it
+ran (pytest -s). CI runs the share below; `--run-slow` or VT_SLOW=1 runs the rest (>= 10,000
+steps on the sim in total).
+"""
+import dataclasses
+
+import pytest
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from vt.backend import get_backend
+from vt.knobs import SAFE_MODES
+
+from ._fuzz import UNSAFE, Tally, cases, fuzz_settings, harness, numpy_case, run_case
+
+CI_EXAMPLES, SLOW_EXAMPLES = 20, 80
+
+
+def _check_safe_modes(rep):
+    assert not rep.safe_failures() and not rep.problems, (
+        "safe mode differs from the synchronous run\n" + rep.describe())
+
+
+def _fuzz_modes(examples, min_steps, name):
+    tally = Tally(name)
+
+    @fuzz_settings(examples)
+    @given(case=cases(max_requests=24))
+    def prop(case):
+        rep = run_case(case)
+        tally.add(rep)
+        _check_safe_modes(rep)
+
+    prop()
+    print(tally)
+    assert tally.steps >= min_steps, tally
+
+
+def test_every_safe_mode_matches_the_synchronous_run():
+    """sync vs drain, ring, ring_inputs_read, staged (POISON on for the async ones, drawn for
+    drain), on random admissions, budgets, stop tokens, sampling, capture sizes, concurrency,
+    ring depth, KV geometry and sim delays: identical tokens, finish reasons, logits bytes."""
+    _fuzz_modes(CI_EXAMPLES, 2000, "fuzz (CI share)")
+
+
+@pytest.mark.slow
+def test_every_safe_mode_matches_the_synchronous_run_long():
+    _fuzz_modes(SLOW_EXAMPLES, 10_000, "fuzz (slow)")
+
+
+def _fuzz_seeds(examples, name):
+    """The GPU runner's own distribution (numpy seeds): a failure names the seed to replay."""
+    tally = Tally(name)
+
+    @fuzz_settings(examples)
+    @given(seed=st.integers(0, 2**31 - 1))
+    def prop(seed):
+        case = numpy_case(seed, sim_delays=(0.0, 1e-4, 5e-4), max_requests=16)
+        rep = run_case(case)
+        tally.add(rep)
+        assert not rep.safe_failures() and not rep.problems, (
+            f"numpy seed {seed} (replay: {case.replay_hint()})\n{rep.describe()}")
+
+    prop()
+    print(tally)
+
+
+def test_every_safe_mode_matches_sync_on_the_runners_seeds():
+    _fuzz_seeds(4, "fuzz seeds (CI share)")
+
+
+@pytest.mark.slow
+def test_every_safe_mode_matches_sync_on_the_runners_seeds_long():
+    _fuzz_seeds(20, "fuzz seeds (slow)")
+
+
+# -- the harness is not blind -------------------------------------------------------------
+@pytest.mark.needs_overlap
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_harness_reports_the_unsafe_arm(seed):
+    """NO_DBUF + POISON on a delayed sim, through the same harness: mismatches reported (with
+    the request and where its tokens diverge), while the safe modes of the case stay clean."""
+    case = numpy_case(seed, max_requests=16)
+    case = dataclasses.replace(case, capture_sizes=(1, 2, 4, 8, 16), sim_delay_s=5e-4)
+    rep = run_case(case, unsafe=True)
+    _check_safe_modes(rep)
+    assert rep.runs[UNSAFE].stats["graph_steps"] > 0
+    found = rep.mismatches[UNSAFE]
+    print(f"seed {seed}: unsafe arm {len(found)} of {case.requests} requests mismatched")
+    assert found, "the harness did not see NO_DBUF+POISON: it is blind\n" + rep.describe()
+    assert {"round", "request", "kind"} <= found[0].keys()
+    assert f"mismatches vs sync: {len(found)}" in rep.describe()
+
+
+def _unsafe_property(examples, name):
+    tally = Tally(name)
+
+    @fuzz_settings(examples)
+    @given(case=cases(max_requests=12, sim_delays=(2e-4, 5e-4)))
+    def prop(case):
+        rep = run_case(case, modes=("sync",), unsafe=True)
+        assume(rep.runs[UNSAFE].stats["graph_steps"] >= 8)
+        tally.add(rep)
+        assert rep.mismatches[UNSAFE], "NO_DBUF+POISON not detected\n" + rep.describe()
+
+    prop()
+    print(tally)
+
+
+@pytest.mark.needs_overlap
+def test_the_unsafe_arm_is_caught_on_random_cases():
+    """Any case with a few graph steps, on a delayed sim: the unsafe arm mismatches."""
+    _unsafe_property(6, "unsafe arm (CI share)")
+
+
+@pytest.mark.slow
+@pytest.mark.needs_overlap
+def test_the_unsafe_arm_is_caught_on_random_cases_long():
+    _unsafe_property(40, "unsafe arm (slow)")
+
+
+# -- a seeded request is the same alone and in any batch ---------------------------------
+def _alone_vs_batch(examples, name):
+    tally = Tally(name)
+
+    @fuzz_settings(examples)
+    @given(case=cases(max_requests=16, max_rounds=1, sim_delays=(0.0,)), data=st.data())
+    def prop(case, data):
+        reqs = case.rounds[0]
+        j = data.draw(st.integers(0, len(reqs) - 1), label="target")
+        target = reqs[j]
+        if target.temperature == 0:   # mostly sampled targets: the seed is what is tested
+            target = dataclasses.replace(target, temperature=1.0, top_k=case.vocab,
+                                         seed=data.draw(st.integers(0, 2**63 - 1), label="seed"))
+        batch = dataclasses.replace(case, rounds=(reqs[:j] + (target,) + reqs[j + 1:],))
+        alone = dataclasses.replace(
+            case, rounds=((target,),), serving_conc=1,
+            capture_sizes=tuple(data.draw(st.sets(st.sampled_from((1, 2, 4, 8))), label="sizes")))
+        mode = data.draw(st.sampled_from(SAFE_MODES), label="mode")
+        be = get_backend("sim")
+        models = harness.Models()
+        try:
+            got_alone = harness.run_mode(be, models, alone, "sync")
+            got_batch = harness.run_mode(be, models, batch, mode)
+        finally:
+            be.close()
+        tally.steps += got_alone.stats["steps"] + got_batch.stats["steps"]
+        tally.cases += 1
+        a, b = got_alone.rounds[0][0], got_batch.rounds[0][j]
+        assert (a.tokens, a.finish_reason) == (b.tokens, b.finish_reason), (
+            f"request {j} ({target}) alone: {a.tokens} {a.finish_reason}; in a batch of "
+            f"{len(reqs)} (conc {case.serving_conc}, sizes {case.capture_sizes}, mode {mode}): "
+            f"{b.tokens} {b.finish_reason}\nbatch case: {batch.to_json()}")
+        assert a.logits.tobytes() == b.logits.tobytes()
+
+    prop()
+    print(tally)
+
+
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch():
+    """Different batch mates, rows, capture sizes, concurrency and mode: same tokens, same
+    finish reason, same logits bytes (the sampler keys on seed and position only)."""
+    _alone_vs_batch(10, "alone vs batch (CI share)")
+
+
+@pytest.mark.slow
+def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch_long():
+    _alone_vs_batch(60, "alone vs batch (slow)")

@@ -1,0 +1,525 @@
+"""Differential fuzz of the executor modes: every safe mode against the synchronous run.
+
+A *case* is a random serving workload and an engine configuration: one or more rounds of
+requests (one generate() each, on the same engine) with random prompts, budgets, per-request
+sampling (greedy, or temperature + top_k + seed) and a stop token; capture sizes (possibly
+none: every step eager), serving concurrency, ring depth, KV geometry (tight caches make
+requests wait for blocks), sim device delay or, on cuda, queued device work per step (the host
+runs ahead of the device). Each case runs in mode "sync" (depth 1, the reference) and in every
+safe mode of vt.knobs.SAFE_MODES, POISON on for the async ones (and drawn for drain), and
+compares token for token, finish_reason and logits bytes: the schedule is the same at every
+depth, so the runs must be byte-identical. The unsafe arm (no_dbuf + POISON) runs on the same
+cases and must show mismatches, or the harness is blind.
+
+  python3 tools/fuzz.py --backend sim --steps-per-mode 2000                 # CPU, ~1 min
+  python3 tools/fuzz.py --backend cuda --steps-per-mode 2000 --json fuzz.json   # H200, ~2 min
+  python3 tools/fuzz.py --backend sim --seed 17 --cases 1 --models toy      # replay a case seed
+  python3 tools/fuzz.py --backend sim --replay case.json                    # replay a printed case
+
+Per model and mode it reports steps (all kinds), graph steps, requests, mismatches vs sync
+(request level: tokens, finish_reason, logits bytes; greedy ones with the top-2 logit gap at
+the first divergence, so a float-rounding flip is told apart from a wrong input), and with
+--alone-cases N, batch invariance: the sync run's requests served alone (serving_conc=1)
+against the same requests in their batch. On the GPU different batch shapes may change the
+bundled model's float rounding (cuBLAS picks kernels by shape), so those flips are counted and
+reported, not hidden and not failed; between modes the shapes are the same and nothing may
+differ. Exit code 1 when a safe mode mismatched or broke a request, or when the unsafe arm
+showed no mismatch.
+
+The case drawing is written once against a small drawer interface (NumpyDraw here, a
+hypothesis-backed drawer in tests/executor/_fuzz.py), so the GPU runner and the tests share
+one distribution.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+from vt.backend import get_backend  # noqa: E402
+from vt.engine import Engine  # noqa: E402
+from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.step import MAX_TOP_K, KVGeometry, SamplingParams  # noqa: E402
+
+ASYNC_MODES = ("ring", "ring_inputs_read", "staged")
+UNSAFE = "no_dbuf+poison"
+CAPTURE_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
+TOY_VOCAB = 64
+BUNDLED = ("tiny-dense", "tiny-moe")
+BUNDLED_MAX_SEQS, BUNDLED_KV_BLOCKS = 16, 96   # 96 blocks of 8: requests wait for blocks
+
+
+# -- cases ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Req:
+    prompt: tuple
+    budget: int
+    temperature: float = 0.0
+    top_k: int = 1
+    seed: int = 0
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.seed)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str                  # "toy" or a vt.model preset
+    vocab: int
+    max_seqs: int
+    num_kv_blocks: int          # the scratch block included (KVGeometry)
+    block_size: int
+    max_context: int
+    rounds: tuple               # tuple of tuple[Req]: one generate() each, same engine
+    stops: tuple                # per round: stop token or None
+    capture_sizes: tuple
+    serving_conc: int
+    ring_depth: int
+    drain_poison: bool
+    sim_delay_s: float = 0.0    # sim: device delay per op
+    device_work_s: float = 0.0  # cuda: queued device time per decode (the host runs ahead)
+    seed: int | None = None     # the NumpyDraw seed it came from (None: drawn by hypothesis)
+
+    @property
+    def geometry(self) -> KVGeometry:
+        return KVGeometry(max_seqs=self.max_seqs, num_kv_blocks=self.num_kv_blocks,
+                          block_size=self.block_size, max_context=self.max_context)
+
+    @property
+    def requests(self) -> int:
+        return sum(len(r) for r in self.rounds)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Case":
+        d = json.loads(text)
+        d["rounds"] = tuple(tuple(Req(tuple(r["prompt"]), r["budget"], r["temperature"],
+                                      r["top_k"], r["seed"]) for r in rnd) for rnd in d["rounds"])
+        d["stops"], d["capture_sizes"] = tuple(d["stops"]), tuple(d["capture_sizes"])
+        return cls(**d)
+
+    def replay_hint(self) -> str:
+        backend = "cuda" if self.model != "toy" or self.device_work_s else "sim"
+        if self.seed is not None:
+            return (f"python3 tools/fuzz.py --backend {backend} --models {self.model} "
+                    f"--seed {self.seed} --cases 1")
+        return f"python3 tools/fuzz.py --backend {backend} --replay '{self.to_json()}'"
+
+
+class NumpyDraw:
+    """The drawer interface over a numpy Generator (hypothesis has its own, same methods)."""
+
+    def __init__(self, rng: np.random.Generator):
+        self.rng = rng
+
+    def int(self, lo: int, hi: int) -> int:          # inclusive
+        return int(self.rng.integers(lo, hi + 1))
+
+    def bool(self) -> bool:
+        return bool(self.rng.integers(0, 2))
+
+    def choice(self, options):
+        return options[int(self.rng.integers(0, len(options)))]
+
+
+def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int = 2,
+              sim_delays=(0.0,), device_works=(0.0,), max_prompt: int = 12,
+              max_budget: int | None = None, seed: int | None = None) -> Case:
+    """One case from drawer `d`. The toy's geometry is drawn; a bundled preset's is the
+    model's (tools' HybridModel of BUNDLED_MAX_SEQS rows and BUNDLED_KV_BLOCKS blocks)."""
+    if model == "toy":
+        vocab, bs = TOY_VOCAB, d.choice((2, 4, 8))
+        ctx, max_seqs = d.choice((16, 32, 48)), d.choice((4, 8, 16))
+    else:
+        from vt.model import PRESETS
+        cfg = PRESETS[model]
+        vocab, bs, ctx, max_seqs = cfg.vocab, cfg.kv_block_size, cfg.max_context, BUNDLED_MAX_SEQS
+    max_budget = max_budget or ctx
+    rounds, stops, need = [], [], 1
+    for _ in range(d.int(1, max_rounds)):
+        reqs = []
+        for _ in range(d.int(1, max_requests)):
+            plen = d.int(1, min(max_prompt, ctx))
+            prompt = tuple(d.int(0, vocab - 1) for _ in range(plen))
+            budget = d.int(1, min(max_budget, ctx - plen + 1))
+            kind = d.int(0, 2)                       # 0 greedy, 1-2 sampled (a third greedy)
+            if kind == 0:
+                reqs.append(Req(prompt, budget))
+            else:
+                seed_ = d.int(0, 2**63 - 1) if d.bool() else d.int(0, 7)   # small seeds collide
+                reqs.append(Req(prompt, budget, d.int(1, 30) / 10,
+                                d.int(1, min(MAX_TOP_K, vocab)), seed_))
+            need = max(need, -(-(plen + budget - 1) // bs))
+        rounds.append(tuple(reqs))
+        stops.append(d.int(0, vocab - 1) if d.bool() else None)
+    if model == "toy":   # from one request's worth of blocks (+ scratch) to plenty
+        num_kv_blocks = need + 1 + d.choice((0, d.int(0, need * max_seqs)))
+    else:
+        num_kv_blocks = BUNDLED_KV_BLOCKS + 1
+    sizes = tuple(s for s in CAPTURE_CHOICES if s <= max_seqs and d.bool())
+    return Case(model=model, vocab=vocab, max_seqs=max_seqs, num_kv_blocks=num_kv_blocks,
+                block_size=bs, max_context=ctx, rounds=tuple(rounds), stops=tuple(stops),
+                capture_sizes=sizes, serving_conc=d.int(1, max_seqs), ring_depth=d.int(2, 3),
+                drain_poison=d.bool(), sim_delay_s=d.choice(tuple(sim_delays)),
+                device_work_s=d.choice(tuple(device_works)), seed=seed)
+
+
+def numpy_case(seed: int, **kw) -> Case:
+    return draw_case(NumpyDraw(np.random.default_rng(seed)), seed=seed, **kw)
+
+
+# -- running ----------------------------------------------------------------------------
+@dataclass
+class ModeRun:
+    mode: str
+    rounds: list                # per round: list[RequestResult]
+    stats: dict
+
+
+def mode_config(case: Case, mode: str) -> ExecutorConfig:
+    """The ExecutorConfig of `mode` for this case ("no_dbuf+poison": the unsafe arm)."""
+    base = dict(serving_conc=case.serving_conc, capture_sizes=case.capture_sizes,
+                ring_depth=case.ring_depth)
+    if mode == UNSAFE:
+        return ExecutorConfig.for_mode("no_dbuf", poison=True, **base)
+    poison = mode in ASYNC_MODES or (mode == "drain" and case.drain_poison)
+    return ExecutorConfig.for_mode(mode, poison=poison, **base)
+
+
+class Models:
+    """Step models per case: a fresh toy per engine; one HybridModel per (backend, preset),
+    shared by every engine (a run on a model that served others == on a fresh one)."""
+
+    def __init__(self):
+        self._bundled = {}
+
+    def step_model(self, be, case: Case, device_work_s: float):
+        if case.model == "toy":
+            from vt.toy import ToyForward
+            return ToyForward(be, vocab=case.vocab, geometry=case.geometry,
+                              device_work_s=device_work_s).step_model()
+        from vt.hybrid_adapter import HybridStepModel
+        key = (id(be), case.model)
+        if key not in self._bundled:
+            from vt.model import PRESETS, HybridModel, init_weights
+            cfg = PRESETS[case.model]
+            self._bundled[key] = HybridModel(be, cfg, init_weights(cfg, seed=0),
+                                             max_seqs=BUNDLED_MAX_SEQS,
+                                             num_kv_blocks=BUNDLED_KV_BLOCKS)
+        return HybridStepModel(be, self._bundled[key], device_work_s=device_work_s)
+
+    def close(self):
+        for m in self._bundled.values():
+            m.close()
+        self._bundled.clear()
+
+
+def run_mode(be, models: Models, case: Case, mode: str, *, device_work_s: float = 0.0) -> ModeRun:
+    """Every round of the case through one engine of `mode`."""
+    step = models.step_model(be, case, device_work_s)
+    with Engine(be, step, mode_config(case, mode), record_logits=True) as eng:
+        rounds = [eng.generate([np.asarray(r.prompt, np.int32) for r in reqs],
+                               max_new_tokens=[r.budget for r in reqs], stop_token=stop,
+                               sampling=[r.sampling for r in reqs])
+                  for reqs, stop in zip(case.rounds, case.stops)]
+        stats = eng.stats()
+    return ModeRun(mode, rounds, stats)
+
+
+def check_results(case: Case, run: ModeRun) -> list[str]:
+    """What must hold of any run on its own: every request finished with its tokens."""
+    problems = []
+    for k, (reqs, stop, results) in enumerate(zip(case.rounds, case.stops, run.rounds)):
+        if len(results) != len(reqs):
+            problems.append(f"round {k}: {len(results)} results for {len(reqs)} requests")
+        for req, res in zip(reqs, results):
+            toks, where = res.tokens, f"{run.mode} round {k} request {res.index}"
+            if any(not 0 <= t < case.vocab for t in toks):
+                problems.append(f"{where}: token outside the vocab: {toks}")
+            if res.finish_reason == "length":
+                if len(toks) != req.budget or (stop is not None and stop in toks):
+                    problems.append(f"{where}: 'length' with {len(toks)}/{req.budget} tokens "
+                                    f"(stop {stop}): {toks}")
+            elif res.finish_reason == "stop":
+                if not toks or toks[-1] != stop or stop in toks[:-1] or len(toks) > req.budget:
+                    problems.append(f"{where}: 'stop' (stop {stop}) with {toks}")
+            else:
+                problems.append(f"{where}: finish_reason {res.finish_reason!r}")
+    return problems
+
+
+def _top2_gap(logits, at: int):
+    if logits is None or at >= len(logits):
+        return None
+    row = np.sort(np.asarray(logits[at], np.float64))
+    return float(row[-1] - row[-2])
+
+
+def compare(case: Case, ref: ModeRun, got: ModeRun) -> list[dict]:
+    """Requests of `got` that differ from `ref`: tokens, finish_reason or logits bytes."""
+    out = []
+    for k, (reqs, a_round, b_round) in enumerate(zip(case.rounds, ref.rounds, got.rounds)):
+        for req, a, b in zip(reqs, a_round, b_round):
+            if a.tokens == b.tokens and a.finish_reason == b.finish_reason:
+                if a.logits is not None and b.logits is not None and \
+                        a.logits.tobytes() != b.logits.tobytes():
+                    out.append(dict(round=k, request=a.index, kind="logits", greedy=req.temperature == 0))
+                continue
+            at = next((i for i, (x, y) in enumerate(zip(a.tokens, b.tokens)) if x != y),
+                      min(len(a.tokens), len(b.tokens)))
+            out.append(dict(round=k, request=a.index,
+                            kind="tokens" if a.tokens != b.tokens else "finish_reason",
+                            at=at, ref=a.tokens[at:at + 4], got=b.tokens[at:at + 4],
+                            ref_finish=a.finish_reason, got_finish=b.finish_reason,
+                            greedy=req.temperature == 0, top2_gap=_top2_gap(a.logits, at)))
+    return out
+
+
+@dataclass
+class CaseReport:
+    case: Case
+    runs: dict                  # mode -> ModeRun
+    mismatches: dict            # mode -> list[dict] vs sync
+    problems: list              # check_results of every run
+    alone: list | None = None   # compare(batch sync, alone sync), when asked
+
+    @property
+    def steps(self) -> int:
+        return sum(r.stats["steps"] for r in self.runs.values())
+
+    def safe_failures(self) -> dict:
+        return {m: mm for m, mm in self.mismatches.items() if mm and m != UNSAFE}
+
+    def describe(self) -> str:
+        lines = [f"case: {self.case.to_json()}", f"replay: {self.case.replay_hint()}"]
+        for m, run in self.runs.items():
+            st = run.stats
+            lines.append(f"  {m:<17} steps {st['steps']:>5} (graph {st['graph_steps']}, eager "
+                         f"{st['eager_steps']}, mixed {st['mixed_steps']}, prefill "
+                         f"{st['prefill_steps']})  mismatches vs sync: {len(self.mismatches.get(m, []))}")
+            for mm in self.mismatches.get(m, [])[:5]:
+                lines.append(f"      {mm}")
+        lines += [f"  problem: {p}" for p in self.problems[:10]]
+        return "\n".join(lines)
+
+
+def run_case(case: Case, *, backend: str = "sim", modes=SAFE_MODES, models: Models | None = None,
+             be=None, unsafe: bool = False, alone: bool = False) -> CaseReport:
+    """Run `case` in "sync" and each of `modes` (plus the unsafe arm if asked) and compare.
+
+    On the sim each case gets fresh backends: the reference without delay, the others with the
+    case's device delay. On cuda pass `be` (one backend for the whole run) and `models`.
+    """
+    own_models = models is None
+    models = models or Models()
+    sim = backend == "sim"
+    ref_be = be or get_backend("sim")
+    test_be = be or (get_backend("sim", device_delay_s=case.sim_delay_s) if case.sim_delay_s
+                     else ref_be)
+    work = 0.0 if sim else case.device_work_s
+    try:
+        runs = {"sync": run_mode(ref_be, models, case, "sync")}
+        for mode in [m for m in modes if m != "sync"] + ([UNSAFE] if unsafe else []):
+            dw = max(work, 5e-4) if (mode == UNSAFE and not sim) else work
+            runs[mode] = run_mode(test_be, models, case, mode, device_work_s=dw)
+        problems = [p for m, r in runs.items() if m != UNSAFE for p in check_results(case, r)]
+        mismatches = {m: compare(case, runs["sync"], r) for m, r in runs.items() if m != "sync"}
+        alone_mm = None
+        if alone:
+            solo = dataclasses.replace(case, serving_conc=1)
+            alone_mm = compare(case, runs["sync"], run_mode(ref_be, models, solo, "sync"))
+        return CaseReport(case, runs, mismatches, problems, alone_mm)
+    finally:
+        if own_models:
+            models.close()
+        if be is None:
+            for b in {id(ref_be): ref_be, id(test_be): test_be}.values():
+                b.close()
+
+
+# -- the command line -------------------------------------------------------------------
+def _tally_case(tally: dict, rep: CaseReport) -> None:
+    t = tally.setdefault(rep.case.model, {})
+    for mode, run in rep.runs.items():
+        m = t.setdefault(mode, dict(steps=0, graph_steps=0, eager_steps=0, mixed_steps=0,
+                                    prefill_steps=0, requests=0, cases=0, mismatches=0,
+                                    token_mismatches=0, finish_mismatches=0,
+                                    logits_only_mismatches=0, greedy_flips=0,
+                                    greedy_flips_near_tie=0, sampled_mismatches=0))
+        for k in ("steps", "graph_steps", "eager_steps", "mixed_steps", "prefill_steps"):
+            m[k] += run.stats[k]
+        m["requests"] += rep.case.requests
+        m["cases"] += 1
+        _count_mismatches(m, rep.mismatches.get(mode, []))
+    if rep.alone is not None:
+        a = tally.setdefault("_alone", {}).setdefault(rep.case.model, dict(
+            requests=0, mismatches=0, token_mismatches=0, finish_mismatches=0,
+            logits_only_mismatches=0, greedy_flips=0, greedy_flips_near_tie=0,
+            sampled_mismatches=0))
+        a["requests"] += rep.case.requests
+        _count_mismatches(a, rep.alone)
+
+
+def _count_mismatches(m: dict, mms: list[dict]) -> None:
+    for mm in mms:
+        m["mismatches"] += 1
+        if mm["kind"] == "logits":
+            m["logits_only_mismatches"] += 1
+            continue
+        m["token_mismatches" if mm["kind"] == "tokens" else "finish_mismatches"] += 1
+        if mm["greedy"]:
+            m["greedy_flips"] += 1
+            gap = mm.get("top2_gap")
+            m["greedy_flips_near_tie"] += gap is not None and gap < 1e-3
+        else:
+            m["sampled_mismatches"] += 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backend", choices=("sim", "cuda"), default="sim")
+    ap.add_argument("--models", default=None,
+                    help="comma-separated: toy, tiny-dense, tiny-moe (default: toy on sim, all "
+                         "three on cuda)")
+    ap.add_argument("--steps-per-mode", type=int, default=2000,
+                    help="stop a model once every safe mode ran this many steps on it")
+    ap.add_argument("--cases", type=int, default=None, help="stop after this many cases")
+    ap.add_argument("--seed", type=int, default=0, help="case i uses seed + i (printed per case)")
+    ap.add_argument("--time-budget-s", type=float, default=150.0,
+                    help="stop drawing new cases after this long (the report says so)")
+    ap.add_argument("--alone-cases", type=int, default=2,
+                    help="per model, this many cases also run their requests alone (batch invariance)")
+    ap.add_argument("--no-unsafe", action="store_true", help="skip the no_dbuf+poison arm")
+    ap.add_argument("--replay", default=None, help="a case's JSON (or a file holding it): run it only")
+    ap.add_argument("--json", default=None, help="write the report here")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every case in full")
+    args = ap.parse_args(argv)
+
+    sim = args.backend == "sim"
+    models_arg = args.models or ("toy" if sim else "toy,tiny-dense,tiny-moe")
+    names = [m.strip() for m in models_arg.split(",") if m.strip()]
+    for n in names:
+        if n != "toy" and n not in BUNDLED:
+            ap.error(f"--models: unknown model {n!r}; choose from toy, {', '.join(BUNDLED)}")
+    be = None if sim else get_backend("cuda")
+    models = None if sim else Models()
+    draw_kw = (dict(sim_delays=(0.0, 0.0, 1e-4, 5e-4)) if sim else
+               dict(device_works=(0.0, 0.0, 2e-4, 5e-4)))
+    tally, reports, failures, t0 = {}, [], [], time.perf_counter()
+    cases_by_model = {n: 0 for n in names}
+    out_of_time = False
+
+    def done(name):
+        t = tally.get(name, {})
+        return all(t.get(m, {}).get("steps", 0) >= args.steps_per_mode for m in SAFE_MODES)
+
+    try:
+        if args.replay:
+            text = Path(args.replay).read_text() if Path(args.replay).is_file() else args.replay
+            queue = [Case.from_json(text)]
+        else:
+            queue = None
+        i = 0
+        while True:
+            if queue is not None:
+                if not queue:
+                    break
+                case = queue.pop()
+            else:
+                live = [n for n in names if not done(n)]
+                if not live or (args.cases is not None and i >= args.cases):
+                    break
+                if time.perf_counter() - t0 > args.time_budget_s:
+                    out_of_time = True
+                    break
+                name = live[i % len(live)]
+                kw = dict(draw_kw, max_requests=40) if name == "toy" else dict(
+                    draw_kw, max_requests=40, max_prompt=24, max_budget=64)
+                case = numpy_case(args.seed + i, model=name, **kw)
+            i += 1
+            alone = cases_by_model.get(case.model, 0) < args.alone_cases
+            cases_by_model[case.model] = cases_by_model.get(case.model, 0) + 1
+            tc = time.perf_counter()
+            rep = run_case(case, backend=args.backend, be=be, models=models,
+                           unsafe=not args.no_unsafe, alone=alone)
+            _tally_case(tally, rep)
+            bad = rep.safe_failures() or rep.problems
+            if bad:
+                failures.append(rep)
+            unsafe_mm = len(rep.mismatches.get(UNSAFE, []))
+            print(f"case seed={case.seed} model={case.model} requests={case.requests} "
+                  f"conc={case.serving_conc} sizes={list(case.capture_sizes)} "
+                  f"ring={case.ring_depth} delay={case.sim_delay_s or case.device_work_s}: "
+                  f"{rep.steps} steps in {time.perf_counter() - tc:.1f}s, "
+                  f"{'MISMATCH' if bad else 'ok'}"
+                  f"{f', unsafe arm {unsafe_mm} mismatched' if not args.no_unsafe else ''}",
+                  flush=True)
+            if bad or args.verbose:
+                print(rep.describe(), flush=True)
+            reports.append(dict(seed=case.seed, model=case.model, steps=rep.steps,
+                                safe_mismatches={m: mm for m, mm in rep.safe_failures().items()},
+                                problems=rep.problems, unsafe_mismatches=unsafe_mm,
+                                case=json.loads(case.to_json()) if bad else None))
+    finally:
+        if models is not None:
+            models.close()
+        if be is not None:
+            be.close()
+
+    elapsed = time.perf_counter() - t0
+    alone_tally = tally.pop("_alone", {})
+    print(f"\n{args.backend}: {len(reports)} cases in {elapsed:.1f}s"
+          f"{' (time budget reached before every mode got its steps)' if out_of_time else ''}")
+    hdr = (f"{'model':<11} {'mode':<17} {'steps':>7} {'graph':>7} {'reqs':>6} {'mismatch':>8} "
+           f"{'tokens':>6} {'finish':>6} {'logits':>6} {'greedy':>6} {'~tie':>5} {'sampled':>7}")
+    print(hdr)
+    for name, modes in tally.items():
+        for mode, m in modes.items():
+            print(f"{name:<11} {mode:<17} {m['steps']:>7} {m['graph_steps']:>7} {m['requests']:>6} "
+                  f"{m['mismatches'] if mode != 'sync' else '-':>8} "
+                  f"{m['token_mismatches']:>6} {m['finish_mismatches']:>6} "
+                  f"{m['logits_only_mismatches']:>6} {m['greedy_flips']:>6} "
+                  f"{m['greedy_flips_near_tie']:>5} {m['sampled_mismatches']:>7}")
+    for name, a in alone_tally.items():
+        print(f"batch invariance {name}: {a['requests']} requests alone vs in their batch (sync): "
+              f"{a['token_mismatches']} token mismatches ({a['greedy_flips']} greedy flips, "
+              f"{a['greedy_flips_near_tie']} at a top-2 gap < 1e-3; {a['sampled_mismatches']} "
+              f"sampled), {a['finish_mismatches']} finish, {a['logits_only_mismatches']} "
+              f"logits-bytes only (reported, not failed)")
+    safe_bad = sum(m["mismatches"] for modes in tally.values() for k, m in modes.items()
+                   if k not in ("sync", UNSAFE))
+    unsafe_total = sum(modes.get(UNSAFE, {}).get("mismatches", 0) for modes in tally.values())
+    blind = not args.no_unsafe and unsafe_total == 0
+    short = [f"{n}/{m}" for n in names for m in SAFE_MODES
+             if tally.get(n, {}).get(m, {}).get("steps", 0) < args.steps_per_mode]
+    print(f"safe-mode mismatches: {safe_bad}; broken requests: "
+          f"{sum(len(r.problems) for r in failures)}"
+          + ("" if args.no_unsafe else f"; unsafe arm (no_dbuf+poison) mismatches: {unsafe_total}"
+             f"{' -- HARNESS BLIND' if blind else ' (> 0 expected)'}"))
+    if short and args.replay is None and args.cases is None:
+        print(f"below --steps-per-mode {args.steps_per_mode}: {', '.join(short)}")
+    for rep in failures:
+        print("\nFAILED " + rep.describe())
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(
+            backend=args.backend, elapsed_s=elapsed, steps_per_mode=args.steps_per_mode,
+            seed=args.seed, out_of_time=out_of_time, below_target=short, totals=tally,
+            batch_invariance=alone_tally, unsafe_mismatches=unsafe_total,
+            safe_mismatches=safe_bad, cases=reports), indent=1, default=str))
+        print(f"wrote {args.json}")
+    return 1 if (failures or blind) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
