@@ -20,21 +20,21 @@ import numpy as np
 from vt.backend.errors import ClosedError
 from vt.eager import EagerPath
 from vt.graphs import DecodeGraphDriver, ForwardLogits, GraphSettings
-from vt.step import LOGITS_DTYPE, DecodeRows, PrefillSeq
+from vt.step import LOGITS_DTYPE, PrefillSeq
 from vt.trace import Tracer
 from vt.waits import DEFAULT_POLL_US, wait_event
 
 
-@dataclass
 class StepPlan:
-    """What one step runs: decode rows of running sequences and/or prompts to prefill."""
-    decode: DecodeRows | None = None
-    prefill: list[PrefillSeq] = field(default_factory=list)
-    tag: object = None   # the caller's row -> request mapping, handed back with the tokens
+    """What one step runs: decode rows of running sequences (DecodeRows, or anything with
+    len() and fill_block) and/or prompts to prefill. `tag` is the caller's, handed back with
+    the tokens."""
 
-    @property
-    def n(self) -> int:
-        return (len(self.decode) if self.decode is not None else 0) + len(self.prefill)
+    __slots__ = ("decode", "prefill", "tag", "n")
+
+    def __init__(self, decode=None, prefill: list[PrefillSeq] | None = None, tag=None):
+        self.decode, self.prefill, self.tag = decode, prefill or [], tag
+        self.n = (len(decode) if decode is not None else 0) + len(self.prefill)
 
 
 class StepHandle:
