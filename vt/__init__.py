@@ -13,7 +13,16 @@ _LAZY = {
     "HybridModel": "vt.model",
     "init_weights": "vt.model",
     "ExecutorConfig": "vt.knobs",
+    "MODES": "vt.knobs",
     "Engine": "vt.engine",
+    "Progress": "vt.engine",
+    "ForwardModel": "vt.stepmodel",
+    "KVGeometry": "vt.step",
+    "SamplingParams": "vt.step",
+    "DecodeInputs": "vt.step",
+    "RequestResult": "vt.requests",
+    "RequestTooLargeError": "vt.requests",
+    "EngineBusyError": "vt.requests",
 }
 
 __all__ = ["__version__", *_LAZY]

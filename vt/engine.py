@@ -17,7 +17,6 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -26,35 +25,11 @@ from vt.backend.errors import ClosedError
 from vt.batch import BatchStep, DecodeBatch
 from vt.knobs import ExecutorConfig
 from vt.requests import (BlockAllocator, EngineBusyError, Request, RequestResult, RowAllocator)
+from vt.adapt import as_step_model
 from vt.runner import Runner, StepPlan
+from vt.steps import Phase, Progress  # noqa: F401  (Progress: public, documented here)
 from vt.step import PrefillSeq
 from vt.submit import make_requests
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Passed to the progress callback after each step's tokens reach the host."""
-    step: int
-    finished: int
-    total: int
-    tokens: int
-    elapsed_s: float
-
-
-@dataclass
-class Phase:
-    """Host and device time of the engine-loop iterations that launched one kind of step
-    ("decode": pure decode; "prefill": any step that prefills). The host split is filled with
-    profile=True only; steps and wall_s always."""
-    steps: int = 0
-    wall_s: float = 0.0
-    plan_s: float = 0.0
-    acquire_s: float = 0.0
-    refresh_s: float = 0.0
-    launch_s: float = 0.0
-    collect_s: float = 0.0
-    drain_s: float = 0.0
-    device_ms: float = 0.0
 
 
 _RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
@@ -327,19 +302,6 @@ class Engine:
     def _check_open(self):
         if self._closed:
             raise ClosedError("Engine is closed")
-
-
-def as_step_model(be, model_or_forward):
-    """The step model the runner drives: one already (ForwardModel, an adapter) as is, a
-    vt.model.HybridModel adapted."""
-    if all(hasattr(model_or_forward, a) for a in ("geometry", "pad", "vocab", "decode", "prefill", "sample")):
-        return model_or_forward
-    if all(hasattr(model_or_forward, a) for a in ("decode", "prefill", "sample", "token_table")):
-        from vt.hybrid_adapter import HybridStepModel
-        return HybridStepModel(be, model_or_forward)
-    raise TypeError(f"Engine needs a vt.model.HybridModel or a vt.ForwardModel wrapping a "
-                    f"user-written forward, got {type(model_or_forward).__name__}; wrap a bare "
-                    f"forward as ForwardModel(be, forward, vocab=..., token_table=..., geometry=...)")
 
 
 def _stop_id(req: Request) -> int:
