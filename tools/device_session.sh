@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
-# Stages: info smoke tests memcheck bench hazard run (default: all, in that order).
+# Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
+# (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,12 +14,12 @@ fi
 export PYTHONUNBUFFERED=1
 stages=("$@"); [ ${#stages[@]} -gt 0 ] || stages=(info smoke tests memcheck bench hazard run)
 status=0
-stage() {  # stage NAME CMD...: run, tee to $OUT/NAME.log, report rc
+stage() {  # stage NAME CMD...: run, append to $OUT/session.log (one file: few come back), rc
   local name=$1; shift
-  echo "=== $name: $* ($(date -u +%H:%M:%S))"
-  "$@" 2>&1 | tee "$OUT/$name.log" | tail -n 25
+  echo "=== $name: $* ($(date -u +%H:%M:%S))" | tee -a "$OUT/session.log"
+  "$@" 2>&1 | tee -a "$OUT/session.log" | tail -n ${STAGE_TAIL:-25}
   local rc=${PIPESTATUS[0]}
-  echo "=== $name rc=$rc"
+  echo "=== $name rc=$rc ($(date -u +%H:%M:%S))" | tee -a "$OUT/session.log"
   [ "$rc" -eq 0 ] || status=1
 }
 for s in "${stages[@]}"; do
@@ -27,8 +28,18 @@ for s in "${stages[@]}"; do
     smoke) stage smoke python3 tools/gpu_smoke.py ;;
     tests) stage tests python3 -m pytest -q -rs tests ;;
     memcheck) stage memcheck1 bash tools/memcheck.sh; stage memcheck2 bash tools/memcheck.sh ;;
-    bench) stage bench-dense python3 -m vt.model.bench_step --preset bench-dense --batch 1 8 32
-           stage bench-moe python3 -m vt.model.bench_step --preset bench-moe --batch 1 8 32 ;;
+    bench) stage bench-dense python3 tools/bench_step.py --preset bench-dense --batch 1 8 32
+           stage bench-moe python3 tools/bench_step.py --preset bench-moe --batch 1 8 32 ;;
+    synthetic) stage bench-synthetic python3 -m vt bench --workload synthetic --no-bar \
+                 --json "$OUT/bench-synthetic.json" ;;
+    presets) for p in bench-small bench-dense bench-moe; do
+               stage "bench-$p" python3 -m vt bench --workload model --preset $p --conc 1 32 64 \
+                 --steps ${PRESET_STEPS:-160} --prompt-len 8 --profile ${PRESET_PROFILE:-both} \
+                 --no-bar --json "$OUT/bench-$p.json"
+             done ;;
+    fuzz) stage fuzz python3 tools/fuzz.py --backend cuda --steps-per-mode 2000 --json "$OUT/fuzz.json" ;;
+    soak) stage soak python3 tools/soak.py --backend cuda --steps 10000 ;;
+    sanitize) stage sanitize bash tools/sanitize.sh all ;;
     hazard) for m in tiny-dense tiny-moe; do for c in 4 32; do
               stage "hazard-$m-$c" python3 tools/hazard_repro.py --backend cuda --model $m --conc $c --runs 5
             done; done ;;
