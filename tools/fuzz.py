@@ -54,6 +54,7 @@ CAPTURE_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 TOY_VOCAB = 64
 BUNDLED = ("tiny-dense", "tiny-moe")
 BUNDLED_MAX_SEQS, BUNDLED_KV_BLOCKS = 16, 96   # 96 blocks of 8: requests wait for blocks
+ALONE_REQUESTS = 12
 
 
 # -- cases ------------------------------------------------------------------------------
@@ -109,10 +110,8 @@ class Case:
         return cls(**d)
 
     def replay_hint(self) -> str:
+        """The command that runs exactly this case again (its JSON: exact whatever drew it)."""
         backend = "cuda" if self.model != "toy" or self.device_work_s else "sim"
-        if self.seed is not None:
-            return (f"python3 tools/fuzz.py --backend {backend} --models {self.model} "
-                    f"--seed {self.seed} --cases 1")
         return f"python3 tools/fuzz.py --backend {backend} --replay '{self.to_json()}'"
 
 
@@ -335,9 +334,11 @@ def run_case(case: Case, *, backend: str = "sim", modes=SAFE_MODES, models: Mode
         problems = [p for m, r in runs.items() if m != UNSAFE for p in check_results(case, r)]
         mismatches = {m: compare(case, runs["sync"], r) for m, r in runs.items() if m != "sync"}
         alone_mm = None
-        if alone:
-            solo = dataclasses.replace(case, serving_conc=1)
-            alone_mm = compare(case, runs["sync"], run_mode(ref_be, models, solo, "sync"))
+        if alone:   # the first round's first ALONE_REQUESTS requests, one at a time
+            solo = dataclasses.replace(case, rounds=(case.rounds[0][:ALONE_REQUESTS],),
+                                       stops=case.stops[:1], serving_conc=1)
+            in_batch = ModeRun("sync", [runs["sync"].rounds[0][:ALONE_REQUESTS]], {})
+            alone_mm = compare(solo, in_batch, run_mode(ref_be, models, solo, "sync"))
         return CaseReport(case, runs, mismatches, problems, alone_mm)
     finally:
         if own_models:
@@ -366,7 +367,7 @@ def _tally_case(tally: dict, rep: CaseReport) -> None:
             requests=0, mismatches=0, token_mismatches=0, finish_mismatches=0,
             logits_only_mismatches=0, greedy_flips=0, greedy_flips_near_tie=0,
             sampled_mismatches=0))
-        a["requests"] += rep.case.requests
+        a["requests"] += min(len(rep.case.rounds[0]), ALONE_REQUESTS)
         _count_mismatches(a, rep.alone)
 
 
@@ -396,7 +397,7 @@ def main(argv=None) -> int:
                     help="stop a model once every safe mode ran this many steps on it")
     ap.add_argument("--cases", type=int, default=None, help="stop after this many cases")
     ap.add_argument("--seed", type=int, default=0, help="case i uses seed + i (printed per case)")
-    ap.add_argument("--time-budget-s", type=float, default=150.0,
+    ap.add_argument("--time-budget-s", type=float, default=100.0,
                     help="stop drawing new cases after this long (the report says so)")
     ap.add_argument("--alone-cases", type=int, default=2,
                     help="per model, this many cases also run their requests alone (batch invariance)")
@@ -426,7 +427,8 @@ def main(argv=None) -> int:
 
     try:
         if args.replay:
-            text = Path(args.replay).read_text() if Path(args.replay).is_file() else args.replay
+            text = args.replay if args.replay.lstrip().startswith("{") else \
+                Path(args.replay).read_text()
             queue = [Case.from_json(text)]
         else:
             queue = None
@@ -444,8 +446,10 @@ def main(argv=None) -> int:
                     out_of_time = True
                     break
                 name = live[i % len(live)]
-                kw = dict(draw_kw, max_requests=40) if name == "toy" else dict(
-                    draw_kw, max_requests=40, max_prompt=24, max_budget=64)
+                # Big cases on cuda: each mode's engine capture is paid once per case.
+                kw = dict(draw_kw, max_requests=40 if sim else 64, max_rounds=2 if sim else 3)
+                if name != "toy":
+                    kw.update(max_prompt=24, max_budget=64)
                 case = numpy_case(args.seed + i, model=name, **kw)
             i += 1
             alone = cases_by_model.get(case.model, 0) < args.alone_cases
@@ -467,6 +471,9 @@ def main(argv=None) -> int:
                   flush=True)
             if bad or args.verbose:
                 print(rep.describe(), flush=True)
+                if queue is None:
+                    print(f"  or: python3 tools/fuzz.py --backend {args.backend} --models "
+                          f"{case.model} --seed {case.seed} --cases 1", flush=True)
             reports.append(dict(seed=case.seed, model=case.model, steps=rep.steps,
                                 safe_mismatches={m: mm for m, mm in rep.safe_failures().items()},
                                 problems=rep.problems, unsafe_mismatches=unsafe_mm,

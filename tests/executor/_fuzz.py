@@ -1,10 +1,11 @@
 """The fuzz harness for the tests: tools/fuzz.py (shared with the GPU runner), plus a drawer
 backed by hypothesis, so hypothesis draws (and shrinks) the same distribution of cases."""
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 _PATH = Path(__file__).resolve().parents[2] / "tools" / "fuzz.py"
@@ -45,8 +46,13 @@ def cases(draw, **kw):
 
 def fuzz_settings(max_examples):
     """No example database (nothing written into the checkout); a failure prints the
-    @reproduce_failure blob, and the test prints the case's JSON and replay command."""
+    @reproduce_failure blob, and the test prints the case's JSON and replay command. No
+    shrinking unless VT_FUZZ_SHRINK=1: each example runs several engines, and shrinking one
+    can take hypothesis' full five minutes; the failing case is printed whole anyway."""
+    phases = tuple(Phase) if os.environ.get("VT_FUZZ_SHRINK") == "1" else tuple(
+        p for p in Phase if p not in (Phase.shrink, Phase.explain))
     return settings(max_examples=max_examples, deadline=None, database=None, print_blob=True,
+                    phases=phases,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                            HealthCheck.filter_too_much])
 

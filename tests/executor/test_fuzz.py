@@ -3,9 +3,9 @@ the synchronous run, token for token (issue 8, part 2).
 
 The harness is tools/fuzz.py (the GPU runner uses it too; tests/executor/_fuzz.py adds the
 hypothesis drawer). A failing example prints its case as JSON with the command that replays
-it (`python3 tools/fuzz.py --replay '...'`) and hypothesis' @reproduce_failure blob; the seed
-tests print the numpy seed (`tools/fuzz.py --seed N --cases 1`). Each test prints the steps it
-ran (pytest -s). CI runs the share below; `--run-slow` or VT_SLOW=1 runs the rest (>= 10,000
+it exactly (`python3 tools/fuzz.py --backend sim --replay '{...}'`) and hypothesis'
+@reproduce_failure blob (or rerun with --hypothesis-seed); the seed tests also name the numpy
+seed of tools/fuzz.py's own drawer. Each test prints the steps it ran (pytest -s). CI runs the share below; `--run-slow` or VT_SLOW=1 runs the rest (>= 10,000
 steps on the sim in total).
 """
 import dataclasses
@@ -65,7 +65,7 @@ def _fuzz_seeds(examples, name):
         rep = run_case(case)
         tally.add(rep)
         assert not rep.safe_failures() and not rep.problems, (
-            f"numpy seed {seed} (replay: {case.replay_hint()})\n{rep.describe()}")
+            f"numpy seed {seed} of tools/fuzz.py's drawer\n{rep.describe()}")
 
     prop()
     print(tally)
