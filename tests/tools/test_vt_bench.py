@@ -1,9 +1,11 @@
 """`vt bench` (vt/bench/): the default sim sweep's JSON has every column with sane values, the
 model workload, the metrics' formulas, the progress lines, the CLI's checks, the torch peer."""
+import contextlib
 import io
 import json
 import math
 import time
+import types
 
 import numpy as np
 import pytest
@@ -225,7 +227,11 @@ def test_torch_peer_loops_on_cpu_tensors():
             pass
 
     peer = object.__new__(torch_peer.TorchPeer)
-    peer.torch, peer.S, peer.vocab, peer.stream = torch, S, V, _NoOp()
+    # The loops enter torch.cuda.stream(peer.stream): a no-op here, also where CUDA exists.
+    cuda = types.SimpleNamespace(stream=lambda s: contextlib.nullcontext())
+    torch_cpu = types.SimpleNamespace(tensor=torch.tensor, int32=torch.int32,
+                                      argmax=torch.argmax, cuda=cuda)
+    peer.torch, peer.S, peer.vocab, peer.stream = torch_cpu, S, V, _NoOp()
     peer.table = torch.zeros(S + 1, dtype=torch.int32)
     peer.inputs = torch.zeros(2, S, dtype=torch.int32)
     peer.logits = torch.zeros(S, V)
@@ -233,7 +239,7 @@ def test_torch_peer_loops_on_cpu_tensors():
     peer.pinned_in = [torch.zeros(2, S, dtype=torch.int32) for _ in range(2)]
     peer.pinned_tok = [torch.zeros(S, dtype=torch.int32) for _ in range(2)]
     peer.np_in, peer.np_tok = [p.numpy() for p in peer.pinned_in], [p.numpy() for p in peer.pinned_tok]
-    peer.in_ready, peer.tok_ready = [_NoOp(), _NoOp()], [_NoOp(), _NoOp()]
+    peer.tok_ready = [_NoOp(), _NoOp()]
 
     class _Graph:
         def replay(self):

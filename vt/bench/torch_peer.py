@@ -95,7 +95,6 @@ class TorchPeer:
         self.pinned_tok = [torch.zeros(S, dtype=torch.int32).pin_memory() for _ in range(2)]
         self.np_in = [p.numpy() for p in self.pinned_in]
         self.np_tok = [p.numpy() for p in self.pinned_tok]
-        self.in_ready = [torch.cuda.Event() for _ in range(2)]   # H2D of block b has read it
         self.tok_ready = [torch.cuda.Event() for _ in range(2)]
         torch.cuda.synchronize()
         # CuPy views of the kernels' operands, made once outside the capture (importing a
@@ -180,21 +179,21 @@ class TorchPeer:
         return wait_s
 
     def _async_steps(self, rows, start, out, first: int, end: int) -> float:
+        """Depth 2, one event per step: tok_ready[b] is recorded after step n's token copy, so
+        it also covers step n's H2D from pinned block b. The host waits on it at step n + 1
+        (to read step n's tokens), before it rewrites block b at step n + 2: that one wait
+        guards both the tokens and the block."""
         inputs, graph, tokens = self.inputs, self.graph, self.tokens
         pin_in, pin_tok, np_in, np_tok = self.pinned_in, self.pinned_tok, self.np_in, self.np_tok
-        in_ready, tok_ready = self.in_ready, self.tok_ready
+        tok_ready = self.tok_ready
         wait_s = 0.0
         for n in range(first, end + 1):
             b = n & 1
             if n < end:
-                t = time.perf_counter()
-                in_ready[b].synchronize()      # the H2D of step n - 2 has read block b
-                wait_s += time.perf_counter() - t
                 h = np_in[b]
                 h[0] = rows
                 np.add(start, n, out=h[1])
                 inputs.copy_(pin_in[b], non_blocking=True)
-                in_ready[b].record()
                 graph.replay()
                 pin_tok[b].copy_(tokens, non_blocking=True)
                 tok_ready[b].record()
