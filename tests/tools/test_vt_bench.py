@@ -256,6 +256,7 @@ def test_torch_peer_loops_on_cpu_tensors():
         assert res["tokens"] == want, variant
 
 
+@pytest.mark.torch_allocator
 @pytest.mark.gpu
 def test_torch_peer_tokens_match_the_synthetic_forward():
     if "cuda" not in available_backends() or torch_peer.unavailable_reason() is not None:
