@@ -133,9 +133,12 @@ class NumpyDraw:
 
 def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int = 2,
               sim_delays=(0.0,), device_works=(0.0,), max_prompt: int = 12,
-              max_budget: int | None = None, seed: int | None = None) -> Case:
+              max_budget: int | None = None, max_round_steps: int = 150,
+              seed: int | None = None) -> Case:
     """One case from drawer `d`. The toy's geometry is drawn; a bundled preset's is the
-    model's (tools' HybridModel of BUNDLED_MAX_SEQS rows and BUNDLED_KV_BLOCKS blocks)."""
+    model's (tools' HybridModel of BUNDLED_MAX_SEQS rows and BUNDLED_KV_BLOCKS blocks). A
+    round's budgets add up to at most serving_conc * max_round_steps tokens (about that many
+    steps): the cost of a case stays bounded whatever the concurrency drawn."""
     if model == "toy":
         vocab, bs = TOY_VOCAB, d.choice((2, 4, 8))
         ctx, max_seqs = d.choice((16, 32, 48)), d.choice((4, 8, 16))
@@ -144,13 +147,17 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
         cfg = PRESETS[model]
         vocab, bs, ctx, max_seqs = cfg.vocab, cfg.kv_block_size, cfg.max_context, BUNDLED_MAX_SEQS
     max_budget = max_budget or ctx
+    conc = d.int(1, max_seqs)
     rounds, stops, need = [], [], 1
     for _ in range(d.int(1, max_rounds)):
-        reqs = []
+        reqs, tokens = [], 0
         for _ in range(d.int(1, max_requests)):
             plen = d.int(1, min(max_prompt, ctx))
             prompt = tuple(d.int(0, vocab - 1) for _ in range(plen))
             budget = d.int(1, min(max_budget, ctx - plen + 1))
+            tokens += budget
+            if reqs and tokens > conc * max_round_steps:
+                break
             kind = d.int(0, 2)                       # 0 greedy, 1-2 sampled (a third greedy)
             if kind == 0:
                 reqs.append(Req(prompt, budget))
@@ -168,7 +175,7 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
     sizes = tuple(s for s in CAPTURE_CHOICES if s <= max_seqs and d.bool())
     return Case(model=model, vocab=vocab, max_seqs=max_seqs, num_kv_blocks=num_kv_blocks,
                 block_size=bs, max_context=ctx, rounds=tuple(rounds), stops=tuple(stops),
-                capture_sizes=sizes, serving_conc=d.int(1, max_seqs), ring_depth=d.int(2, 3),
+                capture_sizes=sizes, serving_conc=conc, ring_depth=d.int(2, 3),
                 drain_poison=d.bool(), sim_delay_s=d.choice(tuple(sim_delays)),
                 device_work_s=d.choice(tuple(device_works)), seed=seed)
 
@@ -415,7 +422,7 @@ def main(argv=None) -> int:
             ap.error(f"--models: unknown model {n!r}; choose from toy, {', '.join(BUNDLED)}")
     be = None if sim else get_backend("cuda")
     models = None if sim else Models()
-    draw_kw = (dict(sim_delays=(0.0, 0.0, 1e-4, 5e-4)) if sim else
+    draw_kw = (dict(sim_delays=(0.0, 0.0, 1e-4, 3e-4)) if sim else
                dict(device_works=(0.0, 0.0, 2e-4, 5e-4)))
     tally, reports, failures, t0 = {}, [], [], time.perf_counter()
     cases_by_model = {n: 0 for n in names}
@@ -447,7 +454,8 @@ def main(argv=None) -> int:
                     break
                 name = live[i % len(live)]
                 # Big cases on cuda: each mode's engine capture is paid once per case.
-                kw = dict(draw_kw, max_requests=40 if sim else 64, max_rounds=2 if sim else 3)
+                kw = dict(draw_kw, max_requests=40 if sim else 64, max_rounds=2 if sim else 3,
+                          max_round_steps=150 if sim else 300)
                 if name != "toy":
                     kw.update(max_prompt=24, max_budget=64)
                 case = numpy_case(args.seed + i, model=name, **kw)

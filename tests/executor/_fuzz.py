@@ -19,7 +19,7 @@ else:
     _spec.loader.exec_module(harness)
 
 Case, run_case, numpy_case, UNSAFE = harness.Case, harness.run_case, harness.numpy_case, harness.UNSAFE
-SIM_DELAYS = (0.0, 0.0, 1e-4, 5e-4)
+SIM_DELAYS = (0.0, 0.0, 1e-4, 3e-4)
 
 
 class HypothesisDraw:
