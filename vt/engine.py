@@ -127,7 +127,8 @@ class Engine:
 
     def device_ceiling_us(self, n: int, replays: int = 200) -> float:
         """µs per replay of the captured decode graph for n rows, back to back with no host
-        work: the device-bound ceiling of a decode step. Call it between generate() calls."""
+        work: the device-bound ceiling of a decode step. It replays the last real step of
+        that size (all padding if none ran yet). Call it between generate() calls."""
         self._check_open()
         return self.runner.ceiling_us(n, replays)
 

@@ -232,15 +232,20 @@ class Runner:
         return error
 
     def ceiling_us(self, n: int, replays: int) -> float:
-        """µs per replay of the decode graph for n rows, back to back with no host work (an
-        all-padding block: writes only scratch), timed with events."""
+        """µs per replay of the decode graph for n rows, back to back with no host work, timed
+        with events. It replays the slot's last real step (the longest context it served, so
+        the attention is as long as the run's last step); a slot that never ran gets an
+        all-padding block (writes only scratch). Between generate() calls only: it rewrites
+        the KV entries and token-table rows of finished requests, which a new request's
+        prefill overwrites before reading."""
         self._check_open()
         size = self.driver.padded_size(n)
         if size is None:
             raise ValueError(f"no captured graph serves {n} rows (sizes {self.driver.sizes})")
         slot = self.driver.rings[size].slots[0]
         self.stream.synchronize()
-        slot.host.poison(self.model.pad)
+        if slot.last_index < 0:
+            slot.host.poison(self.model.pad)
         start, end = (self.be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
         try:
             slot.launch(self.stream, size)        # one untimed replay
