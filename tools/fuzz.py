@@ -87,6 +87,9 @@ class Case:
     drain_poison: bool
     sim_delay_s: float = 0.0    # sim: device delay per op
     device_work_s: float = 0.0  # cuda: queued device time per decode (the host runs ahead)
+    record_logits: bool = True  # the modes under test (the sync reference always records)
+    profile: bool = False       # timing events around each step
+    wait_poll_us: float | None = None   # ExecutorConfig.wait_poll_us (None: the default)
     seed: int | None = None     # the NumpyDraw seed it came from (None: drawn by hypothesis)
 
     @property
@@ -177,7 +180,8 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
                 block_size=bs, max_context=ctx, rounds=tuple(rounds), stops=tuple(stops),
                 capture_sizes=sizes, serving_conc=conc, ring_depth=d.int(2, 3),
                 drain_poison=d.bool(), sim_delay_s=d.choice(tuple(sim_delays)),
-                device_work_s=d.choice(tuple(device_works)), seed=seed)
+                device_work_s=d.choice(tuple(device_works)), record_logits=d.bool(),
+                profile=d.bool(), wait_poll_us=d.choice((None, 0, 20, 200)), seed=seed)
 
 
 def numpy_case(seed: int, **kw) -> Case:
@@ -195,7 +199,7 @@ class ModeRun:
 def mode_config(case: Case, mode: str) -> ExecutorConfig:
     """The ExecutorConfig of `mode` for this case ("no_dbuf+poison": the unsafe arm)."""
     base = dict(serving_conc=case.serving_conc, capture_sizes=case.capture_sizes,
-                ring_depth=case.ring_depth)
+                ring_depth=case.ring_depth, wait_poll_us=case.wait_poll_us)
     if mode == UNSAFE:
         return ExecutorConfig.for_mode("no_dbuf", poison=True, **base)
     poison = mode in ASYNC_MODES or (mode == "drain" and case.drain_poison)
@@ -230,10 +234,13 @@ class Models:
         self._bundled.clear()
 
 
-def run_mode(be, models: Models, case: Case, mode: str, *, device_work_s: float = 0.0) -> ModeRun:
-    """Every round of the case through one engine of `mode`."""
+def run_mode(be, models: Models, case: Case, mode: str, *, device_work_s: float = 0.0,
+             reference: bool = False) -> ModeRun:
+    """Every round of the case through one engine of `mode` (the reference records logits,
+    without timing events; the others as the case says)."""
     step = models.step_model(be, case, device_work_s)
-    with Engine(be, step, mode_config(case, mode), record_logits=True) as eng:
+    record, profile = (True, False) if reference else (case.record_logits, case.profile)
+    with Engine(be, step, mode_config(case, mode), record_logits=record, profile=profile) as eng:
         rounds = [eng.generate([np.asarray(r.prompt, np.int32) for r in reqs],
                                max_new_tokens=[r.budget for r in reqs], stop_token=stop,
                                sampling=[r.sampling for r in reqs])
@@ -334,7 +341,7 @@ def run_case(case: Case, *, backend: str = "sim", modes=SAFE_MODES, models: Mode
                      else ref_be)
     work = 0.0 if sim else case.device_work_s
     try:
-        runs = {"sync": run_mode(ref_be, models, case, "sync")}
+        runs = {"sync": run_mode(ref_be, models, case, "sync", reference=True)}
         for mode in [m for m in modes if m != "sync"] + ([UNSAFE] if unsafe else []):
             dw = max(work, 5e-4) if (mode == UNSAFE and not sim) else work
             runs[mode] = run_mode(test_be, models, case, mode, device_work_s=dw)
@@ -345,7 +352,8 @@ def run_case(case: Case, *, backend: str = "sim", modes=SAFE_MODES, models: Mode
             solo = dataclasses.replace(case, rounds=(case.rounds[0][:ALONE_REQUESTS],),
                                        stops=case.stops[:1], serving_conc=1)
             in_batch = ModeRun("sync", [runs["sync"].rounds[0][:ALONE_REQUESTS]], {})
-            alone_mm = compare(solo, in_batch, run_mode(ref_be, models, solo, "sync"))
+            alone_mm = compare(solo, in_batch, run_mode(ref_be, models, solo, "sync",
+                                                        reference=True))
         return CaseReport(case, runs, mismatches, problems, alone_mm)
     finally:
         if own_models:
@@ -454,8 +462,8 @@ def main(argv=None) -> int:
                     break
                 name = live[i % len(live)]
                 # Big cases on cuda: each mode's engine capture is paid once per case.
-                kw = dict(draw_kw, max_requests=40 if sim else 64, max_rounds=2 if sim else 3,
-                          max_round_steps=150 if sim else 300)
+                kw = dict(draw_kw, max_requests=40 if sim else 96, max_rounds=2 if sim else 3,
+                          max_round_steps=150 if sim else 600)
                 if name != "toy":
                     kw.update(max_prompt=24, max_budget=64)
                 case = numpy_case(args.seed + i, model=name, **kw)

@@ -146,8 +146,8 @@ def _alone_vs_batch(examples, name):
         be = get_backend("sim")
         models = harness.Models()
         try:
-            got_alone = harness.run_mode(be, models, alone, "sync")
-            got_batch = harness.run_mode(be, models, batch, mode)
+            got_alone = harness.run_mode(be, models, alone, "sync", reference=True)
+            got_batch = harness.run_mode(be, models, batch, mode, reference=True)
         finally:
             be.close()
         tally.steps += got_alone.stats["steps"] + got_batch.stats["steps"]
