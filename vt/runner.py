@@ -20,6 +20,7 @@ from vt.eager import EagerPath
 from vt.graphs import DecodeGraphDriver, GraphSettings
 from vt.step import LOGITS_DTYPE
 from vt.steps import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
+from vt.timing import timed_ms
 from vt.trace import Tracer
 from vt.waits import DEFAULT_POLL_US, wait_event
 
@@ -170,16 +171,10 @@ class Runner:
             handle.timing = timing
 
     def _poison_next(self, slot, handle: StepHandle) -> None:
-        """Write poison into the slot the next step of this size will use, as soon as this
-        mode lets the host write it: the ring after its guard, drain after the drain, NO_DBUF
-        at once. A sound mode never lets a replay read the poison."""
-        nxt = self.driver.next_slot(slot)
-        if self.driver.rings[slot.size].guarded:
-            if nxt.wait_reusable(self._poll_s):
-                self.stats.ring_waits += 1
-        elif not self._skip_graph_drain:
-            self._wait(handle, drain=True)
-        nxt.host.poison(self.model.pad)
+        """POISON: the ring poisons the slot the next step of this size will use (SlotRing)."""
+        drain = None if self._skip_graph_drain else (lambda: self._wait(handle, drain=True))
+        if self.driver.rings[slot.size].poison_next(self.model.pad, self._poll_s, drain):
+            self.stats.ring_waits += 1
 
     # -- collect ------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> np.ndarray:
@@ -246,18 +241,9 @@ class Runner:
         self.stream.synchronize()
         if slot.last_index < 0:
             slot.host.poison(self.model.pad)
-        start, end = (self.be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
-        try:
-            slot.launch(self.stream, size)        # one untimed replay
-            start.record(self.stream)
-            for _ in range(replays):
-                slot.launch(self.stream, size)
-            end.record(self.stream)
-            end.synchronize()
-            return end.elapsed_ms(start) * 1e3 / replays
-        finally:
-            start.close()
-            end.close()
+        ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size), replays, 1,
+                      warmup=1)
+        return ms * 1e3
 
     def close(self) -> str | None:
         """Wait for the device, write the trace, then free graphs, events, stream (idempotent)."""

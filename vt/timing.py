@@ -1,4 +1,5 @@
-"""The one replay timer of vt's benchmarks (vt bench, tools/bench_step.py, tools/profile_step.py)."""
+"""The one replay timer: Engine.device_ceiling_us, vt bench, tools/bench_step.py and
+tools/profile_step.py all time back-to-back device work with it."""
 from __future__ import annotations
 
 import statistics
@@ -16,14 +17,20 @@ def timed_ms(be, stream, fn, iters: int, repeats: int, warmup: int = 0) -> float
     if iters < 1 or repeats < 1:
         raise ValueError(f"timed_ms: iters ({iters}) and repeats ({repeats}) must be >= 1")
     a, b = be.event(timing_enabled=True), be.event(timing_enabled=True)
-    for _ in range(warmup):
-        fn()
-    out = []
-    for _ in range(repeats):
-        a.record(stream)
-        for _ in range(iters):
+    try:
+        for _ in range(warmup):
             fn()
-        b.record(stream)
-        b.synchronize()
-        out.append(b.elapsed_ms(a) / iters)
-    return statistics.median(out)
+        out = []
+        for _ in range(repeats):
+            a.record(stream)
+            for _ in range(iters):
+                fn()
+            b.record(stream)
+            b.synchronize()
+            out.append(b.elapsed_ms(a) / iters)
+        return statistics.median(out)
+    finally:
+        for ev in (a, b):
+            close = getattr(ev, "close", None)   # vt's events own a handle; torch's do not
+            if close is not None:
+                close()

@@ -15,7 +15,7 @@ from vt.bench import cells, torch_peer
 from vt.bench.cli import DEFAULT_SPIN_US, main
 from vt.bench.progress import Progress
 from vt.bench.synthetic import SYNTH_VOCAB, Logits, expected_tokens, next_token
-from vt.bench.timer import timed_ms
+from vt.timing import timed_ms
 from vt.knobs import SAFE_MODES
 
 

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from vt.bench.synthetic import SYNTH_VOCAB, launch_logits_cupy, launch_spin_cupy
-from vt.bench.timer import timed_ms
+from vt.timing import timed_ms
 
 VARIANTS = ("torch_sync", "torch_async")
 
@@ -54,7 +54,7 @@ def torch_version() -> str | None:
 
 
 class TorchEvents:
-    """torch.cuda events behind the interface vt.bench.timer.timed_ms expects."""
+    """torch.cuda events behind the interface vt.timing.timed_ms expects."""
 
     class _Event:
         def __init__(self, torch):

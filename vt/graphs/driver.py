@@ -73,10 +73,6 @@ class DecodeGraphDriver:
         size = self.padded_size(n)
         return (None, 0.0) if size is None else self.rings[size].acquire(self.settings.poll_s)
 
-    def next_slot(self, slot: SizeSlot) -> SizeSlot:
-        """The slot the next step of this size will use (slot itself without the ring)."""
-        return self.rings[slot.size].peek()
-
     def close(self) -> None:
         """Graphs and events first, then the buffers (dropped to the pool)."""
         if self._closed:

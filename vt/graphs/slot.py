@@ -79,6 +79,20 @@ class SlotRing:
         """The slot the next acquire returns."""
         return self.slots[self._next]
 
+    def poison_next(self, pad, poll_s: float, drain) -> bool:
+        """Test knob POISON: overwrite the block the next acquire hands out, as soon as this
+        ring lets the host write it: guarded, after that slot's guard; unguarded, after
+        `drain()` (the drain path) or at once (`drain` None: NO_DBUF, the unsafe arm). A sound
+        mode never lets a replay read the poison. Returns whether the guard had to wait."""
+        nxt = self.peek()
+        waited = False
+        if self.guarded:
+            waited = nxt.wait_reusable(poll_s) > 0
+        elif drain is not None:
+            drain()
+        nxt.host.poison(pad)
+        return waited
+
     def acquire(self, poll_s: float = 0.0) -> tuple[SizeSlot, float]:
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
