@@ -90,6 +90,7 @@ class Case:
     record_logits: bool = True  # the modes under test (the sync reference always records)
     profile: bool = False       # timing events around each step
     wait_poll_us: float | None = None   # ExecutorConfig.wait_poll_us (None: the default)
+    max_prefill_tokens: int | None = None   # Engine(max_prefill_tokens=...): prompts per step
     seed: int | None = None     # the NumpyDraw seed it came from (None: drawn by hypothesis)
 
     @property
@@ -181,7 +182,8 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
                 capture_sizes=sizes, serving_conc=conc, ring_depth=d.int(2, 3),
                 drain_poison=d.bool(), sim_delay_s=d.choice(tuple(sim_delays)),
                 device_work_s=d.choice(tuple(device_works)), record_logits=d.bool(),
-                profile=d.bool(), wait_poll_us=d.choice((None, 0, 20, 200)), seed=seed)
+                profile=d.bool(), wait_poll_us=d.choice((None, 0, 20, 200)),
+                max_prefill_tokens=d.choice((None, 2 * ctx, 4 * ctx)), seed=seed)
 
 
 def numpy_case(seed: int, **kw) -> Case:
@@ -240,7 +242,8 @@ def run_mode(be, models: Models, case: Case, mode: str, *, device_work_s: float 
     without timing events; the others as the case says)."""
     step = models.step_model(be, case, device_work_s)
     record, profile = (True, False) if reference else (case.record_logits, case.profile)
-    with Engine(be, step, mode_config(case, mode), record_logits=record, profile=profile) as eng:
+    with Engine(be, step, mode_config(case, mode), record_logits=record, profile=profile,
+                max_prefill_tokens=case.max_prefill_tokens) as eng:
         rounds = [eng.generate([np.asarray(r.prompt, np.int32) for r in reqs],
                                max_new_tokens=[r.budget for r in reqs], stop_token=stop,
                                sampling=[r.sampling for r in reqs])
