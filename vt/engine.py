@@ -94,9 +94,10 @@ class Engine:
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
                              self.model.vocab, self._blocks.capacity)
         if not self._lock.acquire(blocking=False):
-            raise EngineBusyError("Engine.generate() is already running in another thread; an "
-                                  "Engine serves one generate() at a time: wait for it to return "
-                                  "or give each thread its own Engine")
+            raise EngineBusyError("Engine.generate() is already running (in another thread, or "
+                                  "this call comes from inside it, e.g. its progress callback); "
+                                  "an Engine serves one generate() at a time: wait for it to "
+                                  "return or give each thread its own Engine")
         try:
             return self._serve(reqs, progress)
         except BaseException as exc:
@@ -133,11 +134,18 @@ class Engine:
         return self.runner.ceiling_us(n, replays)
 
     def close(self) -> str | None:
-        """Idempotent. Returns the trace path when a trace was written."""
+        """Idempotent. Returns the trace path when a trace was written. Refused with
+        EngineBusyError while a generate() runs: closing would destroy the graphs it launches."""
         if self._closed:
             return None
-        self._closed = True
-        return self.runner.close()
+        if not self._lock.acquire(blocking=False):
+            raise EngineBusyError("Engine.close() while generate() runs (in another thread, or "
+                                  "from its progress callback): let generate() return first")
+        try:
+            self._closed = True
+            return self.runner.close()
+        finally:
+            self._lock.release()
 
     def __enter__(self):
         return self

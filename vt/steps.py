@@ -65,7 +65,9 @@ class RunnerStats:
 
 @dataclass(frozen=True)
 class Progress:
-    """Passed to the progress callback after each step's tokens reach the host."""
+    """Passed to the progress callback after each step's tokens reach the host. `step` and
+    `tokens` are the engine's (they count on across generate() calls); `finished`, `total`
+    and `elapsed_s` are this call's."""
     step: int
     finished: int
     total: int
