@@ -192,6 +192,9 @@ def test_progress_plain_lines_when_not_a_terminal():
     (["--device-us", "-5"], "--device-us must be finite numbers >= 0"),
     (["--modes", "ring", "ring"], "--modes must not repeat"),
     (["--workload", "model", "--preset", "nope"], "unknown preset"),
+    (["--workload", "model", "--preset", "bench-dense"],
+     "preset(s) ['bench-dense'] are GPU benchmark models; on the sim backend they need "
+     "gigabytes of host memory and minutes per step: use tiny-dense or tiny-moe, or add --force"),
 ])
 def test_bad_arguments_are_refused_before_any_work(argv, needle, capsys):
     with pytest.raises(SystemExit):

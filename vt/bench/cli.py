@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device-us", dest="spin_us", type=float, nargs="+",
                    default=list(DEFAULT_SPIN_US), metavar="D",
                    help="synthetic: device us per step to sweep (default: %(default)s)")
+    p.add_argument("--force", action="store_true",
+                   help="run bench-* presets on the sim backend anyway (slow, gigabytes)")
     p.add_argument("--preset", nargs="+", default=None,
                    help="model: preset(s) (default: bench-small on cuda, tiny-dense on sim)")
     p.add_argument("--conc", type=int, nargs="+", default=None,
@@ -103,6 +105,13 @@ def _resolve(args: argparse.Namespace, error) -> None:
     unknown = [p for p in args.preset if p not in PRESETS]
     if model and unknown:
         error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
+    # Bench presets are sized for the GPU: on the sim they need gigabytes of host memory and
+    # minutes per step, with nothing printed meanwhile (vt run refuses them the same way).
+    big = [p for p in args.preset if p.startswith("bench-")]
+    if model and backend == "sim" and big and not args.force:
+        error(f"preset(s) {big} are GPU benchmark models; on the sim backend they need "
+              f"gigabytes of host memory and minutes per step: use tiny-dense or tiny-moe, or "
+              f"add --force to run them anyway")
 
 
 def cmd_bench(args: argparse.Namespace, error=None) -> int:
