@@ -4,7 +4,7 @@
 
 For each batch size: capture decode + sample once (after an eager warm-up), replay it
 back to back, time the replays with events (median over repeats). The bandwidth reference is
-a device-to-device copy measured in the same run (bytes read + written, as in DESIGN.md).
+a device-to-device copy measured in the same run (bytes read + written, as docs/design.md counts it).
 ratio = weight bytes / step time / copy bandwidth; `ratio_all` also counts the GDN state
 (read + written) and the KV cache read at --context tokens per sequence.
 """

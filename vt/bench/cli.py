@@ -1,5 +1,5 @@
 """`vt bench`: the executor modes against a hand-written PyTorch CUDA-graph loop and the
-device ceiling, at equal device work, in one run (DESIGN.md "Performance protocol")."""
+device ceiling, at equal device work, in one run (docs/design.md, "Performance protocol")."""
 from __future__ import annotations
 
 import argparse
