@@ -106,16 +106,6 @@ class DecodeBatch:
                           self.block_tables[:n].copy(), self.rows[:n].copy(),
                           self.temperature[:n].copy(), self.top_k[:n].copy(), self.seed[:n].copy())
 
-    def clear(self) -> None:
-        """Nothing running (after a failure)."""
-        for req in self.reqs[:self.n]:
-            req.batch_index = -1
-        self.reqs = [None] * self.capacity
-        self.n = 0
-        self._leaving.clear()
-        self._crossing.clear()
-        self.version += 1
-
 
 class BatchStep:
     """The decode rows of the step at t, as the runner sees them: len() and a fast fill of a
