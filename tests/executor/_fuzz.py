@@ -1,22 +1,13 @@
 """The fuzz harness for the tests: tools/fuzz.py (shared with the GPU runner), plus a drawer
 backed by hypothesis, so hypothesis draws (and shrinks) the same distribution of cases."""
-import importlib.util
 import os
-import sys
-from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-_PATH = Path(__file__).resolve().parents[2] / "tools" / "fuzz.py"
-_NAME = "vt_tools_fuzz"
-if _NAME in sys.modules:
-    harness = sys.modules[_NAME]
-else:
-    _spec = importlib.util.spec_from_file_location(_NAME, _PATH)
-    harness = importlib.util.module_from_spec(_spec)
-    sys.modules[_NAME] = harness     # before exec: its dataclasses look their module up
-    _spec.loader.exec_module(harness)
+from tool_loader import load_tool
+
+harness = load_tool("fuzz")
 
 Case, run_case, numpy_case, UNSAFE = harness.Case, harness.run_case, harness.numpy_case, harness.UNSAFE
 SIM_DELAYS = (0.0, 0.0, 1e-4, 3e-4)

@@ -2,23 +2,14 @@
 bytes, driver mallocs, live graphs, events, streams and pinned buffers flat after warm-up;
 every admitted request finished with its tokens. The harness is tools/soak.py (the GPU run
 uses it too); CI runs a short soak, `--run-slow` / VT_SLOW=1 the 10,000-step one."""
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 from vt.backend import get_backend
 
-_PATH = Path(__file__).resolve().parents[2] / "tools" / "soak.py"
-_NAME = "vt_tools_soak"
-if _NAME in sys.modules:
-    soak_tool = sys.modules[_NAME]
-else:
-    _spec = importlib.util.spec_from_file_location(_NAME, _PATH)
-    soak_tool = importlib.util.module_from_spec(_spec)
-    sys.modules[_NAME] = soak_tool
-    _spec.loader.exec_module(soak_tool)
+from tool_loader import load_tool
+
+soak_tool = load_tool("soak")
 
 
 def _soak(steps, mode, **kw):

@@ -1,8 +1,6 @@
 """tools/bench.py is a thin wrapper of `vt bench`; the model workload's premise: engines run one
 after another on one shared model give the tokens a fresh model gives."""
-import importlib.util
 import json
-from pathlib import Path
 
 import numpy as np
 
@@ -10,10 +8,9 @@ from vt.backend import get_backend
 from vt.bench.run import make_engine, run_vt
 from vt.model import PRESETS, HybridModel, init_weights
 
-_PATH = Path(__file__).resolve().parents[2] / "tools" / "bench.py"
-_spec = importlib.util.spec_from_file_location("vt_tools_bench", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from tool_loader import load_tool
+
+bench = load_tool("bench")
 
 
 def test_tools_bench_is_vt_bench(tmp_path):

@@ -1,26 +1,17 @@
 """tools/bench_step.py and tools/profile_step.py (moved out of vt.model) run end to end on the
 sim at toy sizes, through the one replay timer (vt.timing)."""
-import importlib.util
 import json
-from pathlib import Path
 
-_TOOLS = Path(__file__).resolve().parents[2] / "tools"
+from tool_loader import load_tool
 
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"vt_tools_{name}", _TOOLS / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _small_copy(monkeypatch, mod):
+    orig = mod.copy_bandwidth   # not 1 GiB on the CPU
+    monkeypatch.setattr(mod, "copy_bandwidth", lambda be, s, nbytes=1 << 20: orig(be, s, nbytes))
 
 
-def _small_copy(mod, orig):
-    mod.copy_bandwidth = lambda be, s, nbytes=1 << 20: orig(be, s, nbytes)   # not 1 GiB on the CPU
-
-
-def test_bench_step_on_the_sim(tmp_path, capsys):
-    bench_step = _load("bench_step")
-    _small_copy(bench_step, bench_step.copy_bandwidth)
+def test_bench_step_on_the_sim(tmp_path, capsys, monkeypatch):
+    bench_step = load_tool("bench_step")
+    _small_copy(monkeypatch, bench_step)
     out = tmp_path / "rows.json"
     bench_step.main(["--backend", "sim", "--preset", "tiny-dense", "--batch", "1", "2",
                      "--context", "8", "--iters", "2", "--repeats", "2", "--json", str(out)])
@@ -29,10 +20,10 @@ def test_bench_step_on_the_sim(tmp_path, capsys):
     assert all(r["mallocs_during_capture"] == 0 for r in rows)
 
 
-def test_profile_step_on_the_sim(capsys):
-    profile_step = _load("profile_step")
-    _small_copy(profile_step, profile_step.copy_bandwidth)
-    profile_step._L2_BYTES = 1 << 16
+def test_profile_step_on_the_sim(capsys, monkeypatch):
+    profile_step = load_tool("profile_step")
+    _small_copy(monkeypatch, profile_step)
+    monkeypatch.setattr(profile_step, "_L2_BYTES", 1 << 16)
     profile_step.main(["--backend", "sim", "--preset", "tiny-dense", "--batch", "2",
                        "--context", "8", "--iters", "2", "--repeats", "1", "--mode", "remove"])
     out = capsys.readouterr().out
