@@ -22,6 +22,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 from vt.backend import get_backend                                           # noqa: E402
+from vt.step import kv_slot                                              # noqa: E402
 from vt.timing import timed_ms                                          # noqa: E402
 from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs   # noqa: E402
 
@@ -67,7 +68,7 @@ def bench_inputs(be, s, m, S, context):
         bt[r, :per] = np.arange(r * per, (r + 1) * per)
     pos = np.full(S, context, np.int32)
     return upload_decode_inputs(be, s, token_rows=np.arange(S), positions=pos, seq_lens=pos + 1,
-                               slot_mapping=bt[:, context // bs] * bs + context % bs,
+                               slot_mapping=kv_slot(bt, pos, bs),
                                block_tables=bt, state_idx=np.arange(S))
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vt.step import DecodeRows, SamplingParams
+from vt.step import DecodeRows, SamplingParams, kv_slot
 
 
 class DecodeBatch:
@@ -46,7 +46,7 @@ class DecodeBatch:
         self.reqs[i] = req
         self.rows[i], self.pos_off[i] = row, pos - t
         self.block_tables[i] = block_table
-        self.slot_off[i] = block_table[pos // bs] * bs + pos % bs - t
+        self.slot_off[i] = kv_slot(block_table, pos, bs) - t
         self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.k, sampling.seed
         self.dest_off[i], self.stop[i], self.rid[i] = dest - t, stop, req.index
         req.batch_index = i
@@ -82,7 +82,7 @@ class DecodeBatch:
             i = req.batch_index
             if i >= 0:
                 pos = int(self.pos_off[i]) + self.t
-                self.slot_off[i] = self.block_tables[i, pos // bs] * bs - self.t
+                self.slot_off[i] = kv_slot(self.block_tables[i], pos, bs) - self.t
 
     def finishing(self) -> int:
         """How many entries launch their last token at the step at t."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vt.stepmodel import ForwardModel, KVGeometry
+from vt.stepmodel import ForwardModel, KVGeometry, kv_slot
 
 
 class ToyForward:
@@ -56,7 +56,7 @@ class _Attend:
             v = _embed(np.float32(table[rows[r]]), np.float32(pos[r]))
             kv[slots[r]] = v
             q = np.arange(lens[r])
-            acc = kv[bt[r, q // block_size] * block_size + q % block_size].sum(dtype=np.float32)
+            acc = kv[kv_slot(bt[r], q, block_size)].sum(dtype=np.float32)
             st = v if pos[r] == 0 else np.float32(state[sidx[r]] * np.float32(0.5) + v)
             state[sidx[r]] = st
             tmp[r, 0], tmp[r, 1] = acc, st

@@ -2,6 +2,7 @@
 import numpy as np
 
 from vt.model import PrefillInputs, SamplingParams, upload_decode_inputs
+from vt.step import kv_slot
 
 
 class Driver:
@@ -40,7 +41,7 @@ class Driver:
         for i, r in enumerate(rows):
             p = self.lens[r]
             h["token_rows"][i], h["positions"][i], h["seq_lens"][i] = r, p, p + 1
-            h["slot_mapping"][i] = self.bt[r, p // bs] * bs + p % bs
+            h["slot_mapping"][i] = kv_slot(self.bt[r], p, bs)
             h["block_tables"][i], h["state_idx"][i] = self.bt[r], self.state[r]
         return h
 
