@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vt.step import DecodeRows, SamplingParams, kv_slot
+from vt.step import SamplingParams, kv_slot
 
 
 class DecodeBatch:
@@ -98,18 +98,10 @@ class DecodeBatch:
         """Where each entry's token of the step at t goes (a copy: the batch changes after)."""
         return self.dest_off[:self.n] + self.t
 
-    def step_rows(self) -> DecodeRows:
-        """The step at t as plain DecodeRows (new arrays): for the eager path."""
-        n, t = self.n, self.t
-        pos = self.pos_off[:n] + t
-        return DecodeRows(self.rows[:n].copy(), pos, pos + 1, self.slot_off[:n] + t,
-                          self.block_tables[:n].copy(), self.rows[:n].copy(),
-                          self.temperature[:n].copy(), self.top_k[:n].copy(), self.seed[:n].copy())
-
 
 class BatchStep:
-    """The decode rows of the step at t, as the runner sees them: len() and a fast fill of a
-    graph slot's input block."""
+    """The decode rows of the step at t, as the runner sees them: len() and a fast fill of an
+    input block (a graph slot's, or the eager path's staging block)."""
 
     __slots__ = ("batch", "n")
 
@@ -141,6 +133,3 @@ class BatchStep:
         np.add(pos_off, t, out=positions)
         np.add(pos_off, t + 1, out=seq_lens)
         np.add(slot_off, t, out=slots)
-
-    def rows(self) -> DecodeRows:
-        return self.batch.step_rows()

@@ -41,8 +41,9 @@ class EagerPath:
     def buckets(self, graph_sizes) -> list[int]:
         return sorted(set(graph_sizes) | {self.capacity})
 
-    def launch(self, decode: DecodeRows | None, prefill: list, parity: int):
-        """Launch the step; returns (ForwardLogits [n rows], kind). Decode rows run first and
+    def launch(self, decode, prefill: list, parity: int):
+        """Launch the step; returns (ForwardLogits [n rows], kind). `decode`: whatever
+        InputBlock.fill takes (DecodeRows, or the engine's BatchStep). Decode rows run first and
         are sampled; the prefill then writes its logits after them (rows [n_dec, n)), over the
         padded decode rows' logits, which the stream has already sampled."""
         n_dec = len(decode) if decode is not None else 0
@@ -85,10 +86,9 @@ class EagerPath:
         for ev in self.done:
             ev.close()
 
-    def _stage(self, blocks, rows: DecodeRows, size: int):
+    def _stage(self, blocks, rows, size: int):
         """Fill the host block (tail padded), copy it to the device; the [size] device views."""
         host, dev = blocks
-        rows = rows.rows() if hasattr(rows, "rows") else rows   # the engine's batch: as DecodeRows
         if not len(rows) <= size <= self.capacity:
             raise ValueError(f"an eager step of {len(rows)} rows padded to {size} exceeds the "
                              f"eager capacity {self.capacity} (max_seqs)")
