@@ -68,7 +68,7 @@ class NullBackend(SimBackend):
     def copy_h2d(self, dst, src, stream):
         pass
 
-    copy_d2h = copy_d2d = copy_h2d
+    copy_d2h = copy_d2d = copy_h2d_mapped = copy_d2h_mapped = copy_h2d
 
     def launch(self, stream, kernel, *args, **params):
         pass

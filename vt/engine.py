@@ -167,6 +167,7 @@ class Engine:
         runner_st = self.runner.stats
         while pending or self._batch.n or inflight is not None or deferred:
             t0 = clock()
+            waited = runner_st.drain_s + runner_st.token_wait_s
             before = [getattr(runner_st, k) for k in _RUNNER_SPLIT] if self.profile else None
             plan, admitted = self._plan(pending)
             t1 = clock()
@@ -199,6 +200,7 @@ class Engine:
             ph = self._phases["prefill" if plan.prefill else "decode"]
             ph.steps += bool(plan.n)
             ph.wall_s += t3 - t0
+            ph.wait_s += runner_st.drain_s + runner_st.token_wait_s - waited
             if before is not None:
                 ph.plan_s += t1 - t0
                 ph.collect_s += t3 - t2

@@ -74,9 +74,11 @@ class InputBlock:
         self.pad_from(0, pad)
         self._padded_from = self.filled = None   # the next fill rewrites everything
 
-    def copy_to(self, be, dst: "InputBlock", stream) -> None:
-        """One async copy of the whole block (H2D; captured when the stream captures)."""
-        be.copy_h2d(dst.raw, self.raw, stream)
+    def copy_to(self, be, dst: "InputBlock", stream, *, mapped: bool = False) -> None:
+        """One async copy of the whole block (H2D; captured when the stream captures).
+        mapped: a kernel reads the pinned block instead of a memcpy (the graph's form: see
+        be.copy_h2d_mapped)."""
+        (be.copy_h2d_mapped if mapped else be.copy_h2d)(dst.raw, self.raw, stream)
 
     def copy_rows_to(self, be, dst: "InputBlock", stream, n: int) -> None:
         """Rows [:n] of every vector, one copy each: for big blocks used partly (eager)."""

@@ -79,9 +79,11 @@ class Progress:
 class Phase:
     """Host and device time of the engine-loop iterations that launched one kind of step
     ("decode": pure decode; "prefill": any step that prefills). The host split is filled with
-    profile=True only; steps and wall_s always."""
+    profile=True only; steps, wall_s and wait_s (blocked on the device: drains and token
+    waits, which the runner times anyway) always."""
     steps: int = 0
     wall_s: float = 0.0
+    wait_s: float = 0.0
     plan_s: float = 0.0
     acquire_s: float = 0.0
     refresh_s: float = 0.0

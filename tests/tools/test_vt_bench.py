@@ -60,10 +60,14 @@ def test_sim_sweep_vt_cells_have_sane_values(sim_sweep):
         for p in cells.HOST_PARTS:
             assert r[f"host_{p}_us"] >= 0, (where, p)
         assert r["host_drain_us"] >= 0 and r["host_us"] > 0 and r["wait_us"] >= 0, where
+        assert 0 < r["host_busy_us"] <= r["step_us"], where
+        assert math.isclose(r["host_machinery_us"], r["host_refresh_us"] + r["host_acquire_us"]
+                            + r["host_launch_us"]), where
         assert r["device_us"] >= r["spin_us"] and r["gpu_idle_us"] >= 0, where
         assert r["ceiling_us"] >= r["spin_us"] and r["ceiling_steps_per_s"] > 0, where
         assert 0 < r["fraction_of_ceiling"] < 10, where   # the sim's ceiling is noisy
         assert r["ratio_to_drain"] > 0 and r["overlap_efficiency"] > 0, where
+        assert r["overlap_efficiency_hd"] > 0 and r["overlap_h_us"] > 0, where
         assert r["ratio_to_torch_async"] is None, where   # no torch on the sim
         assert r["profiled_steps_per_s"] > 0, where
         if r["mode"] == "drain":
@@ -132,18 +136,27 @@ def test_a_peer_that_fails_to_set_up_leaves_the_vt_cells(tmp_path, monkeypatch):
 
 
 def test_overlap_efficiency_and_ratios():
-    """h = 100, d = 100 us in drain: the ideal ring gain is 2x; a ring at 1.5x drain is 0.75."""
+    """Drain: 1 ms steps, 600 us of them host work, a 500 us device ceiling. Perfect overlap
+    takes max(600, 500) = 600 us: the best speed-up is 1/0.6; a ring at 1.5x drain (667 us)
+    gets 0.6 * 1.5 = 0.9 of it. Read literally with drain's profiled h = d = 100 us, the
+    ideal is 2x and the same ring scores 0.75."""
     base = dict(workload="synthetic", conc=32, spin_us=100.0, impl="vt")
-    drain = dict(cells.blank_row(mode="drain", **base), steps_per_s=1000.0, host_us=100.0,
-                 device_us=100.0, tokens_sha1="a")
-    ring = dict(cells.blank_row(mode="ring", **base), steps_per_s=1500.0, tokens_sha1="a")
+    drain = dict(cells.blank_row(mode="drain", **base), steps_per_s=1000.0, step_us=1000.0,
+                 host_busy_us=600.0, ceiling_us=500.0, host_us=100.0, device_us=100.0,
+                 tokens_sha1="a")
+    ring = dict(cells.blank_row(mode="ring", **base), steps_per_s=1500.0, step_us=1e6 / 1500,
+                tokens_sha1="a")
     peer = dict(cells.blank_row(mode="torch_async", **dict(base, impl="torch")),
                 steps_per_s=3000.0, tokens_sha1="b")
     cells.add_comparisons([drain, ring, peer])
-    assert ring["ratio_to_drain"] == 1.5 and ring["overlap_efficiency"] == 0.75
+    assert ring["ratio_to_drain"] == 1.5
+    assert math.isclose(ring["overlap_efficiency"], 0.9)
+    assert math.isclose(ring["overlap_efficiency_hd"], 0.75)
+    assert (ring["overlap_h_us"], ring["overlap_d_us"]) == (600.0, 500.0)
+    assert math.isclose(drain["overlap_efficiency"], 0.6)   # drain itself: max(h, d) / T_drain
     assert ring["ratio_to_torch_async"] == 0.5 and peer["ratio_to_torch_async"] == 1.0
     assert ring["identical_to_drain"] and not peer["identical_to_drain"]
-    assert peer["overlap_efficiency"] is None
+    assert peer["overlap_efficiency"] is None and peer["overlap_efficiency_hd"] is None
 
 
 def test_stats_delta_subtracts_nested_numbers():
@@ -216,9 +229,10 @@ def test_torch_peer_reason_when_it_cannot_run():
 
 
 def test_torch_peer_loops_on_cpu_tensors():
-    """The peer's host loops (sync and depth 2: which pinned block, which step's tokens when)
-    and its sampling + feedback, on CPU tensors: the graph's replay runs the forward in torch
-    ops and then the peer's own _sample_and_feed_back; events and stream are no-ops."""
+    """The peer's host loops (sync and depth 2: which graph and pinned block, which step's
+    tokens when) and its sampling + feedback, on CPU tensors: graph b's replay copies
+    pinned_in[b] in, runs the forward in torch ops and the peer's own _sample_and_feed_back,
+    and copies the tokens to pinned_tok[b]; events and stream are no-ops."""
     torch = pytest.importorskip("torch")
     S, V = 3, SYNTH_VOCAB
 
@@ -245,13 +259,19 @@ def test_torch_peer_loops_on_cpu_tensors():
     peer.tok_ready = [_NoOp(), _NoOp()]
 
     class _Graph:
+        """Graph b: pinned_in[b] in, the forward, sampling + feedback, tokens to pinned_tok[b]."""
+        def __init__(self, b):
+            self.b = b
+
         def replay(self):
+            peer.inputs.copy_(peer.pinned_in[self.b])
             rows, pos = peer.inputs[0].long(), peer.inputs[1].long()
             target = (peer.table[rows].long() % V * 7 + pos * 13 + 1) % V
             peer.logits.zero_()
             peer.logits[torch.arange(S), target] = 1.0
             peer._sample_and_feed_back()
-    peer.graph = _Graph()
+            peer.pinned_tok[self.b].copy_(peer.tokens)
+    peer.graphs = [_Graph(0), _Graph(1)]
     prompts = [[5, 17], [4000, 1, 2], [9]]
     want = [expected_tokens(p, 7) for p in prompts]
     for variant in torch_peer.VARIANTS:

@@ -53,7 +53,8 @@ def table(res: dict) -> str:
                              f"{r['step_us']:.0f} ({_f(r['fraction_of_ceiling'], '.2f')})").rjust(w))
             ce = by.get("drain", {}).get("ceiling_us")
             lines.append(f"{value:>6g} " + "".join(cols) + _f(ce, ".0f").rjust(w))
-        lines += ["", f"{title}: steps/s ratio to drain | to torch_async; overlap efficiency (vt)",
+        lines += ["", f"{title}: steps/s ratio to drain | to torch_async; e = overlap efficiency "
+                      f"max(h, d) / T (vt; vt/bench/cells.py)",
                   f"{axis:>6} " + "".join(f"{m:>{w}}" for m in impls)]
         for value, by in groups:
             cols = []
@@ -68,11 +69,13 @@ def table(res: dict) -> str:
                 cols.append(s.rjust(w))
             lines.append(f"{value:>6g} " + "".join(cols))
         lines.append("")
-    names = [*HOST_PARTS, "drain", "other", "host", "device", "idle"]
+    names = [*HOST_PARTS, "drain", "other", "host", "device", "idle", "machin.", "busy"]
     keys = [*(f"host_{p}_us" for p in HOST_PARTS), "host_drain_us", "host_other_us", "host_us",
-            "device_us", "gpu_idle_us"]
-    lines += ["per cell, us per decode step: the host split (drain = drain waits; other = the "
-              "rest of the loop), host = all but the drain waits, device, GPU idle; tokens right",
+            "device_us", "gpu_idle_us", "host_machinery_us", "host_busy_us"]
+    lines += ["per cell, us per decode step: the host split of the profiled run (drain = drain "
+              "waits; other = the rest of the loop), host = all but the waits, device, GPU idle, "
+              "machinery = refresh + acquire + launch; busy = host time of the run without "
+              "profiling, its waits excluded; tokens right",
               f"{'cell':<32}" + "".join(f"{n:>9}" for n in names) + "  ok"]
     for r in res["cells"]:
         if r["status"] != "ok":

@@ -5,12 +5,16 @@ forward (the same spin and logits kernels, launched on torch's stream) and sampl
 token feedback inside the graph:
 
 - static device buffers: the token table, the step's inputs [2, S] (token rows, positions),
-  logits, tokens; one graph per S: spin, logits, argmax, table[rows] = token;
-- `torch_sync`: per step fill one pinned block, copy it into the static inputs, replay, copy
-  the tokens to pinned memory, record an event, wait on it, read the tokens;
-- `torch_async` (depth 2): two pinned input blocks, each guarded by an event recorded after
-  its H2D copy (the host waits on it before rewriting the block), two pinned token buffers;
-  step N+1 is launched before step N's tokens are read (one step late), as vt's ring does.
+  logits, tokens; two pinned input blocks and two pinned token buffers; one graph per
+  buffer pair: H2D of the inputs, spin, logits, argmax, table[rows] = token, D2H of the
+  tokens (the copies inside the graph, as vt's graph mode has them: a copy_ outside it costs
+  a dispatcher call and a launch per step);
+- `torch_sync`: per step write the positions into the pinned block, replay, record an
+  event, wait on it, read the tokens;
+- `torch_async` (depth 2): the two graphs in turn; the event recorded after step N's graph
+  guards both its tokens and its input block (the host waits on it to read step N's tokens
+  before rewriting that block at step N+2); step N+1 is launched before step N's tokens are
+  read (one step late), as vt's ring does.
 
 torch is optional: `unavailable_reason()` says why the peer cannot run (not installed, no
 CUDA device, no CuPy for the shared kernels); the bench then marks its columns absent.
@@ -78,7 +82,10 @@ class TorchEvents:
 
 
 class TorchPeer:
-    """One captured graph for S rows (S + 1 table rows: the last is scratch, as in vt)."""
+    """Two captured graphs for S rows (S + 1 table rows: the last is scratch, as in vt), one per
+    pinned buffer pair b: copy pinned_in[b] into the static inputs, the forward, argmax,
+    table[rows] = tokens, copy the tokens to pinned_tok[b]. The host's whole step is then a
+    numpy write, one replay, one event record and one event wait, as in vt's graph mode."""
 
     def __init__(self, S: int, vocab: int = SYNTH_VOCAB, warmup: int = 3):
         import cupy
@@ -91,8 +98,8 @@ class TorchPeer:
         self.logits = torch.zeros(S, vocab, dtype=torch.float32, device=dev)
         self.tokens = torch.zeros(S, dtype=torch.int32, device=dev)
         self.ns = torch.zeros(1, dtype=torch.int64, device=dev)
-        self.pinned_in = [torch.zeros(2, S, dtype=torch.int32).pin_memory() for _ in range(2)]
-        self.pinned_tok = [torch.zeros(S, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self.pinned_in = [torch.zeros(2, S, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.pinned_tok = [torch.zeros(S, dtype=torch.int32, pin_memory=True) for _ in range(2)]
         self.np_in = [p.numpy() for p in self.pinned_in]
         self.np_tok = [p.numpy() for p in self.pinned_tok]
         self.tok_ready = [torch.cuda.Event() for _ in range(2)]
@@ -104,22 +111,28 @@ class TorchPeer:
                         ns=cupy.asarray(self.ns))
         self._cupy = cupy
         with torch.cuda.stream(self.stream):
-            for _ in range(warmup):   # on a side stream before capture, as torch asks
-                self._body()
+            for i in range(warmup):   # on a side stream before capture, as torch asks
+                self._body(i % 2)
         self.stream.synchronize()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self.stream):
-            self._body()
+        self.graphs = []
+        for b in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                self._body(b)
+            self.graphs.append(graph)
         self.stream.synchronize()
 
-    def _body(self) -> None:
-        """The step on the device: the user forward (vt's synthetic kernels on torch's
-        current stream), then sampling and token feedback."""
+    def _body(self, b: int) -> None:
+        """The step on the device, reading pinned_in[b] and writing pinned_tok[b]: the user
+        forward (vt's synthetic kernels on torch's current stream), then sampling and token
+        feedback."""
+        self.inputs.copy_(self.pinned_in[b], non_blocking=True)
         cp = self._cp
         with self._cupy.cuda.ExternalStream(self.torch.cuda.current_stream().cuda_stream):
             launch_spin_cupy(cp["ns"])
             launch_logits_cupy(cp["table"], cp["rows"], cp["pos"], cp["logits"])
         self._sample_and_feed_back()
+        self.pinned_tok[b].copy_(self.tokens, non_blocking=True)
 
     def _sample_and_feed_back(self) -> None:
         """tokens = argmax(logits); table[rows] = tokens (the next step's input)."""
@@ -134,7 +147,7 @@ class TorchPeer:
     def ceiling_us(self, replays: int = 200) -> float:
         """µs per replay of the graph replayed back to back, no host work in between."""
         with self.torch.cuda.stream(self.stream):
-            ms = timed_ms(TorchEvents(), self.stream, self.graph.replay, replays, 3, warmup=3)
+            ms = timed_ms(TorchEvents(), self.stream, self.graphs[0].replay, replays, 3, warmup=3)
         return 1e3 * ms
 
     def run(self, variant: str, prompts, steps: int) -> dict:
@@ -150,60 +163,51 @@ class TorchPeer:
         last = torch.tensor([int(p[-1]) for p in prompts] + [0], dtype=torch.int32)
         start = np.array([len(p) - 1 for p in prompts], np.int32)
         out = np.zeros((steps + 1, S), np.int32)
-        rows = np.arange(S, dtype=np.int32)
+        for h in self.np_in:      # the rows never change in this workload: written once
+            h[0] = np.arange(S, dtype=np.int32)
         with torch.cuda.stream(self.stream):
             self.table.copy_(last)
-            self._sync_steps(rows, start, out, 0, 1)   # "prefill": the prompt's last position
+            self._sync_steps(start, out, 0, 1)   # "prefill": the prompt's last position
             self.stream.synchronize()
             loop = self._sync_steps if variant == "torch_sync" else self._async_steps
             t0 = time.perf_counter()
-            wait_s = loop(rows, start, out, 1, steps + 1)
+            wait_s = loop(start, out, 1, steps + 1)
             wall_s = time.perf_counter() - t0
         return dict(wall_s=wall_s, wait_s=wait_s, tokens=out.T.tolist())
 
-    def _sync_steps(self, rows, start, out, first: int, end: int) -> float:
-        inputs, graph, h, tok, ev = self.inputs, self.graph, self.np_in[0], self.np_tok[0], self.tok_ready[0]
-        pin_in, pin_tok, tokens = self.pinned_in[0], self.pinned_tok[0], self.tokens
-        wait_s = 0.0
+    def _sync_steps(self, start, out, first: int, end: int) -> float:
+        graph, pos, tok, ev = self.graphs[0], self.np_in[0][1], self.np_tok[0], self.tok_ready[0]
+        clock, wait_s = time.perf_counter, 0.0
         for n in range(first, end):
-            h[0] = rows
-            np.add(start, n, out=h[1])
-            inputs.copy_(pin_in, non_blocking=True)
+            np.add(start, n, out=pos)
             graph.replay()
-            pin_tok.copy_(tokens, non_blocking=True)
             ev.record()
-            t = time.perf_counter()
+            t = clock()
             ev.synchronize()
-            wait_s += time.perf_counter() - t
+            wait_s += clock() - t
             out[n] = tok
         return wait_s
 
-    def _async_steps(self, rows, start, out, first: int, end: int) -> float:
-        """Depth 2, one event per step: tok_ready[b] is recorded after step n's token copy, so
-        it also covers step n's H2D from pinned block b. The host waits on it at step n + 1
-        (to read step n's tokens), before it rewrites block b at step n + 2: that one wait
+    def _async_steps(self, start, out, first: int, end: int) -> float:
+        """Depth 2, one event per step: tok_ready[b] is recorded after step n's graph (b = n & 1),
+        which read pinned_in[b] and wrote pinned_tok[b]. The host waits on it at step n + 1 (to
+        read step n's tokens), before it rewrites pinned_in[b] at step n + 2: that one wait
         guards both the tokens and the block."""
-        inputs, graph, tokens = self.inputs, self.graph, self.tokens
-        pin_in, pin_tok, np_in, np_tok = self.pinned_in, self.pinned_tok, self.np_in, self.np_tok
-        tok_ready = self.tok_ready
-        wait_s = 0.0
+        graphs, np_in, np_tok, tok_ready = self.graphs, self.np_in, self.np_tok, self.tok_ready
+        clock, wait_s = time.perf_counter, 0.0
         for n in range(first, end + 1):
             b = n & 1
             if n < end:
-                h = np_in[b]
-                h[0] = rows
-                np.add(start, n, out=h[1])
-                inputs.copy_(pin_in[b], non_blocking=True)
-                graph.replay()
-                pin_tok[b].copy_(tokens, non_blocking=True)
+                np.add(start, n, out=np_in[b][1])
+                graphs[b].replay()
                 tok_ready[b].record()
             if n > first:                       # step n - 1's tokens, one step late
-                t = time.perf_counter()
+                t = clock()
                 tok_ready[1 - b].synchronize()
-                wait_s += time.perf_counter() - t
+                wait_s += clock() - t
                 out[n - 1] = np_tok[1 - b]
         return wait_s
 
     def close(self) -> None:
         self.stream.synchronize()
-        del self.graph
+        self.graphs = []

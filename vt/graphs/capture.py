@@ -11,7 +11,10 @@ free block and the pool raises CaptureAllocationError (the test of the pre-grow)
 
 A captured step is the whole decode step: [the input block's H2D, the inputs-read event,]
 the forward, the sampler (which also feeds the token table) and [the tokens' D2H into the
-slot's pinned output]. The bracketed parts are outside the graph in staged mode.
+slot's pinned output]. The bracketed parts are outside the graph in staged mode. Inside the
+graph both copies are kernels that read or write the pinned buffers directly
+(be.copy_h2d_mapped / copy_d2h_mapped): with no memcpy node, launching the graph costs the
+host ~3.7 µs less (docs/design.md).
 """
 from __future__ import annotations
 
@@ -42,14 +45,15 @@ def capture_slot(be, stream, step, slot, vocab: int, *, staged: bool) -> GraphOu
     """Capture one slot's decode step (see the module docstring) into a GraphOutput."""
     with be.capture(stream, name=slot.name) as cap:
         if not staged:
-            # Baked H2D: every replay re-reads slot.host when this node runs (hazard-C).
-            slot.host.copy_to(be, slot.device, stream)
+            # Baked H2D: every replay re-reads slot.host when this node runs (hazard-C). A
+            # kernel reading the pinned block, not a memcpy node: the graph launches faster.
+            slot.host.copy_to(be, slot.device, stream, mapped=True)
             if slot.inputs_read_event is not None:
                 slot.inputs_read_event.record(stream, external=True)
         logits = be.empty((slot.size, vocab), LOGITS_DTYPE, retained=True)   # [S, vocab]
         step(stream, slot.device.inputs, logits, slot.out_device)
         if not staged:
-            be.copy_d2h(slot.out_host, slot.out_device, stream)
+            be.copy_d2h_mapped(slot.out_host, slot.out_device, stream)
     graph = cap.graph
     graph.upload(stream)
     return GraphOutput(graph, logits, slot.name)

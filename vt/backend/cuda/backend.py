@@ -7,12 +7,13 @@ import weakref
 
 import numpy as np
 
-from ._copy import copy_d2d, copy_d2h, copy_h2d
+from ._copy import copy_d2d, copy_d2h, copy_d2h_mapped, copy_h2d, copy_h2d_mapped
 from ._device import Device
 from ._event import Event, EventOptions
 from ._graph import Capture, Graph
 from .._handle import HandleOwner
 from ._memory import RawMemory, device_array, pinned_empty
+from ._mapped import MappedCopy
 from ._spin import BusyWait
 from ._stream import Stream, legacy_stream
 
@@ -41,6 +42,7 @@ class CudaBackend(HandleOwner):
         self._owned: weakref.WeakSet = weakref.WeakSet()  # streams, events, graphs made here
         self._captures: weakref.WeakSet = weakref.WeakSet()
         self._busy_wait = BusyWait()
+        self._mapped_copy = MappedCopy()
         self._legacy: Stream | None = None
         self._own(_close_all, self._captures, self._owned, self.pool, self.device)
 
@@ -97,6 +99,18 @@ class CudaBackend(HandleOwner):
     def copy_d2h(self, dst: np.ndarray, src, stream: Stream) -> None:
         self._require_open()
         copy_d2h(dst, src, stream, capturing=stream._capture is not None)
+
+    def copy_h2d_mapped(self, dst, src: np.ndarray, stream: Stream) -> None:
+        """copy_h2d done by a kernel that reads the pinned `src` through the device's mapping
+        of it (vt/backend/cuda/_mapped.py): a graph holding it launches faster than one holding
+        a memcpy node. Sizes and addresses must be multiples of 4 bytes."""
+        self._require_open()
+        copy_h2d_mapped(dst, src, stream, self._mapped_copy)
+
+    def copy_d2h_mapped(self, dst: np.ndarray, src, stream: Stream) -> None:
+        """copy_d2h done by a kernel that writes the pinned `dst` through the device's mapping."""
+        self._require_open()
+        copy_d2h_mapped(dst, src, stream, self._mapped_copy)
 
     def copy_d2d(self, dst, src, stream: Stream) -> None:
         self._require_open()

@@ -83,6 +83,15 @@ class SimBackend(HandleOwner):
     def copy_d2h(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
         self._copy("copy_d2h", dst, PinnedOwner, src, DeviceOwner, stream)
 
+    # The cuda backend's mapped copies are kernels reading or writing pinned host memory
+    # directly; their semantics are a copy's (data moves when the op runs), which is all the
+    # sim models, and like them the host side must be pinned even outside a capture.
+    def copy_h2d_mapped(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
+        self._copy("copy_h2d_mapped", dst, DeviceOwner, src, PinnedOwner, stream, mapped=True)
+
+    def copy_d2h_mapped(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
+        self._copy("copy_d2h_mapped", dst, PinnedOwner, src, DeviceOwner, stream, mapped=True)
+
     def copy_d2d(self, dst: np.ndarray, src: np.ndarray, stream: Stream) -> None:
         self._copy("copy_d2d", dst, DeviceOwner, src, DeviceOwner, stream)
 
@@ -166,7 +175,7 @@ class SimBackend(HandleOwner):
     def _closed_message(self) -> str:
         return "sim backend is closed"
 
-    def _copy(self, call, dst, dst_kind, src, src_kind, stream) -> None:
+    def _copy(self, call, dst, dst_kind, src, src_kind, stream, mapped: bool = False) -> None:
         self._require_open()
         for role, arr, kind in (("dst", dst, dst_kind), ("src", src, src_kind)):
             owner = owner_of(arr) if isinstance(arr, np.ndarray) else None
@@ -175,12 +184,13 @@ class SimBackend(HandleOwner):
                 where = "a device array (be.empty)" if kind is DeviceOwner else "a host numpy array"
                 raise TypeError(f"{call}: {role} must be {where}, got {type(arr).__name__} "
                                 f"{getattr(arr, 'shape', '')}{' on the device' if on_device else ''}")
-            # A captured copy re-reads the host address at every replay: it must be persistent
-            # pinned memory that vt owns, never a temporary.
-            if stream.capture is not None and kind is PinnedOwner and not isinstance(owner, PinnedOwner):
+            # A captured copy re-reads the host address at every replay, and a mapped copy's
+            # kernel dereferences it on the device: persistent pinned memory that vt owns.
+            if ((stream.capture is not None or mapped) and kind is PinnedOwner
+                    and not isinstance(owner, PinnedOwner)):
                 raise ValueError(f"{call}: {role} host array {arr.shape} {arr.dtype} is not pinned "
-                                 f"memory from be.pinned_empty; a captured copy needs a persistent "
-                                 f"pinned buffer")
+                                 f"memory from be.pinned_empty; a captured or mapped copy needs a "
+                                 f"persistent pinned buffer")
             if not arr.flags.c_contiguous:
                 raise ValueError(f"{call}: {role} must be C-contiguous (shape {arr.shape}, "
                                  f"strides {arr.strides})")
