@@ -20,6 +20,26 @@ def test_tools_bench_is_vt_bench(tmp_path):
     res = json.loads(out.read_text())
     assert {(c["mode"], c["status"]) for c in res["cells"]} == {
         ("drain", "ok"), ("ring", "ok"), ("torch_sync", "absent"), ("torch_async", "absent")}
+    assert res["wait_poll_us"] is None
+
+
+def test_bench_wait_poll_reaches_the_engines(tmp_path):
+    """--wait-poll-us sets the engines' poll-before-block time (and is recorded in the JSON)."""
+    out = tmp_path / "bench.json"
+    assert bench.main(["--backend", "sim", "--device-us", "0", "--conc", "1", "--modes", "ring",
+                       "--steps", "2", "--no-bar", "--no-torch", "--wait-poll-us", "250",
+                       "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["wait_poll_us"] == 250
+    be = get_backend("sim")
+    try:
+        model = HybridModel(be, PRESETS["tiny-dense"], init_weights(PRESETS["tiny-dense"], seed=0),
+                            max_seqs=1, num_kv_blocks=8)
+        with make_engine(be, model, "ring", 1, profile=False, max_prefill_tokens=4,
+                         wait_poll_us=250) as eng:
+            assert eng.runner._poll_s == 250e-6
+        model.close()
+    finally:
+        be.close()
 
 
 def test_bench_shared_model_runs_match_a_fresh_model():

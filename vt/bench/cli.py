@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default="both", choices=["both", "off"],
                    help="both: each vt cell runs again on an engine with profile=True for the host "
                         "split and device time; off: throughput only")
+    p.add_argument("--wait-poll-us", type=float, default=None,
+                   help="vt's engines poll an event this long before blocking on it (default: "
+                        "vt's own, vt/waits.py); e.g. longer than a step keeps the host awake")
     p.add_argument("--no-torch", action="store_true", help="leave the torch peer out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sim-delay-ms", type=float, default=0.0,

@@ -24,12 +24,14 @@ from vt.bench import cells, torch_peer
 from vt.bench.synthetic import SYNTH_VOCAB, SyntheticModel, expected_tokens
 
 
-def make_engine(be, model, mode: str, conc: int, *, profile: bool, max_prefill_tokens: int):
+def make_engine(be, model, mode: str, conc: int, *, profile: bool, max_prefill_tokens: int,
+                wait_poll_us: float | None = None):
     """An engine of `mode` serving `conc` rows, one captured size (conc): the only one a
     decode step of this bench ever uses."""
     from vt.engine import Engine
     from vt.knobs import ExecutorConfig
-    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=(conc,))
+    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=(conc,),
+                                     wait_poll_us=wait_poll_us)
     return Engine(be, model, config, profile=profile, max_prefill_tokens=max_prefill_tokens)
 
 
@@ -88,7 +90,8 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
             for mode in args.modes:
                 for prof in _profiles(args):
                     engines[mode, prof] = make_engine(be, model.model, mode, conc, profile=prof,
-                                                      max_prefill_tokens=conc * args.prompt_len)
+                                                      max_prefill_tokens=conc * args.prompt_len,
+                                                      wait_poll_us=args.wait_poll_us)
                     progress.step(f"captured {mode} S={conc}{' (profiled)' if prof else ''}")
             if reason is None:
                 try:
@@ -145,7 +148,8 @@ def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
                         for prof in _profiles(args):
                             engines[mode, prof] = make_engine(
                                 be, model, mode, conc, profile=prof,
-                                max_prefill_tokens=conc * args.prompt_len)
+                                max_prefill_tokens=conc * args.prompt_len,
+                                wait_poll_us=args.wait_poll_us)
                             progress.step(f"captured {preset} {mode} S={conc}"
                                           f"{' (profiled)' if prof else ''}")
                         rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
@@ -186,6 +190,7 @@ def run(args, progress_factory) -> dict:
         presets=list(args.preset) if args.workload == "model" else None,
         concs=list(args.conc), modes=list(args.modes), steps=args.steps,
         prompt_len=args.prompt_len, seed=args.seed, ceiling_replays=args.ceiling_replays,
+        wait_poll_us=args.wait_poll_us,
         profile=args.profile,
         torch=dict(available=reason is None, version=torch_peer.torch_version(), absent_reason=reason),
         columns=list(cells.COLUMNS), cells=rows)
