@@ -3,7 +3,8 @@
 Entries [0, n) are the requests that decode in the next step, in batch order. Every running
 request decodes at every step, so its position is an offset plus the batch's step counter
 `t`: a step writes positions, sequence lengths and KV slots straight into a slot's pinned
-block with one `np.add(offset, t, out=...)` each, and nothing is advanced per row. What
+block with ONE `np.add(offsets, t, out=...)` (the three vectors are adjacent in the block,
+and their offsets are the rows of one [3, capacity] array), and nothing is advanced per row. What
 changes at known steps is scheduled when a request joins: the step that launches its last
 token (it leaves) and the steps where it enters a new KV block (its slot offset moves).
 Per-row vectors that change only when the batch does (rows, sampling, block tables) are
@@ -25,8 +26,10 @@ class DecodeBatch:
         self.version = 0           # bumped whenever an entry joins, leaves or moves
         self.reqs: list = [None] * capacity
         self.rows = np.zeros(capacity, np.int32)        # token-table row = recurrent state slot
-        self.pos_off = np.zeros(capacity, np.int32)     # position of the input token - t
-        self.slot_off = np.zeros(capacity, np.int32)    # its KV slot - t (until the next block)
+        # Rows: position of the input token - t; sequence length - t (= the first + 1); its
+        # KV slot - t (until the next block). The order of InputBlock.advancing.
+        self.offsets = np.zeros((3, capacity), np.int32)
+        self.pos_off, self.len_off, self.slot_off = self.offsets
         self.block_tables = np.zeros((capacity, max_blocks), np.int32)
         self.temperature = np.zeros(capacity, np.float32)
         self.top_k = np.ones(capacity, np.int32)
@@ -44,7 +47,7 @@ class DecodeBatch:
         if i >= self.capacity:
             raise RuntimeError(f"DecodeBatch is full ({self.capacity} requests)")
         self.reqs[i] = req
-        self.rows[i], self.pos_off[i] = row, pos - t
+        self.rows[i], self.pos_off[i], self.len_off[i] = row, pos - t, pos + 1 - t
         self.block_tables[i] = block_table
         self.slot_off[i] = kv_slot(block_table, pos, bs) - t
         self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.k, sampling.seed
@@ -67,8 +70,8 @@ class DecodeBatch:
             moved = self.reqs[last]
             self.reqs[i] = moved
             moved.batch_index = i
-            for a in (self.rows, self.pos_off, self.slot_off, self.block_tables, self.temperature,
-                      self.top_k, self.seed, self.dest_off, self.stop, self.rid):
+            for a in (self.rows, self.pos_off, self.len_off, self.slot_off, self.block_tables,
+                      self.temperature, self.top_k, self.seed, self.dest_off, self.stop, self.rid):
                 a[i] = a[last]
         self.reqs[last] = None
         self.n = last
@@ -112,15 +115,15 @@ class BatchStep:
         return self.n
 
     def fill_block(self, block, pad) -> None:
-        """Write this step into `block` (an InputBlock's pinned twin): three adds every step,
-        the rest only when the batch or the row count changed since the block's last fill."""
-        b, n, t, inp = self.batch, self.n, self.batch.t, block.inputs
+        """Write this step into `block` (an InputBlock's pinned twin): one add every step, the
+        rest only when the batch or the row count changed since the block's last fill."""
+        b, n = self.batch, self.n
         views = block.step_views
         if views is None or views[0] is not b or views[1] != n:
-            # [:n] views made once per (block, n): slicing costs as much as the adds below
-            views = block.step_views = (b, n, b.pos_off[:n], b.slot_off[:n], inp.positions[:n],
-                                        inp.seq_lens[:n], inp.slot_mapping[:n])
+            # [:n] views made once per (block, n): slicing costs as much as the add below
+            views = block.step_views = (b, n, b.offsets[:, :n], block.advancing[:, :n])
         if block.filled != (b, b.version, n):
+            inp = block.inputs
             inp.token_rows[:n] = b.rows[:n]
             inp.state_idx[:n] = b.rows[:n]
             inp.temperature[:n] = b.temperature[:n]
@@ -129,7 +132,4 @@ class BatchStep:
             inp.block_tables[:n] = b.block_tables[:n]
             block.pad_from(n, pad)
             block.filled = (b, b.version, n)
-        _, _, pos_off, slot_off, positions, seq_lens, slots = views
-        np.add(pos_off, t, out=positions)
-        np.add(pos_off, t + 1, out=seq_lens)
-        np.add(slot_off, t, out=slots)
+        np.add(views[2], b.t, out=views[3])   # positions, seq_lens, slot_mapping

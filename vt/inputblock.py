@@ -12,6 +12,7 @@ import numpy as np
 
 from vt.step import FIELDS, DecodeInputs, DecodeRows, PadRow
 
+# positions, seq_lens, slot_mapping adjacent and in this order: InputBlock.advancing
 _PER_ROW = ("token_rows", "positions", "seq_lens", "slot_mapping", "state_idx", "top_k", "temperature")
 
 
@@ -29,6 +30,10 @@ class InputBlock:
         views["temperature"] = views["temperature"].view(np.float32)
         views["block_tables"] = self.raw[at:].reshape(size, max_blocks)
         self.inputs = DecodeInputs(**views)
+        # positions | seq_lens | slot_mapping as one [3, S] view: the vectors a decode step
+        # advances, written with one numpy call (vt/batch.py)
+        p0 = 2 * size + _PER_ROW.index("positions") * size
+        self.advancing = self.raw[p0:p0 + 3 * size].reshape(3, size)
         self._padded_from: int | None = None   # rows [n:] hold the pad row since the last fill
         self.filled = None   # what a fast fill (rows.fill_block) last wrote; None: unknown
         self.step_views = None   # a fast fill's cached [:n] views (it owns their meaning)
