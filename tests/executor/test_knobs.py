@@ -7,7 +7,7 @@ from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig
 def test_defaults_are_the_off_path():
     c = ExecutorConfig.from_env({})
     assert (c.async_executor, c.no_dbuf, c.poison, c.trace) == (False, False, False, None)
-    assert c.ring_depth == 3 and c.capture_sizes == DEFAULT_CAPTURE_SIZES and c.h2d == "graph"
+    assert c.ring_depth == 2 and c.capture_sizes == DEFAULT_CAPTURE_SIZES and c.h2d == "graph"
     assert c.slots_per_size == 1 and not c.skips_graph_drain
 
 

@@ -64,9 +64,9 @@ def test_off_path_needs_no_pre_grow(backend):
 
 @pytest.mark.parametrize("h2d", ["graph", "staged"])
 def test_capture_with_warm_up_makes_no_malloc_during_capture(backend, h2d):
-    """Warm-up + pre-grow: every size (4 of them), k=3 slots (the default), 0 driver calls
-    while capturing; staged captures one graph per size."""
-    drv, _ = _driver(backend, async_executor=True, h2d=h2d)
+    """Warm-up + pre-grow: every size (4 of them), k=3 slots, 0 driver calls while
+    capturing; staged captures one graph per size."""
+    drv, _ = _driver(backend, async_executor=True, h2d=h2d, ring_depth=3)
     before = backend.pool.stats()
     drv.capture()
     after = backend.pool.stats()
