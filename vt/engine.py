@@ -165,11 +165,18 @@ class Engine:
         pending, inflight, deferred = deque(reqs), None, []
         depth, clock, t_start = self.config.depth, time.perf_counter, time.perf_counter()
         runner_st = self.runner.stats
-        while pending or self._batch.n or inflight is not None or deferred:
+        # Plan (and prepare) step N+1 before collecting step N-1 when nothing in step N-1's
+        # tokens can change that plan: no stop tokens in this call (requests that end by
+        # length leave at launch time). The runner then has only the launch left after its
+        # wait (Runner.prepare).
+        ahead = self.runner.prepares_ahead and depth == 2 and not self._stops
+        planned = None                        # (plan, admitted) of the next step, if made early
+        while pending or self._batch.n or inflight is not None or deferred or planned:
             t0 = clock()
             waited = runner_st.drain_s + runner_st.token_wait_s
             before = [getattr(runner_st, k) for k in _RUNNER_SPLIT] if self.profile else None
-            plan, admitted = self._plan(pending)
+            plan, admitted = planned or self._plan(pending)
+            planned = None
             t1 = clock()
             handle = None
             if plan.n:
@@ -178,6 +185,15 @@ class Engine:
             elif inflight is None and not deferred:
                 raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
                                    f"{self._batch.n} running, nothing launched or in flight")
+            plan_ahead_s = 0.0
+            if ahead and handle is not None:
+                t_ahead = clock()
+                planned = self._plan(pending)
+                plan_ahead_s = clock() - t_ahead
+                if planned[0].n:
+                    self.runner.prepare(planned[0])
+                else:
+                    planned = None            # nothing to run next: plan again next time
             t2 = clock()
             if depth == 1:
                 for req in deferred:          # a stop sampled two steps ago (module docstring)
@@ -202,7 +218,7 @@ class Engine:
             ph.wall_s += t3 - t0
             ph.wait_s += runner_st.drain_s + runner_st.token_wait_s - waited
             if before is not None:
-                ph.plan_s += t1 - t0
+                ph.plan_s += (t1 - t0) + plan_ahead_s
                 ph.collect_s += t3 - t2
                 ph.device_ms += runner_st.device_ms - device_ms
                 for k, b in zip(_RUNNER_SPLIT, before):

@@ -51,7 +51,9 @@ class ExecutorConfig:
         lets the host write them, with a pattern that makes a late read visibly wrong.
     trace: path of a Chrome trace JSON written at close (None: no trace).
     serving_conc: how many requests the engine runs at once.
-    ring_depth: k, slots per size when the ring is on.
+    ring_depth: k, slots per size when the ring is on (2 by default). With 3, the two
+        steps in flight keep their slots and the next step's slot is refreshed before the
+        host waits (the runner's prepare-ahead: docs/design.md).
     capture_sizes: padded batch sizes that get a graph; larger batches run eagerly.
     h2d: "graph" bakes the H2D into each slot's graph; "staged" copies out of graph into
         persistent device buffers from a double-buffered pinned staging area (one graph/size).

@@ -68,6 +68,10 @@ class Runner:
                          for _ in range(2)] if self.profile else None)
         self._last: StepHandle | None = None
         self._inflight: list[StepHandle] = []
+        # Prepare-ahead (prepare()): with k >= 3 slots per size, the slot of the step after the
+        # two in flight is free, so it can be acquired and refreshed before the host waits.
+        self.prepares_ahead = config.async_executor and config.depth == 2 and config.slots_per_size >= 3
+        self._prepared: tuple | None = None   # (plan, slot): acquired and refreshed, not launched
         self._steps = 0
         self._closed = False
 
@@ -92,6 +96,10 @@ class Runner:
         if len(self._inflight) >= 2:
             raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
                                f"not collected; collect the oldest before launching (depth 2)")
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] is plan:
+            handle = self._launch_graph(prepared[1], plan, filled=True)
+            return self._launched(handle)
         prev = self._last
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
@@ -105,18 +113,48 @@ class Runner:
                 self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
             self.stats.acquire_s += time.perf_counter() - t0
         handle = self._launch_graph(slot, plan) if slot is not None else self._launch_eager(plan)
-        if slot is not None and self.config.poison:
-            self._poison_next(slot, handle)
+        return self._launched(handle)
+
+    def prepare(self, plan: StepPlan) -> bool:
+        """Acquire and refresh the graph slot of the step after the two in flight, now: the
+        host then waits for the older one with only the launch left to do after it (a
+        depth-2 loop otherwise makes the device idle for the whole plan + refresh + launch
+        latency whenever host and device take about the same time: docs/design.md). Only
+        with prepares_ahead (k >= 3: that slot's last user is collected), after a graph step,
+        for a decode-only plan with a captured size. launch(plan) then only launches.
+        Returns whether it prepared."""
+        self._check_open()
+        last = self._last
+        if (not self.prepares_ahead or plan.prefill or plan.n == 0 or last is None
+                or last.slot is None or self.driver.padded_size(plan.n) is None):
+            return False
+        t0 = time.perf_counter()
+        slot, waited = self.driver.acquire(plan.n)
+        if waited:
+            self.stats.ring_waits += 1
+        t1 = time.perf_counter()
+        slot.host.fill(plan.decode, self.model.pad)
+        self.stats.acquire_s += t1 - t0
+        self.stats.refresh_s += time.perf_counter() - t1
+        self._prepared = (plan, slot)
+        self.stats.prepared_steps += 1
+        return True
+
+    def _launched(self, handle: StepHandle) -> StepHandle:
+        if handle.slot is not None and self.config.poison:
+            self._poison_next(handle.slot, handle)
         self._last = handle
         self._inflight.append(handle)
         self._steps += 1
         return handle
 
-    def _launch_graph(self, slot, plan: StepPlan) -> StepHandle:
-        """The fast path: refresh the slot's block, one graph launch, one event record."""
+    def _launch_graph(self, slot, plan: StepPlan, filled: bool = False) -> StepHandle:
+        """The fast path: refresh the slot's block (unless prepare() did), one graph launch,
+        one event record."""
         st, index, n = self.stats, self._steps, plan.n
         t1 = time.perf_counter()
-        slot.host.fill(plan.decode, self.model.pad)
+        if not filled:
+            slot.host.fill(plan.decode, self.model.pad)
         t2 = time.perf_counter()
         timing = self._start_timing(index)
         if timing is not None:   # the profile's own event records stay out of the launch span
@@ -226,6 +264,7 @@ class Runner:
             error = exc
         self._inflight.clear()
         self._last = None
+        self._prepared = None
         return error
 
     def ceiling_us(self, n: int, replays: int) -> float:

@@ -51,6 +51,7 @@ class RunnerStats:
     drains: int = 0
     drain_s: float = 0.0
     ring_waits: int = 0       # slot acquisitions that had to block on the slot's event
+    prepared_steps: int = 0   # graph steps acquired and refreshed ahead (Runner.prepare)
     acquire_s: float = 0.0
     refresh_s: float = 0.0
     launch_s: float = 0.0

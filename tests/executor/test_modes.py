@@ -74,11 +74,27 @@ def test_ring_with_poison_matches_off_on_a_delayed_sim(delayed_sim, h2d):
     """The same race conditions as above, with the ring: no mismatch."""
     prompts, budgets = workload(16, seed=4)
     off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    # k = 2 (the default): the slot a step reuses is the one of the step before the last,
+    # often still queued, so the guard has to block (k = 3 is tested below)
     ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, async_executor=True,
-                       poison=True, h2d=h2d)
+                       poison=True, h2d=h2d, ring_depth=2)
     assert mismatches(off, ring) == 0
     if h2d == "graph":   # staged slots wait only for their short out-of-graph copy
         assert st["ring_waits"] > 0   # the guard had to block: it was exercised
+    assert st["prepared_steps"] == 0   # prepare-ahead needs k >= 3
+
+
+@pytest.mark.parametrize("h2d", ["graph", "staged"])
+def test_prepare_ahead_with_poison_matches_off_on_a_delayed_sim(delayed_sim, h2d):
+    """k = 3: each graph step's block is refreshed while the two steps before it are still
+    in flight (Runner.prepare), and POISON writes the next slot as early as the ring allows:
+    still no mismatch."""
+    prompts, budgets = workload(16, seed=4)
+    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, async_executor=True,
+                       poison=True, h2d=h2d, ring_depth=3)
+    assert mismatches(off, ring) == 0
+    assert st["prepared_steps"] > st["graph_steps"] // 2, st   # most graph steps were prepared
 
 
 def test_eager_only_matches_graphs(backend):

@@ -64,14 +64,15 @@ def test_off_path_needs_no_pre_grow(backend):
 
 @pytest.mark.parametrize("h2d", ["graph", "staged"])
 def test_capture_with_warm_up_makes_no_malloc_during_capture(backend, h2d):
-    """Warm-up + pre-grow: every size, k=2 slots, 0 driver calls while capturing."""
-    drv, _ = _driver(backend, async_executor=True, h2d=h2d)
+    """Warm-up + pre-grow: every size (4 of them), k=3 slots, 0 driver calls while
+    capturing; staged captures one graph per size."""
+    drv, _ = _driver(backend, async_executor=True, h2d=h2d, ring_depth=3)
     before = backend.pool.stats()
     drv.capture()
     after = backend.pool.stats()
     assert after.mallocs_during_capture == 0
-    assert after.captures - before.captures == (4 if h2d == "staged" else 8)
-    assert all(len(r.slots) == 2 for r in drv.rings.values())
+    assert after.captures - before.captures == (4 if h2d == "staged" else 12)
+    assert all(len(r.slots) == 3 for r in drv.rings.values())
     drv.close()
 
 
@@ -117,10 +118,14 @@ def test_the_graph_returns_the_sampled_tokens_in_the_slot_pinned_output(backend)
 
 
 def test_ring_alternates_slots(sim_backend):
-    """k=2: acquisitions of one size go slot 0, 1, 0; OFF always slot 0."""
-    ring_drv, _ = _driver(sim_backend, async_executor=True)
+    """k=2: acquisitions of one size go slot 0, 1, 0; k=3: 0, 1, 2, 0; OFF always slot 0."""
+    ring_drv, _ = _driver(sim_backend, async_executor=True, ring_depth=2)
     ring_drv.capture()
     assert [ring_drv.acquire(4)[0].index for _ in range(3)] == [0, 1, 0]
+    ring_drv.close()
+    ring_drv, _ = _driver(sim_backend, async_executor=True, ring_depth=3)
+    ring_drv.capture()
+    assert [ring_drv.acquire(4)[0].index for _ in range(4)] == [0, 1, 2, 0]
     ring_drv.close()
     off_drv, _ = _driver(sim_backend)
     off_drv.capture()
@@ -132,7 +137,7 @@ def test_ring_acquire_blocks_until_the_slot_replay_finished():
     """The guard waits on the reuse event of the slot's last replay (blocking)."""
     from vt.backend import get_backend
     be = get_backend("sim")
-    drv, toy = _driver(be, async_executor=True)
+    drv, toy = _driver(be, async_executor=True, ring_depth=2)
     drv.capture()
     slot, _ = drv.acquire(1)
     be.busy_wait(drv.stream, 0.05)
@@ -145,8 +150,8 @@ def test_ring_acquire_blocks_until_the_slot_replay_finished():
 
 
 def test_reading_a_stale_logits_view_raises(backend):
-    """A graph view is valid until its slot is replayed again, then raises."""
-    drv, _ = _driver(backend, async_executor=True)
+    """A graph view is valid until its slot is replayed again, then raises (k=2)."""
+    drv, _ = _driver(backend, async_executor=True, ring_depth=2)
     drv.capture()
     a, _ = drv.acquire(2)
     first = _launch(drv, a, _rows(2))
