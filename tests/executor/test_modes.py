@@ -152,3 +152,20 @@ def test_ring_wait_is_load_bearing(delayed_sim, monkeypatch):
     broken, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16,
                         async_executor=True, poison=True, ring_depth=2)
     assert mismatches(off, broken) > 0
+
+
+@pytest.mark.parametrize("stop", [None, 3])
+def test_prepare_ahead_equals_the_synchronous_run(backend, stop):
+    """k = 3 against depth 1, byte for byte: prepare-ahead runs when the call has no stop
+    tokens (most graph steps prepared), and not at all when it has one (a stop in step N-1's
+    tokens can change step N+1's admissions)."""
+    prompts, budgets = workload(12, seed=11)
+    ref, _ = run_toy(backend, prompts, budgets, serving_conc=6, depth=1, stop_token=stop)
+    got, st = run_toy(backend, prompts, budgets, serving_conc=6, async_executor=True,
+                      ring_depth=3, stop_token=stop)
+    assert mismatches(ref, got) == 0
+    if stop is None:
+        assert st["prepared_steps"] > st["graph_steps"] // 2, st
+    else:
+        assert st["prepared_steps"] == 0
+        assert any(r.finish_reason == "stop" for r in got)   # the stop was exercised
