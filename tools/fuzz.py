@@ -48,7 +48,7 @@ from vt.engine import Engine  # noqa: E402
 from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step import MAX_TOP_K, KVGeometry, SamplingParams  # noqa: E402
 
-ASYNC_MODES = ("ring", "ring_inputs_read", "staged")
+ASYNC_MODES = ("ring", "ring_prepare", "ring_inputs_read", "staged")
 UNSAFE = "no_dbuf+poison"
 CAPTURE_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 TOY_VOCAB = 64
@@ -205,6 +205,8 @@ def mode_config(case: Case, mode: str) -> ExecutorConfig:
     if mode == UNSAFE:
         return ExecutorConfig.for_mode("no_dbuf", poison=True, **base)
     poison = mode in ASYNC_MODES or (mode == "drain" and case.drain_poison)
+    if mode == "ring_prepare":   # the mode is k >= 3 (prepare-ahead): the case's k is 2 or 3
+        base["ring_depth"] = max(3, case.ring_depth)
     return ExecutorConfig.for_mode(mode, poison=poison, **base)
 
 

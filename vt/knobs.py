@@ -19,6 +19,7 @@ MODES = {
     "sync": dict(depth=1),
     "drain": dict(),
     "ring": dict(async_executor=True),
+    "ring_prepare": dict(async_executor=True, ring_depth=3),   # + prepare-ahead (vt/runner.py)
     "ring_inputs_read": dict(async_executor=True, inputs_read_event=True),
     "staged": dict(async_executor=True, h2d="staged"),
     "no_dbuf": dict(no_dbuf=True),
@@ -128,8 +129,11 @@ class ExecutorConfig:
             return "no_dbuf"
         if not self.async_executor:
             return "drain"
-        return "staged" if self.h2d == "staged" else (
-            "ring_inputs_read" if self.inputs_read_event else "ring")
+        if self.h2d == "staged":
+            return "staged"
+        if self.inputs_read_event:
+            return "ring_inputs_read"
+        return "ring_prepare" if self.ring_depth >= 3 else "ring"
 
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "ExecutorConfig":
