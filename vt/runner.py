@@ -9,6 +9,11 @@ Before Refresh(N+1) the host drains (waits for step N) unless the skip applies: 
 previous step's logits are a non-owning graph view AND the ring is on (safe: the slot's
 event guards its block) or NO_DBUF is set (unsafe: nothing guards it). Eager, mixed and
 prefill steps own their logits and always drain.
+
+Prepare-ahead (k >= 3 slots per size, mode ring_prepare): prepare(plan) acquires and fills
+the slot of the step after the two in flight before the host waits for the older of them,
+and launch(plan) then only launches. That slot's previous step is collected by then (its
+tokens copied out) and its event guards the block, as for any acquire.
 """
 from __future__ import annotations
 
