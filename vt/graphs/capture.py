@@ -33,7 +33,9 @@ def warm_up(be, stream, step, slot, vocab: int, pad) -> None:
 
     step(stream, inputs, logits, out_tokens): the forward and the sampler."""
     slot.host.poison(pad)
-    slot.host.copy_to(be, slot.device, stream)
+    # The input copy as the captured step makes it: in graph mode a kernel, whose module is
+    # then loaded here and not inside the capture.
+    slot.host.copy_to(be, slot.device, stream, mapped=not slot.staged)
     logits = be.empty((slot.size, vocab), LOGITS_DTYPE)   # [S, vocab], outside the scratch count
     with be.pool.scratch_warmup(f"warm-up {slot.name}"):
         step(stream, slot.device.inputs, logits, slot.out_device)

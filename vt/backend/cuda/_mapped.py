@@ -33,7 +33,8 @@ _MAX_BLOCKS = 1024
 
 
 class MappedCopy:
-    """Compiled and loaded on first use (before any capture: a module load is not capturable)."""
+    """Compiled and loaded on first use, which must come before any capture that uses it (vt's
+    decode graphs: their warm-up copies this way first, vt/graphs/capture.py)."""
 
     def __init__(self):
         self._kernels = None
