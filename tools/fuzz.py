@@ -45,10 +45,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.knobs import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step import MAX_TOP_K, KVGeometry, SamplingParams  # noqa: E402
 
-ASYNC_MODES = ("ring", "ring_prepare", "ring_inputs_read", "staged")
+ASYNC_MODES = tuple(m for m, fields in MODES.items() if fields.get("async_executor"))
 UNSAFE = "no_dbuf+poison"
 CAPTURE_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 TOY_VOCAB = 64

@@ -144,7 +144,7 @@ def soak(be, *, model: str = "toy", steps: int = 10_000, mode: str = "ring", con
     rng = np.random.default_rng(seed)
     m = _Model(be, model, max_seqs=16)
     config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=capture_sizes,
-                                     poison=mode in ("ring", "ring_prepare", "ring_inputs_read", "staged"))
+                                     poison=bool(MODES[mode].get("async_executor")))   # the ring modes
     t0 = time.perf_counter()
     report = dict(backend=be.name, model=model, mode=config.mode, conc=conc, seed=seed,
                   chunks=[], problems=[], drift={}, reference_mismatches=None)

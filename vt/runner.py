@@ -109,14 +109,7 @@ class Runner:
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
             self._wait(prev, drain=True)
-        slot = None
-        if not plan.prefill:
-            t0 = time.perf_counter()
-            slot, waited = self.driver.acquire(n)
-            if waited:
-                self.stats.ring_waits += 1
-                self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
-            self.stats.acquire_s += time.perf_counter() - t0
+        slot = None if plan.prefill else self._acquire(n)
         handle = self._launch_graph(slot, plan) if slot is not None else self._launch_eager(plan)
         return self._launched(handle)
 
@@ -133,17 +126,23 @@ class Runner:
         if (not self.prepares_ahead or plan.prefill or plan.n == 0 or last is None
                 or last.slot is None or self.driver.padded_size(plan.n) is None):
             return False
-        t0 = time.perf_counter()
-        slot, waited = self.driver.acquire(plan.n)
-        if waited:
-            self.stats.ring_waits += 1
+        slot = self._acquire(plan.n)
         t1 = time.perf_counter()
         slot.host.fill(plan.decode, self.model.pad)
-        self.stats.acquire_s += t1 - t0
         self.stats.refresh_s += time.perf_counter() - t1
         self._prepared = (plan, slot)
         self.stats.prepared_steps += 1
         return True
+
+    def _acquire(self, n: int):
+        """The graph slot for n rows (None: eager), its guard waited on, counted and traced."""
+        t0 = time.perf_counter()
+        slot, waited = self.driver.acquire(n)
+        if waited:
+            self.stats.ring_waits += 1
+            self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
+        self.stats.acquire_s += time.perf_counter() - t0
+        return slot
 
     def _launched(self, handle: StepHandle) -> StepHandle:
         if handle.slot is not None and self.config.poison:

@@ -11,14 +11,16 @@ def _fresh(rng, host):
     host[:] = rng.standard_normal(host.shape).astype(host.dtype)
 
 
-def _graph_io(be, s):
-    """Pinned input/output vectors, device twins, and the captured H2D -> axpb -> D2H graph."""
+def _graph_io(be, s, mapped=False):
+    """Pinned input/output vectors, device twins, and the captured H2D -> axpb -> D2H graph
+    (mapped: the copies are be.copy_h2d_mapped / copy_d2h_mapped kernels, not memcpys)."""
     x_h, y_h = be.pinned_empty((N,), np.float32), be.pinned_empty((N,), np.float32)
     x_d, y_d = be.empty((N,), np.float32), be.empty((N,), np.float32)
+    h2d, d2h = (be.copy_h2d_mapped, be.copy_d2h_mapped) if mapped else (be.copy_h2d, be.copy_d2h)
     with be.capture(s, name="axpb") as cap:
-        be.copy_h2d(x_d, x_h, s)
+        h2d(x_d, x_h, s)
         be.launch(s, Axpb(), y_d, x_d, a=A, b=B)
-        be.copy_d2h(y_h, y_d, s)
+        d2h(y_h, y_d, s)
     return x_h, y_h, x_d, y_d, cap.graph
 
 

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 
 from ._kernels import Axpb
-
-A, B = 3.0, -2.0
+from .test_graph_replay import A, B, _graph_io
 
 
 @pytest.mark.parametrize("n", [1, 3, 4, 4096, 4099])   # 4-byte and 16-byte word paths
@@ -25,19 +24,13 @@ def test_mapped_round_trip_equals_the_input(backend, n):
 def test_baked_mapped_copies_read_and_write_at_every_replay(backend):
     """The graph's kernel copies re-read the pinned input and re-write the pinned output at
     each replay, as memcpy nodes would (what hazard-C and its guards are about)."""
-    n = 4096
     s = backend.stream()
-    x_h, y_h = backend.pinned_empty((n,), np.float32), backend.pinned_empty((n,), np.float32)
-    x_d, y_d = backend.empty((n,), np.float32), backend.empty((n,), np.float32)
-    with backend.capture(s, name="mapped axpb") as cap:
-        backend.copy_h2d_mapped(x_d, x_h, s)
-        backend.launch(s, Axpb(), y_d, x_d, a=A, b=B)
-        backend.copy_d2h_mapped(y_h, y_d, s)
+    x_h, y_h, *_, graph = _graph_io(backend, s, mapped=True)
     rng = np.random.default_rng(0)
     for _ in range(3):
-        x_h[:] = rng.standard_normal(n).astype(np.float32)
+        x_h[:] = rng.standard_normal(x_h.shape).astype(np.float32)
         y_h[:] = np.nan
-        cap.graph.launch(s)
+        graph.launch(s)
         s.synchronize()
         np.testing.assert_allclose(y_h, Axpb.reference(x_h, A, B), rtol=1e-5, atol=1e-6)
 

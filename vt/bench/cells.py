@@ -92,7 +92,7 @@ def vt_row(ident: dict, fast: dict, prof: dict | None, *, conc: int, ceiling_us:
                driver_mallocs_since_warm_up=fast.get("driver_mallocs_since_warm_up"),
                host_busy_us=1e6 * (dec["wall_s"] - dec["wait_s"]) / steps)
     if prof is not None:
-        pdec, ppre = phases(prof)
+        pdec, _ = phases(prof)
         n = max(pdec["steps"], 1)
         per = {p: 1e6 * pdec[f"{p}_s"] / n for p in (*HOST_PARTS, "drain")}
         wall_us = 1e6 * pdec["wall_s"] / n
@@ -116,11 +116,11 @@ def torch_row(ident: dict, result: dict, *, conc: int, steps: int, ceiling_us: f
     (the ceiling): the loop has no timing events of its own, so as not to slow it down."""
     row = blank_row(impl="torch", **ident)
     wall = result["wall_s"]
+    host_us = 1e6 * (wall - result["wait_s"]) / steps   # the loop has no other split
     row.update(decode_steps=steps, decode_wall_s=wall, steps_per_s=steps / wall,
                step_us=1e6 * wall / steps, decode_tokens=steps * conc,
                tokens_per_s=steps * conc / wall, prefill_steps=1, prefill_tokens=conc,
-               host_us=1e6 * (wall - result["wait_s"]) / steps,
-               host_busy_us=1e6 * (wall - result["wait_s"]) / steps,
+               host_us=host_us, host_busy_us=host_us,
                wait_us=1e6 * result["wait_s"] / steps, device_us=ceiling_us,
                gpu_idle_us=max(0.0, 1e6 * wall / steps - ceiling_us),
                tokens_ok=tokens_ok, tokens_sha1=tokens_sha1(result["tokens"]))
