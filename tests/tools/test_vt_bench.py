@@ -57,6 +57,9 @@ def test_sim_sweep_vt_cells_have_sane_values(sim_sweep):
         assert r["step_us"] >= r["spin_us"], where
         assert r["tokens_ok"] is True and r["identical_to_drain"] is True, where
         assert r["driver_mallocs_since_warm_up"] == 0, where
+        runs = r["step_us_runs"]   # the row is the median of --repeats timed runs
+        assert len(runs) == res["repeats"] == 3, where
+        assert math.isclose(r["step_us"], sorted(runs)[1], rel_tol=1e-9), where
         for p in cells.HOST_PARTS:
             assert r[f"host_{p}_us"] >= 0, (where, p)
         assert r["host_drain_us"] >= 0 and r["host_us"] > 0 and r["wait_us"] >= 0, where
@@ -296,3 +299,12 @@ def test_torch_peer_tokens_match_the_synthetic_forward():
             assert res["wall_s"] > 10 * 20e-6 and 0 <= res["wait_s"] <= res["wall_s"]
     finally:
         peer.close()
+
+
+def test_median_run_picks_the_middle_run_and_keeps_every_time():
+    from vt.bench.run import median_run
+    runs = [dict(s=3e-6), dict(s=1e-6), dict(s=9e-6), dict(s=2e-6)]
+    chosen, times = median_run(runs, lambda r: r["s"])
+    assert chosen is runs[3]                      # lower middle of 1, 2, 3, 9
+    assert times == pytest.approx([3.0, 1.0, 9.0, 2.0])
+    assert median_run(runs[:1], lambda r: r["s"])[0] is runs[0]

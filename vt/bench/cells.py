@@ -34,6 +34,8 @@ COLUMNS = (
     # checks
     "tokens_ok", "identical_to_drain", "tokens_sha1", "driver_mallocs_since_warm_up",
     "profiled_steps_per_s",
+    # every timed run's µs per step (--repeats); the row's columns are its median run's
+    "step_us_runs",
 )
 
 

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"{_STEPS['sim']} on sim)")
     p.add_argument("--prompt-len", type=int, default=None,
                    help="prompt tokens per request (default: 2 synthetic, 16 model)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed runs per cell; the cell is the run with the median step time "
+                        "(every run's step time is kept in step_us_runs; default: %(default)s)")
     p.add_argument("--ceiling-replays", type=int, default=None,
                    help=f"back-to-back replays per ceiling (default: {_REPLAYS['cuda']} on cuda, "
                         f"{_REPLAYS['sim']} on sim)")
@@ -92,7 +95,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
         args.preset = ["bench-small" if backend == "cuda" else "tiny-dense"]
     for flag, vals in (("--conc", args.conc), ("--steps", [args.steps]),
                        ("--prompt-len", [args.prompt_len]),
-                       ("--ceiling-replays", [args.ceiling_replays])):
+                       ("--ceiling-replays", [args.ceiling_replays]), ("--repeats", [args.repeats])):
         if min(vals) < 1:
             error(f"{flag} must be positive integers, got {vals}")
     if not all(math.isfinite(d) and d >= 0 for d in args.spin_us):

@@ -37,13 +37,23 @@ def _groups(res: dict):
     return out
 
 
+def _ratios(r: dict | None, mode: str) -> str:
+    """"to drain|to torch_async", and " e<overlap efficiency>" for vt's async modes."""
+    if r is None or r["status"] != "ok":
+        return "absent"
+    s = f"{_f(r['ratio_to_drain'], '.2f')}|{_f(r['ratio_to_torch_async'], '.2f')}"
+    if r["overlap_efficiency"] is not None and mode != "drain":
+        s += f" e{r['overlap_efficiency']:.2f}"
+    return s
+
+
 def table(res: dict) -> str:
     impls = _impls(res)
     w = max(14, *(len(m) + 2 for m in impls))
     lines = []
     for title, axis, groups in _groups(res):
-        lines += [f"{title}: us per decode step (fraction of its ceiling); ceiling = drain's graph "
-                  f"replayed back to back",
+        lines += [f"{title}: us per decode step (fraction of its ceiling: its own graph replayed back "
+                  f"to back); the ceiling column is drain's",
                   f"{axis:>6} " + "".join(f"{m:>{w}}" for m in impls) + f"{'ceiling':>{w}}"]
         for value, by in groups:
             cols = []
@@ -55,19 +65,11 @@ def table(res: dict) -> str:
             lines.append(f"{value:>6g} " + "".join(cols) + _f(ce, ".0f").rjust(w))
         lines += ["", f"{title}: steps/s ratio to drain | to torch_async; e = overlap efficiency "
                       f"max(h, d) / T (vt; vt/bench/cells.py)",
-                  f"{axis:>6} " + "".join(f"{m:>{w}}" for m in impls)]
-        for value, by in groups:
-            cols = []
-            for m in impls:
-                r = by.get(m)
-                if r is None or r["status"] != "ok":
-                    cols.append("absent".rjust(w))
-                    continue
-                s = f"{_f(r['ratio_to_drain'], '.2f')}|{_f(r['ratio_to_torch_async'], '.2f')}"
-                if r["overlap_efficiency"] is not None and m != "drain":
-                    s += f" e{r['overlap_efficiency']:.2f}"
-                cols.append(s.rjust(w))
-            lines.append(f"{value:>6g} " + "".join(cols))
+                  None]
+        ratios = [(value, [_ratios(by.get(m), m) for m in impls]) for value, by in groups]
+        wr = max(w, *(len(s) + 2 for _, cols in ratios for s in cols))   # "1.56|1.47 e1.21"
+        lines[-1] = f"{axis:>6} " + "".join(f"{m:>{wr}}" for m in impls)
+        lines += [f"{value:>6g} " + "".join(s.rjust(wr) for s in cols) for value, cols in ratios]
         lines.append("")
     names = [*HOST_PARTS, "drain", "other", "host", "device", "idle", "machin.", "busy"]
     keys = [*(f"host_{p}_us" for p in HOST_PARTS), "host_drain_us", "host_other_us", "host_us",

@@ -46,14 +46,34 @@ def run_vt(engine, prompts, new_tokens: int) -> tuple[dict, list]:
     return delta, [list(map(int, r.tokens)) for r in results]
 
 
-def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=None) -> dict:
+def median_run(runs: list, step_s) -> tuple[object, list[float]]:
+    """The run with the median step time (the lower middle of an even count) and every run's
+    step time in µs, in run order. One run's time can be off by 1.5x on a busy host; the median
+    of a few keeps the cell's columns from one consistent run."""
+    times = [1e6 * step_s(r) for r in runs]
+    order = sorted(range(len(runs)), key=times.__getitem__)
+    return runs[order[(len(runs) - 1) // 2]], times
+
+
+def _decode_step_s(delta: dict) -> float:
+    dec = cells.phases(delta)[0]
+    return dec["wall_s"] / max(dec["steps"], 1)
+
+
+def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=None,
+            repeats: int = 1) -> dict:
     fast, prof = engines[mode, False], engines.get((mode, True))
-    d_fast, tokens = run_vt(fast, prompts, new_tokens)
+    runs = [run_vt(fast, prompts, new_tokens) for _ in range(repeats)]
+    (d_fast, tokens), times = median_run(runs, lambda r: _decode_step_s(r[0]))
     d_prof = run_vt(prof, prompts, new_tokens)[0] if prof is not None else None
     ceiling = fast.device_ceiling_us(conc, replays=replays)
+    if any(t != tokens for _, t in runs):
+        raise RuntimeError(f"{mode} {ident}: the repeated runs of one cell sampled different tokens")
     ok = None if expect is None else tokens == expect
-    return cells.vt_row(dict(ident, mode=mode), d_fast, d_prof, conc=conc, ceiling_us=ceiling,
-                        tokens=tokens, tokens_ok=ok)
+    row = cells.vt_row(dict(ident, mode=mode), d_fast, d_prof, conc=conc, ceiling_us=ceiling,
+                       tokens=tokens, tokens_ok=ok)
+    row["step_us_runs"] = times
+    return row
 
 
 def plan_total(args, torch_ok: bool) -> int:
@@ -105,16 +125,18 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
                 ident = dict(workload="synthetic", conc=conc, spin_us=d)
                 for mode in args.modes:
                     rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
-                                        args.ceiling_replays, expect))
+                                        args.ceiling_replays, expect, args.repeats))
                     progress.step(_done_line(rows[-1]))
                 if peer is not None:
                     peer.set_device_us(d)
                     ceiling = peer.ceiling_us(args.ceiling_replays)
                     for variant in torch_peer.VARIANTS:
-                        res = peer.run(variant, prompts, args.steps)
+                        runs = [peer.run(variant, prompts, args.steps) for _ in range(args.repeats)]
+                        res, times = median_run(runs, lambda r: r["wall_s"] / args.steps)
                         rows.append(cells.torch_row(dict(ident, mode=variant), res, conc=conc,
                                                     steps=args.steps, ceiling_us=ceiling,
-                                                    tokens_ok=res["tokens"] == expect))
+                                                    tokens_ok=all(r["tokens"] == expect for r in runs)))
+                        rows[-1]["step_us_runs"] = times
                         progress.step(_done_line(rows[-1]))
                 else:
                     rows += [cells.absent_row(reason, impl="torch", mode=v, **ident)
@@ -153,7 +175,7 @@ def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
                             progress.step(f"captured {preset} {mode} S={conc}"
                                           f"{' (profiled)' if prof else ''}")
                         rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
-                                            args.ceiling_replays))
+                                            args.ceiling_replays, repeats=args.repeats))
                         progress.step(_done_line(rows[-1]))
                     finally:
                         for eng in engines.values():
@@ -188,7 +210,7 @@ def run(args, progress_factory) -> dict:
         wall_s=time.perf_counter() - t0,
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
         presets=list(args.preset) if args.workload == "model" else None,
-        concs=list(args.conc), modes=list(args.modes), steps=args.steps,
+        concs=list(args.conc), modes=list(args.modes), steps=args.steps, repeats=args.repeats,
         prompt_len=args.prompt_len, seed=args.seed, ceiling_replays=args.ceiling_replays,
         wait_poll_us=args.wait_poll_us,
         profile=args.profile,
