@@ -11,7 +11,8 @@ free block and the pool raises CaptureAllocationError (the test of the pre-grow)
 
 A captured step is the whole decode step: [the input block's H2D, the inputs-read event,]
 the forward, the sampler (which also feeds the token table) and [the tokens' D2H into the
-slot's pinned output]. The bracketed parts are outside the graph in staged mode. Inside the
+slot's pinned output, the slot's done event]. The bracketed parts are outside the graph in
+staged mode. Inside the
 graph both copies are kernels that read or write the pinned buffers directly
 (be.copy_h2d_mapped / copy_d2h_mapped): with no memcpy node, launching the graph costs the
 host ~3.7 µs less (docs/design.md).
@@ -56,6 +57,9 @@ def capture_slot(be, stream, step, slot, vocab: int, *, staged: bool) -> GraphOu
         step(stream, slot.device.inputs, logits, slot.out_device)
         if not staged:
             be.copy_d2h_mapped(slot.out_host, slot.out_device, stream)
+            # `done` as the graph's last node: a launch is then one driver call, not a launch
+            # and an event record (docs/design.md, launch cost).
+            slot.done.record(stream, external=True)
     graph = cap.graph
     graph.upload(stream)
     return GraphOutput(graph, logits, slot.name)

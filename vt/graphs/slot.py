@@ -46,8 +46,9 @@ class SizeSlot:
         return wait_event(self.inputs_read_event or self.staged_read or self.done, poll_s)
 
     def launch(self, stream, n: int) -> ForwardLogits:
-        """Replay on `stream`, then record `done`: the tokens are in out_host once it completes.
-        The returned view is valid until this graph's next launch."""
+        """Replay on `stream`; `done` completes once the tokens are in out_host (graph mode:
+        the graph's last node records it; staged: recorded after the copies). The returned
+        view is valid until this graph's next launch."""
         be = self.be
         self.idle = False
         if self.staged:
@@ -55,9 +56,9 @@ class SizeSlot:
             self.staged_read.record(stream)
             gen = self.output.launch(stream)
             be.copy_d2h(self.out_host, self.out_device, stream)
+            self.done.record(stream)
         else:
             gen = self.output.launch(stream)
-        self.done.record(stream)
         return ForwardLogits(self.output.logits, n, output=self.output, generation=gen)
 
     def close(self):
