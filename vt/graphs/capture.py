@@ -12,10 +12,9 @@ free block and the pool raises CaptureAllocationError (the test of the pre-grow)
 A captured step is the whole decode step: [the input block's H2D, the inputs-read event,]
 the forward, the sampler (which also feeds the token table) and [the tokens' D2H into the
 slot's pinned output, the slot's done event]. The bracketed parts are outside the graph in
-staged mode. Inside the
-graph both copies are kernels that read or write the pinned buffers directly
-(be.copy_h2d_mapped / copy_d2h_mapped): with no memcpy node, launching the graph costs the
-host ~3.7 µs less (docs/design.md).
+staged mode. Inside the graph both copies are kernels that read or write the pinned buffers
+directly (be.copy_h2d_mapped / copy_d2h_mapped): with no memcpy node, launching the graph
+costs the host ~3.7 µs less (docs/design.md).
 """
 from __future__ import annotations
 
