@@ -33,6 +33,14 @@ def sim_backend():
     be.close()
 
 
+@pytest.fixture
+def delayed_sim():
+    """A sim whose every device op first sleeps 1 ms: the host always runs ahead."""
+    be = get_backend("sim", device_delay_s=0.001)
+    yield be
+    be.close()
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="run the tests marked slow (the long fuzz and soak; also VT_SLOW=1)")

@@ -19,16 +19,15 @@ import time
 from collections import deque
 from typing import Callable
 
-import numpy as np
-
 from vt.backend.errors import ClosedError
-from vt.batch import BatchStep, DecodeBatch
-from vt.knobs import ExecutorConfig
-from vt.requests import (BlockAllocator, EngineBusyError, Request, RequestResult, RowAllocator)
 from vt.adapt import as_step_model
-from vt.runner import Runner, StepPlan
-from vt.steps import Phase, Progress  # noqa: F401  (Progress: public, documented here)
-from vt.step import PrefillSeq
+from vt.batch import BatchStep
+from vt.knobs import ExecutorConfig
+from vt.outputs import CallOutputs
+from vt.requests import EngineBusyError, Request, RequestResult
+from vt.runner import Runner
+from vt.schedule import Scheduler
+from vt.steps import Phase, Progress, StepHandle  # noqa: F401  (Progress: public, documented here)
 from vt.submit import make_requests
 
 
@@ -92,7 +91,7 @@ class Engine:
         """
         self._check_open()
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
-                             self.model.vocab, self._blocks.capacity)
+                             self.model.vocab, self._sched.blocks.capacity)
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("Engine.generate() is already running (in another thread, or "
                                   "this call comes from inside it, e.g. its progress callback); "
@@ -155,13 +154,16 @@ class Engine:
 
     # -- the loop -----------------------------------------------------------------------
     def _serve(self, reqs: list[Request], progress) -> list[RequestResult]:
-        total = reqs[-1].end if reqs else 0
-        self._out = np.zeros(total, np.int32)                  # every request's tokens
-        self._limit = np.array([r.end for r in reqs], np.int64)  # per request: where they stop
-        self._out_logits = (np.zeros((total, self.model.vocab), np.float32)
-                            if self.record_logits else None)
-        self._reqs, self._finished = reqs, 0
-        self._stops = any(r.stop_token is not None for r in reqs)
+        out = CallOutputs(reqs, self.model.vocab, self.record_logits)
+        try:
+            self._loop(reqs, out, progress)
+        finally:
+            self._tokens_out += out.count
+        return [out.result(r) for r in reqs]
+
+    def _loop(self, reqs: list[Request], out: CallOutputs, progress) -> None:
+        sched, runner = self._sched, self.runner
+        stops = any(r.stop_token is not None for r in reqs)
         pending, inflight, deferred = deque(reqs), None, []
         depth, clock, t_start = self.config.depth, time.perf_counter, time.perf_counter()
         runner_st = self.runner.stats
@@ -169,168 +171,115 @@ class Engine:
         # tokens can change that plan: no stop tokens in this call (requests that end by
         # length leave at launch time). The runner then has only the launch left after its
         # wait (Runner.prepare).
-        ahead = self.runner.prepares_ahead and depth == 2 and not self._stops
+        ahead = runner.prepares_ahead and depth == 2 and not stops
+        # The steady loop (_steady) takes every decode-only step it can, unless this call
+        # needs what only this loop does: profiling, depth 1, prepare-ahead.
+        steady = depth == 2 and not ahead and not self.profile and not runner.profile
         planned = None                        # (plan, admitted) of the next step, if made early
-        while pending or self._batch.n or inflight is not None or deferred or planned:
-            t0 = clock()
-            waited = runner_st.drain_s + runner_st.token_wait_s
-            before = [getattr(runner_st, k) for k in _RUNNER_SPLIT] if self.profile else None
-            plan, admitted = planned or self._plan(pending)
+        profile, ahead_s = self.profile, 0.0
+        waited = runner_st.drain_s + runner_st.token_wait_s
+        t0 = t_start
+        while pending or sched.batch.n or inflight is not None or deferred or planned:
+            if steady and inflight is not None:
+                inflight = self._steady(pending, inflight, out, stops, progress, t_start)
+                waited = runner_st.drain_s + runner_st.token_wait_s
+                t0 = clock()
+            # Without profile an iteration reads one clock (its end); the split costs four more
+            before = [getattr(runner_st, k) for k in _RUNNER_SPLIT] if profile else None
+            plan, admitted = planned or sched.plan(pending, stops)
             planned = None
-            t1 = clock()
+            t1 = clock() if profile else 0.0
             handle = None
             if plan.n:
-                handle = self.runner.launch(plan)
-                self._after_launch(plan, admitted)
+                handle = runner.launch(plan)
+                sched.after_launch(plan, admitted)
             elif inflight is None and not deferred:
                 raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
-                                   f"{self._batch.n} running, nothing launched or in flight")
-            plan_ahead_s = 0.0
+                                   f"{sched.batch.n} running, nothing launched or in flight")
             if ahead and handle is not None:
-                t_ahead = clock()
-                planned = self._plan(pending)
-                plan_ahead_s = clock() - t_ahead
+                t_ahead = clock() if profile else 0.0
+                planned = sched.plan(pending, stops)
+                if profile:
+                    ahead_s = clock() - t_ahead
                 if planned[0].n:
-                    self.runner.prepare(planned[0])
+                    runner.prepare(planned[0])
                 else:
                     planned = None            # nothing to run next: plan again next time
-            t2 = clock()
+            t2 = clock() if profile else 0.0
             if depth == 1:
                 for req in deferred:          # a stop sampled two steps ago (module docstring)
-                    self._leave(req)
+                    sched.leave(req)
                 ready, handle, deferred = handle, None, []
             else:
                 ready = inflight
             device_ms = runner_st.device_ms
             if ready is not None:
-                stopped = self._store(ready, self.runner.collect(ready))
+                stopped = out.store(ready.tag, runner.collect(ready), ready.host_logits)
                 if depth == 1:
                     deferred = stopped
                 else:
                     for req in stopped:
-                        self._leave(req)
+                        sched.leave(req)
                 if progress is not None:
-                    progress(Progress(ready.index, self._finished, len(reqs), self._tokens_out,
-                                      clock() - t_start))
+                    progress(Progress(ready.index, out.finished, len(reqs),
+                                      self._tokens_out + out.count, clock() - t_start))
             t3 = clock()
             ph = self._phases["prefill" if plan.prefill else "decode"]
             ph.steps += bool(plan.n)
             ph.wall_s += t3 - t0
-            ph.wait_s += runner_st.drain_s + runner_st.token_wait_s - waited
+            now_waited = runner_st.drain_s + runner_st.token_wait_s
+            ph.wait_s += now_waited - waited
+            waited = now_waited
             if before is not None:
-                ph.plan_s += (t1 - t0) + plan_ahead_s
+                ph.plan_s += (t1 - t0) + ahead_s
                 ph.collect_s += t3 - t2
                 ph.device_ms += runner_st.device_ms - device_ms
                 for k, b in zip(_RUNNER_SPLIT, before):
                     setattr(ph, k, getattr(ph, k) + getattr(runner_st, k) - b)
-            inflight = handle
+                ahead_s = 0.0
+            inflight, t0 = handle, t3
         self._wall_s += clock() - t_start
-        return [self._result(r) for r in reqs]
 
-    def _plan(self, pending: deque) -> tuple[StepPlan, list[Request]]:
-        """This step's rows: every request in the batch decodes; pending ones are admitted
-        (prefilled) while there is room. The step carries where its tokens go (and, when the
-        call has stop tokens, each row's request and stop token): the batch changes before
-        the tokens arrive."""
-        b, geo = self._batch, self.model.geometry
-        b.begin_step()
-        n_dec = b.n
-        admitted, prefill_tokens = [], 0
-        while pending and n_dec + len(admitted) < self.config.serving_conc:
-            req = pending[0]
-            if admitted and prefill_tokens + req.prompt_len > self.max_prefill_tokens:
-                break   # the next step prefills it
-            blocks = self._blocks.alloc(-(-(req.prompt_len + req.max_new_tokens - 1) // geo.block_size))
-            if blocks is None:
-                break   # waits for running requests to free blocks (always possible: see refusal)
-            pending.popleft()
-            req.row, req.blocks = self._rows.alloc(), blocks
-            admitted.append(req)
-            prefill_tokens += req.prompt_len
-        prefill = []
-        for req in admitted:
-            bt = np.full(geo.max_blocks, geo.scratch_block, np.int32)
-            bt[:len(req.blocks)] = req.blocks
-            prefill.append(PrefillSeq(req.row, req.prompt, bt, req.row, req.sampling))
-        dest = b.dest()
-        rid = stop = None
-        if self._stops:
-            rid, stop = b.rid[:n_dec].copy(), b.stop[:n_dec].copy()
-        n_last = b.finishing()
-        if admitted:
-            dest = np.concatenate([dest, [r.base for r in admitted]])
-            n_last += sum(r.max_new_tokens == 1 for r in admitted)
-            if self._stops:
-                rid = np.concatenate([rid, [r.index for r in admitted]])
-                stop = np.concatenate([stop, [_stop_id(r) for r in admitted]])
-        decode = BatchStep(b) if n_dec else None
-        return StepPlan(decode, prefill, tag=(dest, rid, stop, n_last)), admitted
-
-    def _after_launch(self, plan: StepPlan, admitted: list[Request]) -> None:
-        """Move the batch past the launched step. A request whose last token was just
-        launched leaves now: its row and blocks are free for the next plan already (device
-        users of them are stream-ordered after this step). Admitted ones join."""
-        for req in self._batch.end_step():
-            self._leave(req)
-        for req, seq in zip(admitted, plan.prefill):
-            if req.max_new_tokens == 1:
-                self._free(req)
-            else:
-                self._batch.add(req, req.row, seq.block_table, req.sampling, pos=req.prompt_len,
-                                left=req.max_new_tokens - 1, dest=req.base + 1, stop=_stop_id(req))
-
-    def _store(self, handle, tokens: np.ndarray) -> list[Request]:
-        """Put a step's tokens where they belong; returns the requests that just stopped."""
-        dest, rid, stop, n_last = handle.tag
-        self._out[dest] = tokens
-        if self._out_logits is not None:
-            self._out_logits[dest] = handle.host_logits
-        if rid is None:                 # no stop tokens in this call: every token counts
-            self._tokens_out += len(tokens)
-            self._finished += n_last
-            return []
-        limit = self._limit[rid]
-        valid = dest < limit            # False: past a stop learned earlier
-        stopped = []
-        for i in np.flatnonzero((tokens == stop) & valid):
-            req = self._reqs[rid[i]]
-            req.end = int(dest[i]) + 1
-            req.finish_reason = "stop"
-            self._limit[req.index] = limit[i] = req.end
-            stopped.append(req)
-        self._tokens_out += int(np.count_nonzero(valid))
-        self._finished += int(np.count_nonzero(dest + 1 == limit))
-        return stopped
-
-    def _leave(self, req: Request) -> None:
-        """The request decodes no more: out of the batch, its row and blocks freed."""
-        self._batch.remove(req)
-        self._free(req)
-
-    def _free(self, req: Request) -> None:
-        if req.row >= 0:
-            self._rows.free(req.row)
-            self._blocks.free(req.blocks)
-            req.row, req.blocks = -1, []
-
-    def _result(self, req: Request) -> RequestResult:
-        span = slice(req.base, req.end)
-        logits = self._out_logits[span].copy() if self._out_logits is not None else None
-        return RequestResult(req.index, req.prompt_len, self._out[span].tolist(),
-                             req.finish_reason or "length", logits)
+    def _steady(self, pending: deque, inflight: StepHandle, out: CallOutputs, stops: bool,
+                progress, t_start: float) -> StepHandle | None:
+        """Decode steps while nothing but decoding can happen: no request can be admitted and
+        the batch's size has a graph. It is the loop above with everything such a step cannot
+        need taken out (admission, prefill, the profile's clocks), so that the
+        host's share of a step is a few µs: the batch's per-step writes, the ring's guard,
+        one replay, the previous step's tokens. Requests still leave (at the launch of their
+        last token) and cross KV blocks inside it. Returns the step in flight when it hands
+        back (the loop above plans the next step: an admission, an eager size, or the end)."""
+        runner, sched, b = self.runner, self._sched, self._sched.batch
+        ring_for, launch, collect = runner.driver.ring_for, runner.launch_steady, runner.collect_steady
+        st, ph, clock = runner.stats, self._phases["decode"], time.perf_counter
+        waited = st.drain_s + st.token_wait_s
+        t0, steps = clock(), 0
+        while not sched.can_admit(pending):
+            b.begin_step()
+            ring = ring_for(b.n) if b.n else None
+            if ring is None:
+                break
+            handle = launch(ring, BatchStep(b), sched.decode_tag(stops))
+            for req in b.end_step():
+                sched.leave(req)
+            for req in out.store(inflight.tag, collect(inflight), inflight.host_logits):
+                sched.leave(req)   # a stop token: the same step as the loop above leaves it
+            if progress is not None:
+                progress(Progress(inflight.index, out.finished, len(out.reqs),
+                                  self._tokens_out + out.count, clock() - t_start))
+            inflight = handle
+            steps += 1
+        ph.steps += steps
+        ph.steady_steps += steps
+        ph.wall_s += clock() - t0
+        ph.wait_s += st.drain_s + st.token_wait_s - waited
+        return inflight
 
     def _reset_schedule(self) -> None:
-        """Every row and KV block free, nothing running (construction, and after a failure)."""
-        geo = self.model.geometry
-        self._rows = RowAllocator(geo.max_seqs)
-        self._blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
-        self._batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size)
+        self._sched = Scheduler(self.model.geometry, self.config.serving_conc, self.max_prefill_tokens)
 
     def _check_open(self):
         if self._closed:
             raise ClosedError("Engine is closed")
 
-
-def _stop_id(req: Request) -> int:
-    return -1 if req.stop_token is None else req.stop_token
 

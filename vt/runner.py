@@ -105,13 +105,18 @@ class Runner:
         if prepared is not None and prepared[0] is plan:
             handle = self._launch_graph(prepared[1], plan, filled=True)
             return self._launched(handle)
+        self._drain_if_needed()
+        slot = None if plan.prefill else self._acquire(n)
+        handle = self._launch_graph(slot, plan) if slot is not None else self._launch_eager(plan)
+        return self._launched(handle)
+
+    def _drain_if_needed(self) -> None:
+        """Wait for the step in flight before this launch unless the drain skip applies (its
+        logits are a graph's view and the ring or NO_DBUF is on: module docstring)."""
         prev = self._last
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
             self._wait(prev, drain=True)
-        slot = None if plan.prefill else self._acquire(n)
-        handle = self._launch_graph(slot, plan) if slot is not None else self._launch_eager(plan)
-        return self._launched(handle)
 
     def prepare(self, plan: StepPlan) -> bool:
         """Acquire and refresh the graph slot of the step after the two in flight, now: the
@@ -124,24 +129,30 @@ class Runner:
         self._check_open()
         last = self._last
         if (not self.prepares_ahead or plan.prefill or plan.n == 0 or last is None
-                or last.slot is None or self.driver.padded_size(plan.n) is None):
+                or last.slot is None or self.driver.ring_for(plan.n) is None):
             return False
         slot = self._acquire(plan.n)
-        t1 = time.perf_counter()
+        t1 = time.perf_counter() if self.profile else 0.0
         slot.host.fill(plan.decode, self.model.pad)
-        self.stats.refresh_s += time.perf_counter() - t1
+        if self.profile:
+            self.stats.refresh_s += time.perf_counter() - t1
         self._prepared = (plan, slot)
         self.stats.prepared_steps += 1
         return True
 
     def _acquire(self, n: int):
-        """The graph slot for n rows (None: eager), its guard waited on, counted and traced."""
-        t0 = time.perf_counter()
-        slot, waited = self.driver.acquire(n)
+        """The graph slot for n rows (None: eager), its guard waited on and counted (timed
+        and traced with profile only: the lean path takes no clock)."""
+        ring = self.driver.ring_for(n)
+        if ring is None:
+            return None
+        t0 = time.perf_counter() if self.profile else 0.0
+        slot, waited = ring.acquire(self._poll_s)
         if waited:
             self.stats.ring_waits += 1
             self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
-        self.stats.acquire_s += time.perf_counter() - t0
+        if self.profile:
+            self.stats.acquire_s += time.perf_counter() - t0
         return slot
 
     def _launched(self, handle: StepHandle) -> StepHandle:
@@ -152,32 +163,66 @@ class Runner:
         self._steps += 1
         return handle
 
+    def launch_steady(self, ring, rows, tag) -> StepHandle:
+        """launch() of a decode-only graph step, for the engine's steady loop, which has
+        checked what launch() checks (open; `ring` serves len(rows) rows; at most one step in
+        flight; nothing prepared) and runs without profile or trace: the drain when the step
+        in flight needs one, the ring's next slot (its guard), the refresh
+        (`rows.fill_block`), one replay. No clock is read."""
+        self._drain_if_needed()
+        slot, waited = ring.acquire(self._poll_s)
+        if waited:
+            self.stats.ring_waits += 1
+        rows.fill_block(slot.host, self.model.pad)
+        handle = self._replay(slot, rows.n, tag)
+        if self._record is not None:
+            self._finish_launch(handle, None)
+        return self._launched(handle)
+
+    def collect_steady(self, handle: StepHandle) -> np.ndarray:
+        """collect() for the engine's steady loop: `handle` is the oldest step in flight (the
+        loop's own bookkeeping guarantees it) and no profile runs."""
+        self._inflight.pop(0)
+        if handle.tokens is None:
+            self._wait(handle, drain=False)
+        return handle.tokens
+
     def _launch_graph(self, slot, plan: StepPlan, filled: bool = False) -> StepHandle:
-        """The fast path: refresh the slot's block (unless prepare() did), one graph launch,
-        one event record."""
-        st, index, n = self.stats, self._steps, plan.n
-        t1 = time.perf_counter()
+        """Refresh the slot's block (unless prepare() did) and replay it. With profile, the
+        host split is timed and the device timing events recorded around the step; without
+        it, no clock is read."""
+        prof = self.profile
+        t1 = time.perf_counter() if prof else 0.0
         if not filled:
             slot.host.fill(plan.decode, self.model.pad)
+        if not prof:
+            handle = self._replay(slot, plan.n, plan.tag)
+            if self._record is not None:
+                self._finish_launch(handle, None)
+            return handle
         t2 = time.perf_counter()
-        timing = self._start_timing(index)
-        if timing is not None:   # the profile's own event records stay out of the launch span
-            t2 = time.perf_counter()
+        timing = self._start_timing(self._steps)
+        t2_launch = time.perf_counter()   # the profile's own event records stay out of the launch span
+        handle = self._replay(slot, plan.n, plan.tag)
+        self._finish_launch(handle, timing)
+        t3 = time.perf_counter()
+        self.stats.refresh_s += t2 - t1
+        self.stats.launch_s += t3 - t2_launch
+        if self.tracer.enabled:
+            self.tracer.host_span("refresh", t1, t2, step=handle.index, slot=slot.name)
+            self.tracer.host_span(f"launch graph S={slot.size}", t2_launch, t3, step=handle.index,
+                                  n=handle.n)
+        return handle
+
+    def _replay(self, slot, n: int, tag) -> StepHandle:
+        """One graph launch (its last node records the slot's done event) and its handle."""
+        index, st = self._steps, self.stats
         logits = slot.launch(self.stream, n)
         slot.last_index = index
-        handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done,
-                            slot)
-        t3 = time.perf_counter()
-        self._finish_launch(handle, timing)
-        st.refresh_s += t2 - t1
-        st.launch_s += t3 - t2
         st.steps += 1
         st.graph_steps += 1
         st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
-        if self.tracer.enabled:
-            self.tracer.host_span("refresh", t1, t2, step=index, slot=slot.name)
-            self.tracer.host_span(f"launch graph S={slot.size}", t2, t3, step=index, n=n)
-        return handle
+        return StepHandle(index, "graph", n, slot.size, logits, tag, slot.out_host, slot.done, slot)
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
         index, n, parity = self._steps, plan.n, self._steps % 2
@@ -188,11 +233,12 @@ class Runner:
         done.record(self.stream)
         handle = StepHandle(index, kind, n, n, logits, plan.tag, self.eager.out_host[parity], done)
         self._finish_launch(handle, timing)
-        t3 = time.perf_counter()
-        self.stats.launch_s += t3 - t2
         self.stats.steps += 1
         setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
-        self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
+        if self.profile:
+            t3 = time.perf_counter()
+            self.stats.launch_s += t3 - t2
+            self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
         return handle
 
     def _start_timing(self, index: int):
@@ -240,22 +286,25 @@ class Runner:
 
     def _wait(self, handle: StepHandle, *, drain: bool) -> None:
         """Block on the step's done event, then copy its tokens out of the pinned buffer (the
-        next launch of its slot may overwrite that buffer before the host collects)."""
-        t0 = time.perf_counter()
-        wait_event(handle.done, self._poll_s)
+        next launch of its slot may overwrite that buffer before the host collects). The
+        time counted is the time blocked (wait_event's own measure: no clock when the step
+        was already done)."""
+        t0 = time.perf_counter() if self.tracer.enabled else 0.0
+        waited = wait_event(handle.done, self._poll_s)
         handle.tokens = handle.out_host[:handle.n].copy()
         slot = handle.slot
         if slot is not None and slot.last_index == handle.index:   # not launched again since
             slot.idle = True
-        dt = time.perf_counter() - t0
+        st = self.stats
         if drain:
-            self.stats.drains += 1
-            self.stats.drain_s += dt
+            st.drains += 1
+            st.drain_s += waited
         else:
-            self.stats.token_waits += 1
-            self.stats.token_wait_s += dt
-        self.tracer.host_span("wait drain" if drain else "wait tokens", t0, t0 + dt,
-                              step=handle.index)
+            st.token_waits += 1
+            st.token_wait_s += waited
+        if self.tracer.enabled:
+            self.tracer.host_span("wait drain" if drain else "wait tokens", t0, t0 + waited,
+                                  step=handle.index)
 
     # -- recovery, measurement, teardown ------------------------------------------------
     def abort(self) -> BaseException | None:

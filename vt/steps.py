@@ -52,6 +52,8 @@ class RunnerStats:
     drain_s: float = 0.0
     ring_waits: int = 0       # slot acquisitions that had to block on the slot's event
     prepared_steps: int = 0   # graph steps acquired and refreshed ahead (Runner.prepare)
+    # acquire_s, refresh_s, launch_s: with profile only (without it a step reads no clock);
+    # drain_s and token_wait_s always (a wait measures itself, and only when it blocks)
     acquire_s: float = 0.0
     refresh_s: float = 0.0
     launch_s: float = 0.0
@@ -83,6 +85,7 @@ class Phase:
     profile=True only; steps, wall_s and wait_s (blocked on the device: drains and token
     waits, which the runner times anyway) always."""
     steps: int = 0
+    steady_steps: int = 0     # of them, run by the engine's steady loop (Engine._steady)
     wall_s: float = 0.0
     wait_s: float = 0.0
     plan_s: float = 0.0

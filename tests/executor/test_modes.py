@@ -6,7 +6,6 @@ device on sim and cuda alike: the regime where hazard-C shows if a mode lets it.
 import numpy as np
 import pytest
 
-from vt.backend import get_backend
 
 from ._util import mismatches, run_toy, workload
 
@@ -49,14 +48,6 @@ def test_no_dbuf_with_poison_is_detected(backend):
     bad = mismatches(off, bad_results)
     print(f"NO_DBUF+POISON on {backend.name}: {bad} of {len(prompts)} requests mismatched")
     assert bad > 0
-
-
-@pytest.fixture
-def delayed_sim():
-    """A sim whose every device op first sleeps 1 ms: the host always runs ahead."""
-    be = get_backend("sim", device_delay_s=0.001)
-    yield be
-    be.close()
 
 
 def test_no_dbuf_races_on_a_delayed_sim_even_without_poison(delayed_sim):

@@ -38,6 +38,7 @@ class DecodeGraphDriver:
         self.vocab, self.max_blocks, self.pad, self.settings = vocab, max_blocks, pad, settings
         self.sizes = tuple(settings.sizes)
         self.rings: dict[int, SlotRing] = {}
+        self._ring_by_rows: list[SlotRing | None] = []   # [n] -> the ring of padded_size(n)
         self._closed = False
 
     def capture(self) -> None:
@@ -61,17 +62,24 @@ class DecodeGraphDriver:
                                    staged=st.staged)
                 for slot in (slots if st.staged else [slots[i]]):
                     slot.output = out   # owned by the ring from here: close() frees it
+        # A list lookup per step instead of a bisect (the step's host path is a few µs)
+        top = max(self.rings, default=0)
+        self._ring_by_rows = [self.rings.get(self.padded_size(n)) for n in range(top + 1)]
 
     def padded_size(self, n: int) -> int | None:
         """Smallest captured size >= n, or None (eager) above the largest."""
         i = bisect.bisect_left(self.sizes, n)
         return self.sizes[i] if i < len(self.sizes) and self.sizes[i] in self.rings else None
 
+    def ring_for(self, n: int) -> SlotRing | None:
+        """The ring that serves a batch of n rows (None: eager, or not captured yet)."""
+        return self._ring_by_rows[n] if n < len(self._ring_by_rows) else None
+
     def acquire(self, n: int) -> tuple[SizeSlot | None, float]:
         """The slot for a batch of n rows (None: eager) and the seconds its guard waited."""
         self._check_open()
-        size = self.padded_size(n)
-        return (None, 0.0) if size is None else self.rings[size].acquire(self.settings.poll_s)
+        ring = self.ring_for(n)
+        return (None, 0.0) if ring is None else ring.acquire(self.settings.poll_s)
 
     def close(self) -> None:
         """Graphs and events first, then the buffers (dropped to the pool)."""
@@ -81,6 +89,7 @@ class DecodeGraphDriver:
         for ring in self.rings.values():
             ring.close()
         self.rings.clear()
+        self._ring_by_rows = []
 
     def _check_open(self):
         if self._closed:
