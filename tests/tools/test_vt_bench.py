@@ -35,6 +35,7 @@ def test_sim_sweep_finishes_in_under_a_minute_with_every_cell(sim_sweep):
     assert res["columns"] == list(cells.COLUMNS)
     assert res["modes"] == list(SAFE_MODES) and res["concs"] == [1, 32]
     assert res["spin_us"] == list(DEFAULT_SPIN_US)
+    assert res["warmup_s"] == 0.0   # the sim's default: no clocks to raise
     want = {(m, c, float(d)) for m in (*SAFE_MODES, *torch_peer.VARIANTS) for c in (1, 32)
             for d in DEFAULT_SPIN_US}
     got = {(r["mode"], r["conc"], r["spin_us"]) for r in res["cells"]}
@@ -57,6 +58,10 @@ def test_sim_sweep_vt_cells_have_sane_values(sim_sweep):
         assert r["step_us"] >= r["spin_us"], where
         assert r["tokens_ok"] is True and r["identical_to_drain"] is True, where
         assert r["driver_mallocs_since_warm_up"] == 0, where
+        # every decode step is steady (the first drains the prefill in flight), except in
+        # sync (depth 1) and ring_prepare (prepare-ahead), which never use the steady loop
+        want = 0 if r["mode"] in ("sync", "ring_prepare") else steps
+        assert r["steady_steps"] == want, where
         runs = r["step_us_runs"]   # the row is the median of --repeats timed runs
         assert len(runs) == res["repeats"] == 3, where
         assert math.isclose(r["step_us"], sorted(runs)[1], rel_tol=1e-9), where
@@ -205,6 +210,7 @@ def test_progress_plain_lines_when_not_a_terminal():
 
 @pytest.mark.parametrize("argv,needle", [
     (["--conc", "0"], "--conc must be positive"),
+    (["--warmup-s", "-1"], "--warmup-s must be >= 0"),
     (["--device-us", "-5"], "--device-us must be finite numbers >= 0"),
     (["--modes", "ring", "ring"], "--modes must not repeat"),
     (["--workload", "model", "--preset", "nope"], "unknown preset"),

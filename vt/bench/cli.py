@@ -48,6 +48,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ceiling-replays", type=int, default=None,
                    help=f"back-to-back replays per ceiling (default: {_REPLAYS['cuda']} on cuda, "
                         f"{_REPLAYS['sim']} on sim)")
+    p.add_argument("--warmup-s", type=float, default=None,
+                   help="seconds of device work queued before the first cell, so that it does not "
+                        "run at idle clocks (default: 1 on cuda, 0 on sim)")
     p.add_argument("--profile", default="both", choices=["both", "off"],
                    help="both: each vt cell runs again on an engine with profile=True for the host "
                         "split and device time; off: throughput only")
@@ -91,6 +94,10 @@ def _resolve(args: argparse.Namespace, error) -> None:
         args.prompt_len = 16 if model else 2
     if args.ceiling_replays is None:
         args.ceiling_replays = _REPLAYS[backend]
+    if args.warmup_s is None:
+        args.warmup_s = 1.0 if backend == "cuda" else 0.0
+    if args.warmup_s < 0:
+        error(f"--warmup-s must be >= 0, got {args.warmup_s}")
     if args.preset is None:
         args.preset = ["bench-small" if backend == "cuda" else "tiny-dense"]
     for flag, vals in (("--conc", args.conc), ("--steps", [args.steps]),
