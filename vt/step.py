@@ -16,12 +16,14 @@ LOGITS_DTYPE = np.float32   # [S, vocab] logits of every step, graph or eager
 MAX_TOP_K = 256             # the sampling kernel keeps the top k in shared memory
 
 
-def kv_slot(block_table, position, block_size: int):
+def kv_slot(block_table, position, block_size: int, rows=None):
     """The KV-cache slot of `position` in a sequence with `block_table` [max_blocks]; or, for
-    block tables [n, max_blocks] and positions [n], each row's slot [n]. The one place this
-    formula is written."""
+    block tables [n, max_blocks] and positions [n], each row's slot [n] (`rows`: the rows of
+    the table the positions belong to, default 0..n-1). The one place this formula is
+    written."""
     if getattr(block_table, "ndim", 1) == 2:
-        block = block_table[np.arange(len(position)), position // block_size]
+        block = block_table[np.arange(len(position)) if rows is None else rows,
+                            position // block_size]
     else:
         block = block_table[position // block_size]
     return block * block_size + position % block_size
