@@ -56,6 +56,8 @@ def capture(build):
 
 # warm kernels outside capture
 kern(1); uva_in(); uva_out(); rt.cudaStreamSynchronize(s)
+ev_node = ck(rt.cudaEventCreateWithFlags(rt.cudaEventBlockingSync | rt.cudaEventDisableTiming))
+def ext_record(): rt.cudaEventRecordWithFlags(ev_node, s, rt.cudaEventRecordExternal)
 graphs = {
   "1 kernel": lambda: kern(1),
   "5 kernels": lambda: kern(5),
@@ -63,6 +65,8 @@ graphs = {
   "h2d+1k+d2h": lambda: (h2d(), kern(1), d2h()),
   "h2d+5k+d2h": lambda: (h2d(), kern(5), d2h()),
   "uva_in+5k+uva_out": lambda: (uva_in(), kern(5), uva_out()),
+  "uva_in+12k+uva_out": lambda: (uva_in(), kern(12), uva_out()),
+  "uva+5k+event node": lambda: (uva_in(), kern(5), uva_out(), ext_record()),
 }
 libcuda = ctypes.CDLL("libcuda.so.1")
 cuGraphLaunch = libcuda.cuGraphLaunch; cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]; cuGraphLaunch.restype = ctypes.c_int
@@ -91,6 +95,9 @@ for name, build in graphs.items():
     print(f"{name:<22}" + "".join(f"{m:7.2f}/{p:4.1f}" for m, p in (a, b, c)))
 ev = ck(rt.cudaEventCreateWithFlags(rt.cudaEventBlockingSync | rt.cudaEventDisableTiming))
 eh = int(ev); dev_ = drv.CUevent(eh)
+ge = capture(graphs["uva_in+5k+uva_out"])
+m, p = timeit(lambda: (rt.cudaGraphLaunch(ge, s), rt.cudaEventRecord(ev, s)))
+print(f"{'uva+5k, then a record':<22}{m:7.2f}/{p:4.1f}   (rt launch + rt event record)")
 print("event record rt/drv/ctypes:", [f"{m:.2f}" for m, _ in (timeit(lambda: rt.cudaEventRecord(ev, s)), timeit(lambda: drv.cuEventRecord(dev_, dstream)), timeit(lambda: cuEventRecord(eh, sh)))])
 rt.cudaStreamSynchronize(s)
 print("event query (done) rt/drv/ctypes:", [f"{m:.2f}" for m, _ in (timeit(lambda: rt.cudaEventQuery(ev)), timeit(lambda: drv.cuEventQuery(dev_)), timeit(lambda: cuEventQuery(eh)))])
