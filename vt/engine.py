@@ -130,7 +130,7 @@ class Engine:
         work: the device-bound ceiling of a decode step. It replays the last real step of
         that size (all padding if none ran yet). Call it between generate() calls."""
         self._check_open()
-        return self.runner.ceiling_us(n, replays)
+        return self.runner.driver.ceiling_us(n, replays)
 
     def close(self) -> str | None:
         """Idempotent. Returns the trace path when a trace was written. Refused with

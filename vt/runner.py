@@ -10,6 +10,10 @@ previous step's logits are a non-owning graph view AND the ring is on (safe: the
 event guards its block) or NO_DBUF is set (unsafe: nothing guards it). Eager, mixed and
 prefill steps own their logits and always drain.
 
+The engine's steady loop (vt/engine.py) launches and collects its decode steps through
+launch_steady and collect_steady: the same steps without the checks its bookkeeping makes
+true and without profiling.
+
 Prepare-ahead (k >= 3 slots per size, mode ring_prepare): prepare(plan) acquires and fills
 the slot of the step after the two in flight before the host waits for the older of them,
 and launch(plan) then only launches. That slot's previous step is collected by then (its
@@ -25,7 +29,6 @@ from vt.eager import EagerPath
 from vt.graphs import DecodeGraphDriver, GraphSettings
 from vt.step import LOGITS_DTYPE
 from vt.steps import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
-from vt.timing import timed_ms
 from vt.trace import Tracer
 from vt.waits import DEFAULT_POLL_US, wait_event
 
@@ -319,25 +322,6 @@ class Runner:
         self._last = None
         self._prepared = None
         return error
-
-    def ceiling_us(self, n: int, replays: int) -> float:
-        """µs per replay of the decode graph for n rows, back to back with no host work, timed
-        with events. It replays the slot's last real step (the longest context it served, so
-        the attention is as long as the run's last step); a slot that never ran gets an
-        all-padding block (writes only scratch). Between generate() calls only: it rewrites
-        the KV entries and token-table rows of finished requests, which a new request's
-        prefill overwrites before reading."""
-        self._check_open()
-        size = self.driver.padded_size(n)
-        if size is None:
-            raise ValueError(f"no captured graph serves {n} rows (sizes {self.driver.sizes})")
-        slot = self.driver.rings[size].slots[0]
-        self.stream.synchronize()
-        if slot.last_index < 0:
-            slot.host.poison(self.model.pad)
-        ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size), replays, 1,
-                      warmup=1)
-        return ms * 1e3
 
     def close(self) -> str | None:
         """Wait for the device, write the trace, then free graphs, events, stream (idempotent)."""

@@ -15,6 +15,7 @@ from vt.backend.errors import ClosedError
 from vt.graphs.capture import capture_slot, logits_nbytes, warm_up
 from vt.graphs.slot import SizeSlot, SlotRing
 from vt.step import PadRow
+from vt.timing import timed_ms
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,25 @@ class DecodeGraphDriver:
         self._check_open()
         ring = self.ring_for(n)
         return (None, 0.0) if ring is None else ring.acquire(self.settings.poll_s)
+
+    def ceiling_us(self, n: int, replays: int) -> float:
+        """µs per replay of the decode graph for n rows, back to back with no host work, timed
+        with events. It replays the slot's last real step (the longest context it served, so
+        the attention is as long as the run's last step); a slot that never ran gets an
+        all-padding block (writes only scratch). Between steps only (it waits for the
+        stream first): it rewrites the KV entries and token-table rows of finished
+        requests, which a new request's prefill overwrites before reading."""
+        self._check_open()
+        size = self.padded_size(n)
+        if size is None:
+            raise ValueError(f"no captured graph serves {n} rows (sizes {self.sizes})")
+        slot = self.rings[size].slots[0]
+        self.stream.synchronize()
+        if slot.last_index < 0:
+            slot.host.poison(self.pad)
+        ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size), replays, 1,
+                      warmup=1)
+        return ms * 1e3
 
     def close(self) -> None:
         """Graphs and events first, then the buffers (dropped to the pool)."""
