@@ -177,12 +177,12 @@ class Engine:
         steady = depth == 2 and not ahead and not self.profile and not runner.profile
         planned = None                        # (plan, admitted) of the next step, if made early
         profile, ahead_s = self.profile, 0.0
-        waited = runner_st.drain_s + runner_st.token_wait_s
+        waited = runner_st.wait_s
         t0 = t_start
         while pending or sched.batch.n or inflight is not None or deferred or planned:
             if steady and inflight is not None:
                 inflight = self._steady(pending, inflight, out, stops, progress, t_start)
-                waited = runner_st.drain_s + runner_st.token_wait_s
+                waited = runner_st.wait_s
                 t0 = clock()
             # Without profile an iteration reads one clock (its end); the split costs four more
             before = [getattr(runner_st, k) for k in _RUNNER_SPLIT] if profile else None
@@ -227,7 +227,7 @@ class Engine:
             ph = self._phases["prefill" if plan.prefill else "decode"]
             ph.steps += bool(plan.n)
             ph.wall_s += t3 - t0
-            now_waited = runner_st.drain_s + runner_st.token_wait_s
+            now_waited = runner_st.wait_s
             ph.wait_s += now_waited - waited
             waited = now_waited
             if before is not None:
@@ -252,7 +252,7 @@ class Engine:
         runner, sched, b = self.runner, self._sched, self._sched.batch
         ring_for, launch, collect = runner.driver.ring_for, runner.launch_steady, runner.collect_steady
         st, ph, clock = runner.stats, self._phases["decode"], time.perf_counter
-        waited = st.drain_s + st.token_wait_s
+        waited = st.wait_s
         t0, steps = clock(), 0
         while not sched.can_admit(pending):
             b.begin_step()
@@ -260,8 +260,7 @@ class Engine:
             if ring is None:
                 break
             handle = launch(ring, BatchStep(b), sched.decode_tag(stops))
-            for req in b.end_step():
-                sched.leave(req)
+            sched.end_step()
             for req in out.store(inflight.tag, collect(inflight), inflight.host_logits):
                 sched.leave(req)   # a stop token: the same step as the loop above leaves it
             if progress is not None:
@@ -272,7 +271,7 @@ class Engine:
         ph.steps += steps
         ph.steady_steps += steps
         ph.wall_s += clock() - t0
-        ph.wait_s += st.drain_s + st.token_wait_s - waited
+        ph.wait_s += st.wait_s - waited
         return inflight
 
     def _reset_schedule(self) -> None:

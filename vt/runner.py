@@ -276,16 +276,14 @@ class Runner:
         if not self._inflight or handle is not self._inflight[0]:
             raise ValueError(f"step {handle.index} is not the oldest step in flight "
                              f"(in flight: {[h.index for h in self._inflight]})")
-        self._inflight.pop(0)
-        if handle.tokens is None:
-            self._wait(handle, drain=False)
+        tokens = self.collect_steady(handle)
         if handle.timing is not None:
             start, end = handle.timing
             self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
                                                              handle.timing, step=handle.index)
                                      if self.tracer.enabled else end.elapsed_ms(start))
             handle.timing = None
-        return handle.tokens
+        return tokens
 
     def _wait(self, handle: StepHandle, *, drain: bool) -> None:
         """Block on the step's done event, then copy its tokens out of the pinned buffer (the

@@ -80,14 +80,18 @@ class Scheduler:
     def after_launch(self, plan: StepPlan, admitted: list[Request]) -> None:
         """Move the batch past the launched step: the requests whose last token it was leave,
         the admitted ones join."""
-        for req in self.batch.end_step():
-            self.leave(req)
+        self.end_step()
         for req, seq in zip(admitted, plan.prefill):
             if req.max_new_tokens == 1:
                 self._free(req)
             else:
                 self.batch.add(req, req.row, seq.block_table, req.sampling, pos=req.prompt_len,
                                left=req.max_new_tokens - 1, dest=req.base + 1, stop=stop_id(req))
+
+    def end_step(self) -> None:
+        """The batch's step was launched: the requests whose last token it was leave."""
+        for req in self.batch.end_step():
+            self.leave(req)
 
     def leave(self, req: Request) -> None:
         """The request decodes no more: out of the batch, its row and blocks freed."""

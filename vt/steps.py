@@ -62,6 +62,11 @@ class RunnerStats:
     device_ms: float = 0.0    # with profile only
     steps_by_size: dict = field(default_factory=dict)
 
+    @property
+    def wait_s(self) -> float:
+        """Seconds blocked on the device: drains and token waits."""
+        return self.drain_s + self.token_wait_s
+
     def as_dict(self) -> dict:
         return dict(self.__dict__, steps_by_size=dict(self.steps_by_size))
 

@@ -15,6 +15,7 @@ run and closed in turn.
 """
 from __future__ import annotations
 
+import math
 import platform
 import time
 
@@ -226,8 +227,9 @@ def warm_up_device(be, seconds: float) -> None:
     if seconds > 0:
         stream = be.stream(name="vt-bench-warmup")
         try:
-            for _ in range(max(1, round(seconds / 0.05))):   # 50 ms kernels, not one long one
-                be.busy_wait(stream, min(seconds, 0.05))
+            kernels = math.ceil(seconds / 0.05)   # kernels of at most 50 ms, not one long one
+            for _ in range(kernels):
+                be.busy_wait(stream, seconds / kernels)
             stream.synchronize()
         finally:
             stream.close()
