@@ -22,8 +22,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
 from vt.backend import get_backend                                           # noqa: E402
-from vt.step import kv_slot                                              # noqa: E402
-from vt.timing import timed_ms                                          # noqa: E402
+from vt.step.contract import kv_slot                                              # noqa: E402
+from vt.backend.timing import timed_ms                                          # noqa: E402
 from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs   # noqa: E402
 
 

@@ -15,10 +15,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from vt.bench.run import make_engine            # noqa: E402
-from vt.bench.synthetic import SyntheticModel   # noqa: E402
-from vt.demo import pick_backend                # noqa: E402
-from vt.waits import DEFAULT_POLL_US, wait_event  # noqa: E402
+from vt.cli.bench.run import make_engine            # noqa: E402
+from vt.cli.bench.synthetic import SyntheticModel   # noqa: E402
+from vt.cli.run import pick_backend                # noqa: E402
+from vt.backend.waits import DEFAULT_POLL_US, wait_event  # noqa: E402
 
 clock = time.perf_counter
 

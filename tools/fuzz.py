@@ -44,9 +44,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend  # noqa: E402
-from vt.engine import Engine  # noqa: E402
+from vt.engine.engine import Engine  # noqa: E402
 from vt.knobs import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
-from vt.step import MAX_TOP_K, KVGeometry, SamplingParams  # noqa: E402
+from vt.step.contract import MAX_TOP_K, KVGeometry, SamplingParams  # noqa: E402
 
 ASYNC_MODES = tuple(m for m, fields in MODES.items() if fields.get("async_executor"))
 UNSAFE = "no_dbuf+poison"
@@ -219,10 +219,10 @@ class Models:
 
     def step_model(self, be, case: Case, device_work_s: float):
         if case.model == "toy":
-            from vt.toy import ToyForward
+            from vt.forward.toy import ToyForward
             return ToyForward(be, vocab=case.vocab, geometry=case.geometry,
                               device_work_s=device_work_s).step_model()
-        from vt.hybrid_adapter import HybridStepModel
+        from vt.forward.hybrid import HybridStepModel
         key = (id(be), case.model)
         if key not in self._bundled:
             from vt.model import PRESETS, HybridModel, init_weights

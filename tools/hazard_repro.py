@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend
-from vt.engine import Engine
+from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
 
 MODES = {
@@ -38,10 +38,10 @@ MODES = {
 
 def build_step_model(be, name: str, device_work_s: float):
     if name == "toy":
-        from vt.toy import ToyForward
+        from vt.forward.toy import ToyForward
         toy = ToyForward(be, device_work_s=device_work_s)
         return toy.step_model(), None
-    from vt.hybrid_adapter import HybridStepModel
+    from vt.forward.hybrid import HybridStepModel
     from vt.model import PRESETS, HybridModel, init_weights
     cfg = PRESETS[name]
     model = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=64, num_kv_blocks=512)
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         args.backend = "cuda" if "cuda" in available_backends() else "sim"
 
     if args.model == "toy":
-        from vt.toy import ToyForward
+        from vt.forward.toy import ToyForward
         vocab = ToyForward.DEFAULT_VOCAB
     else:
         from vt.model import PRESETS

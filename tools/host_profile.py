@@ -20,10 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vt.backend.sim import SimBackend      # noqa: E402
-from vt.engine import Engine               # noqa: E402
+from vt.engine.engine import Engine               # noqa: E402
 from vt.knobs import ExecutorConfig        # noqa: E402
-from vt.stepmodel import KVGeometry        # noqa: E402
-from vt.toy import ToyForward              # noqa: E402
+from vt.forward.user import KVGeometry        # noqa: E402
+from vt.forward.toy import ToyForward              # noqa: E402
 
 
 class _Null:

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt, from a chec
 
 from bench_step import bench_inputs, copy_bandwidth            # noqa: E402
 from vt.backend import get_backend                             # noqa: E402
-from vt.timing import timed_ms                            # noqa: E402
+from vt.backend.timing import timed_ms                            # noqa: E402
 from vt.model import PRESETS, HybridModel, init_weights        # noqa: E402
 
 _L2_BYTES = 50 << 20  # H100/H200 L2; the GEMM-alone weight copies cover at least 3x it

@@ -35,9 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend  # noqa: E402
-from vt.engine import Engine  # noqa: E402
+from vt.engine.engine import Engine  # noqa: E402
 from vt.knobs import MODES, ExecutorConfig  # noqa: E402
-from vt.step import KVGeometry, SamplingParams  # noqa: E402
+from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
 
 TOY_GEOMETRY = KVGeometry(max_seqs=16, num_kv_blocks=160, block_size=8, max_context=96)
 FLAT = ("pool_bytes_reserved", "pool_bytes_in_use", "pool_free_bytes", "pool_scratch_bytes",
@@ -118,7 +118,7 @@ class _Model:
         if name == "toy":
             self.geometry, self.vocab = TOY_GEOMETRY, 64
         else:
-            from vt.hybrid_adapter import HybridStepModel
+            from vt.forward.hybrid import HybridStepModel
             from vt.model import PRESETS, HybridModel, init_weights
             cfg = PRESETS[name]
             self._hybrid = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=max_seqs,
@@ -128,9 +128,9 @@ class _Model:
 
     def step_model(self):
         if self._hybrid is None:
-            from vt.toy import ToyForward
+            from vt.forward.toy import ToyForward
             return ToyForward(self.be, vocab=self.vocab, geometry=self.geometry).step_model()
-        from vt.hybrid_adapter import HybridStepModel
+        from vt.forward.hybrid import HybridStepModel
         return HybridStepModel(self.be, self._hybrid)
 
     def close(self):

@@ -6,7 +6,7 @@ Per iteration: queue D µs of device work (be.busy_wait), record a blocking-sync
 for it with the policy under test. Reported per policy and D: host µs per iteration (launch to
 return), minus the device span of the same work (timing events): the latency the wait adds;
 and the CPU µs the host burned per iteration (process time). Policies: block (synchronize at
-once), poll (query until done), and poll for P µs then block (vt.waits.wait_event).
+once), poll (query until done), and poll for P µs then block (vt.backend.waits.wait_event).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from vt.backend import get_backend   # noqa: E402
-from vt.waits import wait_event      # noqa: E402
+from vt.backend.waits import wait_event      # noqa: E402
 
 POLICIES = {"block": 0.0, "poll 20us": 20e-6, "poll 50us": 50e-6, "poll 200us": 200e-6,
             "poll forever": 1.0}

@@ -1,6 +1,6 @@
 """`python -m vt ...` is the same as the `vt` console script."""
 import sys
 
-from vt.cli import main
+from vt.cli.main import main
 
 sys.exit(main())

@@ -19,7 +19,7 @@ MODES = {
     "sync": dict(depth=1),
     "drain": dict(),
     "ring": dict(async_executor=True),
-    "ring_prepare": dict(async_executor=True, ring_depth=3),   # + prepare-ahead (vt/runner.py)
+    "ring_prepare": dict(async_executor=True, ring_depth=3),   # + prepare-ahead (vt/runner/runner.py)
     "ring_inputs_read": dict(async_executor=True, inputs_read_event=True),
     "staged": dict(async_executor=True, h2d="staged"),
     "no_dbuf": dict(no_dbuf=True),
@@ -63,7 +63,7 @@ class ExecutorConfig:
     depth: 2 is the async pipeline (step N+1 launched before step N's tokens are read);
         1 is the fully synchronous reference (launch, wait, read, repeat).
     skip_pool_reserve: test hook: skip the pool pre-grow before capture.
-    wait_poll_us: how long the host polls an event before a blocking wait (vt/waits.py);
+    wait_poll_us: how long the host polls an event before a blocking wait (vt/backend/waits.py);
         None: the measured default on cuda, 0 (block at once) on the sim.
     """
     async_executor: bool = False

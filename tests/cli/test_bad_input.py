@@ -8,8 +8,8 @@ import pytest
 
 import vt
 import vt.backend
-import vt.demo
-from vt.cli import main
+import vt.cli.run
+from vt.cli.main import main
 from vt.model import PRESETS, HybridModel, init_weights
 
 TINY_RUN = ["run", "--backend", "sim", "--steps", "2", "--requests", "3", "--concurrency", "2",
@@ -34,14 +34,14 @@ def nothing_started(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("a backend was opened or a model built before the input was checked")
     monkeypatch.setattr(vt.backend, "get_backend", forbidden)
-    monkeypatch.setattr(vt.demo, "build_model", forbidden)
+    monkeypatch.setattr(vt.cli.run, "build_model", forbidden)
 
 
 @pytest.fixture
 def stop_before_model(monkeypatch):
     def reached(*args, **kwargs):
         raise Reached
-    monkeypatch.setattr(vt.demo, "build_model", reached)
+    monkeypatch.setattr(vt.cli.run, "build_model", reached)
 
 
 def refused(capsys, argv, *needles):
@@ -74,7 +74,7 @@ def test_sim_delay_must_be_finite_and_non_negative(capsys, nothing_started, valu
 
 
 def test_sim_delay_with_cuda_is_refused(capsys, monkeypatch, nothing_started):
-    monkeypatch.setattr(vt.demo, "backend_name", lambda name: "cuda")
+    monkeypatch.setattr(vt.cli.run, "backend_name", lambda name: "cuda")
     refused(capsys, ["run", "--sim-delay-ms", "2"], "--sim-delay-ms applies to the sim backend",
             "--backend sim")
 

@@ -1,9 +1,9 @@
 """Shared helpers: a seeded workload and one engine run on the toy forward."""
 import numpy as np
 
-from vt.engine import Engine
+from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
-from vt.toy import ToyForward
+from vt.forward.toy import ToyForward
 
 VOCAB = 64
 

@@ -1,5 +1,5 @@
 """DecodeBatch against a direct computation: after any joins, leaves and block crossings, the
-rows a step writes hold each request's position, length and KV slot (vt.step.kv_slot of its
+rows a step writes hold each request's position, length and KV slot (vt.step.contract.kv_slot of its
 block table at that position), whether few requests cross a block at once (one at a time) or
 many (one vectorised update)."""
 import types
@@ -7,9 +7,9 @@ import types
 import numpy as np
 import pytest
 
-from vt.batch import BatchStep, DecodeBatch
-from vt.inputblock import InputBlock
-from vt.step import GREEDY, PadRow, kv_slot
+from vt.engine.batch import BatchStep, DecodeBatch
+from vt.step.inputblock import InputBlock
+from vt.step.contract import GREEDY, PadRow, kv_slot
 
 BS, MAX_BLOCKS, CAP = 4, 16, 40
 PAD = PadRow(token_row=CAP, position=0, seq_len=1, slot=0, block=0, state_idx=CAP)

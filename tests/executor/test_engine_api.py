@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from vt.backend import ClosedError
-from vt.engine import Engine
+from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
-from vt.requests import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
-from vt.stepmodel import KVGeometry
-from vt.toy import ToyForward
+from vt.engine.requests import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
+from vt.forward.user import KVGeometry
+from vt.forward.toy import ToyForward
 
 from ._util import run_toy, workload
 
@@ -148,7 +148,7 @@ def test_engine_refuses_something_that_is_not_a_model(sim_backend):
 
 def test_user_forward_example_runs_on_the_ring(backend):
     """The docs example: a user forward wrapped as a ForwardModel, ring on."""
-    from vt.stepmodel import ForwardModel
+    from vt.forward.user import ForwardModel
     toy = ToyForward(backend, vocab=32)
     model = ForwardModel(backend, toy, vocab=32, token_table=toy.token_table, geometry=toy.geometry)
     with Engine(backend, model, ExecutorConfig(async_executor=True, serving_conc=4)) as eng:

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from vt.backend import CudaError, get_backend
-from vt.engine import Engine
+from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
-from vt.requests import EngineBusyError
-from vt.step import SamplingParams
-from vt.stepmodel import ForwardModel, KVGeometry
-from vt.toy import ToyForward
+from vt.engine.requests import EngineBusyError
+from vt.step.contract import SamplingParams
+from vt.forward.user import ForwardModel, KVGeometry
+from vt.forward.toy import ToyForward
 
 from ._util import mismatches
 
@@ -458,10 +458,10 @@ _SIGINT_SCRIPT = r"""
 import random, signal, sys, threading, time
 import numpy as np
 from vt.backend import get_backend
-from vt.engine import Engine
+from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
-from vt.step import SamplingParams
-from vt.toy import ToyForward
+from vt.step.contract import SamplingParams
+from vt.forward.toy import ToyForward
 
 def work(seed):
     rng = np.random.default_rng(seed)

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from vt.engine import Engine
-from vt.hybrid_adapter import HybridStepModel
+from vt.engine.engine import Engine
+from vt.forward.hybrid import HybridStepModel
 from vt.knobs import ExecutorConfig
 from vt.model import PRESETS, HybridModel, init_weights
 

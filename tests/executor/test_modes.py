@@ -112,9 +112,9 @@ def test_oversize_batch_falls_back_to_eager(backend):
 def test_serving_run_makes_no_driver_malloc_after_warm_up(backend, capture_sizes):
     """From the first generate() on, with prompts of every length up to the context, serving
     calls the driver 0 times: prefill, mixed and eager steps run at warmed shapes."""
-    from vt.engine import Engine
+    from vt.engine.engine import Engine
     from vt.knobs import ExecutorConfig
-    from vt.toy import ToyForward
+    from vt.forward.toy import ToyForward
     rng = np.random.default_rng(8)
     toy = ToyForward(backend)
     lengths = [1, 2, 3, 64, 63, 33, 17, 5] + [int(n) for n in rng.integers(1, 65, size=16)]

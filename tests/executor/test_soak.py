@@ -50,7 +50,7 @@ def test_soak_inputs_read_eager_mix_is_flat():
 
 def test_the_soak_sees_a_leak(monkeypatch):
     """The harness is not blind: an engine that keeps one event per generate() drifts."""
-    from vt.engine import Engine
+    from vt.engine.engine import Engine
     kept, generate = [], Engine.generate
 
     def leaky(self, *a, **kw):

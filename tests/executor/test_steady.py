@@ -4,9 +4,9 @@ every mode, with and without stop tokens, while requests cross KV blocks (the to
 hold 4 tokens), leave at different steps and shrink the batch through the graph sizes."""
 import pytest
 
-from vt.engine import Engine
+from vt.engine.engine import Engine
 from vt.knobs import MODES, ExecutorConfig
-from vt.toy import ToyForward
+from vt.forward.toy import ToyForward
 
 from ._util import VOCAB, mismatches, run_toy, workload
 

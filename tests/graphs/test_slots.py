@@ -6,8 +6,8 @@ import pytest
 from vt.backend import CaptureAllocationError
 from vt.graphs import DecodeGraphDriver, GraphSettings, StaleLogitsError
 from vt.knobs import ExecutorConfig
-from vt.step import DecodeRows
-from vt.toy import ToyForward
+from vt.step.contract import DecodeRows
+from vt.forward.toy import ToyForward
 
 
 def _driver(be, **cfg):

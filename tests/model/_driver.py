@@ -2,7 +2,7 @@
 import numpy as np
 
 from vt.model import PrefillInputs, SamplingParams, upload_decode_inputs
-from vt.step import kv_slot
+from vt.step.contract import kv_slot
 
 
 class Driver:

@@ -9,7 +9,8 @@ import re
 
 import pytest
 
-from vt.model.kernels import _common, attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope, sampling
+from vt.backend.nvrtc import build_options
+from vt.model.kernels import _common, attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope
 
 SOURCES = {
     "gather f16->f32": (embedding._CODE, dict(IN_F32=0, OUT_F32=1)),
@@ -24,14 +25,15 @@ SOURCES = {
     "attention D=96 G=1": (attention._CODE, dict(LPK=8, EPL=12, G=1)),
     "gdn 128x128": (gdn._CODE, dict(DK=128, DV=128)), "gdn 32x32": (gdn._CODE, dict(DK=32, DV=32)),
     "gdn 64x32": (gdn._CODE, dict(DK=64, DV=32)), "gdn 256x256": (gdn._CODE, dict(DK=256, DV=256)),
-    "silu_mul": (mlp._CODE, {}), "moe": (moe._CODE, {}), "sample": (sampling._CODE, {}),
+    "silu_mul": (mlp._CODE, {}), "moe": (moe._CODE, {}),
     "routed_ptrs": (gemm._PTRS, {}),
 }
-# Kernel sources compiled by cupy.RawKernel as they are (no prelude, no options).
-RAW_SOURCES = {"busy_wait": "vt.backend.cuda._spin._SOURCE"}
+# Kernel sources compiled as they are (no model prelude): the spin kernel by cupy.RawKernel,
+# the sampler by vt.backend.nvrtc.
+RAW_SOURCES = {"busy_wait": "vt.backend.cuda._spin._SOURCE", "sample": "vt.sampling.sample._CODE"}
 # Modules whose string constants hold CUDA kernels (each kernel must be compiled above).
 KERNEL_MODULES = [f"vt.model.kernels.{m}" for m in ("attention", "embedding", "gdn", "gemm", "kvcache",
-                                                    "mlp", "moe", "norm", "rope", "sampling")] + ["vt.backend.cuda._spin"]
+                                                    "mlp", "moe", "norm", "rope")] + ["vt.backend.cuda._spin", "vt.sampling.sample"]
 ARCH = "sm_90"
 _KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(')
 
@@ -90,7 +92,7 @@ def test_kernel_source_compiles_for_sm90(name, bf16):
 def test_raw_kernel_compiles_for_sm90(name):
     module, attr = RAW_SOURCES[name].rsplit(".", 1)
     code = getattr(importlib.import_module(module), attr)
-    _assert_holds_kernels(_cubin(code, ()), code)
+    _assert_holds_kernels(_cubin(code, build_options({})), code)
 
 
 def test_every_kernel_is_compiled_here():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from vt.model import kernels as K
-from vt.model.kernels import attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope, sampling
+from vt.model.kernels import attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope
+from vt.sampling import sample as sampling
 from vt.model.kernels._common import f64, to_storage
 
 from ._util import assert_close, poison
@@ -240,7 +241,7 @@ def _sample_case(rng, mixed):
         table[a["rows"]] = toks
         return {"out": (toks, 0), "table": (table, 0)}
     return Case(a, lambda be, s, d: be.launch(
-        s, K.Sample(), d["logits"], d["rows"], d["pos"], d["temp"], d["top_k"], d["seed"],
+        s, sampling.Sample(), d["logits"], d["rows"], d["pos"], d["temp"], d["top_k"], d["seed"],
         d["out"], d["table"]), expect)
 
 

@@ -3,9 +3,9 @@ padded rows, greedy generation, and a captured decode step replayed bit-identica
 import numpy as np
 import pytest
 
-from vt.inputblock import InputBlock
+from vt.step.inputblock import InputBlock
 from vt.model import PRESETS, HybridModel, SamplingParams, init_weights
-from vt.step import PadRow
+from vt.step.contract import PadRow
 from vt.model.reference import ReferenceModel
 
 from ._driver import Driver

@@ -1,5 +1,5 @@
 """tools/bench_step.py and tools/profile_step.py (moved out of vt.model) run end to end on the
-sim at toy sizes, through the one replay timer (vt.timing)."""
+sim at toy sizes, through the one replay timer (vt.backend.timing)."""
 import json
 
 from tool_loader import load_tool

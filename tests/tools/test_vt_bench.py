@@ -1,4 +1,4 @@
-"""`vt bench` (vt/bench/): the default sim sweep's JSON has every column with sane values, the
+"""`vt bench` (vt/cli/bench/): the default sim sweep's JSON has every column with sane values, the
 model workload, the metrics' formulas, the progress lines, the CLI's checks, the torch peer."""
 import contextlib
 import io
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from vt.backend import available_backends
-from vt.bench import cells, torch_peer
-from vt.bench.cli import DEFAULT_SPIN_US, main
-from vt.bench.progress import Progress
-from vt.bench.synthetic import SYNTH_VOCAB, Logits, expected_tokens, next_token
-from vt.timing import timed_ms
+from vt.cli.bench import cells, torch_peer
+from vt.cli.bench.cli import DEFAULT_SPIN_US, main
+from vt.cli.bench.progress import Progress
+from vt.cli.bench.synthetic import SYNTH_VOCAB, Logits, expected_tokens, next_token
+from vt.backend.timing import timed_ms
 from vt.knobs import SAFE_MODES
 
 
@@ -95,7 +95,7 @@ def test_sim_sweep_marks_the_torch_peer_absent(sim_sweep):
 
 def test_sim_sweep_prints_the_tables(sim_sweep, capsys):
     _, _, res = sim_sweep
-    from vt.bench.report import table
+    from vt.cli.bench.report import table
     text = table(res)
     for needle in ("S=1: us per decode step", "S=32: steps/s ratio to drain", "ceiling",
                    "torch_async", "absent", "ring_inputs_read S=32 D=1000", "torch peer absent"):
@@ -127,7 +127,7 @@ def test_model_workload_on_the_sim(tmp_path, capsys):
 
 
 def test_a_peer_that_fails_to_set_up_leaves_the_vt_cells(tmp_path, monkeypatch):
-    from vt.bench import run as run_mod
+    from vt.cli.bench import run as run_mod
 
     class Broken:
         def __init__(self, S):
@@ -225,7 +225,7 @@ def test_bad_arguments_are_refused_before_any_work(argv, needle, capsys):
 
 
 def test_vt_cli_has_the_bench_subcommand():
-    from vt.cli import build_parser
+    from vt.cli.main import build_parser
     args = build_parser().parse_args(["bench", "--backend", "sim", "--conc", "4"])
     assert args.func.__name__ == "cmd_bench" and args.conc == [4]
 
@@ -308,7 +308,7 @@ def test_torch_peer_tokens_match_the_synthetic_forward():
 
 
 def test_median_run_picks_the_middle_run_and_keeps_every_time():
-    from vt.bench.run import median_run
+    from vt.cli.bench.run import median_run
     runs = [dict(s=3e-6), dict(s=1e-6), dict(s=9e-6), dict(s=2e-6)]
     chosen, times = median_run(runs, lambda r: r["s"])
     assert chosen is runs[3]                      # lower middle of 1, 2, 3, 9

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from vt.graphs.logits import GraphOutput
-from vt.step import LOGITS_DTYPE
+from vt.step.contract import LOGITS_DTYPE
 
 
 def logits_nbytes(size: int, vocab: int) -> int:

@@ -4,7 +4,7 @@ The step is `step(stream, inputs, logits_out, out_tokens)`: a forward that only 
 (capturable: no host sync, no allocation outside the backend's pool), reads its per-step
 inputs from `inputs` (DecodeInputs, device arrays) and writes `logits_out` [S, vocab] f32,
 followed by the sampler writing `out_tokens` [S]. Scheduling (drain, poison, token readback)
-is the runner's job; eager steps are vt/eager.py's.
+is the runner's job; eager steps are vt/runner/eager.py's.
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from vt.backend.errors import ClosedError
 from vt.graphs.capture import capture_slot, logits_nbytes, warm_up
 from vt.graphs.slot import SizeSlot, SlotRing
-from vt.step import PadRow
-from vt.timing import timed_ms
+from vt.step.contract import PadRow
+from vt.backend.timing import timed_ms
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class GraphSettings:
     staged: bool                  # h2d="staged": out-of-graph copy, one graph per size
     inputs_read: bool             # the ring waits on an event right after the H2D node
     reserve_pool: bool = True     # pre-grow the pool before capture (off: a test hook)
-    poll_s: float = 0.0           # how long a guard polls before blocking (vt/waits.py)
+    poll_s: float = 0.0           # how long a guard polls before blocking (vt/backend/waits.py)
 
 
 class DecodeGraphDriver:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from vt.graphs.logits import ForwardLogits, GraphOutput
-from vt.inputblock import InputBlock
-from vt.waits import wait_event
+from vt.step.inputblock import InputBlock
+from vt.backend.waits import wait_event
 
 
 class SizeSlot:

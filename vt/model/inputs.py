@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 # One definition of the decode inputs for the driver and every forward (the bundled model is one).
-from vt.inputblock import InputBlock
-from vt.step import FIELDS, GREEDY, DecodeInputs, SamplingParams, kv_slot
+from vt.step.inputblock import InputBlock
+from vt.step.contract import FIELDS, GREEDY, DecodeInputs, SamplingParams, kv_slot
 
 
 def _sampling_vectors(sampling: SamplingParams, n: int) -> dict:
@@ -28,11 +28,6 @@ def _upload(be, stream, host: dict) -> dict:
         be.copy_h2d(out[name], pinned, stream)
         out.setdefault("_keep", []).append(pinned)  # pinned sources live until the copy ran
     return out
-
-
-def decode_inputs_empty(be, batch: int, max_blocks: int) -> DecodeInputs:
-    """Device buffers for one decode size (their contents are refreshed every step)."""
-    return InputBlock(be.empty, batch, max_blocks).inputs
 
 
 def upload_decode_inputs(be, stream, *, sampling: SamplingParams = GREEDY, **host) -> DecodeInputs:

@@ -15,11 +15,12 @@ from .config import ModelConfig
 from .inputs import DecodeInputs, PrefillInputs
 from .kernels.gemm import WORKSPACE_BYTES
 from .weights import check_weights
+from vt.sampling.sample import Sample
 
 _EMBED, _GATHER, _NORM, _ROPE, _KVW = K.EmbedTokens(), K.GatherRows(), K.RMSNorm(), K.RoPE(), K.KVWrite()
 _ATTN, _GDN, _ACT, _ROUTER, _COMBINE = K.PagedAttention(), K.GDN(), K.SiluMul(), K.Router(), K.Combine()
 _COMBINE_ROUTED = K.CombineRouted()
-_SAMPLE, _FILL = K.Sample(), K.Fill()
+_SAMPLE, _FILL = Sample(), K.Fill()
 _STAGING_BYTES = 64 << 20
 
 

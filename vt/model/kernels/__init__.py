@@ -10,7 +10,6 @@ from .mlp import SiluMul
 from .moe import Combine, CombineRouted, Router
 from .norm import RMSNorm
 from .rope import RoPE
-from .sampling import MAX_TOP_K, Sample, SamplingParams
 
 __all__ = ["PagedAttention", "EmbedTokens", "GatherRows", "Fill", "GDN", "Gemm", "RoutedGemm", "KVWrite", "SiluMul",
-           "Combine", "CombineRouted", "Router", "RMSNorm", "RoPE", "Sample", "SamplingParams", "MAX_TOP_K"]
+           "Combine", "CombineRouted", "Router", "RMSNorm", "RoPE"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from vt.backend.nvrtc import build_options, compiled_function, sm_count  # noqa: F401  (sm_count: the kernels' import)
+
 # ---------------------------------------------------------------- numpy side
 
 
@@ -93,41 +95,17 @@ __device__ float block_sum(float v, float* sh32) {
 }
 """
 
-_FUNCS: dict[tuple, object] = {}
-
-
 def cuda_function(code: str, name: str, storage, **defines):
-    """The compiled CuPy function `name` from `code` for a storage dtype and `defines` (cached).
-
-    Compiled and loaded on first use, so the first call must be eager (not under capture):
-    HybridModel and the tests run every kernel eagerly before capturing.
-    """
+    """The compiled CuPy function `name` from the model's PRELUDE + `code` for a storage dtype
+    and `defines` (cached). Compiled and loaded on first use, so the first call must be eager
+    (not under capture): HybridModel and the tests run every kernel eagerly before capturing."""
     bf16 = np.dtype(storage) == np.uint16
-    key = (code, name, bf16, tuple(sorted(defines.items())))
-    fn = _FUNCS.get(key)
-    if fn is None:
-        import cupy as cp
-
-        fn = _FUNCS[key] = cp.RawModule(code=PRELUDE + code, options=nvrtc_options(bf16, defines)).get_function(name)
-    return fn
+    return compiled_function(PRELUDE + code, name, dict(defines, VT_BF16=int(bf16)))
 
 
 def nvrtc_options(bf16: bool, defines: dict) -> tuple[str, ...]:
-    """The NVRTC options of a kernel build (CuPy adds the target architecture); the compile
-    test (tests/model/test_cuda_compile.py) compiles with the same ones."""
-    return ("-std=c++17", f"-DVT_BF16={int(bf16)}") + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
-
-
-_SM_COUNT: list[int] = []
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current CUDA device (cached; sizes split-work grids)."""
-    if not _SM_COUNT:
-        import cupy as cp
-
-        _SM_COUNT.append(int(cp.cuda.Device().attributes["MultiProcessorCount"]))
-    return _SM_COUNT[0]
+    """The NVRTC options of a model kernel build; the compile test uses the same ones."""
+    return build_options(dict(defines, VT_BF16=int(bf16)))
 
 
 def storage_of(*arrays) -> np.dtype:

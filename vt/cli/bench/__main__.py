@@ -1,0 +1,5 @@
+import sys
+
+from vt.cli.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,125 @@
+"""The `vt` command line: `vt info` (what a user runs first) and `vt run` (the demo decode loop)."""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import sys
+
+from vt import __version__
+from vt.knobs import MODES
+
+# The name `vt run --mode` used for the drain mode before MODES gave it one spelling.
+_MODE_ALIASES = {"off": "drain"}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error: what is wrong, then where the flags are listed
+    (the default prints the whole usage block before the one line that matters)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
+def _mode(value: str) -> str:
+    return _MODE_ALIASES.get(value, value)
+
+
+def _package_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    """Print the backend vt would pick, the device, versions, and a capture/replay self-check."""
+    from vt.backend import available_backends
+    from vt.backend.selfcheck import run_selfcheck
+    from vt.cli.run import pick_backend
+
+    print(f"vt {importlib.metadata.version('vt') if _installed() else 'source tree'}"
+          f"  python {platform.python_version()}")
+    print(f"backends available: {', '.join(available_backends())}")
+    for pkg in ("numpy", "cuda-bindings", "cupy-cuda13x", "nvmath-python", "safetensors"):
+        print(f"  {pkg:<14} {_package_version(pkg)}")
+    be = pick_backend(args.backend, who="vt info")
+    try:
+        print(f"backend picked ({args.backend}): {be.name}")
+        for key, value in be.info().items():
+            print(f"  {key:<18} {value}")
+        ok, message = run_selfcheck(be)
+    finally:
+        be.close()
+    print(f"self-check (capture + replay x3 with new host input): {'PASS' if ok else 'FAIL'} — {message}")
+    return 0 if ok else 1
+
+
+def _installed() -> bool:
+    try:
+        importlib.metadata.version("vt")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from vt.cli.run import run_demo
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="vt", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"vt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    info = sub.add_parser("info", help="backend, device, versions and a capture/replay self-check")
+    info.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    info.set_defaults(func=cmd_info)
+
+    run = sub.add_parser("run", help="run a batch of requests through the decode loop")
+    run.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    run.add_argument("--preset", default=None,
+                     help="model preset (default: bench-dense on cuda, tiny-dense on sim)")
+    run.add_argument("--requests", type=int, default=None, help="number of requests (default: 2 x concurrency)")
+    run.add_argument("--concurrency", type=int, default=None,
+                     help="max requests decoded together (default: VT_ASYNC_SERVING_CONC or 8)")
+    run.add_argument("--mode", default=None, type=_mode, choices=list(MODES),
+                     help="executor mode (default: from VT_ASYNC_EXECUTOR*, i.e. drain; 'off' is "
+                          "an alias of drain); no_dbuf is the unsafe test arm and needs "
+                          "--unsafe-no-dbuf")
+    run.add_argument("--unsafe-no-dbuf", action="store_true",
+                     help="allow the no_dbuf mode (--mode no_dbuf or VT_ASYNC_EXECUTOR_NO_DBUF=1), "
+                          "which produces wrong tokens on purpose")
+    run.add_argument("--h2d", default=None, choices=["graph", "staged"],
+                     help="where the per-step H2D copy runs, on top of --mode (default: graph)")
+    run.add_argument("--steps", type=int, default=32, help="new tokens per request")
+    run.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt")
+    run.add_argument("--trace", default=None, help="write a Chrome trace JSON (Perfetto) to this path")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (>= 0)")
+    run.add_argument("--sim-delay-ms", type=float, default=0.0, help="sim backend: device delay per op")
+    run.add_argument("--force", action="store_true",
+                     help="run a bench-* preset on the sim backend anyway (GBs of memory, minutes)")
+    run.set_defaults(func=cmd_run)
+
+    from vt.cli.bench.cli import add_parser as add_bench_parser
+    add_bench_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 a failed self-check, 2 a usage error (bad flag, VT_* variable or
+    preset, missing GPU), 130 interrupted."""
+    from vt.cli.run import UsageError
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:   # --help and --version (0), a bad flag (2): returned, not raised
+        return e.code
+    try:
+        return args.func(args)
+    except UsageError as e:
+        print(e.message, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,259 @@
+"""`vt run`: a batch of requests through the decode executor, with progress and step timings.
+
+The default is what a new user should see first: the default backend (cuda when a GPU is
+present, else sim), a preset that suits it, the executor mode from the environment
+(VT_ASYNC_EXECUTOR*, default drain), greedy decoding of random prompts. Every flag and
+VT_* variable is checked before a backend is opened or a model built (check_run): a bad one
+is a one-line UsageError, which `vt` turns into exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import sys
+import time
+
+import numpy as np
+
+# Printed to stderr by every run in the no_dbuf mode (it needs --unsafe-no-dbuf to start).
+_UNSAFE_WARNING = ("vt run: WARNING: mode no_dbuf skips the drain without the slot ring: the host "
+                   "overwrites inputs the device has not read yet, so the tokens below are WRONG "
+                   "on purpose (hazard-C test arm)")
+
+
+class UsageError(SystemExit):
+    """A bad flag, VT_* variable or preset: `vt` prints the one-line message and exits 2.
+
+    A SystemExit so that a script calling these helpers outside the CLI (tools/bench.py)
+    still ends with the message and no traceback."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---------------------------------------------------------------- checks before any work
+def check_run_args(args: argparse.Namespace) -> None:
+    """The flags that need no backend: sizes, seed, delay. Raises UsageError."""
+    for flag, value in (("--steps", args.steps), ("--prompt-len", args.prompt_len),
+                        ("--concurrency", args.concurrency), ("--requests", args.requests)):
+        if value is not None and value < 1:
+            raise UsageError(f"vt run: {flag} must be a positive integer, got {value}")
+    if args.seed < 0:
+        raise UsageError(f"vt run: --seed must be an integer >= 0, got {args.seed}")
+    if not (math.isfinite(args.sim_delay_ms) and args.sim_delay_ms >= 0):
+        raise UsageError(f"vt run: --sim-delay-ms must be a finite number >= 0, got "
+                         f"{args.sim_delay_ms}")
+
+
+def _config(args: argparse.Namespace):
+    """The executor config: VT_* variables, then the flags. Raises UsageError on bad values."""
+    from vt.knobs import MODES, ExecutorConfig
+
+    overrides = {}
+    if args.concurrency is not None:
+        overrides["serving_conc"] = args.concurrency
+    if args.mode is not None:
+        # The mode is the whole mode: the VT_* variables of the others must not leak into it.
+        default = ExecutorConfig()
+        overrides.update({f: getattr(default, f) for m in MODES.values() for f in m})
+        overrides.update(MODES[args.mode])
+    if args.h2d is not None:
+        overrides["h2d"] = args.h2d
+    if args.trace is not None:
+        overrides["trace"] = args.trace
+    try:
+        return ExecutorConfig.from_env(**overrides)
+    except ValueError as e:
+        raise UsageError(f"vt run: {e}; {_what_to_do(e, 'vt run')}") from None
+
+
+def _what_to_do(error: Exception, who: str) -> str:
+    """The end of a usage message: a VT_* variable named in the error is the thing to fix."""
+    return "fix or unset the variable" if re.search(r"\bVT_\w+", str(error)) else f"see {who} --help"
+
+
+def check_unsafe_opt_in(config, args: argparse.Namespace) -> None:
+    """The no_dbuf arm produces wrong tokens by design: it runs only when asked for twice."""
+    if not config.no_dbuf or args.unsafe_no_dbuf:
+        return
+    source = "--mode no_dbuf" if args.mode == "no_dbuf" else "VT_ASYNC_EXECUTOR_NO_DBUF=1"
+    raise UsageError(f"vt run: {source} is the unsafe test arm (it skips the drain without the "
+                     f"slot ring, so the tokens are wrong: hazard-C); add --unsafe-no-dbuf to "
+                     f"run it anyway, or pick a safe --mode")
+
+
+def check_trace_path(path: str | None, source: str) -> None:
+    """Fail now, not after the whole run, when the trace file cannot be written."""
+    if path is None:
+        return
+    if os.path.isdir(path):
+        raise UsageError(f"vt run: {source} {path!r} is a directory; give a file path such as "
+                         f"{os.path.join(path, 'trace.json')!r}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise UsageError(f"vt run: {source} {path!r}: directory {parent!r} does not exist; "
+                         f"create it or write the trace elsewhere")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path)
+                                                    and not os.access(path, os.W_OK)):
+        raise UsageError(f"vt run: {source} {path!r} is not writable; write the trace elsewhere")
+
+
+def backend_name(name: str) -> str:
+    """What get_backend(name) would open ("auto" resolved), without opening it."""
+    if name != "auto":
+        return name
+    from vt.backend import available_backends
+    return "cuda" if "cuda" in available_backends() else "sim"
+
+
+def pick_backend(name: str, sim_delay_ms: float = 0.0, *, who: str = "vt"):
+    """get_backend(name), with the sim-only per-op device delay when one is asked for; a bad
+    name or option, a bad VT_POOL_DEBUG or cuda without a GPU is a UsageError."""
+    from vt.backend import available_backends, get_backend
+    try:
+        return get_backend(name, **({"device_delay_s": sim_delay_ms / 1e3} if sim_delay_ms else {}))
+    except ValueError as e:   # get_backend's own checks, made before it opens anything
+        raise UsageError(f"{who}: {e}; {_what_to_do(e, who)}") from None
+    except RuntimeError as e:
+        if name == "cuda" and "cuda" not in available_backends():
+            raise UsageError(f"{who}: {e}; run with --backend sim (or auto) here") from None
+        raise
+
+
+def _weight_gb(cfg) -> float:
+    from vt.model.weights import weight_shapes
+    return sum(math.prod(shape) * np.dtype(dt).itemsize
+               for shape, dt in weight_shapes(cfg).values()) / 1e9
+
+
+def pick_preset(backend: str, preset: str | None, context: int, who: str, *, force: bool = False):
+    """(name, ModelConfig) for backend "cuda" or "sim": the given preset, or the backend's
+    default (bench-dense on cuda, tiny-dense on sim). UsageError if it is unknown, if
+    `context` tokens (prompt + new tokens) do not fit its max_context, or if it is a bench
+    preset on the sim backend and not `force`."""
+    from vt.model import PRESETS
+    name = preset or ("bench-dense" if backend == "cuda" else "tiny-dense")
+    if name not in PRESETS:
+        raise UsageError(f"{who}: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
+    cfg = PRESETS[name]
+    if context > cfg.max_context:
+        raise UsageError(f"{who}: prompt + new tokens = {context} exceeds {name}'s max_context "
+                         f"{cfg.max_context}; use a shorter prompt or fewer new tokens")
+    # Bench presets are sized for the GPU's bandwidth: numpy on the CPU needs gigabytes of
+    # host memory and minutes per step, with nothing printed meanwhile.
+    if backend == "sim" and name.startswith("bench-") and not force:
+        raise UsageError(f"{who}: preset {name} is a GPU benchmark model ({_weight_gb(cfg):.1f} GB "
+                         f"of weights, several times that in host memory while they are made, "
+                         f"minutes per step on the CPU) and this run uses the sim backend; use "
+                         f"tiny-dense or tiny-moe, or add --force to run it anyway")
+    return name, cfg
+
+
+def resolve_preset(be, preset: str | None, context: int, who: str, *, force: bool = True):
+    """pick_preset for an open backend (tools/bench.py); exits with the message on bad input."""
+    return pick_preset(be.name, preset, context, who, force=force)
+
+
+# ---------------------------------------------------------------- the run
+def build_model(be, cfg, *, max_seqs: int, context: int, seed: int, log=lambda msg: None):
+    """A HybridModel with seeded random weights and KV blocks for max_seqs sequences of
+    `context` tokens each."""
+    from vt.model import HybridModel, init_weights
+    log(f"  initialising weights (seed {seed}) ...")
+    weights = init_weights(cfg, seed=seed)
+    log(f"  uploading the model and allocating KV cache for {max_seqs} sequences ...")
+    return HybridModel(be, cfg, weights, max_seqs=max_seqs,
+                       num_kv_blocks=max_seqs * -(-context // cfg.kv_block_size))
+
+
+def random_prompts(rng, vocab: int, n: int, length: int) -> list[list[int]]:
+    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
+
+
+def check_run(args: argparse.Namespace):
+    """Every check `vt run` can make before it opens a backend or builds a model:
+    (config, backend name, preset name, ModelConfig). Raises UsageError."""
+    check_run_args(args)
+    config = _config(args)
+    check_unsafe_opt_in(config, args)
+    check_trace_path(config.trace, "--trace" if args.trace is not None else "VT_ASYNC_EXECUTOR_TRACE")
+    backend = backend_name(args.backend)
+    if backend == "cuda" and args.sim_delay_ms:
+        raise UsageError(f"vt run: --sim-delay-ms applies to the sim backend only and this run "
+                         f"uses cuda; drop it or add --backend sim")
+    preset, cfg = pick_preset(backend, args.preset, args.prompt_len + args.steps, "vt run",
+                              force=args.force)
+    return config, backend, preset, cfg
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    config, backend, preset, cfg = check_run(args)
+    if config.no_dbuf:
+        print(_UNSAFE_WARNING, file=sys.stderr, flush=True)
+    be = pick_backend(backend, args.sim_delay_ms, who="vt run")
+    conc = config.serving_conc
+    n_requests = 2 * conc if args.requests is None else args.requests
+    try:
+        _log(f"vt run: backend={be.name} preset={preset} mode={config.mode} conc={conc} "
+             f"requests={n_requests} prompt_len={args.prompt_len} new_tokens={args.steps}")
+        t0 = time.perf_counter()
+        model = build_model(be, cfg, max_seqs=conc, context=args.prompt_len + args.steps,
+                            seed=args.seed, log=_log)
+        _log(f"  capturing decode graphs for sizes {list(config.capture_sizes)} "
+             f"({config.slots_per_size} slot(s) per size) and warming the eager/prefill shapes ...")
+        from vt.engine.engine import Engine   # here: a usage error or a refused preset needs none of it
+        with Engine(be, model, config, profile=True) as engine:
+            _log(f"  ready in {time.perf_counter() - t0:.1f} s; generating")
+            prompts = random_prompts(np.random.default_rng(args.seed), cfg.vocab, n_requests,
+                                     args.prompt_len)
+            results = engine.generate(prompts, max_new_tokens=args.steps, progress=_progress_printer())
+            stats = engine.stats()
+            trace = engine.close()
+        model.close()
+    finally:
+        be.close()
+    _report(results, stats, trace)
+    return 0
+
+
+def _progress_printer():
+    last = [0.0]
+
+    def show(p) -> None:
+        now = time.perf_counter()
+        if p.finished == p.total or now - last[0] >= 0.5:
+            last[0] = now
+            _log(f"  step {p.step:5d}  finished {p.finished}/{p.total}  tokens {p.tokens}  "
+                 f"{p.tokens / p.elapsed_s if p.elapsed_s else 0:.0f} tok/s")
+    return show
+
+
+def _report(results, stats: dict, trace: str | None) -> None:
+    steps = max(stats["steps"], 1)
+    _log(f"done: {stats['tokens']} tokens in {stats['wall_s']:.2f} s = {stats['tokens_per_s']:.0f} tokens/s, "
+         f"mode {stats['mode']}")
+    _log(f"  steps {stats['steps']} (graph {stats['graph_steps']}, eager {stats['eager_steps']}, "
+         f"mixed {stats['mixed_steps']}, prefill {stats['prefill_steps']})")
+    us = {k: 1e6 * stats[k] / steps for k in ("acquire_s", "refresh_s", "launch_s", "drain_s",
+                                              "token_wait_s")}
+    _log(f"  per step (µs): acquire {us['acquire_s']:.1f}, refresh {us['refresh_s']:.1f}, launch "
+         f"{us['launch_s']:.1f}, drain waits {us['drain_s']:.1f}, token waits {us['token_wait_s']:.1f}, "
+         f"device {1e3 * stats['device_ms'] / steps:.1f}")
+    _log(f"  pool: {stats['pool']['bytes_reserved'] / 2**20:.1f} MiB reserved, "
+         f"mallocs during capture {stats['pool']['mallocs_during_capture']}, "
+         f"driver mallocs since warm-up {stats['driver_mallocs_since_warm_up']}")
+    if trace:
+        _log(f"  trace written to {trace} (open it in https://ui.perfetto.dev)")
+    reasons = {}
+    for r in results:
+        reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
+    _log(f"  finished: {', '.join(f'{n} {reason}' for reason, n in sorted(reasons.items()))}")
+    if results:
+        _log(f"  request 0: {results[0].tokens[:16]}{' ...' if len(results[0].tokens) > 16 else ''}")

@@ -1,0 +1,93 @@
+"""Requests, their results, the errors of requests that cannot be served, and the host-side
+allocators of sequence rows and KV blocks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vt.step.contract import GREEDY, SamplingParams
+
+
+class RequestTooLargeError(ValueError):
+    """A request cannot be served whole: its prompt plus max_new_tokens exceed the model's
+    context, or it needs more KV blocks than the whole cache has. generate() raises it before
+    running any step, so nothing is served partially."""
+
+
+class PromptTooLongError(RequestTooLargeError):
+    """The prompt alone does not fit the model's context."""
+
+
+class KVCacheExhaustedError(RequestTooLargeError):
+    """The request needs more KV blocks than the whole cache has."""
+
+
+class EngineBusyError(RuntimeError):
+    """generate() was called while another thread's generate() runs on the same Engine."""
+
+
+@dataclass
+class RequestResult:
+    """One request's outcome.
+
+    tokens: the generated ids. finish_reason: "stop" (the stop token was sampled; it is the
+    last token) or "length" (max_new_tokens were generated). logits: [len(tokens), vocab]
+    float32 when the Engine records logits, else None.
+    """
+    index: int
+    prompt_len: int
+    tokens: list[int]
+    finish_reason: str
+    logits: np.ndarray | None = None
+
+
+@dataclass
+class Request:
+    """A request inside one generate() call. Its tokens land in the call's flat output buffer
+    at [base, base + max_new_tokens); `end` is where they stop (moved up by a stop token)."""
+    index: int
+    prompt: np.ndarray        # [L] int32
+    max_new_tokens: int
+    stop_token: int | None
+    sampling: SamplingParams = GREEDY
+    base: int = 0
+    end: int = 0
+    row: int = -1
+    blocks: list[int] = field(default_factory=list)
+    batch_index: int = -1     # its entry in the DecodeBatch, -1 when not decoding
+    finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt)
+
+
+class RowAllocator:
+    """Sequence rows (token-table row = recurrent-state slot) 0..n-1."""
+
+    def __init__(self, n: int):
+        self._free = list(range(n - 1, -1, -1))
+
+    def alloc(self) -> int | None:
+        return self._free.pop() if self._free else None
+
+    def free(self, row: int) -> None:
+        self._free.append(row)
+
+
+class BlockAllocator:
+    """KV blocks 0..num_blocks-1 except the scratch block of padded rows."""
+
+    def __init__(self, num_blocks: int, scratch_block: int):
+        self._free = [b for b in range(num_blocks - 1, -1, -1) if b != scratch_block]
+        self.capacity = len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n blocks, or None (nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))

@@ -1,0 +1,67 @@
+"""Turning generate()'s arguments into Requests, refusing before any step runs whatever
+cannot be served whole (one policy for context overflow and KV exhaustion: raise)."""
+from __future__ import annotations
+
+import numpy as np
+
+from vt.engine.requests import KVCacheExhaustedError, PromptTooLongError, Request, RequestTooLargeError
+from vt.step.contract import GREEDY, KVGeometry, SamplingParams
+
+
+def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry, vocab: int,
+                  kv_capacity: int) -> list[Request]:
+    """Validated Requests, each with its span [base, end) of the call's output buffer."""
+    prompts = list(prompts)
+    budgets = _per_prompt(max_new_tokens, len(prompts), "max_new_tokens")
+    samplings = _per_prompt(GREEDY if sampling is None else sampling, len(prompts), "sampling")
+    if stop_token is not None and (isinstance(stop_token, bool) or
+                                   not isinstance(stop_token, (int, np.integer)) or
+                                   not 0 <= stop_token < vocab):
+        raise ValueError(f"stop_token must be a token id in [0, {vocab}) or None, got {stop_token!r}")
+    reqs, base = [], 0
+    for i, (p, max_new, sp) in enumerate(zip(prompts, budgets, samplings)):
+        if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
+            raise ValueError(f"max_new_tokens must be positive ints, got {max_new!r} for prompt {i}")
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling for prompt {i} must be a vt.SamplingParams, got "
+                            f"{type(sp).__name__}")
+        arr = np.asarray(p)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of token ids, got "
+                             f"shape {arr.shape} dtype {arr.dtype}")
+        if arr.min() < 0 or arr.max() >= vocab:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        _check_fits(i, arr.size, int(max_new), geo, kv_capacity)
+        req = Request(i, arr.astype(np.int32), int(max_new),
+                      None if stop_token is None else int(stop_token), sp, base=base,
+                      end=base + int(max_new))
+        base = req.end
+        reqs.append(req)
+    return reqs
+
+
+def _check_fits(i: int, prompt_len: int, max_new: int, geo: KVGeometry, kv_capacity: int) -> None:
+    """The last generated token needs no KV slot: a request occupies prompt + max_new - 1."""
+    if prompt_len > geo.max_context:
+        raise PromptTooLongError(f"prompt {i} has {prompt_len} tokens; the context holds "
+                                 f"{geo.max_context}: shorten the prompt")
+    if prompt_len + max_new - 1 > geo.max_context:
+        raise RequestTooLargeError(
+            f"request {i}: prompt {prompt_len} + max_new_tokens {max_new} - 1 = "
+            f"{prompt_len + max_new - 1} tokens exceed the context of {geo.max_context}: lower "
+            f"max_new_tokens to at most {geo.max_context - prompt_len + 1}")
+    need = -(-(prompt_len + max_new - 1) // geo.block_size)
+    if need > kv_capacity:
+        raise KVCacheExhaustedError(
+            f"request {i} needs {need} KV blocks (prompt {prompt_len} + {max_new} new tokens, "
+            f"block size {geo.block_size}) but the whole cache has {kv_capacity}: lower "
+            f"max_new_tokens or build the model with more KV blocks")
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple, np.ndarray)):
+        values = list(value)
+        if len(values) != n:
+            raise ValueError(f"{len(values)} {name} values for {n} prompts")
+        return values
+    return [value] * n

@@ -1,0 +1,117 @@
+"""The bundled vt.model.HybridModel as a step model (vt.forward.user).
+
+decode and sample are the model's own. Prefill inputs are built here from a staging area
+allocated once, instead of PrefillInputs.build (which allocates pinned memory and
+synchronizes the stream per call): prefill steps own their logits and drain, so the next
+prefill's Refresh always comes after the device has read this one's copy.
+
+Prefill shapes are bucketed so that warming each bucket once (warm_up_prefill) covers every
+later prefill's temporaries: the batch is padded with scratch sequences to a fixed
+max_seqs + 1 sequences, and the tokens to the next power of two (the padding sequences hold
+the extra tokens). The cost is up to 2x the prefill tokens and a last-token logits GEMM over
+max_seqs + 1 rows per prefill step (about one decode step's logits GEMM); prefill steps are
+few next to decode steps.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vt.step.contract import KVGeometry, PrefillSeq, kv_slot
+
+_PER_TOKEN = ("token_ids", "positions", "slot_mapping", "ctx_lens", "token_seq")
+_PER_SEQ = ("last_idx", "last_positions", "token_rows", "state_idx")
+
+
+class HybridStepModel:
+    """device_work_s (hazard tests and tools): queue that much device time before each decode,
+    so the host runs ahead of the device on any backend (as the toy forward's option does)."""
+
+    def __init__(self, be, model, *, device_work_s: float = 0.0):
+        from vt.model import PrefillInputs
+        self._PrefillInputs = PrefillInputs
+        cfg = model.cfg
+        self.be, self.m, self.vocab = be, model, cfg.vocab
+        self.device_work_s = device_work_s
+        # The model's scratch block sits past its num_kv_blocks real ones.
+        self.geometry = KVGeometry(max_seqs=model.max_seqs, num_kv_blocks=model.num_kv_blocks + 1,
+                                   block_size=cfg.kv_block_size, max_context=cfg.max_context,
+                                   scratch_block=model.scratch_block)
+        self.pad = self.geometry.pad
+        if (self.pad.token_row, self.pad.state_idx) != (model.scratch_row, model.scratch_state):
+            raise ValueError(f"HybridModel scratch row/state ({model.scratch_row}, "
+                             f"{model.scratch_state}) are not max_seqs={model.max_seqs}")
+        self._seqs = model.max_seqs + 1            # every prefill runs this many sequences
+        tokens = self.token_bucket(model.max_seqs * cfg.max_context + model.max_seqs)
+        seqs, mb = self._seqs, cfg.max_blocks_per_seq
+        shapes = {**{f: (tokens,) for f in _PER_TOKEN}, **{f: (seqs,) for f in _PER_SEQ},
+                  "cu_seqlens": (seqs + 1,), "block_tables": (seqs, mb)}
+        self._host = {f: be.pinned_empty(s, np.int32) for f, s in shapes.items()}
+        self._dev = {f: be.empty(s, np.int32) for f, s in shapes.items()}
+        self._logits = be.empty((seqs, cfg.vocab), np.float32)   # [max_seqs + 1, vocab]
+
+    @property
+    def token_table(self):
+        return self.m.token_table
+
+    def decode(self, stream, inputs, logits_out) -> None:
+        if self.device_work_s:
+            self.be.busy_wait(stream, self.device_work_s)
+        self.m.decode(stream, inputs, logits_out)
+
+    def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:
+        """Prefill `seqs` (padded, see the module docstring); logits_out [len(seqs), vocab]."""
+        q = self._seqs - len(seqs)
+        total = self.token_bucket(sum(len(s.tokens) for s in seqs) + q)
+        self._prefill_padded(stream, seqs, total)
+        self.be.copy_d2d(logits_out, self._logits[:len(seqs)], stream)
+
+    @staticmethod
+    def token_bucket(n: int) -> int:
+        return 1 << max(0, n - 1).bit_length()
+
+    def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out=None) -> None:
+        """Run every token bucket a prefill of up to max_prefill_tokens prompt tokens can hit,
+        on scratch sequences only (Runner.warm_up): about log2(max_prefill_tokens) prefills."""
+        lo = self.token_bucket(self._seqs)                       # >= 1 real token + padding
+        hi = self.token_bucket(max_prefill_tokens + self._seqs - 1)
+        total = lo
+        while total <= hi:
+            self._prefill_padded(stream, [], total)
+            stream.synchronize()   # the staging area is reused by the next bucket
+            total *= 2
+
+    def _prefill_padded(self, stream, seqs: list[PrefillSeq], total: int) -> None:
+        """Prefill seqs plus scratch sequences: max_seqs + 1 sequences, `total` tokens."""
+        g, bs = self.geometry, self.geometry.block_size
+        q = self._seqs - len(seqs)
+        lens = np.array([len(s.tokens) for s in seqs] + [1] * q)
+        lens[len(seqs)] += total - lens.sum()     # the first scratch sequence takes the rest
+        scratch_bt = np.full(g.max_blocks, g.scratch_block, np.int32)
+        T, B = total, self._seqs
+        # Scratch positions wrap at max_context: its block table (all scratch) stays in range.
+        pos = np.concatenate([np.arange(n) for n in lens]) % g.max_context
+        seq = np.repeat(np.arange(B), lens)
+        cu = np.concatenate([[0], np.cumsum(lens)])
+        bt = np.stack([s.block_table for s in seqs] + [scratch_bt] * q)
+        pad = self.pad
+        values = dict(token_ids=np.concatenate([s.tokens for s in seqs] + [np.zeros(lens[len(seqs):].sum(), np.int32)]),
+                      positions=pos, slot_mapping=kv_slot(bt[seq], pos, bs),
+                      ctx_lens=pos + 1, token_seq=seq, cu_seqlens=cu, last_idx=cu[1:] - 1,
+                      last_positions=(lens - 1) % g.max_context,
+                      token_rows=[s.row for s in seqs] + [pad.token_row] * q,
+                      state_idx=[s.state_idx for s in seqs] + [pad.state_idx] * q,
+                      block_tables=bt)
+        views = {}
+        for f, v in values.items():
+            n = T if f in _PER_TOKEN else B + 1 if f == "cu_seqlens" else B
+            self._host[f][:n] = v
+            self.be.copy_h2d(self._dev[f][:n], self._host[f][:n], stream)
+            views[f] = self._dev[f][:n]
+        pinp = self._PrefillInputs(**views, max_len=int(min(lens.max(), g.max_context)))
+        self.m.prefill(stream, pinp, self._logits)
+
+    def release_stream(self, stream) -> None:
+        self.m.release_stream(stream)
+
+    def sample(self, stream, logits, inputs, out_tokens) -> None:
+        self.m.sample(stream, logits, inputs, out_tokens)

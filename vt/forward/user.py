@@ -1,0 +1,109 @@
+"""ForwardModel: a user-written decode forward as a step model (vt.step.contract.StepModel).
+
+The contract's types are re-exported here, where the README's examples import them from.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vt.step.inputblock import InputBlock
+from vt.sampling.sample import Sample
+from vt.step.contract import (LOGITS_DTYPE, DecodeInputs, DecodeRows, KVGeometry, PadRow,  # noqa: F401
+                     PrefillSeq, SamplingParams, StepModel, kv_slot)
+
+
+class ForwardModel:
+    """forward(stream, inputs, logits_out) reads the input token of row r from
+    token_table[inputs.token_rows[r]] and writes logits_out [S, vocab] f32. Prefill steps the
+    same forward over the prompt one position at a time (eager), which is correct for any
+    causal forward; sampling is vt's per-row greedy / temperature + top-k kernel.
+    """
+
+    def __init__(self, be, forward, *, vocab: int, token_table, geometry: KVGeometry):
+        if len(token_table) < geometry.max_seqs + 1:
+            raise ValueError(f"token_table has {len(token_table)} rows; it needs max_seqs + 1 = "
+                             f"{geometry.max_seqs + 1} (the last one is the scratch row)")
+        self.be, self.forward, self.vocab = be, forward, vocab
+        self.token_table, self.geometry, self.pad = token_table, geometry, geometry.pad
+        # Prefill staging for every prompt position of a full batch, allocated once so that
+        # serving never grows memory. Safe to reuse: prefill steps own their logits and drain.
+        cap = geometry.max_seqs * geometry.max_context
+        self._host = InputBlock(be.pinned_empty, cap, geometry.max_blocks)
+        self._dev = InputBlock(be.empty, cap, geometry.max_blocks)
+        self._host_tokens = be.pinned_empty((cap,), np.int32)
+        self._dev_tokens = be.empty((cap,), np.int32)
+        self._tmp_logits = be.empty((geometry.max_seqs, vocab), LOGITS_DTYPE)
+        self._sample = Sample()
+
+    def decode(self, stream, inputs, logits_out) -> None:
+        self.forward(stream, inputs, logits_out)
+
+    def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:
+        """Substep p runs the forward over every sequence with a token at position p, padded
+        to row_bucket rows (scratch rows), so the forward only ever sees those few shapes."""
+        bs = self.geometry.block_size
+        steps, at = [], 0
+        for p in range(max(len(s.tokens) for s in seqs)):
+            live = [i for i, s in enumerate(seqs) if p < len(s.tokens)]
+            size = self.row_bucket(len(live))
+            self._host.fill_range(at, _rows_at([seqs[i] for i in live], p, bs), at + size, self.pad)
+            self._host_tokens[at:at + size] = 0
+            self._host_tokens[at:at + len(live)] = [seqs[i].tokens[p] for i in live]
+            steps.append((at, size, live, p))
+            at += size
+        self._host.copy_rows_to(self.be, self._dev, stream, at)
+        self.be.copy_h2d(self._dev_tokens[:at], self._host_tokens[:at], stream)
+        for start, size, live, p in steps:
+            inp = self._dev.inputs.rows(start, start + size)
+            self.be.launch(stream, _SCATTER, self.token_table, inp.token_rows,
+                           self._dev_tokens[start:start + size])
+            tmp = self._tmp_logits[:size]
+            self.forward(stream, inp, tmp)
+            for j, i in enumerate(live):
+                if p == len(seqs[i].tokens) - 1:
+                    self.be.copy_d2d(logits_out[i:i + 1], tmp[j:j + 1], stream)
+
+    def row_bucket(self, n: int) -> int:
+        """Rows a prefill substep of n live sequences runs at: the next power of two, at most
+        max_seqs (a few shapes, each warmed once by warm_up_prefill)."""
+        return min(1 << max(0, n - 1).bit_length(), self.geometry.max_seqs)
+
+    def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out) -> None:
+        """One prefill substep at every row bucket, on scratch rows only (the eager warm-up).
+        A substep's shape depends on its live rows only, not on the prompt lengths."""
+        g = self.geometry
+        sizes = sorted({self.row_bucket(n) for n in range(1, g.max_seqs + 1)})
+        scratch = PrefillSeq(g.max_seqs, np.zeros(1, np.int32),
+                             np.full(g.max_blocks, g.scratch_block, np.int32), g.max_seqs)
+        for size in sizes:
+            self.prefill(stream, [scratch] * size, logits_out[:size])
+            stream.synchronize()   # the staging area is reused by the next bucket
+
+    def release_stream(self, stream) -> None:
+        """Nothing to free: a user forward keeps no per-stream state vt knows of."""
+
+    def sample(self, stream, logits, inputs, out_tokens) -> None:
+        self.be.launch(stream, self._sample, logits, inputs.token_rows, inputs.sample_positions,
+                       inputs.temperature, inputs.top_k, inputs.seed, out_tokens, self.token_table)
+
+
+def _rows_at(seqs: list[PrefillSeq], p: int, block_size: int) -> DecodeRows:
+    """`seqs` at prompt position p, as decode rows (the forward's inputs of a prefill substep)."""
+    pos = np.full(len(seqs), p, np.int32)
+    bt = np.stack([s.block_table for s in seqs]).astype(np.int32, copy=False)
+    rows = np.array([s.row for s in seqs], np.int32)
+    return DecodeRows(rows, pos, pos + 1, kv_slot(bt, pos, block_size).astype(np.int32), bt,
+                      np.array([s.state_idx for s in seqs], np.int32))
+
+
+class _ScatterRows:
+    """table[rows] = values (a prompt token into its sequence's token-table row)."""
+
+    def run_numpy(self, table, rows, values):
+        table[rows] = values
+
+    def run_cupy(self, stream_handle, table, rows, values):
+        table[rows] = values
+
+
+_SCATTER = _ScatterRows()

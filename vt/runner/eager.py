@@ -1,0 +1,97 @@
+"""The eager path: prefill, mixed (prefill + decode) and oversize decode steps, launched
+directly (no graph) into logits the step owns. Such steps always drain, so one staging block
+per purpose is enough: the next eager refresh comes after the drain that waited for this one.
+
+Shapes are bucketed so that warming each bucket once (warm_up) covers every later eager
+step's temporaries and serving never grows the pool: decode rows run padded to the captured
+size that fits, else to the eager capacity; prefill is bucketed by the step model.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vt.graphs import ForwardLogits
+from vt.step.inputblock import InputBlock
+from vt.step.contract import LOGITS_DTYPE, DecodeRows, prefill_last_rows
+
+
+class EagerPath:
+    """Staging blocks, owned logits blocks and the pinned token buffers of eager steps."""
+
+    def __init__(self, be, stream, model, *, capacity: int, graph_size):
+        self.be, self.stream, self.model = be, stream, model
+        self.capacity, self._graph_size = capacity, graph_size   # graph_size(n): size or None
+        mb = model.geometry.max_blocks
+        # Decode rows and the prefill rows' sampling inputs of one (mixed) step, host + device.
+        self._decode = (InputBlock(be.pinned_empty, capacity, mb), InputBlock(be.empty, capacity, mb))
+        self._prefill = (InputBlock(be.pinned_empty, capacity, mb), InputBlock(be.empty, capacity, mb))
+        # Three [capacity, vocab] logits blocks used in turn: at most depth + 1 are alive (the
+        # steps in flight and the one being launched); later users are stream-ordered after.
+        self._logits = [be.empty((capacity, model.vocab), LOGITS_DTYPE) for _ in range(3)]
+        self._turn = 0
+        self.out_device = be.empty((capacity,), np.int32)
+        self.out_host = [be.pinned_empty((capacity,), np.int32) for _ in range(2)]   # per parity
+        self.done = [be.event(blocking_sync=True) for _ in range(2)]
+
+    def bucket(self, n: int) -> int:
+        """Rows an eager decode of n rows runs at: the captured size that fits, else capacity."""
+        size = self._graph_size(n)
+        return self.capacity if size is None else size
+
+    def buckets(self, graph_sizes) -> list[int]:
+        return sorted(set(graph_sizes) | {self.capacity})
+
+    def launch(self, decode, prefill: list, parity: int):
+        """Launch the step; returns (ForwardLogits [n rows], kind). `decode`: whatever
+        InputBlock.fill takes (DecodeRows, or the engine's BatchStep). Decode rows run first and
+        are sampled; the prefill then writes its logits after them (rows [n_dec, n)), over the
+        padded decode rows' logits, which the stream has already sampled."""
+        n_dec = len(decode) if decode is not None else 0
+        n = n_dec + len(prefill)
+        block = self._logits[self._turn % 3]   # [capacity, vocab]
+        self._turn += 1
+        if n_dec:
+            size = self.bucket(n_dec)
+            inputs = self._stage(self._decode, decode, size)
+            self.model.decode(self.stream, inputs, block[:size])
+            self.model.sample(self.stream, block[:size], inputs, self.out_device[:size])
+        if prefill:
+            rows = prefill_last_rows(prefill, self.model.geometry.block_size)
+            inputs = self._stage(self._prefill, rows, len(prefill))
+            self.model.prefill(self.stream, prefill, block[n_dec:n])
+            self.model.sample(self.stream, block[n_dec:n], inputs, self.out_device[n_dec:n])
+        self.be.copy_d2h(self.out_host[parity][:n], self.out_device[:n], self.stream)
+        kind = "eager" if not prefill else ("mixed" if n_dec else "prefill")
+        return ForwardLogits(block[:n], n), kind
+
+    def warm_up(self, graph_sizes, max_prefill_tokens: int) -> None:
+        """Run every eager shape once (all padding: writes only scratch), so that serving never
+        calls the driver afterwards. Every temporary dies when its launch returns and goes back
+        to the pool, so once each shape ran, the pool's free blocks cover any later step."""
+        block = self._logits[0]
+        none = np.zeros(0, np.int32)
+        empty = DecodeRows(none, none, none, none, np.zeros((0, self.model.geometry.max_blocks),
+                                                            np.int32), none)
+        for size in self.buckets(graph_sizes):
+            inputs = self._stage(self._decode, empty, size)
+            self.model.decode(self.stream, inputs, block[:size])
+            self.model.sample(self.stream, block[:size], inputs, self.out_device[:size])
+            self.stream.synchronize()   # the staging block is reused by the next bucket
+        warm = getattr(self.model, "warm_up_prefill", None)
+        if warm is not None:
+            warm(self.stream, max_prefill_tokens, block)
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        for ev in self.done:
+            ev.close()
+
+    def _stage(self, blocks, rows, size: int):
+        """Fill the host block (tail padded), copy it to the device; the [size] device views."""
+        host, dev = blocks
+        if not len(rows) <= size <= self.capacity:
+            raise ValueError(f"an eager step of {len(rows)} rows padded to {size} exceeds the "
+                             f"eager capacity {self.capacity} (max_seqs)")
+        host.fill(rows, self.model.pad)
+        host.copy_to(self.be, dev, self.stream)
+        return dev.inputs.rows(0, size)

@@ -1,0 +1,102 @@
+"""What the runner hands around per step: the plan of a step, the handle of a launched one,
+and the runner's counters."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from vt.graphs import ForwardLogits
+from vt.step.contract import PrefillSeq
+
+
+class StepPlan:
+    """What one step runs: decode rows of running sequences (DecodeRows, or anything with
+    len() and fill_block) and/or prompts to prefill. `tag` is the caller's, handed back with
+    the tokens."""
+
+    __slots__ = ("decode", "prefill", "tag", "n")
+
+    def __init__(self, decode=None, prefill: list[PrefillSeq] | None = None, tag=None):
+        self.decode, self.prefill, self.tag = decode, prefill or [], tag
+        self.n = (len(decode) if decode is not None else 0) + len(self.prefill)
+
+
+class StepHandle:
+    """A launched step. Its tokens are valid after Runner.collect(). (A plain class with
+    slots: one is made per step, on the host's critical path.)"""
+
+    __slots__ = ("index", "kind", "n", "size", "logits", "tag", "out_host", "done", "slot",
+                 "timing", "host_logits", "tokens")
+
+    def __init__(self, index: int, kind: str, n: int, size: int, logits: ForwardLogits, tag,
+                 out_host: np.ndarray, done, slot=None):
+        self.index, self.kind, self.n, self.size = index, kind, n, size   # kind: graph|eager|mixed|prefill
+        self.logits, self.tag = logits, tag
+        self.out_host = out_host      # pinned [>= n]: the step's tokens land here
+        self.done = done              # event recorded after everything the step does
+        self.slot = slot              # the graph slot (None: eager)
+        self.timing = None            # (start, end) timing events with profile
+        self.host_logits = None       # [n, vocab] when recorded
+        self.tokens = None            # host copy, taken when the host saw `done`
+
+
+@dataclass
+class RunnerStats:
+    steps: int = 0
+    graph_steps: int = 0
+    eager_steps: int = 0      # pure decode above the largest captured size
+    mixed_steps: int = 0      # prefill + decode
+    prefill_steps: int = 0
+    drains: int = 0
+    drain_s: float = 0.0
+    ring_waits: int = 0       # slot acquisitions that had to block on the slot's event
+    prepared_steps: int = 0   # graph steps acquired and refreshed ahead (Runner.prepare)
+    # acquire_s, refresh_s, launch_s: with profile only (without it a step reads no clock);
+    # drain_s and token_wait_s always (a wait measures itself, and only when it blocks)
+    acquire_s: float = 0.0
+    refresh_s: float = 0.0
+    launch_s: float = 0.0
+    token_waits: int = 0
+    token_wait_s: float = 0.0
+    device_ms: float = 0.0    # with profile only
+    steps_by_size: dict = field(default_factory=dict)
+
+    @property
+    def wait_s(self) -> float:
+        """Seconds blocked on the device: drains and token waits."""
+        return self.drain_s + self.token_wait_s
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__, steps_by_size=dict(self.steps_by_size))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Passed to the progress callback after each step's tokens reach the host. `step` and
+    `tokens` are the engine's (they count on across generate() calls); `finished`, `total`
+    and `elapsed_s` are this call's."""
+    step: int
+    finished: int
+    total: int
+    tokens: int
+    elapsed_s: float
+
+
+@dataclass
+class Phase:
+    """Host and device time of the engine-loop iterations that launched one kind of step
+    ("decode": pure decode; "prefill": any step that prefills). The host split is filled with
+    profile=True only; steps, wall_s and wait_s (blocked on the device: drains and token
+    waits, which the runner times anyway) always."""
+    steps: int = 0
+    steady_steps: int = 0     # of them, run by the engine's steady loop (Engine._steady)
+    wall_s: float = 0.0
+    wait_s: float = 0.0
+    plan_s: float = 0.0
+    acquire_s: float = 0.0
+    refresh_s: float = 0.0
+    launch_s: float = 0.0
+    collect_s: float = 0.0
+    drain_s: float = 0.0
+    device_ms: float = 0.0

@@ -1,0 +1,345 @@
+"""Runner: one step at a time, depth-2 async, with the drain and its skip.
+
+A graph step is one graph launch: the slot's input block H2D, the forward, the sampler (which
+writes the next step's input token into the device token table) and the tokens' D2H into the
+slot's pinned output, then one event record. Step N+1 is launched before the host reads step
+N's tokens.
+
+Before Refresh(N+1) the host drains (waits for step N) unless the skip applies: the
+previous step's logits are a non-owning graph view AND the ring is on (safe: the slot's
+event guards its block) or NO_DBUF is set (unsafe: nothing guards it). Eager, mixed and
+prefill steps own their logits and always drain.
+
+The engine's steady loop (vt/engine/engine.py) launches and collects its decode steps through
+launch_steady and collect_steady: the same steps without the checks its bookkeeping makes
+true and without profiling.
+
+Prepare-ahead (k >= 3 slots per size, mode ring_prepare): prepare(plan) acquires and fills
+the slot of the step after the two in flight before the host waits for the older of them,
+and launch(plan) then only launches. That slot's previous step is collected by then (its
+tokens copied out) and its event guards the block, as for any acquire.
+"""
+from __future__ import annotations
+
+import time
+import numpy as np
+
+from vt.backend.errors import ClosedError
+from vt.runner.eager import EagerPath
+from vt.graphs import DecodeGraphDriver, GraphSettings
+from vt.step.contract import LOGITS_DTYPE
+from vt.runner.plan import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
+from vt.runner.trace import Tracer
+from vt.backend.waits import DEFAULT_POLL_US, wait_event
+
+
+def _decode_and_sample(model):
+    """The captured step. A closure over the model only: a bound method of the runner would
+    make runner -> driver -> runner a cycle, freed only by the cyclic GC at any later moment
+    (its pinned buffers with it)."""
+    def step(stream, inputs, logits, out_tokens) -> None:
+        model.decode(stream, inputs, logits)
+        model.sample(stream, logits, inputs, out_tokens)
+    return step
+
+
+class Runner:
+    """Launches steps of a step model (vt.step.contract.StepModel): graphs through the driver, the rest
+    through the eager path. profile=True adds device timing events around each step."""
+
+    def __init__(self, be, model, config, *, record_logits: bool = False, profile: bool = False):
+        self.be, self.model, self.config = be, model, config
+        self.stream = be.stream(name="vt-decode")
+        geo = model.geometry
+        self.capacity = max(geo.max_seqs, max(config.capture_sizes, default=0))
+        # Poll before blocking on the GPU (vt/backend/waits.py); on the sim a poll would take the GIL
+        # from the worker thread that completes the event, so it blocks at once.
+        poll_us = config.wait_poll_us
+        if poll_us is None:
+            poll_us = DEFAULT_POLL_US if be.name == "cuda" else 0.0
+        self._poll_s = poll_us * 1e-6
+        settings = GraphSettings(sizes=config.capture_sizes, slots_per_size=config.slots_per_size,
+                                 guarded=config.async_executor, staged=config.h2d == "staged",
+                                 inputs_read=config.inputs_read_event,
+                                 reserve_pool=not config.skip_pool_reserve, poll_s=self._poll_s)
+        self.driver = DecodeGraphDriver(be, self.stream, _decode_and_sample(model), vocab=model.vocab,
+                                        max_blocks=geo.max_blocks, pad=model.pad, settings=settings)
+        self.eager = EagerPath(be, self.stream, model, capacity=self.capacity,
+                               graph_size=self.driver.padded_size)
+        self.tracer = Tracer(be, self.stream, config.trace)
+        self.profile = profile or self.tracer.enabled
+        self.stats = RunnerStats()
+        self._skip_graph_drain = config.skips_graph_drain
+        self._record = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(2)],
+                        [be.event(blocking_sync=True) for _ in range(2)]) if record_logits else None
+        self._timing = ([tuple(be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
+                         for _ in range(2)] if self.profile else None)
+        self._last: StepHandle | None = None
+        self._inflight: list[StepHandle] = []
+        # Prepare-ahead (prepare()): with k >= 3 slots per size, the slot of the step after the
+        # two in flight is free, so it can be acquired and refreshed before the host waits.
+        self.prepares_ahead = config.async_executor and config.depth == 2 and config.slots_per_size >= 3
+        self._prepared: tuple | None = None   # (plan, slot): acquired and refreshed, not launched
+        self._steps = 0
+        self._closed = False
+
+    def capture(self) -> None:
+        """Capture every graph (warm-up, pre-grow and capture per size: vt/graphs/capture.py)."""
+        self._check_open()
+        self.driver.capture()
+
+    def warm_up(self, max_prefill_tokens: int) -> None:
+        """Run every eager shape once, so that serving never calls the driver afterwards."""
+        self._check_open()
+        self.eager.warm_up(self.driver.rings, max_prefill_tokens)
+
+    # -- launch -------------------------------------------------------------------------
+    def launch(self, plan: StepPlan) -> StepHandle:
+        self._check_open()
+        n = plan.n
+        if n == 0:
+            raise ValueError("an empty step: nothing to decode or prefill")
+        if n > self.capacity:
+            raise ValueError(f"a step of {n} rows exceeds max_seqs={self.capacity}")
+        if len(self._inflight) >= 2:
+            raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
+                               f"not collected; collect the oldest before launching (depth 2)")
+        prepared, self._prepared = self._prepared, None
+        if prepared is not None and prepared[0] is plan:
+            handle = self._launch_graph(prepared[1], plan, filled=True)
+            return self._launched(handle)
+        self._drain_if_needed()
+        slot = None if plan.prefill else self._acquire(n)
+        handle = self._launch_graph(slot, plan) if slot is not None else self._launch_eager(plan)
+        return self._launched(handle)
+
+    def _drain_if_needed(self) -> None:
+        """Wait for the step in flight before this launch unless the drain skip applies (its
+        logits are a graph's view and the ring or NO_DBUF is on: module docstring)."""
+        prev = self._last
+        if prev is not None and prev.tokens is None and not (
+                prev.logits.non_owning_view and self._skip_graph_drain):
+            self._wait(prev, drain=True)
+
+    def prepare(self, plan: StepPlan) -> bool:
+        """Acquire and refresh the graph slot of the step after the two in flight, now: the
+        host then waits for the older one with only the launch left to do after it (a
+        depth-2 loop otherwise makes the device idle for the whole plan + refresh + launch
+        latency whenever host and device take about the same time: docs/design.md). Only
+        with prepares_ahead (k >= 3: that slot's last user is collected), after a graph step,
+        for a decode-only plan with a captured size. launch(plan) then only launches.
+        Returns whether it prepared."""
+        self._check_open()
+        last = self._last
+        if (not self.prepares_ahead or plan.prefill or plan.n == 0 or last is None
+                or last.slot is None or self.driver.ring_for(plan.n) is None):
+            return False
+        slot = self._acquire(plan.n)
+        t1 = time.perf_counter() if self.profile else 0.0
+        slot.host.fill(plan.decode, self.model.pad)
+        if self.profile:
+            self.stats.refresh_s += time.perf_counter() - t1
+        self._prepared = (plan, slot)
+        self.stats.prepared_steps += 1
+        return True
+
+    def _acquire(self, n: int):
+        """The graph slot for n rows (None: eager), its guard waited on and counted (timed
+        and traced with profile only: the lean path takes no clock)."""
+        ring = self.driver.ring_for(n)
+        if ring is None:
+            return None
+        t0 = time.perf_counter() if self.profile else 0.0
+        slot, waited = ring.acquire(self._poll_s)
+        if waited:
+            self.stats.ring_waits += 1
+            self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
+        if self.profile:
+            self.stats.acquire_s += time.perf_counter() - t0
+        return slot
+
+    def _launched(self, handle: StepHandle) -> StepHandle:
+        if handle.slot is not None and self.config.poison:
+            self._poison_next(handle.slot, handle)
+        self._last = handle
+        self._inflight.append(handle)
+        self._steps += 1
+        return handle
+
+    def launch_steady(self, ring, rows, tag) -> StepHandle:
+        """launch() of a decode-only graph step, for the engine's steady loop, which has
+        checked what launch() checks (open; `ring` serves len(rows) rows; at most one step in
+        flight; nothing prepared) and runs without profile or trace: the drain when the step
+        in flight needs one, the ring's next slot (its guard), the refresh
+        (`rows.fill_block`), one replay. No clock is read."""
+        self._drain_if_needed()
+        slot, waited = ring.acquire(self._poll_s)
+        if waited:
+            self.stats.ring_waits += 1
+        rows.fill_block(slot.host, self.model.pad)
+        handle = self._replay(slot, rows.n, tag)
+        if self._record is not None:
+            self._finish_launch(handle, None)
+        return self._launched(handle)
+
+    def collect_steady(self, handle: StepHandle) -> np.ndarray:
+        """collect() for the engine's steady loop: `handle` is the oldest step in flight (the
+        loop's own bookkeeping guarantees it) and no profile runs."""
+        self._inflight.pop(0)
+        if handle.tokens is None:
+            self._wait(handle, drain=False)
+        return handle.tokens
+
+    def _launch_graph(self, slot, plan: StepPlan, filled: bool = False) -> StepHandle:
+        """Refresh the slot's block (unless prepare() did) and replay it. With profile, the
+        host split is timed and the device timing events recorded around the step; without
+        it, no clock is read."""
+        prof = self.profile
+        t1 = time.perf_counter() if prof else 0.0
+        if not filled:
+            slot.host.fill(plan.decode, self.model.pad)
+        if not prof:
+            handle = self._replay(slot, plan.n, plan.tag)
+            if self._record is not None:
+                self._finish_launch(handle, None)
+            return handle
+        t2 = time.perf_counter()
+        timing = self._start_timing(self._steps)
+        t2_launch = time.perf_counter()   # the profile's own event records stay out of the launch span
+        handle = self._replay(slot, plan.n, plan.tag)
+        self._finish_launch(handle, timing)
+        t3 = time.perf_counter()
+        self.stats.refresh_s += t2 - t1
+        self.stats.launch_s += t3 - t2_launch
+        if self.tracer.enabled:
+            self.tracer.host_span("refresh", t1, t2, step=handle.index, slot=slot.name)
+            self.tracer.host_span(f"launch graph S={slot.size}", t2_launch, t3, step=handle.index,
+                                  n=handle.n)
+        return handle
+
+    def _replay(self, slot, n: int, tag) -> StepHandle:
+        """One graph launch (its last node records the slot's done event) and its handle."""
+        index, st = self._steps, self.stats
+        logits = slot.launch(self.stream, n)
+        slot.last_index = index
+        st.steps += 1
+        st.graph_steps += 1
+        st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
+        return StepHandle(index, "graph", n, slot.size, logits, tag, slot.out_host, slot.done, slot)
+
+    def _launch_eager(self, plan: StepPlan) -> StepHandle:
+        index, n, parity = self._steps, plan.n, self._steps % 2
+        t2 = time.perf_counter()
+        timing = self._start_timing(index)
+        logits, kind = self.eager.launch(plan.decode, plan.prefill, parity)
+        done = self.eager.done[parity]
+        done.record(self.stream)
+        handle = StepHandle(index, kind, n, n, logits, plan.tag, self.eager.out_host[parity], done)
+        self._finish_launch(handle, timing)
+        self.stats.steps += 1
+        setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
+        if self.profile:
+            t3 = time.perf_counter()
+            self.stats.launch_s += t3 - t2
+            self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
+        return handle
+
+    def _start_timing(self, index: int):
+        if self._timing is None:
+            return None
+        timing = self._timing[index % 2]
+        timing[0].record(self.stream)
+        return timing
+
+    def _finish_launch(self, handle: StepHandle, timing) -> None:
+        """Recorded logits (a test/debug option) and the profile's end event, after the step."""
+        if self._record is not None:
+            parity = handle.index % 2
+            handle.host_logits = self._record[0][parity][:handle.n]
+            self.be.copy_d2h(handle.host_logits, handle.logits.rows, self.stream)
+            handle.done = self._record[1][parity]
+            handle.done.record(self.stream)
+        if timing is not None:
+            timing[1].record(self.stream)
+            handle.timing = timing
+
+    def _poison_next(self, slot, handle: StepHandle) -> None:
+        """POISON: the ring poisons the slot the next step of this size will use (SlotRing)."""
+        drain = None if self._skip_graph_drain else (lambda: self._wait(handle, drain=True))
+        if self.driver.rings[slot.size].poison_next(self.model.pad, self._poll_s, drain):
+            self.stats.ring_waits += 1
+
+    # -- collect ------------------------------------------------------------------------
+    def collect(self, handle: StepHandle) -> np.ndarray:
+        """Wait for the oldest step in flight and return its sampled tokens [n] (a host copy)."""
+        self._check_open()
+        if not self._inflight or handle is not self._inflight[0]:
+            raise ValueError(f"step {handle.index} is not the oldest step in flight "
+                             f"(in flight: {[h.index for h in self._inflight]})")
+        tokens = self.collect_steady(handle)
+        if handle.timing is not None:
+            start, end = handle.timing
+            self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
+                                                             handle.timing, step=handle.index)
+                                     if self.tracer.enabled else end.elapsed_ms(start))
+            handle.timing = None
+        return tokens
+
+    def _wait(self, handle: StepHandle, *, drain: bool) -> None:
+        """Block on the step's done event, then copy its tokens out of the pinned buffer (the
+        next launch of its slot may overwrite that buffer before the host collects). The
+        time counted is the time blocked (wait_event's own measure: no clock when the step
+        was already done)."""
+        t0 = time.perf_counter() if self.tracer.enabled else 0.0
+        waited = wait_event(handle.done, self._poll_s)
+        handle.tokens = handle.out_host[:handle.n].copy()
+        slot = handle.slot
+        if slot is not None and slot.last_index == handle.index:   # not launched again since
+            slot.idle = True
+        st = self.stats
+        if drain:
+            st.drains += 1
+            st.drain_s += waited
+        else:
+            st.token_waits += 1
+            st.token_wait_s += waited
+        if self.tracer.enabled:
+            self.tracer.host_span("wait drain" if drain else "wait tokens", t0, t0 + waited,
+                                  step=handle.index)
+
+    # -- recovery, measurement, teardown ------------------------------------------------
+    def abort(self) -> BaseException | None:
+        """After a failure mid-run: wait for the stream, drop the steps in flight. Returns the
+        device-side error the wait raised, if any (the sim reports a failed op this way)."""
+        error = None
+        try:
+            self.stream.synchronize()
+        except Exception as exc:  # noqa: BLE001 (reported to the caller, who re-raises its own)
+            error = exc
+        self._inflight.clear()
+        self._last = None
+        self._prepared = None
+        return error
+
+    def close(self) -> str | None:
+        """Wait for the device, write the trace, then free graphs, events, stream (idempotent)."""
+        if self._closed:
+            return None
+        self._closed = True
+        try:
+            self.stream.synchronize()
+            path = self.tracer.write()
+        finally:
+            self.driver.close()
+            self.eager.close()
+            events = [e for pair in (self._timing or []) for e in pair]
+            events += self._record[1] if self._record is not None else []
+            for ev in events:
+                ev.close()
+            self.model.release_stream(self.stream)   # after the graphs that used it are gone
+            self.stream.close()
+        return path
+
+    def _check_open(self):
+        if self._closed:
+            raise ClosedError("Runner is closed")

@@ -1,0 +1,197 @@
+"""The step contract: what one decode or prefill step is made of, shared by the graphs, the
+models, the runner and the engine (all of them import it; it imports none of them).
+
+A decode step of S rows reads its per-step vectors from `DecodeInputs` (device arrays); the
+host builds them from `DecodeRows` (numpy, the real rows before padding). Padded rows point
+at `PadRow`'s scratch locations. `StepModel` is what the runner drives.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+LOGITS_DTYPE = np.float32   # [S, vocab] logits of every step, graph or eager
+MAX_TOP_K = 256             # the sampling kernel keeps the top k in shared memory
+
+
+def kv_slot(block_table, position, block_size: int, rows=None):
+    """The KV-cache slot of `position` in a sequence with `block_table` [max_blocks]; or, for
+    block tables [n, max_blocks] and positions [n], each row's slot [n] (`rows`: the rows of
+    the table the positions belong to, default 0..n-1). The one place this formula is
+    written."""
+    if getattr(block_table, "ndim", 1) == 2:
+        block = block_table[np.arange(len(position)) if rows is None else rows,
+                            position // block_size]
+    else:
+        block = block_table[position // block_size]
+    return block * block_size + position % block_size
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; otherwise sample among the top_k logits (1..MAX_TOP_K).
+
+    A request's random stream is keyed on (seed, position) only, never on its row, batch or
+    schedule: the same request gives the same tokens alone or in any batch.
+    """
+    temperature: float = 0.0
+    top_k: int = 1
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature >= 0 or self.temperature == float("inf"):
+            raise ValueError(f"SamplingParams: temperature={self.temperature} must be finite and >= 0")
+        if self.temperature > 0 and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                     or not 1 <= self.top_k <= MAX_TOP_K):
+            raise ValueError(f"SamplingParams: top_k={self.top_k!r} must be an int in 1..{MAX_TOP_K}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
+                or not 0 <= self.seed < 2**63:
+            raise ValueError(f"SamplingParams: seed={self.seed!r} must be an int in [0, 2**63)")
+
+    @property
+    def k(self) -> int:
+        return 1 if self.temperature == 0 else self.top_k
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class PadRow:
+    """What a padded (or poisoned) row points at: scratch locations owned by the model, so a
+    padded row computes garbage where nobody reads it instead of faulting or clobbering."""
+    token_row: int
+    state_idx: int
+    slot: int = 0
+    block: int = 0
+    position: int = 0
+    seq_len: int = 1
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """Sequence rows and the paged KV cache. Row `max_seqs` of the token table and of the
+    recurrent state, and KV block `scratch_block`, are scratch: padded rows point there."""
+    max_seqs: int
+    num_kv_blocks: int        # all blocks, the scratch block included
+    block_size: int
+    max_context: int
+    scratch_block: int = 0
+
+    def __post_init__(self):
+        for name in ("max_seqs", "num_kv_blocks", "block_size", "max_context"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"KVGeometry.{name} must be a positive int, got {v!r}")
+        if self.num_kv_blocks < 2 or not 0 <= self.scratch_block < self.num_kv_blocks:
+            raise ValueError(f"KVGeometry: num_kv_blocks={self.num_kv_blocks} must hold the scratch "
+                             f"block {self.scratch_block} and at least one more")
+
+    @property
+    def max_blocks(self) -> int:
+        return -(-self.max_context // self.block_size)
+
+    @property
+    def pad(self) -> PadRow:
+        return PadRow(token_row=self.max_seqs, state_idx=self.max_seqs,
+                      slot=self.scratch_block * self.block_size, block=self.scratch_block)
+
+
+# The per-row vectors of a decode step, in the order of the contiguous input block
+# (vt/step/inputblock.py). The first six are what a forward reads; the last three the sampler.
+FORWARD_FIELDS = ("token_rows", "positions", "seq_lens", "slot_mapping", "block_tables", "state_idx")
+SAMPLING_FIELDS = ("temperature", "top_k", "seed")
+FIELDS = FORWARD_FIELDS + SAMPLING_FIELDS
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step of S rows, as a forward and the sampler read it (device arrays).
+
+    token_rows[S]: row of the token table (= the sequence slot) holding the input token;
+    positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
+    write (position + 1); slot_mapping[S]: KV cache slot written; block_tables[S, max_blocks];
+    state_idx[S]: recurrent (GDN) state slot; temperature[S] f32, top_k[S] i32, seed[S] u64:
+    each row's sampling. Padded rows point at the model's scratch row and sample greedily.
+    """
+    token_rows: object
+    positions: object
+    seq_lens: object
+    slot_mapping: object
+    block_tables: object
+    state_idx: object
+    temperature: object = None
+    top_k: object = None
+    seed: object = None
+
+    @property
+    def batch(self) -> int:
+        return int(self.token_rows.shape[0])
+
+    @property
+    def sample_positions(self):
+        """The position the sampler keys its random stream on: the input token's."""
+        return self.positions
+
+    def rows(self, start: int, stop: int) -> "DecodeInputs":
+        """A view of rows [start, stop) (a forward may treat it like a whole batch)."""
+        return DecodeInputs(*(None if getattr(self, f) is None else getattr(self, f)[start:stop]
+                              for f in FIELDS))
+
+
+@dataclass
+class DecodeRows:
+    """The real rows of one step, on the host (numpy), before padding: views into the
+    engine's persistent batch, so building one copies nothing."""
+    token_rows: np.ndarray    # [n] int32
+    positions: np.ndarray     # [n] int32
+    seq_lens: np.ndarray      # [n] int32
+    slot_mapping: np.ndarray  # [n] int32
+    block_tables: np.ndarray  # [n, max_blocks] int32
+    state_idx: np.ndarray     # [n] int32
+    temperature: np.ndarray | None = None   # [n] f32 (None: greedy)
+    top_k: np.ndarray | None = None         # [n] int32
+    seed: np.ndarray | None = None          # [n] uint64
+
+    def __len__(self):
+        return len(self.token_rows)
+
+
+@dataclass
+class PrefillSeq:
+    """One newly admitted sequence: its row (token-table row = state slot), prompt, sampling."""
+    row: int
+    tokens: np.ndarray        # [L] int32
+    block_table: np.ndarray   # [max_blocks] int32
+    state_idx: int
+    sampling: SamplingParams = GREEDY
+
+
+def prefill_last_rows(seqs: list[PrefillSeq], block_size: int) -> DecodeRows:
+    """Each sequence at its last prompt position, as a decode row: what samples its first token."""
+    pos = np.array([len(s.tokens) - 1 for s in seqs], np.int32)
+    bt = np.stack([s.block_table for s in seqs]).astype(np.int32, copy=False)
+    return DecodeRows(
+        token_rows=np.array([s.row for s in seqs], np.int32), positions=pos, seq_lens=pos + 1,
+        slot_mapping=kv_slot(bt, pos, block_size).astype(np.int32),
+        block_tables=bt, state_idx=np.array([s.state_idx for s in seqs], np.int32),
+        temperature=np.array([s.sampling.temperature for s in seqs], np.float32),
+        top_k=np.array([s.sampling.k for s in seqs], np.int32),
+        seed=np.array([s.sampling.seed for s in seqs], np.uint64))
+
+
+class StepModel(Protocol):
+    """What the runner drives. `decode` must be capturable (launches only, no host sync, no
+    allocation outside the backend's pool); `prefill` runs eagerly; `sample` reads each row's
+    sampling from `inputs` and writes out_tokens and the device token table (the next step's
+    input); `release_stream` frees per-stream resources once the runner's graphs are gone."""
+    vocab: int
+    geometry: KVGeometry
+    pad: PadRow
+
+    def decode(self, stream, inputs: DecodeInputs, logits_out) -> None: ...
+    def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None: ...
+    def sample(self, stream, logits, inputs: DecodeInputs, out_tokens) -> None: ...
+    def release_stream(self, stream) -> None: ...
