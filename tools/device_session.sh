@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
-# Stages: info smoke tests memcheck bench hazard run synthetic presets prepare-ab fuzz soak sanitize
+# Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
@@ -37,10 +37,6 @@ for s in "${stages[@]}"; do
                  --steps ${PRESET_STEPS:-160} --prompt-len 8 --profile ${PRESET_PROFILE:-both} \
                  --no-bar --json "$OUT/bench-$p.json"
              done ;;
-    prepare-ab) for k in 1 2 3; do   # ring against ring_prepare, three sweeps (host speed varies by call)
-                  stage "prepare-ab-$k" python3 -m vt bench --workload synthetic --device-us 0 25 50 100 \
-                    --modes drain ring ring_prepare --no-bar --json "$OUT/prepare-ab-$k.json"
-                done ;;
     fuzz) stage fuzz python3 tools/fuzz.py --backend cuda --steps-per-mode 2000 --json "$OUT/fuzz.json" ;;
     soak) stage soak python3 tools/soak.py --backend cuda --steps 10000 ;;
     sanitize) stage sanitize bash tools/sanitize.sh all ;;

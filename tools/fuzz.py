@@ -205,8 +205,6 @@ def mode_config(case: Case, mode: str) -> ExecutorConfig:
     if mode == UNSAFE:
         return ExecutorConfig.for_mode("no_dbuf", poison=True, **base)
     poison = mode in ASYNC_MODES or (mode == "drain" and case.drain_poison)
-    if mode == "ring_prepare":   # the mode is k >= 3 (prepare-ahead): the case's k is 2 or 3
-        base["ring_depth"] = max(3, case.ring_depth)
     return ExecutorConfig.for_mode(mode, poison=poison, **base)
 
 

@@ -14,15 +14,13 @@ H2D_MODES = ("graph", "staged")
 DEFAULT_TRACE_PATH = "vt_trace.json"
 
 # One spelling per executor mode, shared by the engine, the CLI and the bench: name -> the
-# ExecutorConfig fields that make it. "no_dbuf" is the unsafe arm (hazard-C on purpose).
+# ExecutorConfig fields that make it.
 MODES = {
-    "sync": dict(depth=1),
-    "drain": dict(),
-    "ring": dict(async_executor=True),
-    "ring_prepare": dict(async_executor=True, ring_depth=3),   # + prepare-ahead (vt/runner/runner.py)
-    "ring_inputs_read": dict(async_executor=True, inputs_read_event=True),
-    "staged": dict(async_executor=True, h2d="staged"),
-    "no_dbuf": dict(no_dbuf=True),
+    "sync": dict(depth=1),                              # the reference: launch, wait, read
+    "drain": dict(),                                    # the default (VT_ASYNC_EXECUTOR off)
+    "ring": dict(async_executor=True),                  # the fast path: slot ring + drain skip
+    "staged": dict(async_executor=True, h2d="staged"),  # Option A: out-of-graph H2D copy
+    "no_dbuf": dict(no_dbuf=True),                      # the unsafe arm: proves the hazard
 }
 SAFE_MODES = tuple(m for m in MODES if m != "no_dbuf")
 
@@ -36,7 +34,6 @@ ENV_VARS = {
     "serving_conc": "VT_ASYNC_SERVING_CONC",
     "ring_depth": "VT_ASYNC_EXECUTOR_RING",
     "h2d": "VT_ASYNC_EXECUTOR_H2D",
-    "inputs_read_event": "VT_ASYNC_EXECUTOR_INPUTS_READ",
     "capture_sizes": "VT_CAPTURE_SIZES",
     "wait_poll_us": "VT_WAIT_POLL_US",
 }
@@ -52,14 +49,11 @@ class ExecutorConfig:
         lets the host write them, with a pattern that makes a late read visibly wrong.
     trace: path of a Chrome trace JSON written at close (None: no trace).
     serving_conc: how many requests the engine runs at once.
-    ring_depth: k, slots per size when the ring is on (2 by default). With 3, the two
-        steps in flight keep their slots and the next step's slot is refreshed before the
-        host waits (the runner's prepare-ahead: docs/design.md).
+    ring_depth: k, slots per size when the ring is on (2 by default: depth 2 keeps at most
+        two steps in flight, so a third slot only costs memory and capture time).
     capture_sizes: padded batch sizes that get a graph; larger batches run eagerly.
     h2d: "graph" bakes the H2D into each slot's graph; "staged" copies out of graph into
         persistent device buffers from a double-buffered pinned staging area (one graph/size).
-    inputs_read_event: with the ring in graph mode, the host waits for an event recorded
-        right after the graph's H2D nodes instead of for the whole replay.
     depth: 2 is the async pipeline (step N+1 launched before step N's tokens are read);
         1 is the fully synchronous reference (launch, wait, read, repeat).
     skip_pool_reserve: test hook: skip the pool pre-grow before capture.
@@ -74,13 +68,12 @@ class ExecutorConfig:
     ring_depth: int = 2
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     h2d: str = "graph"
-    inputs_read_event: bool = False
     depth: int = 2
     skip_pool_reserve: bool = False
     wait_poll_us: float | None = None
 
     def __post_init__(self):
-        for name in ("async_executor", "no_dbuf", "poison", "inputs_read_event", "skip_pool_reserve"):
+        for name in ("async_executor", "no_dbuf", "poison", "skip_pool_reserve"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecutorConfig.{name} must be a bool, got {getattr(self, name)!r}")
         _positive_int("serving_conc", self.serving_conc)
@@ -113,12 +106,6 @@ class ExecutorConfig:
         if self.no_dbuf and self.depth == 1:
             raise ValueError("no_dbuf=True with depth=1 makes no sense: a synchronous run "
                              "waits for every step, so there is no drain to skip")
-        if self.inputs_read_event and not self.async_executor:
-            raise ValueError("inputs_read_event=True needs async_executor=True: the event replaces "
-                             "the ring's reuse-event wait; without the ring the drain decides")
-        if self.inputs_read_event and self.h2d == "staged":
-            raise ValueError("inputs_read_event=True applies to h2d='graph'; in 'staged' mode the "
-                             "host already waits only for its out-of-graph copy")
 
     @property
     def mode(self) -> str:
@@ -129,11 +116,7 @@ class ExecutorConfig:
             return "no_dbuf"
         if not self.async_executor:
             return "drain"
-        if self.h2d == "staged":
-            return "staged"
-        if self.inputs_read_event:
-            return "ring_inputs_read"
-        return "ring_prepare" if self.ring_depth >= 3 else "ring"
+        return "staged" if self.h2d == "staged" else "ring"
 
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "ExecutorConfig":
@@ -239,7 +222,7 @@ def _parse_poll(var, raw):
 
 _PARSERS = {
     "async_executor": _parse_bool, "no_dbuf": _parse_bool, "poison": _parse_bool,
-    "inputs_read_event": _parse_bool, "trace": _parse_trace, "serving_conc": _parse_int,
+    "trace": _parse_trace, "serving_conc": _parse_int,
     "ring_depth": _parse_int, "h2d": _parse_h2d, "capture_sizes": _parse_sizes,
     "wait_poll_us": _parse_poll,
 }

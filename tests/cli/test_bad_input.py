@@ -85,7 +85,7 @@ def test_not_an_integer_is_one_line(capsys):
 
 
 def test_unknown_mode_lists_the_canonical_names(capsys):
-    refused(capsys, ["run", "--mode", "fast"], "'fast'", "ring_inputs_read", "no_dbuf")
+    refused(capsys, ["run", "--mode", "fast"], "'fast'", "staged", "no_dbuf")
 
 
 def test_trace_in_a_missing_directory_is_refused_before_the_run(capsys, nothing_started):

@@ -44,7 +44,7 @@ def _fuzz_modes(examples, min_steps, name):
 
 
 def test_every_safe_mode_matches_the_synchronous_run():
-    """sync vs drain, ring, ring_inputs_read, staged (POISON on for the async ones, drawn for
+    """sync vs drain, ring, staged (POISON on for the async ones, drawn for
     drain), on random admissions, budgets, stop tokens, sampling, capture sizes, concurrency,
     ring depth, KV geometry and sim delays: identical tokens, finish reasons, logits bytes."""
     _fuzz_modes(CI_EXAMPLES, 2000, "fuzz (CI share)")

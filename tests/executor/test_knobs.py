@@ -65,8 +65,6 @@ def test_a_config_error_from_the_environment_lists_the_variables():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(async_executor=True, no_dbuf=True), "no_dbuf=True with async_executor=True"),
     (dict(no_dbuf=True, depth=1), "no drain to skip"),
-    (dict(inputs_read_event=True), "needs async_executor=True"),
-    (dict(async_executor=True, inputs_read_event=True, h2d="staged"), "applies to h2d='graph'"),
     (dict(ring_depth=1), "ring_depth must be >= 2"),
     (dict(depth=3), "depth must be 1"),
     (dict(h2d="fast"), "h2d must be one of"),

@@ -43,9 +43,9 @@ def test_soak_10000_steps_is_flat():
 
 
 @pytest.mark.slow
-def test_soak_inputs_read_eager_mix_is_flat():
+def test_soak_ring_eager_mix_is_flat():
     """Capture sizes up to 4 at concurrency 8: oversize steps run eagerly between graph ones."""
-    _soak(4000, "ring_inputs_read", conc=8, capture_sizes=(1, 2, 4))
+    _soak(4000, "ring", conc=8, capture_sizes=(1, 2, 4))
 
 
 def test_the_soak_sees_a_leak(monkeypatch):

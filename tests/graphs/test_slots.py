@@ -17,7 +17,7 @@ def _driver(be, **cfg):
     c = ExecutorConfig(**{"capture_sizes": (1, 2, 4, 8), **cfg})
     settings = GraphSettings(sizes=c.capture_sizes, slots_per_size=c.slots_per_size,
                              guarded=c.async_executor, staged=c.h2d == "staged",
-                             inputs_read=c.inputs_read_event, reserve_pool=not c.skip_pool_reserve)
+                             reserve_pool=not c.skip_pool_reserve)
 
     def step(stream, inputs, logits, out_tokens):
         model.decode(stream, inputs, logits)
@@ -37,7 +37,7 @@ def _rows(n, position=0):
 
 def _launch(drv, slot, rows):
     slot.host.fill(rows, drv.pad)
-    return slot.launch(drv.stream, len(rows))
+    return slot.launch(drv.stream, len(rows), 0)
 
 
 def test_ring_on_without_pool_pre_grow_fails_at_the_second_capture(backend):

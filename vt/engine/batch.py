@@ -134,7 +134,7 @@ class BatchStep:
     def __len__(self) -> int:
         return self.n
 
-    def fill_block(self, block, pad) -> None:
+    def write_into(self, block, pad) -> None:
         """Write this step into `block` (an InputBlock's pinned twin): one add every step, the
         rest only when the batch or the row count changed since the block's last fill."""
         b, n = self.batch, self.n

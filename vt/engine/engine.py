@@ -4,8 +4,9 @@ Each step decodes every running request one token and prefills the newly admitte
 (admitted while fewer than `serving_conc` run, their KV blocks are free and the step's prompt
 tokens stay within `max_prefill_tokens`, which bounds the prefill shapes warmed at
 construction: after it, serving makes no driver malloc). The running requests' per-step state
-is a persistent DecodeBatch (vt/engine/batch.py), advanced in place. The host knows each sequence's
-length without its tokens, so it plans step N+1 before step N's tokens arrive.
+is a persistent DecodeBatch (vt/engine/batch.py): a row's position is an offset plus the batch's
+step counter, so a step moves nothing per row. The host knows each sequence's length without
+its tokens, so it plans step N+1 before step N's tokens arrive.
 
 Schedule = f(requests) at every depth: a stop token takes effect on the schedule two steps
 after the step that sampled it (the earliest the async pipeline can know it), also at depth 1,
@@ -21,17 +22,14 @@ from typing import Callable
 
 from vt.backend.errors import ClosedError
 from vt.forward.adapt import as_step_model
-from vt.engine.batch import BatchStep
 from vt.knobs import ExecutorConfig
 from vt.engine.outputs import CallOutputs
 from vt.engine.requests import EngineBusyError, Request, RequestResult
 from vt.runner.runner import Runner
 from vt.engine.scheduler import Scheduler
-from vt.runner.plan import Phase, Progress, StepHandle  # noqa: F401  (Progress: public, documented here)
+from vt.engine.profile import LoopProfile
+from vt.engine.progress import Phase, Progress
 from vt.engine.submit import make_requests
-
-
-_RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
 
 
 class Engine:
@@ -66,6 +64,7 @@ class Engine:
         self._tokens_out = 0
         self._wall_s = 0.0
         self._phases = {"decode": Phase(), "prefill": Phase()}
+        self._loop_profile = LoopProfile(self.runner.stats) if self.runner.profile else None
         self._closed = False
         self._reset_schedule()
         try:
@@ -162,117 +161,64 @@ class Engine:
         return [out.result(r) for r in reqs]
 
     def _loop(self, reqs: list[Request], out: CallOutputs, progress) -> None:
+        """The one decode loop: plan step N+1, launch it, collect step N (depth 2), until
+        every request is done. Everything a step may need (admission, prefill, stops, a
+        progress callback, profiling) is a cheap check inside it; a decode step with nobody
+        to admit costs the plan's fast path, one launch and one collect."""
         sched, runner = self._sched, self.runner
+        plan_step, launch, collect, after_launch = (sched.plan, runner.launch, runner.collect,
+                                                    sched.after_launch)
+        store, leave, clock = out.store, sched.leave, time.perf_counter
+        rs, prof = runner.stats, self._loop_profile
+        decode_ph, prefill_ph = self._phases["decode"], self._phases["prefill"]
         stops = any(r.stop_token is not None for r in reqs)
+        sync = self.config.depth == 1
         pending, inflight, deferred = deque(reqs), None, []
-        depth, clock, t_start = self.config.depth, time.perf_counter, time.perf_counter()
-        runner_st = self.runner.stats
-        # Plan (and prepare) step N+1 before collecting step N-1 when nothing in step N-1's
-        # tokens can change that plan: no stop tokens in this call (requests that end by
-        # length leave at launch time). The runner then has only the launch left after its
-        # wait (Runner.prepare).
-        ahead = runner.prepares_ahead and depth == 2 and not stops
-        # The steady loop (_steady) takes every decode-only step it can, unless this call
-        # needs what only this loop does: profiling, depth 1, prepare-ahead.
-        steady = depth == 2 and not ahead and not self.profile and not runner.profile
-        planned = None                        # (plan, admitted) of the next step, if made early
-        profile, ahead_s = self.profile, 0.0
-        waited = runner_st.wait_s
-        t0 = t_start
-        while pending or sched.batch.n or inflight is not None or deferred or planned:
-            if steady and inflight is not None:
-                inflight = self._steady(pending, inflight, out, stops, progress, t_start)
-                waited = runner_st.wait_s
-                t0 = clock()
-            # Without profile an iteration reads one clock (its end); the split costs four more
-            before = [getattr(runner_st, k) for k in _RUNNER_SPLIT] if profile else None
-            plan, admitted = planned or sched.plan(pending, stops)
-            planned = None
-            t1 = clock() if profile else 0.0
+        t_start = t0 = clock()
+        waited = rs.drain_s + rs.token_wait_s
+        while pending or sched.batch.n or inflight is not None or deferred:
+            if prof is not None:
+                prof.begin(t0)
+            plan = plan_step(pending, stops)
+            if prof is not None:
+                prof.planned()
             handle = None
             if plan.n:
-                handle = runner.launch(plan)
-                sched.after_launch(plan, admitted)
+                handle = launch(plan)
+                after_launch(plan)
             elif inflight is None and not deferred:
                 raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
                                    f"{sched.batch.n} running, nothing launched or in flight")
-            if ahead and handle is not None:
-                t_ahead = clock() if profile else 0.0
-                planned = sched.plan(pending, stops)
-                if profile:
-                    ahead_s = clock() - t_ahead
-                if planned[0].n:
-                    runner.prepare(planned[0])
-                else:
-                    planned = None            # nothing to run next: plan again next time
-            t2 = clock() if profile else 0.0
-            if depth == 1:
-                for req in deferred:          # a stop sampled two steps ago (module docstring)
-                    sched.leave(req)
+            if prof is not None:
+                prof.launched()
+            if sync:
+                # Depth 1 reads each step's tokens at once, but applies a stop token on the
+                # same step the async pipeline can (module docstring): two steps later.
+                for req in deferred:
+                    leave(req)
                 ready, handle, deferred = handle, None, []
             else:
                 ready = inflight
-            device_ms = runner_st.device_ms
             if ready is not None:
-                stopped = out.store(ready.tag, runner.collect(ready), ready.host_logits)
-                if depth == 1:
+                stopped = store(ready.tag, collect(ready), ready.host_logits)
+                if sync:
                     deferred = stopped
                 else:
                     for req in stopped:
-                        sched.leave(req)
+                        leave(req)
                 if progress is not None:
                     progress(Progress(ready.index, out.finished, len(reqs),
                                       self._tokens_out + out.count, clock() - t_start))
             t3 = clock()
-            ph = self._phases["prefill" if plan.prefill else "decode"]
-            ph.steps += bool(plan.n)
+            ph = prefill_ph if plan.prefill else decode_ph
+            ph.steps += plan.n > 0
             ph.wall_s += t3 - t0
-            now_waited = runner_st.wait_s
+            now_waited = rs.drain_s + rs.token_wait_s
             ph.wait_s += now_waited - waited
-            waited = now_waited
-            if before is not None:
-                ph.plan_s += (t1 - t0) + ahead_s
-                ph.collect_s += t3 - t2
-                ph.device_ms += runner_st.device_ms - device_ms
-                for k, b in zip(_RUNNER_SPLIT, before):
-                    setattr(ph, k, getattr(ph, k) + getattr(runner_st, k) - b)
-                ahead_s = 0.0
-            inflight, t0 = handle, t3
+            if prof is not None:
+                prof.end(ph, t3)
+            waited, inflight, t0 = now_waited, handle, t3
         self._wall_s += clock() - t_start
-
-    def _steady(self, pending: deque, inflight: StepHandle, out: CallOutputs, stops: bool,
-                progress, t_start: float) -> StepHandle | None:
-        """Decode steps while nothing but decoding can happen: no request can be admitted and
-        the batch's size has a graph. It is the loop above with everything such a step cannot
-        need taken out (admission, prefill, the profile's clocks), so that the
-        host's share of a step is a few µs: the batch's per-step writes, the ring's guard,
-        one replay, the previous step's tokens. Requests still leave (at the launch of their
-        last token) and cross KV blocks inside it. Returns the step in flight when it hands
-        back (the loop above plans the next step: an admission, an eager size, or the end)."""
-        runner, sched, b = self.runner, self._sched, self._sched.batch
-        ring_for, launch, collect = runner.driver.ring_for, runner.launch_steady, runner.collect_steady
-        st, ph, clock = runner.stats, self._phases["decode"], time.perf_counter
-        waited = st.wait_s
-        t0, steps = clock(), 0
-        while not sched.can_admit(pending):
-            b.begin_step()
-            ring = ring_for(b.n) if b.n else None
-            if ring is None:
-                break
-            handle = launch(ring, BatchStep(b), sched.decode_tag(stops))
-            sched.end_step()
-            for req in out.store(inflight.tag, collect(inflight), inflight.host_logits):
-                sched.leave(req)   # a stop token: the same step as the loop above leaves it
-            if progress is not None:
-                progress(Progress(inflight.index, out.finished, len(out.reqs),
-                                  self._tokens_out + out.count, clock() - t_start))
-            inflight = handle
-            steps += 1
-        ph.steps += steps
-        ph.steady_steps += steps
-        ph.wall_s += clock() - t0
-        ph.wait_s += st.wait_s - waited
-        return inflight
 
     def _reset_schedule(self) -> None:
         self._sched = Scheduler(self.model.geometry, self.config.serving_conc, self.max_prefill_tokens)

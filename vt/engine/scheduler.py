@@ -30,18 +30,17 @@ class Scheduler:
         self.blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
         self.batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size)
 
-    def can_admit(self, pending: deque) -> bool:
-        """Whether a plan now might admit a request (false: the next step only decodes)."""
-        return bool(pending) and self.batch.n < self.serving_conc
-
-    def plan(self, pending: deque, stops: bool) -> tuple[StepPlan, list[Request]]:
+    def plan(self, pending: deque, stops: bool) -> StepPlan:
         """This step's rows: every request in the batch decodes; pending ones are admitted
         (prefilled) while there is room. The step's tag carries where its tokens go (dest),
         with `stops` each row's request and stop token (rid, stop), and how many requests
-        it finishes (n_last): the batch changes before the tokens arrive."""
+        it finishes (n_last): the batch changes before the tokens arrive. When nobody can
+        be admitted (the usual decode step) the plan is the batch's rows and tag alone."""
         b, geo = self.batch, self.geo
         b.begin_step()
         n_dec = b.n
+        if not pending or n_dec >= self.serving_conc:
+            return StepPlan(BatchStep(b) if n_dec else None, None, self.decode_tag(stops))
         admitted, prefill_tokens = [], 0
         while pending and n_dec + len(admitted) < self.serving_conc:
             req = pending[0]
@@ -67,7 +66,7 @@ class Scheduler:
                 rid = np.concatenate([rid, [r.index for r in admitted]])
                 stop = np.concatenate([stop, [stop_id(r) for r in admitted]])
         decode = BatchStep(b) if n_dec else None
-        return StepPlan(decode, prefill, tag=(dest, rid, stop, n_last)), admitted
+        return StepPlan(decode, prefill, (dest, rid, stop, n_last), admitted)
 
     def decode_tag(self, stops: bool) -> tuple:
         """The tag of the batch's decode rows at this step (copies: the batch moves on before
@@ -77,21 +76,17 @@ class Scheduler:
             return b.dest(), b.rid[:b.n].copy(), b.stop[:b.n].copy(), b.finishing()
         return b.dest(), None, None, b.finishing()
 
-    def after_launch(self, plan: StepPlan, admitted: list[Request]) -> None:
+    def after_launch(self, plan: StepPlan) -> None:
         """Move the batch past the launched step: the requests whose last token it was leave,
         the admitted ones join."""
-        self.end_step()
-        for req, seq in zip(admitted, plan.prefill):
+        for req in self.batch.end_step():
+            self.leave(req)
+        for req, seq in zip(plan.admitted, plan.prefill):
             if req.max_new_tokens == 1:
                 self._free(req)
             else:
                 self.batch.add(req, req.row, seq.block_table, req.sampling, pos=req.prompt_len,
                                left=req.max_new_tokens - 1, dest=req.base + 1, stop=stop_id(req))
-
-    def end_step(self) -> None:
-        """The batch's step was launched: the requests whose last token it was leave."""
-        for req in self.batch.end_step():
-            self.leave(req)
 
     def leave(self, req: Request) -> None:
         """The request decodes no more: out of the batch, its row and blocks freed."""

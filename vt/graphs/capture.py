@@ -50,8 +50,6 @@ def capture_slot(be, stream, step, slot, vocab: int, *, staged: bool) -> GraphOu
             # Baked H2D: every replay re-reads slot.host when this node runs (hazard-C). A
             # kernel reading the pinned block, not a memcpy node: the graph launches faster.
             slot.host.copy_to(be, slot.device, stream, mapped=True)
-            if slot.inputs_read_event is not None:
-                slot.inputs_read_event.record(stream, external=True)
         logits = be.empty((slot.size, vocab), LOGITS_DTYPE, retained=True)   # [S, vocab]
         step(stream, slot.device.inputs, logits, slot.out_device)
         if not staged:

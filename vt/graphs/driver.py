@@ -25,7 +25,6 @@ class GraphSettings:
     slots_per_size: int           # k: 2+ with the ring, 1 otherwise
     guarded: bool                 # acquire waits on the slot's event (the ring)
     staged: bool                  # h2d="staged": out-of-graph copy, one graph per size
-    inputs_read: bool             # the ring waits on an event right after the H2D node
     reserve_pool: bool = True     # pre-grow the pool before capture (off: a test hook)
     poll_s: float = 0.0           # how long a guard polls before blocking (vt/backend/waits.py)
 
@@ -47,10 +46,8 @@ class DecodeGraphDriver:
         self._check_open()
         st = self.settings
         for size in sorted(self.sizes, reverse=True):
-            first = SizeSlot(self.be, size, 0, self.max_blocks, staged=st.staged,
-                             inputs_read=st.inputs_read)
+            first = SizeSlot(self.be, size, 0, self.max_blocks, staged=st.staged)
             slots = [first] + [SizeSlot(self.be, size, i, self.max_blocks, staged=st.staged,
-                                        inputs_read=st.inputs_read,
                                         shared=first if st.staged else None)
                                for i in range(1, st.slots_per_size)]
             self.rings[size] = SlotRing(slots, guarded=st.guarded)   # close() frees it on failure
@@ -97,8 +94,10 @@ class DecodeGraphDriver:
         self.stream.synchronize()
         if slot.last_index < 0:
             slot.host.poison(self.pad)
-        ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size), replays, 1,
-                      warmup=1)
+        index = slot.last_index   # the replays repeat that step: the slot's state stays its
+        ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size, index), replays,
+                      1, warmup=1)
+        slot.collected(index)     # timed_ms waited for every replay
         return ms * 1e3
 
     def close(self) -> None:

@@ -15,13 +15,13 @@ class SizeSlot:
     when the host may write the block again and when the step is done.
 
     h2d="graph": the graph's own H2D node reads `host` AT REPLAY, so `host` is busy until the
-    replay has run (`done`, or `inputs_read_event` right after the H2D node).
+    replay has run (`done`).
     h2d="staged": slots of one size share `device`, `out_device` and `output`; the out-of-graph
     copy reads `host`, so `host` is busy until that copy has run (`staged_read`).
     """
 
     def __init__(self, be, size: int, index: int, max_blocks: int, *, staged: bool,
-                 inputs_read: bool, shared: "SizeSlot | None" = None):
+                 shared: "SizeSlot | None" = None):
         self.be, self.size, self.index, self.staged = be, size, index, staged
         self.name = f"S={size} slot={index}"
         self.host = InputBlock(be.pinned_empty, size, max_blocks)
@@ -33,8 +33,7 @@ class SizeSlot:
         # 0.5 ms of CPU against 202 ms for a 200 ms wait).
         self.done = be.event(blocking_sync=True)
         self.staged_read = be.event(blocking_sync=True) if staged else None
-        self.inputs_read_event = be.event(blocking_sync=True) if inputs_read else None
-        # True once the host saw this slot's last step done (Runner._wait): the next acquire
+        # True once the host saw this slot's last step done (collected()): the next acquire
         # then needs no event query at all (with k slots that is the usual case).
         self.idle = True
         self.last_index = -1   # the runner's index of the last step launched on this slot
@@ -43,14 +42,14 @@ class SizeSlot:
         """Block until the device no longer reads the host block; seconds waited (0: free)."""
         if self.idle:
             return 0.0
-        return wait_event(self.inputs_read_event or self.staged_read or self.done, poll_s)
+        return wait_event(self.staged_read or self.done, poll_s)
 
-    def launch(self, stream, n: int) -> ForwardLogits:
-        """Replay on `stream`; `done` completes once the tokens are in out_host (graph mode:
-        the graph's last node records it; staged: recorded after the copies). The returned
-        view is valid until this graph's next launch."""
+    def launch(self, stream, n: int, index: int) -> ForwardLogits:
+        """Replay step `index` (the runner's count) on `stream`; `done` completes once the
+        tokens are in out_host (graph mode: the graph's last node records it; staged: recorded
+        after the copies). The returned view is valid until this graph's next launch."""
         be = self.be
-        self.idle = False
+        self.idle, self.last_index = False, index
         if self.staged:
             self.host.copy_to(be, self.device, stream)
             self.staged_read.record(stream)
@@ -61,8 +60,14 @@ class SizeSlot:
             gen = self.output.launch(stream)
         return ForwardLogits(self.output.logits, n, output=self.output, generation=gen)
 
+    def collected(self, index: int) -> None:
+        """The host saw step `index` done: if it is still this slot's last step, the slot is
+        idle and its next acquire waits for nothing."""
+        if self.last_index == index:
+            self.idle = True
+
     def close(self):
-        for ev in (self.done, self.staged_read, self.inputs_read_event):
+        for ev in (self.done, self.staged_read):
             if ev is not None:
                 ev.close()
         self.output = None   # the ring closes outputs: staged slots share one

@@ -42,8 +42,8 @@ class EagerPath:
         return sorted(set(graph_sizes) | {self.capacity})
 
     def launch(self, decode, prefill: list, parity: int):
-        """Launch the step; returns (ForwardLogits [n rows], kind). `decode`: whatever
-        InputBlock.fill takes (DecodeRows, or the engine's BatchStep). Decode rows run first and
+        """Launch the step; returns (ForwardLogits [n rows], kind). `decode`: step rows
+        (DecodeRows, or the engine's BatchStep). Decode rows run first and
         are sampled; the prefill then writes its logits after them (rows [n_dec, n)), over the
         padded decode rows' logits, which the stream has already sampled."""
         n_dec = len(decode) if decode is not None else 0
@@ -92,6 +92,6 @@ class EagerPath:
         if not len(rows) <= size <= self.capacity:
             raise ValueError(f"an eager step of {len(rows)} rows padded to {size} exceeds the "
                              f"eager capacity {self.capacity} (max_seqs)")
-        host.fill(rows, self.model.pad)
+        rows.write_into(host, self.model.pad)
         host.copy_to(self.be, dev, self.stream)
         return dev.inputs.rows(0, size)

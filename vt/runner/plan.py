@@ -12,13 +12,15 @@ from vt.step.contract import PrefillSeq
 
 class StepPlan:
     """What one step runs: decode rows of running sequences (DecodeRows, or anything with
-    len() and fill_block) and/or prompts to prefill. `tag` is the caller's, handed back with
-    the tokens."""
+    len() and write_into(block, pad)) and/or prompts to prefill. `tag` is the caller's,
+    handed back with the tokens; `admitted` the caller's requests behind `prefill`."""
 
-    __slots__ = ("decode", "prefill", "tag", "n")
+    __slots__ = ("decode", "prefill", "tag", "n", "admitted")
 
-    def __init__(self, decode=None, prefill: list[PrefillSeq] | None = None, tag=None):
+    def __init__(self, decode=None, prefill: list[PrefillSeq] | None = None, tag=None,
+                 admitted: list | None = None):
         self.decode, self.prefill, self.tag = decode, prefill or [], tag
+        self.admitted = admitted or []
         self.n = (len(decode) if decode is not None else 0) + len(self.prefill)
 
 
@@ -51,7 +53,6 @@ class RunnerStats:
     drains: int = 0
     drain_s: float = 0.0
     ring_waits: int = 0       # slot acquisitions that had to block on the slot's event
-    prepared_steps: int = 0   # graph steps acquired and refreshed ahead (Runner.prepare)
     # acquire_s, refresh_s, launch_s: with profile only (without it a step reads no clock);
     # drain_s and token_wait_s always (a wait measures itself, and only when it blocks)
     acquire_s: float = 0.0
@@ -69,34 +70,3 @@ class RunnerStats:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__, steps_by_size=dict(self.steps_by_size))
-
-
-@dataclass(frozen=True)
-class Progress:
-    """Passed to the progress callback after each step's tokens reach the host. `step` and
-    `tokens` are the engine's (they count on across generate() calls); `finished`, `total`
-    and `elapsed_s` are this call's."""
-    step: int
-    finished: int
-    total: int
-    tokens: int
-    elapsed_s: float
-
-
-@dataclass
-class Phase:
-    """Host and device time of the engine-loop iterations that launched one kind of step
-    ("decode": pure decode; "prefill": any step that prefills). The host split is filled with
-    profile=True only; steps, wall_s and wait_s (blocked on the device: drains and token
-    waits, which the runner times anyway) always."""
-    steps: int = 0
-    steady_steps: int = 0     # of them, run by the engine's steady loop (Engine._steady)
-    wall_s: float = 0.0
-    wait_s: float = 0.0
-    plan_s: float = 0.0
-    acquire_s: float = 0.0
-    refresh_s: float = 0.0
-    launch_s: float = 0.0
-    collect_s: float = 0.0
-    drain_s: float = 0.0
-    device_ms: float = 0.0

@@ -10,14 +10,9 @@ previous step's logits are a non-owning graph view AND the ring is on (safe: the
 event guards its block) or NO_DBUF is set (unsafe: nothing guards it). Eager, mixed and
 prefill steps own their logits and always drain.
 
-The engine's steady loop (vt/engine/engine.py) launches and collects its decode steps through
-launch_steady and collect_steady: the same steps without the checks its bookkeeping makes
-true and without profiling.
-
-Prepare-ahead (k >= 3 slots per size, mode ring_prepare): prepare(plan) acquires and fills
-the slot of the step after the two in flight before the host waits for the older of them,
-and launch(plan) then only launches. That slot's previous step is collected by then (its
-tokens copied out) and its event guards the block, as for any acquire.
+Every step goes through launch() and collect(): profiling (timing events, the host split,
+the trace) is a cheap check inside that one path, so a profiled run times the path that
+serves.
 """
 from __future__ import annotations
 
@@ -60,7 +55,6 @@ class Runner:
         self._poll_s = poll_us * 1e-6
         settings = GraphSettings(sizes=config.capture_sizes, slots_per_size=config.slots_per_size,
                                  guarded=config.async_executor, staged=config.h2d == "staged",
-                                 inputs_read=config.inputs_read_event,
                                  reserve_pool=not config.skip_pool_reserve, poll_s=self._poll_s)
         self.driver = DecodeGraphDriver(be, self.stream, _decode_and_sample(model), vocab=model.vocab,
                                         max_blocks=geo.max_blocks, pad=model.pad, settings=settings)
@@ -70,16 +64,14 @@ class Runner:
         self.profile = profile or self.tracer.enabled
         self.stats = RunnerStats()
         self._skip_graph_drain = config.skips_graph_drain
+        self._poison = config.poison
+        self._ring_for = self.driver.ring_for
         self._record = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(2)],
                         [be.event(blocking_sync=True) for _ in range(2)]) if record_logits else None
         self._timing = ([tuple(be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
                          for _ in range(2)] if self.profile else None)
         self._last: StepHandle | None = None
         self._inflight: list[StepHandle] = []
-        # Prepare-ahead (prepare()): with k >= 3 slots per size, the slot of the step after the
-        # two in flight is free, so it can be acquired and refreshed before the host waits.
-        self.prepares_ahead = config.async_executor and config.depth == 2 and config.slots_per_size >= 3
-        self._prepared: tuple | None = None   # (plan, slot): acquired and refreshed, not launched
         self._steps = 0
         self._closed = False
 
@@ -95,6 +87,8 @@ class Runner:
 
     # -- launch -------------------------------------------------------------------------
     def launch(self, plan: StepPlan) -> StepHandle:
+        """Launch one step: a graph replay when its rows are decode-only and a captured size
+        fits, else the eager path. Drains first unless the skip applies."""
         self._check_open()
         n = plan.n
         if n == 0:
@@ -104,14 +98,15 @@ class Runner:
         if len(self._inflight) >= 2:
             raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
                                f"not collected; collect the oldest before launching (depth 2)")
-        prepared, self._prepared = self._prepared, None
-        if prepared is not None and prepared[0] is plan:
-            handle = self._launch_graph(prepared[1], plan, filled=True)
-            return self._launched(handle)
         self._drain_if_needed()
-        slot = None if plan.prefill else self._acquire(n)
-        handle = self._launch_graph(slot, plan) if slot is not None else self._launch_eager(plan)
-        return self._launched(handle)
+        ring = None if plan.prefill else self._ring_for(n)
+        handle = self._launch_graph(ring, plan) if ring is not None else self._launch_eager(plan)
+        if handle.slot is not None and self._poison:
+            self._poison_next(handle.slot, handle)
+        self._last = handle
+        self._inflight.append(handle)
+        self._steps += 1
+        return handle
 
     def _drain_if_needed(self) -> None:
         """Wait for the step in flight before this launch unless the drain skip applies (its
@@ -121,111 +116,41 @@ class Runner:
                 prev.logits.non_owning_view and self._skip_graph_drain):
             self._wait(prev, drain=True)
 
-    def prepare(self, plan: StepPlan) -> bool:
-        """Acquire and refresh the graph slot of the step after the two in flight, now: the
-        host then waits for the older one with only the launch left to do after it (a
-        depth-2 loop otherwise makes the device idle for the whole plan + refresh + launch
-        latency whenever host and device take about the same time: docs/design.md). Only
-        with prepares_ahead (k >= 3: that slot's last user is collected), after a graph step,
-        for a decode-only plan with a captured size. launch(plan) then only launches.
-        Returns whether it prepared."""
-        self._check_open()
-        last = self._last
-        if (not self.prepares_ahead or plan.prefill or plan.n == 0 or last is None
-                or last.slot is None or self.driver.ring_for(plan.n) is None):
-            return False
-        slot = self._acquire(plan.n)
-        t1 = time.perf_counter() if self.profile else 0.0
-        slot.host.fill(plan.decode, self.model.pad)
-        if self.profile:
-            self.stats.refresh_s += time.perf_counter() - t1
-        self._prepared = (plan, slot)
-        self.stats.prepared_steps += 1
-        return True
-
-    def _acquire(self, n: int):
-        """The graph slot for n rows (None: eager), its guard waited on and counted (timed
-        and traced with profile only: the lean path takes no clock)."""
-        ring = self.driver.ring_for(n)
-        if ring is None:
-            return None
-        t0 = time.perf_counter() if self.profile else 0.0
+    def _launch_graph(self, ring, plan: StepPlan) -> StepHandle:
+        """Acquire the ring's next slot (its guard), refresh its block, replay it. With
+        profile, the host split is timed and the device timing events recorded around the
+        step; without it, no clock is read."""
+        prof, st = self.profile, self.stats
+        t0 = time.perf_counter() if prof else 0.0
         slot, waited = ring.acquire(self._poll_s)
         if waited:
-            self.stats.ring_waits += 1
-            self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
-        if self.profile:
-            self.stats.acquire_s += time.perf_counter() - t0
-        return slot
-
-    def _launched(self, handle: StepHandle) -> StepHandle:
-        if handle.slot is not None and self.config.poison:
-            self._poison_next(handle.slot, handle)
-        self._last = handle
-        self._inflight.append(handle)
-        self._steps += 1
-        return handle
-
-    def launch_steady(self, ring, rows, tag) -> StepHandle:
-        """launch() of a decode-only graph step, for the engine's steady loop, which has
-        checked what launch() checks (open; `ring` serves len(rows) rows; at most one step in
-        flight; nothing prepared) and runs without profile or trace: the drain when the step
-        in flight needs one, the ring's next slot (its guard), the refresh
-        (`rows.fill_block`), one replay. No clock is read."""
-        self._drain_if_needed()
-        slot, waited = ring.acquire(self._poll_s)
-        if waited:
-            self.stats.ring_waits += 1
-        rows.fill_block(slot.host, self.model.pad)
-        handle = self._replay(slot, rows.n, tag)
-        if self._record is not None:
-            self._finish_launch(handle, None)
-        return self._launched(handle)
-
-    def collect_steady(self, handle: StepHandle) -> np.ndarray:
-        """collect() for the engine's steady loop: `handle` is the oldest step in flight (the
-        loop's own bookkeeping guarantees it) and no profile runs."""
-        self._inflight.pop(0)
-        if handle.tokens is None:
-            self._wait(handle, drain=False)
-        return handle.tokens
-
-    def _launch_graph(self, slot, plan: StepPlan, filled: bool = False) -> StepHandle:
-        """Refresh the slot's block (unless prepare() did) and replay it. With profile, the
-        host split is timed and the device timing events recorded around the step; without
-        it, no clock is read."""
-        prof = self.profile
+            st.ring_waits += 1
         t1 = time.perf_counter() if prof else 0.0
-        if not filled:
-            slot.host.fill(plan.decode, self.model.pad)
-        if not prof:
-            handle = self._replay(slot, plan.n, plan.tag)
-            if self._record is not None:
-                self._finish_launch(handle, None)
-            return handle
-        t2 = time.perf_counter()
-        timing = self._start_timing(self._steps)
-        t2_launch = time.perf_counter()   # the profile's own event records stay out of the launch span
-        handle = self._replay(slot, plan.n, plan.tag)
-        self._finish_launch(handle, timing)
-        t3 = time.perf_counter()
-        self.stats.refresh_s += t2 - t1
-        self.stats.launch_s += t3 - t2_launch
-        if self.tracer.enabled:
-            self.tracer.host_span("refresh", t1, t2, step=handle.index, slot=slot.name)
-            self.tracer.host_span(f"launch graph S={slot.size}", t2_launch, t3, step=handle.index,
-                                  n=handle.n)
-        return handle
-
-    def _replay(self, slot, n: int, tag) -> StepHandle:
-        """One graph launch (its last node records the slot's done event) and its handle."""
-        index, st = self._steps, self.stats
-        logits = slot.launch(self.stream, n)
-        slot.last_index = index
+        plan.decode.write_into(slot.host, self.model.pad)
+        timing = None
+        if prof:
+            t2 = time.perf_counter()
+            timing = self._start_timing(self._steps)
+            t2_launch = time.perf_counter()   # the profile's own event record stays out of the launch span
+        index, n = self._steps, plan.n
+        logits = slot.launch(self.stream, n, index)
         st.steps += 1
         st.graph_steps += 1
         st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
-        return StepHandle(index, "graph", n, slot.size, logits, tag, slot.out_host, slot.done, slot)
+        handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done, slot)
+        if self._record is not None or timing is not None:
+            self._finish_launch(handle, timing)
+        if prof:
+            t3 = time.perf_counter()
+            st.acquire_s += t1 - t0
+            st.refresh_s += t2 - t1
+            st.launch_s += t3 - t2_launch
+            if self.tracer.enabled:
+                if waited:
+                    self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
+                self.tracer.host_span("refresh", t1, t2, step=index, slot=slot.name)
+                self.tracer.host_span(f"launch graph S={slot.size}", t2_launch, t3, step=index, n=n)
+        return handle
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
         index, n, parity = self._steps, plan.n, self._steps % 2
@@ -273,17 +198,20 @@ class Runner:
     def collect(self, handle: StepHandle) -> np.ndarray:
         """Wait for the oldest step in flight and return its sampled tokens [n] (a host copy)."""
         self._check_open()
-        if not self._inflight or handle is not self._inflight[0]:
+        inflight = self._inflight
+        if not inflight or handle is not inflight[0]:
             raise ValueError(f"step {handle.index} is not the oldest step in flight "
-                             f"(in flight: {[h.index for h in self._inflight]})")
-        tokens = self.collect_steady(handle)
+                             f"(in flight: {[h.index for h in inflight]})")
+        inflight.pop(0)
+        if handle.tokens is None:
+            self._wait(handle, drain=False)
         if handle.timing is not None:
             start, end = handle.timing
             self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
                                                              handle.timing, step=handle.index)
                                      if self.tracer.enabled else end.elapsed_ms(start))
             handle.timing = None
-        return tokens
+        return handle.tokens
 
     def _wait(self, handle: StepHandle, *, drain: bool) -> None:
         """Block on the step's done event, then copy its tokens out of the pinned buffer (the
@@ -293,9 +221,8 @@ class Runner:
         t0 = time.perf_counter() if self.tracer.enabled else 0.0
         waited = wait_event(handle.done, self._poll_s)
         handle.tokens = handle.out_host[:handle.n].copy()
-        slot = handle.slot
-        if slot is not None and slot.last_index == handle.index:   # not launched again since
-            slot.idle = True
+        if handle.slot is not None:
+            handle.slot.collected(handle.index)
         st = self.stats
         if drain:
             st.drains += 1
@@ -318,7 +245,6 @@ class Runner:
             error = exc
         self._inflight.clear()
         self._last = None
-        self._prepared = None
         return error
 
     def close(self) -> str | None:

@@ -158,6 +158,11 @@ class DecodeRows:
     def __len__(self):
         return len(self.token_rows)
 
+    def write_into(self, block, pad: PadRow) -> None:
+        """Write these rows into an InputBlock's host twin, the tail padded (the runner's one
+        call for any step's rows; the engine's BatchStep has a faster one)."""
+        block.fill(self, pad)
+
 
 @dataclass
 class PrefillSeq:

@@ -35,19 +35,15 @@ class InputBlock:
         p0 = 2 * size + _PER_ROW.index("positions") * size
         self.advancing = self.raw[p0:p0 + 3 * size].reshape(3, size)
         self._padded_from: int | None = None   # rows [n:] hold the pad row since the last fill
-        self.filled = None   # what a fast fill (rows.fill_block) last wrote; None: unknown
+        self.filled = None   # what BatchStep.write_into last wrote; None: unknown
         self.step_views = None   # a fast fill's cached [:n] views (it owns their meaning)
 
-    def fill(self, rows, pad: PadRow) -> None:
-        """Write the step's rows into [:n] and pad the tail (host twin only). `rows` is
-        DecodeRows, or an object with its own fill_block(block, pad) (the engine's batch)."""
+    def fill(self, rows: DecodeRows, pad: PadRow) -> None:
+        """Write the step's rows into [:n] and pad the tail (host twin only). The engine's
+        batch writes itself instead (BatchStep.write_into), faster."""
         n = len(rows)
         if n > self.size:
             raise ValueError(f"{n} rows do not fit an input block of {self.size} rows")
-        fill_block = getattr(rows, "fill_block", None)
-        if fill_block is not None:
-            fill_block(self, pad)
-            return
         self.filled = None
         self._write(0, rows)
         if self._padded_from != n:            # the tail only changes when n does

@@ -34,8 +34,6 @@ COLUMNS = (
     # checks
     "tokens_ok", "identical_to_drain", "tokens_sha1", "driver_mallocs_since_warm_up",
     "profiled_steps_per_s",
-    # decode steps of the run without profiling that the engine's steady loop ran (vt)
-    "steady_steps",
     # every timed run's µs per step (--repeats); the row's columns are its median run's
     "step_us_runs",
 )
@@ -94,8 +92,7 @@ def vt_row(ident: dict, fast: dict, prof: dict | None, *, conc: int, ceiling_us:
                prefill_tokens=fast["tokens"] - steps * conc,
                tokens_ok=tokens_ok, tokens_sha1=tokens_sha1(tokens),
                driver_mallocs_since_warm_up=fast.get("driver_mallocs_since_warm_up"),
-               host_busy_us=1e6 * (dec["wall_s"] - dec["wait_s"]) / steps,
-               steady_steps=dec.get("steady_steps"))
+               host_busy_us=1e6 * (dec["wall_s"] - dec["wait_s"]) / steps)
     if prof is not None:
         pdec, _ = phases(prof)
         n = max(pdec["steps"], 1)
