@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(config, items):
 def no_malloc_during_any_capture(monkeypatch):
     """Every DevicePool a test makes (fixtures, direct CudaBackend/SimBackend, engines) must report
     0 raw mallocs during capture when the test ends: the pool serves captures from pre-grown
-    memory only (issue 2). Totals are printed at the end of the run."""
+    memory only. Totals are printed at the end of the run."""
     pools = []
     init = DevicePool.__init__
 

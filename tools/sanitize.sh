@@ -35,7 +35,7 @@
 # 2025.3 keeps the Python frames that were on the stack at each cudaMalloc alive (for its
 # report), and with them every local of those frames — a pool DeviceBuffer held by a finished
 # `be.empty` frame never returns to the pool, and the tests that check that it does fail under
-# the sanitizer only (measured: docs/benchmarks.md, run 7). Set SANITIZER_OPTS to override
+# the sanitizer only (measured on the H200). Set SANITIZER_OPTS to override
 # (e.g. SANITIZER_OPTS="--show-backtrace yes" to locate a reported error).
 # Logs: SANITIZE_LOGS (default: a new /tmp/vt-sanitize.XXXXXX), one per run.
 set -uo pipefail

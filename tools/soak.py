@@ -1,5 +1,5 @@
 """Soak: thousands of decode steps with continuous admissions on one engine; every resource
-flat after warm-up, every admitted request finished with its tokens (issue 8, part 5).
+flat after warm-up, every admitted request finished with its tokens.
 
 One Engine serves chunk after chunk (one generate() each) of random requests: more requests
 than rows, so requests are admitted whenever others finish (continuous batching); random

@@ -1,4 +1,4 @@
-"""Failure-atomic generate() (issue 8, part 1): every failure propagates, and the next
+"""Failure-atomic generate(): every failure propagates, and the next
 generate() on the SAME engine gives exactly what a fresh engine gives (tokens, finish
 reasons, logits bytes) in the same number of steps (so no row or KV block leaked).
 

@@ -1,5 +1,5 @@
 """Reproducibility, property-based: random serving workloads through every safe mode against
-the synchronous run, token for token (issue 8, part 2).
+the synchronous run, token for token.
 
 The harness is tools/fuzz.py (the GPU runner uses it too; tests/executor/_fuzz.py adds the
 hypothesis drawer). A failing example prints its case as JSON with the command that replays

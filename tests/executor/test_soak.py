@@ -1,4 +1,4 @@
-"""Soak (issue 8, part 5): one engine, thousands of steps with continuous admissions; pool
+"""Soak: one engine, thousands of steps with continuous admissions; pool
 bytes, driver mallocs, live graphs, events, streams and pinned buffers flat after warm-up;
 every admitted request finished with its tokens. The harness is tools/soak.py (the GPU run
 uses it too); CI runs a short soak, `--run-slow` / VT_SLOW=1 the 10,000-step one."""

@@ -121,7 +121,7 @@ _BENCH = dict(hidden=4096, layers=8, heads=32, head_dim=128, kv_heads=8, layer_p
 
 # bench-small: a model whose captured decode step at batch 32 should take ~0.15 ms on the H200
 # (0.1-0.2 ms asked), where the host's cost per step decides throughput. Estimated from the
-# per-kernel times of bench-dense's step (docs/benchmarks.md, run 4): ~35 us per GDN layer and
+# per-kernel times of bench-dense's step (measured on the H200 with tools/profile_step.py): ~35 us per GDN layer and
 # ~55 us for the attention one at hidden 1024 (latency-bound kernels), ~25 us for the 1024x32000
 # logits GEMM and ~35 us for sampling 32 x 32000 logits; confirm with
 # `python3 tools/bench_step.py --preset bench-small --batch 1 32`.
