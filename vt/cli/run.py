@@ -245,7 +245,7 @@ def _report(results, stats: dict, trace: str | None) -> None:
                                               "token_wait_s")}
     _log(f"  per step (µs): acquire {us['acquire_s']:.1f}, refresh {us['refresh_s']:.1f}, launch "
          f"{us['launch_s']:.1f}, drain waits {us['drain_s']:.1f}, token waits {us['token_wait_s']:.1f}, "
-         f"device {1e3 * stats['device_ms'] / steps:.1f}")
+         f"device {1e3 * stats['device_ms'] / max(stats['device_steps'], 1):.1f}")
     _log(f"  pool: {stats['pool']['bytes_reserved'] / 2**20:.1f} MiB reserved, "
          f"mallocs during capture {stats['pool']['mallocs_during_capture']}, "
          f"driver mallocs since warm-up {stats['driver_mallocs_since_warm_up']}")

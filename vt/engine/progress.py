@@ -32,4 +32,5 @@ class Phase:
     launch_s: float = 0.0
     collect_s: float = 0.0
     drain_s: float = 0.0
-    device_ms: float = 0.0
+    device_ms: float = 0.0    # device time of the sampled steps (profile: one in DEVICE_SAMPLE)
+    device_steps: int = 0

@@ -28,6 +28,12 @@ from vt.runner.trace import Tracer
 from vt.backend.waits import DEFAULT_POLL_US, wait_event
 
 
+# With profile, device timing events go around one step in this many (every step when a trace
+# is written): two event records and a query cost the host several µs per step, which would
+# make the profiled loop slower than the one it describes.
+DEVICE_SAMPLE = 8
+
+
 def _decode_and_sample(model):
     """The captured step. A closure over the model only: a bound method of the runner would
     make runner -> driver -> runner a cycle, freed only by the cyclic GC at any later moment
@@ -40,7 +46,8 @@ def _decode_and_sample(model):
 
 class Runner:
     """Launches steps of a step model (vt.step.contract.StepModel): graphs through the driver, the rest
-    through the eager path. profile=True adds device timing events around each step."""
+    through the eager path. profile=True times the host's share of each launch and records
+    device timing events around every DEVICE_SAMPLE-th step (every step with a trace)."""
 
     def __init__(self, be, model, config, *, record_logits: bool = False, profile: bool = False):
         self.be, self.model, self.config = be, model, config
@@ -68,6 +75,7 @@ class Runner:
         self._ring_for = self.driver.ring_for
         self._record = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(2)],
                         [be.event(blocking_sync=True) for _ in range(2)]) if record_logits else None
+        self._device_every = 1 if self.tracer.enabled else DEVICE_SAMPLE
         self._timing = ([tuple(be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
                          for _ in range(2)] if self.profile else None)
         self._last: StepHandle | None = None
@@ -170,9 +178,10 @@ class Runner:
         return handle
 
     def _start_timing(self, index: int):
-        if self._timing is None:
+        """The timing events of step `index` when it is sampled, recorded at its start."""
+        if self._timing is None or index % self._device_every:
             return None
-        timing = self._timing[index % 2]
+        timing = self._timing[(index // self._device_every) % 2]
         timing[0].record(self.stream)
         return timing
 
@@ -210,6 +219,7 @@ class Runner:
             self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
                                                              handle.timing, step=handle.index)
                                      if self.tracer.enabled else end.elapsed_ms(start))
+            self.stats.device_steps += 1
             handle.timing = None
         return handle.tokens
 

@@ -98,7 +98,7 @@ def vt_row(ident: dict, fast: dict, prof: dict | None, *, conc: int, ceiling_us:
         n = max(pdec["steps"], 1)
         per = {p: 1e6 * pdec[f"{p}_s"] / n for p in (*HOST_PARTS, "drain")}
         wall_us = 1e6 * pdec["wall_s"] / n
-        device_us = 1e3 * pdec["device_ms"] / n
+        device_us = 1e3 * pdec["device_ms"] / max(pdec["device_steps"], 1)   # sampled steps
         wait_us = 1e6 * pdec["wait_s"] / n     # blocked on the device: drains and token waits
         row.update({f"host_{p}_us": per[p] for p in HOST_PARTS},
                    host_machinery_us=per["refresh"] + per["acquire"] + per["launch"],
