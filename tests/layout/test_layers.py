@@ -1,0 +1,119 @@
+"""The package's layers, checked from the source: imports only point down, and no two
+modules import each other through any chain (docs/architecture.md draws the picture).
+
+Ranks, bottom up; a module may import its own package and any package of a lower rank.
+Imports inside functions count too (they are still arrows), except `vt/__init__.py`'s lazy
+public names, which are the top of the tree by design.
+"""
+import ast
+import pathlib
+
+import pytest
+
+VT = pathlib.Path(__file__).resolve().parents[2] / "vt"
+
+RANK = {
+    "backend": 0, "knobs": 0,
+    "step": 1,
+    "sampling": 2,
+    "graphs": 3, "model": 3,
+    "forward": 4, "torch": 4,
+    "runner": 5,
+    "engine": 6,
+    "cli": 7,
+}
+MAX_TOP_LEVEL_FILES = 8
+MAX_MODULE_LINES = 320
+
+
+def _modules():
+    for path in sorted(VT.rglob("*.py")):
+        rel = path.relative_to(VT.parent).with_suffix("")
+        parts = rel.parts if rel.name != "__init__" else rel.parts[:-1]
+        yield path, ".".join(parts)
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "vt" else None
+
+
+def _imports(path: pathlib.Path, module: str) -> set[str]:
+    tree = ast.parse(path.read_text())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("vt.")}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:   # relative: resolve against this module's package
+                base = module.split(".")
+                if not path.name == "__init__.py":
+                    base = base[:-1]
+                base = base[:len(base) - (node.level - 1)]
+                name = ".".join(base + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            if name.startswith("vt."):
+                # `from pkg import sub` is an arrow to pkg.sub when that is a module (the
+                # cycle check keeps only names that are); `from . import sub` only that
+                if node.module:
+                    out.add(name)
+                out |= {f"{name}.{a.name}" for a in node.names}
+    return out
+
+
+def _graph():
+    return {module: _imports(path, module) for path, module in _modules() if module != "vt"}
+
+
+def test_every_package_has_a_rank():
+    packages = {_package(m) for m in _graph()} - {None, "__main__"}
+    assert packages <= set(RANK), f"packages without a layer: {sorted(packages - set(RANK))}"
+
+
+def test_imports_only_point_down():
+    up = []
+    for module, imports in _graph().items():
+        src = _package(module)
+        if src not in RANK:
+            continue
+        for target in imports:
+            dst = _package(target)
+            if dst != src and RANK.get(dst, -1) >= RANK[src]:
+                up.append(f"{module} -> {target}")
+    assert up == [], "arrows up or sideways:\n" + "\n".join(up)
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    modules = set(graph)
+
+    def resolve(name):   # a `from vt.x import y` of a module y counts as an arrow to vt.x.y
+        return name if name in modules else None
+
+    edges = {m: {r for t in ts if (r := resolve(t)) and r != m} for m, ts in graph.items()}
+    seen, stack, cycles = set(), [], []
+
+    def visit(m, path):
+        if m in path:
+            cycles.append(" -> ".join(path[path.index(m):] + [m]))
+            return
+        if m in seen:
+            return
+        seen.add(m)
+        for n in edges.get(m, ()):
+            visit(n, path + [m])
+
+    for m in sorted(edges):
+        visit(m, stack)
+    assert cycles == [], "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_top_level_is_a_handful_of_files():
+    files = sorted(p.name for p in VT.glob("*.py"))
+    assert len(files) <= MAX_TOP_LEVEL_FILES, files
+
+
+@pytest.mark.parametrize("path", sorted(VT.rglob("*.py")), ids=lambda p: str(p.relative_to(VT)))
+def test_no_module_is_long(path):
+    assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES
