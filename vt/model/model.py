@@ -159,7 +159,7 @@ class HybridModel:
         S = inp.batch
         if S > self.max_batch:
             raise ValueError(f"decode: batch {S} > max_batch {self.max_batch} of this model")
-        h = self.be.empty((self._padded(S), self.cfg.hidden), np.float32)   # [S, H] residual stream
+        h = self.be.empty((self._padded(S), self.cfg.hidden), np.float32)   # [P, H] residual stream
         self.be.launch(s, _EMBED, self.emb, self.token_table, inp.token_rows, h[:S])
         self._layers(s, h, S, inp.positions, inp.slot_mapping, inp.block_tables, inp.seq_lens,
                      self._iota[:S], inp.state_idx, self._iota[: S + 1], fresh=False)
@@ -169,12 +169,12 @@ class HybridModel:
         """Eager prefill of whole prompts (from position 0): writes the KV cache and the GDN
         states; logits_out [B, vocab] fp32 gets each sequence's last-token logits."""
         T = pinp.tokens
-        h = self.be.empty((self._padded(T), self.cfg.hidden), np.float32)   # [T, H]
+        h = self.be.empty((self._padded(T), self.cfg.hidden), np.float32)   # [P >= T, H]
         self.be.launch(s, _GATHER, self.emb, pinp.token_ids, h[:T])
         self._layers(s, h, T, pinp.positions, pinp.slot_mapping, pinp.block_tables, pinp.ctx_lens,
                      pinp.token_seq, pinp.state_idx, pinp.cu_seqlens, fresh=True)
         B = pinp.batch
-        last = self.be.empty((self._padded(B), self.cfg.hidden), np.float32)   # [B, H]
+        last = self.be.empty((self._padded(B), self.cfg.hidden), np.float32)   # [P >= B, H]
         self.be.launch(s, _GATHER, h[:T], pinp.last_idx, last[:B])
         self._logits(s, last, B, logits_out)
 

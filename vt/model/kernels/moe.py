@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import cuda_function, f32, f64, i32, store
+from ._common import cuda_function, f32, f64, i32
 
 _CODE = r"""
 // One thread per row: softmax over experts restricted to the top k (= softmax, top-k,
