@@ -169,12 +169,15 @@ def case_router(rng, st):
 
 
 def case_combine(rng, st):
-    wd, _ = moe.reference_router(rng.standard_normal((5, 8)), 2)
+    lg = rng.standard_normal((5, 8))
+    lg[:, 0] = -np.inf     # expert 0 is nobody's pick
+    wd, sel = moe.reference_router(lg, 2)
     y = _st(rng, (8, 5, 64), st)
     y[0, :, :] = to_storage(np.full((5, 64), np.inf), st)  # an unselected expert's inf never leaks
     wd[:, 0] = 0
-    a = dict(wd=wd.astype(np.float32), y=y, out=rng.standard_normal((5, 64)).astype(np.float32))
-    return Case(a, lambda be, s, d: be.launch(s, K.Combine(), d["wd"], d["y"], d["out"]),
+    a = dict(wd=wd.astype(np.float32), topk=sel.astype(np.int32), y=y,
+             out=rng.standard_normal((5, 64)).astype(np.float32))
+    return Case(a, lambda be, s, d: be.launch(s, K.Combine(), d["wd"], d["topk"], d["y"], d["out"]),
                 lambda a: {"out": (moe.reference_combine(a["wd"], a["y"], a["out"]), F32)})
 
 

@@ -5,14 +5,24 @@ allocate the paged KV cache, the GDN states and the token table (each with one s
 entry for padded rows), then the cuBLAS workspaces. `decode` only launches kernels and takes
 its temporaries from the pool, so it is capturable; those temporaries become the capture's
 scratch.
+
+batch_invariant=True (or VT_BATCH_INVARIANT=1 when the argument is None): a row's logits do
+not depend on the batch it runs in, its padded size, or prefill's token count. Every GEMM
+then runs in blocks of INVARIANT_ROWS rows (buffers padded to a multiple; kernels/gemm.py),
+MoE always takes the all-experts path (the routed one reads a different GEMM), and attention
+uses a fixed split count. Off by default on cuda: it costs device time (measured in
+docs/data/invariance-h200.json). The sim's numpy kernels are row-invariant either way.
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
 from . import kernels as K
 from .config import ModelConfig
 from .inputs import DecodeInputs, PrefillInputs
+from .kernels.attention import invariant_splits
 from .kernels.gemm import WORKSPACE_BYTES
 from .weights import check_weights
 from vt.sampling.sample import Sample
@@ -22,18 +32,24 @@ _ATTN, _GDN, _ACT, _ROUTER, _COMBINE = K.PagedAttention(), K.GDN(), K.SiluMul(),
 _COMBINE_ROUTED = K.CombineRouted()
 _SAMPLE, _FILL = Sample(), K.Fill()
 _STAGING_BYTES = 64 << 20
+INVARIANT_ROWS = 64   # GEMM row block of a batch-invariant model (>= the default max_batch)
 
 
 class HybridModel:
     def __init__(self, backend, cfg: ModelConfig, weights: dict[str, np.ndarray],
                  max_seqs: int | None = None, num_kv_blocks: int | None = None, *,
-                 max_batch: int = 64, gemm_streams: int = 4):
+                 max_batch: int = 64, gemm_streams: int = 4, batch_invariant: bool | None = None):
         # None means "the default"; anything else must be a real size. Checked first: 0 used to
         # become the default silently and a negative count failed deep inside the pool.
         for name, v in (("max_seqs", max_seqs), ("num_kv_blocks", num_kv_blocks)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise ValueError(f"HybridModel: {name} must be a positive int, or None for the "
                                  f"default, got {v!r}")
+        if batch_invariant is None:
+            batch_invariant = os.environ.get("VT_BATCH_INVARIANT", "0") == "1"
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"HybridModel: batch_invariant must be a bool or None, got {batch_invariant!r}")
+        self.batch_invariant = batch_invariant
         check_weights(cfg, weights)
         self.be, self.cfg = backend, cfg
         self.max_seqs = cfg.max_seqs if max_seqs is None else max_seqs
@@ -60,7 +76,9 @@ class HybridModel:
             backend.launch(self.stream, _FILL, a, value=0)
         ws = [backend.empty((WORKSPACE_BYTES,), np.uint8) for _ in range(gemm_streams)] \
             if backend.name == "cuda" else []
-        self.gemm = K.Gemm(ws)
+        self.gemm = K.Gemm(ws, rows_block=INVARIANT_ROWS if batch_invariant else None)
+        self._attn_splits = (invariant_splits(cfg.kv_heads) if backend.name == "cuda" else 1) \
+            if batch_invariant else None
         self.routed_gemm = K.RoutedGemm(self.gemm)   # shares the GEMM's cuBLAS handles
         self.stream.synchronize()
 
@@ -118,7 +136,7 @@ class HybridModel:
     def routed(self, rows: int) -> bool:
         """Whether a forward over `rows` rows computes only each row's top-k experts: when that
         reads fewer expert matrices (rows * top_k) than all of them (kernels/moe.py)."""
-        return self.cfg.moe and rows * self.cfg.top_k < self.cfg.experts
+        return self.cfg.moe and not self.batch_invariant and rows * self.cfg.top_k < self.cfg.experts
 
     def weight_bytes_read(self, rows: int) -> int:
         """Weight bytes one decode step of `rows` rows reads: weight_bytes, less the experts a
@@ -142,22 +160,24 @@ class HybridModel:
         S = inp.batch
         if S > self.max_batch:
             raise ValueError(f"decode: batch {S} > max_batch {self.max_batch} of this model")
-        h = self.be.empty((S, self.cfg.hidden), np.float32)   # [S, H] residual stream
-        self.be.launch(s, _EMBED, self.emb, self.token_table, inp.token_rows, h)
-        self._layers(s, h, inp.positions, inp.slot_mapping, inp.block_tables, inp.seq_lens,
+        h = self.be.empty((self._padded(S), self.cfg.hidden), np.float32)   # [P, H] residual stream
+        self.be.launch(s, _EMBED, self.emb, self.token_table, inp.token_rows, h[:S])
+        self._layers(s, h, S, inp.positions, inp.slot_mapping, inp.block_tables, inp.seq_lens,
                      self._iota[:S], inp.state_idx, self._iota[: S + 1], fresh=False)
-        self._logits(s, h, logits_out)
+        self._logits(s, h, S, logits_out)
 
     def prefill(self, s, pinp: PrefillInputs, logits_out) -> None:
         """Eager prefill of whole prompts (from position 0): writes the KV cache and the GDN
         states; logits_out [B, vocab] fp32 gets each sequence's last-token logits."""
-        h = self.be.empty((pinp.tokens, self.cfg.hidden), np.float32)   # [T, H]
-        self.be.launch(s, _GATHER, self.emb, pinp.token_ids, h)
-        self._layers(s, h, pinp.positions, pinp.slot_mapping, pinp.block_tables, pinp.ctx_lens,
+        T = pinp.tokens
+        h = self.be.empty((self._padded(T), self.cfg.hidden), np.float32)   # [P >= T, H]
+        self.be.launch(s, _GATHER, self.emb, pinp.token_ids, h[:T])
+        self._layers(s, h, T, pinp.positions, pinp.slot_mapping, pinp.block_tables, pinp.ctx_lens,
                      pinp.token_seq, pinp.state_idx, pinp.cu_seqlens, fresh=True)
-        last = self.be.empty((pinp.batch, self.cfg.hidden), np.float32)   # [B, H]
-        self.be.launch(s, _GATHER, h, pinp.last_idx, last)
-        self._logits(s, last, logits_out)
+        B = pinp.batch
+        last = self.be.empty((self._padded(B), self.cfg.hidden), np.float32)   # [P >= B, H]
+        self.be.launch(s, _GATHER, h[:T], pinp.last_idx, last[:B])
+        self._logits(s, last, B, logits_out)
 
     def sample(self, s, logits, inp, out_tokens) -> None:
         """out_tokens[S] int32 <- sampled tokens (each row's temperature, top_k and seed from
@@ -165,73 +185,98 @@ class HybridModel:
         self.be.launch(s, _SAMPLE, logits, inp.token_rows, inp.sample_positions, inp.temperature,
                        inp.top_k, inp.seed, out_tokens, self.token_table)
 
-    def _layers(self, s, h, positions, slots, block_tables, lens, rows, state_idx, cu, fresh):
+    def _padded(self, n: int) -> int:
+        """Rows of a GEMM operand for n rows: n, or the next multiple of the invariant block
+        (the GEMMs read and write the padding rows, the other kernels only the first n)."""
+        return -(-n // INVARIANT_ROWS) * INVARIANT_ROWS if self.batch_invariant else n
+
+    def _zero_padding(self, s, n, *arrays) -> None:
+        """Zero the padding rows of GEMM inputs (and of h, which GEMMs accumulate into): no
+        kernel writes them, so they would carry stale pool bytes (NaN, inf) through the
+        GEMMs; zeros keep every value defined (sanitizer initcheck, numpy warnings)."""
+        for a in arrays:
+            if a is not None and a.shape[0] > n:
+                self.be.launch(s, _FILL, a[n:], value=0)
+
+    def _layers(self, s, h, n, positions, slots, block_tables, lens, rows, state_idx, cu, fresh):
+        """h [P, H] (P = _padded(n)), n real rows."""
         c, be, L0 = self.cfg, self.be, self.layers
-        n, st = h.shape[0], c.storage_dtype
-        x = be.empty((n, c.hidden), st)                                   # [N, H] normed
+        P, st = h.shape[0], c.storage_dtype
+        x = be.empty((P, c.hidden), st)                                   # [P, H] normed
         hq, hk, D = c.heads, c.kv_heads, c.head_dim
         g, dk, dv = c.gdn_heads, c.gdn_dk, c.gdn_dv
-        qkv = be.empty((n, (hq + 2 * hk) * D), st) if c.attn_layers else None
-        att = be.empty((n, hq * D), st) if c.attn_layers else None
-        proj = be.empty((n, 2 * g * (dk + dv) + 2 * g), st) if c.gdn_layers else None
-        go = be.empty((n, g * dv), st) if c.gdn_layers else None
+        qkv = be.empty((P, (hq + 2 * hk) * D), st) if c.attn_layers else None
+        att = be.empty((P, hq * D), st) if c.attn_layers else None
+        proj = be.empty((P, 2 * g * (dk + dv) + 2 * g), st) if c.gdn_layers else None
+        go = be.empty((P, g * dv), st) if c.gdn_layers else None
+        self._zero_padding(s, n, h, x, att, go)
         for i, kind in enumerate(c.kinds):
             L = L0[i]
-            be.launch(s, _NORM, h, L["ln1"], x, eps=c.rms_eps)
+            be.launch(s, _NORM, h[:n], L["ln1"], x[:n], eps=c.rms_eps)
             if kind == "A":
                 be.launch(s, self.gemm, x, L["qkv"], qkv)
-                be.launch(s, _ROPE, qkv, positions, n_heads=hq + hk, head_dim=D, theta=c.rope_theta)
-                be.launch(s, _KVW, qkv, slots, self.k_cache[i], self.v_cache[i], q_heads=hq,
+                be.launch(s, _ROPE, qkv[:n], positions, n_heads=hq + hk, head_dim=D, theta=c.rope_theta)
+                be.launch(s, _KVW, qkv[:n], slots, self.k_cache[i], self.v_cache[i], q_heads=hq,
                           kv_heads=hk, head_dim=D)
-                be.launch(s, _ATTN, qkv, self.k_cache[i], self.v_cache[i], block_tables, lens, rows,
-                          att, q_heads=hq, kv_heads=hk, head_dim=D)
+                be.launch(s, _ATTN, qkv[:n], self.k_cache[i], self.v_cache[i], block_tables, lens, rows,
+                          att[:n], q_heads=hq, kv_heads=hk, head_dim=D, fixed_splits=self._attn_splits)
                 be.launch(s, self.gemm, att, L["o"], h, accumulate=True)
             else:
                 be.launch(s, self.gemm, x, L["in"], proj)
-                be.launch(s, _GDN, proj, L["A_log"], L["dt_bias"], L["norm"], self.states[i],
-                          state_idx, cu, go, heads=g, dk=dk, dv=dv, fresh=fresh, eps=c.rms_eps)
+                be.launch(s, _GDN, proj[:n], L["A_log"], L["dt_bias"], L["norm"], self.states[i],
+                          state_idx, cu, go[:n], heads=g, dk=dk, dv=dv, fresh=fresh, eps=c.rms_eps)
                 be.launch(s, self.gemm, go, L["out"], h, accumulate=True)
-            be.launch(s, _NORM, h, L["ln2"], x, eps=c.rms_eps)
-            self._mlp(s, L, x, h)
+            be.launch(s, _NORM, h[:n], L["ln2"], x[:n], eps=c.rms_eps)
+            self._mlp(s, L, x, h, n)
 
-    def _mlp(self, s, L, x, h):
-        c, be, n, st = self.cfg, self.be, x.shape[0], self.cfg.storage_dtype
+    def _mlp(self, s, L, x, h, n):
+        c, be, P, st = self.cfg, self.be, x.shape[0], self.cfg.storage_dtype
         if c.moe:
             E, F = c.experts, c.expert_ffn
-            rl = be.empty((n, E), np.float32)                              # [N, E] router logits
+            rl = be.empty((P, E), np.float32)                              # [P, E] router logits
             wd = be.empty((n, E), np.float32)
             topk = be.empty((n, c.top_k), np.int32)
             be.launch(s, self.gemm, x, L["router"], rl)
-            be.launch(s, _ROUTER, rl, wd, topk, k=c.top_k)
+            be.launch(s, _ROUTER, rl[:n], wd, topk, k=c.top_k)
             if self.routed(n):        # only the selected experts (kernels/moe.py)
                 slots = n * c.top_k
                 gu = be.empty((slots, 2 * F), st)                          # [N * k, 2F]
                 act = be.empty((slots, F), st)
                 y = be.empty((slots, c.hidden), st)                        # [N * k, H]
-                be.launch(s, self.routed_gemm, x, L["egu"], topk, gu)
+                be.launch(s, self.routed_gemm, x[:n], L["egu"], topk, gu)
                 be.launch(s, _ACT, gu, act)
                 be.launch(s, self.routed_gemm, act, L["edown"], topk, y)
-                be.launch(s, _COMBINE_ROUTED, wd, topk, y, h)
-            else:                     # every expert for every row
-                gu = be.empty((E, n, 2 * F), st)                           # [E, N, 2F]
-                act = be.empty((E, n, F), st)
-                y = be.empty((E, n, c.hidden), st)                         # [E, N, H]
+                be.launch(s, _COMBINE_ROUTED, wd, topk, y, h[:n])
+            else:                     # every expert for every row, in blocks of B rows
+                B = INVARIANT_ROWS if self.batch_invariant else P
+                C = P // B
+                gu = be.empty((C, E, B, 2 * F), st)                        # [C, E, B, 2F]
+                act = be.empty((C, E, B, F), st)
+                y = be.empty((C, E, B, c.hidden), st)                      # [C, E, B, H]
                 be.launch(s, self.gemm, x, L["egu"], gu)
                 be.launch(s, _ACT, gu, act)
                 be.launch(s, self.gemm, act, L["edown"], y)
-                be.launch(s, _COMBINE, wd, y, h)
+                be.launch(s, _COMBINE, wd, topk, y, h[:n])
         if "gu" in L:
             F = L["down"].shape[1]
-            gu = be.empty((n, 2 * F), st)
-            act = be.empty((n, F), st)
+            gu = be.empty((P, 2 * F), st)
+            act = be.empty((P, F), st)
             be.launch(s, self.gemm, x, L["gu"], gu)
             be.launch(s, _ACT, gu, act)
             be.launch(s, self.gemm, act, L["down"], h, accumulate=True)
 
-    def _logits(self, s, h, logits_out):
-        x = self.be.empty((h.shape[0], self.cfg.hidden), self.cfg.storage_dtype)
-        self.be.launch(s, _NORM, h, self.final_norm, x, eps=self.cfg.rms_eps)
-        self.be.launch(s, self.gemm, x, self.lm_head, logits_out)                # [S, vocab]
+    def _logits(self, s, h, n, logits_out):
+        """h [P, H] (n real rows) -> logits_out [n, vocab]."""
+        P = h.shape[0]
+        x = self.be.empty((P, self.cfg.hidden), self.cfg.storage_dtype)
+        self._zero_padding(s, n, x)
+        self.be.launch(s, _NORM, h[:n], self.final_norm, x[:n], eps=self.cfg.rms_eps)
+        if P == n:
+            self.be.launch(s, self.gemm, x, self.lm_head, logits_out)            # [S, vocab]
+            return
+        full = self.be.empty((P, self.cfg.vocab), np.float32)                   # [P, vocab]
+        self.be.launch(s, self.gemm, x, self.lm_head, full)
+        self.be.copy_d2d(logits_out, full[:n], s)
 
     def release_stream(self, stream) -> None:
         """`stream` will not run this model again (its graphs are gone): free what the model

@@ -190,7 +190,8 @@ class PagedAttention:
     name = "paged_attention"
 
     def run_numpy(self, qkv, k_cache, v_cache, block_tables, lens, rows, out, *, q_heads,
-                  kv_heads, head_dim):
+                  kv_heads, head_dim, fixed_splits=None):
+        # One row at a time, shapes from that row only: batch-invariant as it is.
         g = q_heads // kv_heads
         bs = k_cache.shape[1]
         kc = k_cache.reshape(-1, kv_heads, head_dim)
@@ -209,7 +210,10 @@ class PagedAttention:
         store(out, res.reshape(out.shape))
 
     def run_cupy(self, stream_handle, qkv, k_cache, v_cache, block_tables, lens, rows, out, *,
-                 q_heads, kv_heads, head_dim):
+                 q_heads, kv_heads, head_dim, fixed_splits=None):
+        """fixed_splits: context splits per row. None picks them from the row count (one
+        wave), which changes a row's merge order with the batch; a fixed count keeps it
+        (invariant_splits)."""
         import cupy as cp
 
         g = q_heads // kv_heads
@@ -221,7 +225,7 @@ class PagedAttention:
         n = qkv.shape[0]
         if not n:
             return
-        P = splits(n * kv_heads)
+        P = splits(n * kv_heads) if fixed_splits is None else fixed_splits
         part = cp.empty((n, q_heads, P, head_dim + 2), np.float32) if P > 1 else None
         cuda_function(_CODE, "paged_attn_split", qkv.dtype, **defs)(
             (n, kv_heads, P), (128,),
@@ -248,6 +252,12 @@ def splits(blocks_per_split: int) -> int:
     (the launch bounds guarantee 4), at most 32. Rounding up instead (the old ceil) gave 3
     splits = 768 blocks at 32 rows x 8 KV heads, a second partial wave on 132 SMs."""
     return max(1, min(32, 4 * sm_count() // blocks_per_split))
+
+
+def invariant_splits(kv_heads: int) -> int:
+    """The fixed split count of a batch-invariant model: what 4 rows get from splits() (at 1
+    row the grid is 4x smaller than splits(kv_heads), at 32 rows 8x larger than needed)."""
+    return splits(4 * kv_heads)
 
 
 def reference(q, k_cache, v_cache, block_tables, lens, rows):

@@ -95,6 +95,13 @@ def _split(p, heads, dk, dv):
     return q, k, v, z, a, b
 
 
+def _vec_mat(u, S):
+    """[s, h, dk] x [s, h, dk, dv] -> [s, h, dv], one [1, dk] x [dk, dv] product per (s, h):
+    the same call for every segment, so a segment's bits do not depend on the others (an
+    einsum may reorder its loops, and with them the sums, as the batch shape changes)."""
+    return np.matmul(u[..., None, :], S, dtype=np.float32)[..., 0, :]
+
+
 class GDN:
     """Recurrent update + gated output norm; writes out [T, heads*dv] and the final states."""
 
@@ -117,10 +124,10 @@ class GDN:
             alpha = np.exp(-np.exp(A_log) * sp)[..., None, None]
             beta = (1 / (1 + np.exp(-b[r])))[..., None]
             St = S[act] * alpha
-            delta = beta * (v[r] - np.einsum("shkv,shk->shv", St, kh))
+            delta = beta * (v[r] - _vec_mat(kh, St))
             St += kh[..., :, None] * delta[..., None, :]
             S[act] = St
-            o = np.einsum("shkv,shk->shv", St, qh)
+            o = _vec_mat(qh, St)
             inv = 1 / np.sqrt((o * o).mean(-1, keepdims=True) + np.float32(eps))
             res[r] = o * inv * f32(norm_w) * (z[r] / (1 + np.exp(-z[r])))
         states[idx] = S

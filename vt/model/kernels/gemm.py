@@ -14,6 +14,17 @@ y^T = w x^T: A = w (col-major [K, N], op T), B = x (col-major [K, M], op N), C =
 
 A custom skinny tensor-core GEMM was measured 1.3-1.8x slower than cuBLAS for these shapes on the
 H200 (docs/benchmarks.md has the numbers), so cuBLAS is the one GEMM path.
+
+Batch invariance (a row's result independent of M and of the other rows):
+- numpy: every row is its own [1, K] x [K, N] product (`rowwise_matmul`): one BLAS call of
+  the same shape per row, so a row gets the same bits at any M. A 2-D np.matmul does not:
+  OpenBLAS runs gemv for M = 1 and gemm kernels whose blocking depends on M otherwise.
+- cuda: cuBLAS picks its kernel (tiling, split-K) from the shape, so the bits of a row change
+  with M. With `rows_block=B` every call runs in blocks of exactly B rows (M must be a
+  multiple of B: the model pads its buffers), each block one cuBLAS call of one fixed shape,
+  so every row goes through the same kernel at any batch size. The padded rows cost device
+  time (measured in docs/data/invariance-h200.json), so this is an option (HybridModel's
+  batch_invariant).
 """
 from __future__ import annotations
 
@@ -50,7 +61,11 @@ class Gemm:
 
     name = "gemm"
 
-    def __init__(self, workspaces=()):
+    def __init__(self, workspaces=(), rows_block: int | None = None):
+        if rows_block is not None and (isinstance(rows_block, bool) or not isinstance(rows_block, int)
+                                       or rows_block < 1):
+            raise ValueError(f"Gemm: rows_block must be a positive int or None, got {rows_block!r}")
+        self.rows_block = rows_block
         self._free_ws = list(workspaces)  # device uint8 arrays of WORKSPACE_BYTES
         self._used_ws: dict[int, object] = {}  # stream handle -> its handle's workspace
         self._handles: dict[int, int] = {}     # stream handle -> cuBLAS handle
@@ -61,7 +76,10 @@ class Gemm:
         self._finalizer = weakref.finalize(self, _destroy_handles, self._handles)
 
     def run_numpy(self, x, w, out, *, accumulate=False):
-        y = np.matmul(f32(x), np.swapaxes(f32(w), -1, -2), dtype=np.float32)
+        y = rowwise_matmul(f32(x), f32(w))
+        if x.ndim == 2 and out.ndim == 4:   # [C, E, B, N]: blocks of B rows per expert (run_cupy)
+            C, _, B, _ = out.shape
+            y = np.swapaxes(y.reshape(y.shape[0], C, B, -1), 0, 1)
         if accumulate:
             y = y + f32(out)
         store(out, y)
@@ -101,6 +119,28 @@ class Gemm:
         self._free_ws.append(self._used_ws.pop(stream_handle))
 
     def run_cupy(self, stream_handle, x, w, out, *, accumulate=False):
+        """x [M, K] or [..., M, K]; out [M, N], [E, M, N], or [C, E, B, N] (w [E, N, K] in C
+        blocks of B rows: x [C * B, K] or [C, E, B, K]). With rows_block, M (or B) must be it,
+        or a multiple of it for 2-D out; each block is one cuBLAS call of rows_block rows."""
+        B = self.rows_block
+        if out.ndim == 4:
+            Bo = out.shape[2]
+            if B is not None and Bo != B:
+                raise ValueError(f"Gemm: rows_block={B}, but out {out.shape} has blocks of {Bo} rows")
+            for c in range(out.shape[0]):
+                self._call(stream_handle, x[c] if x.ndim == 4 else x[c * Bo: (c + 1) * Bo], w,
+                           out[c], accumulate)
+            return
+        if B is None:
+            return self._call(stream_handle, x, w, out, accumulate)
+        M = x.shape[-2]
+        if M % B or (w.ndim == 3 and M != B):
+            raise ValueError(f"Gemm: rows_block={B} needs M a multiple of it (and M = {B} over "
+                             f"experts, else out [C, E, B, N]), got x {x.shape}, w {w.shape}")
+        for c in range(M // B):
+            self._call(stream_handle, x[c * B: (c + 1) * B], w, out[c * B: (c + 1) * B], accumulate)
+
+    def _call(self, stream_handle, x, w, out, accumulate):
         from nvmath.bindings import cublas
 
         M, K = x.shape[-2:]
@@ -164,7 +204,9 @@ class RoutedGemm:
         per_slot, k = self._per_slot(x, topk), topk.shape[1]
         experts = np.asarray(topk).reshape(-1)
         xs = f32(x)
-        y = [f32(w[e]) @ xs[b if per_slot else b // k] for b, e in enumerate(experts)]
+        # The same one-row product as Gemm.run_numpy, so routed and all-expert steps agree bit
+        # for bit on the sim.
+        y = [rowwise_matmul(xs[b if per_slot else b // k][None], f32(w[e]))[0] for b, e in enumerate(experts)]
         store(out, np.stack(y) if y else np.zeros(out.shape, np.float32))
 
     def run_cupy(self, stream_handle, x, w, topk, out):
@@ -225,6 +267,15 @@ def _destroy_handles(handles: dict) -> None:
         for h in handles.values():
             cublas.destroy(h)
         handles.clear()
+
+
+def rowwise_matmul(x, w):
+    """x [..., M, K] @ w[..., N, K]^T in float32, each row as its own [1, K] x [K, N] product
+    (numpy loops the broadcast axes and makes the same gemv call for every row), so a row's
+    bits do not depend on M or on the other rows."""
+    xr = x[..., :, None, :]                                   # [..., M, 1, K]
+    wt = np.swapaxes(w, -1, -2)[..., None, :, :]               # [..., 1, K, N]
+    return np.matmul(xr, wt, dtype=np.float32)[..., 0, :]
 
 
 def reference(x, w, out=None):

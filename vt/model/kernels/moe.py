@@ -3,16 +3,19 @@ captured graph keeps its path):
 
 - all experts (n * k >= E, e.g. batch 32, top-4 of 32): two batched GEMMs over every expert
   for every row (gemm.Gemm on [E, N, K] weights), each expert's weights read once; Combine
-  multiplies by the dense routing weights and skips unselected experts, so their (computed,
-  unused) outputs never reach the residual;
+  adds each row's top-k expert outputs only, so the unselected (computed, unused) outputs
+  never reach the residual;
 - routed (n * k < E, small decode batches): gemm.RoutedGemm computes only each row's top-k
   experts (n * k expert matrices read instead of E), and CombineRouted adds them up.
+
+Both combines add a row's k weighted expert outputs in its top-k order (fp32, one product
+added at a time), so a row's sum does not depend on the path, on n or on the other rows.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ._common import cuda_function, f32, f64, i32, store
+from ._common import cuda_function, f32, f64, i32
 
 _CODE = r"""
 // One thread per row: softmax over experts restricted to the top k (= softmax, top-k,
@@ -40,15 +43,18 @@ extern "C" __global__ void router(const float* __restrict__ logits, float* __res
   for (int t = 0; t < k; ++t) w[topk[(long)r * k + t]] /= sum;
 }
 
-// out[n, :] += sum_e wd[n, e] * y[e, n, :]; grid rows, skipping experts with weight 0.
-extern "C" __global__ void combine(const float* __restrict__ wd, const u16* __restrict__ y,
-                                   float* __restrict__ out, int n, int E, int H) {
+// out[r, :] += sum_t wd[r, e_t] * y[r / B, e_t, r % B, :], e_t = topk[r, t], t = 0..k-1 in order
+// (y: [C, E, B, H], expert outputs in blocks of B rows; [E, n, H] is C = 1, B = n).
+extern "C" __global__ void combine(const float* __restrict__ wd, const int* __restrict__ topk,
+                                   const u16* __restrict__ y, float* __restrict__ out, int n,
+                                   int E, int k, int H, int B) {
   int r = blockIdx.x;
+  long y0 = (long)(r / B) * E * B + r % B;   // y row of (r, expert 0); expert e is + e * B
   for (int c = threadIdx.x; c < H; c += blockDim.x) {
     float acc = 0.f;
-    for (int e = 0; e < E; ++e) {
-      float we = wd[(long)r * E + e];
-      if (we != 0.f) acc += we * LD(y[((long)e * n + r) * H + c]);
+    for (int t = 0; t < k; ++t) {
+      int e = topk[(long)r * k + t];
+      acc += wd[(long)r * E + e] * LD(y[(y0 + (long)e * B) * H + c]);
     }
     out[(long)r * H + c] += acc;
   }
@@ -95,21 +101,34 @@ class Router:
             fn((-(-n // 64),), (64,), (logits, wd, topk, i32(n), i32(E), i32(k)))
 
 
+def _topk_sum(w, ys):
+    """sum_t w[:, t] * ys[:, t] in t order, one rounded product and sum at a time (the CUDA
+    kernels' order), so a row's bits depend on that row only: w [N, k], ys [N, k, H]."""
+    acc = np.zeros((ys.shape[0], ys.shape[2]), np.float32)
+    for t in range(ys.shape[1]):
+        acc = acc + w[:, t, None] * ys[:, t]
+    return acc
+
+
 class Combine:
-    """out [N, H] fp32 += sum_e wd[:, e] * y[e] (y [E, N, H] storage)."""
+    """out [N, H] fp32 += sum_t wd[:, topk[:, t]] * (that expert's row of y); y storage,
+    [E, N, H] or [C, E, B, H] (expert outputs in blocks of B rows, N <= C * B)."""
 
     name = "moe_combine"
 
-    def run_numpy(self, wd, y, out):
-        wd = np.asarray(wd, np.float32)
-        y = np.where((wd.T != 0)[:, :, None], f32(y), np.float32(0))  # unselected: skipped
-        out += np.einsum("ne,enh->nh", wd, y, dtype=np.float32)
+    def run_numpy(self, wd, topk, y, out):
+        topk = np.asarray(topk)
+        yb = y if y.ndim == 4 else y[None]
+        B, r = yb.shape[2], np.arange(topk.shape[0])[:, None]
+        w = np.take_along_axis(np.asarray(wd, np.float32), topk, -1)        # [N, k]
+        out += _topk_sum(w, f32(yb[r // B, topk, r % B]))
 
-    def run_cupy(self, stream_handle, wd, y, out):
+    def run_cupy(self, stream_handle, wd, topk, y, out):
         fn = cuda_function(_CODE, "combine", y.dtype)
         n, H = out.shape
         if n:
-            fn((n,), (256,), (wd, y, out, i32(n), i32(wd.shape[1]), i32(H)))
+            fn((n,), (256,), (wd, topk, y, out, i32(n), i32(wd.shape[1]), i32(topk.shape[1]),
+                              i32(H), i32(y.shape[-2])))
 
 
 class CombineRouted:
@@ -120,7 +139,7 @@ class CombineRouted:
     def run_numpy(self, wd, topk, y, out):
         n, k = topk.shape
         w = np.take_along_axis(np.asarray(wd, np.float32), np.asarray(topk), -1)   # [N, k]
-        out += np.einsum("nk,nkh->nh", w, f32(y).reshape(n, k, -1), dtype=np.float32)
+        out += _topk_sum(w, f32(y).reshape(n, k, -1))
 
     def run_cupy(self, stream_handle, wd, topk, y, out):
         fn = cuda_function(_CODE, "combine_routed", y.dtype)
