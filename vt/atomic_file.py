@@ -55,8 +55,14 @@ def output_path_problem(path: str) -> str | None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         return f"is in directory {parent!r}, which does not exist; create it or write elsewhere"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"is in directory {parent!r}, which is not writable; write elsewhere"
     if os.path.exists(path) and not os.path.isfile(path):
         return "exists and is not a regular file; write elsewhere"
+    # Make the temporary file the real write will make: os.access says yes to root on a
+    # read-only or pseudo file system (/proc), where only trying tells.
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=parent)
+    except OSError as e:
+        return f"cannot be written in directory {parent!r} ({e.strerror}); write elsewhere"
+    os.close(fd)
+    os.unlink(tmp)
     return None

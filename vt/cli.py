@@ -13,7 +13,7 @@ from vt.knobs import MODES
 _MODE_ALIASES = {"off": "drain"}
 
 
-class _Parser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse with a one-line usage error: what is wrong, then where the flags are listed
     (the default prints the whole usage block before the one line that matters)."""
 
@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vt", description=__doc__)
+    parser = OneLineParser(prog="vt", description=__doc__)
     parser.add_argument("--version", action="version", version=f"vt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -77,13 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     info.set_defaults(func=cmd_info)
 
+    from vt import cli_limits as lim
     run = sub.add_parser("run", help="run a batch of requests through the decode loop")
     run.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     run.add_argument("--preset", default=None,
                      help="model preset (default: bench-dense on cuda, tiny-dense on sim)")
-    run.add_argument("--requests", type=int, default=None, help="number of requests (default: 2 x concurrency)")
+    run.add_argument("--requests", type=int, default=None, help=f"number of requests, at most {lim.MAX_REQUESTS} (default: 2 x concurrency)")
     run.add_argument("--concurrency", type=int, default=None,
-                     help="max requests decoded together (default: VT_ASYNC_SERVING_CONC or 8)")
+                     help=f"max requests decoded together, at most {lim.MAX_SERVING_CONC} "
+                          f"(default: VT_ASYNC_SERVING_CONC or 8)")
     run.add_argument("--mode", default=None, type=_mode, choices=list(MODES),
                      help="executor mode (default: from VT_ASYNC_EXECUTOR*, i.e. drain; 'off' is "
                           "an alias of drain); no_dbuf is the unsafe test arm and needs "
@@ -93,11 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
                           "which produces wrong tokens on purpose")
     run.add_argument("--h2d", default=None, choices=["graph", "staged"],
                      help="where the per-step H2D copy runs, on top of --mode (default: graph)")
-    run.add_argument("--steps", type=int, default=32, help="new tokens per request")
+    run.add_argument("--steps", type=int, default=32, help="new tokens per request (prompt + new tokens - 1 must fit "
+                                                                 "the preset's max_context)")
     run.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt")
-    run.add_argument("--trace", default=None, help="write a Chrome trace JSON (Perfetto) to this path")
-    run.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (>= 0)")
-    run.add_argument("--sim-delay-ms", type=float, default=0.0, help="sim backend: device delay per op")
+    run.add_argument("--trace", default=None, help="write a Chrome trace JSON (Perfetto) to this path (checked before the run, "
+                          "written whole or not at all)")
+    run.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (0 to 2**63 - 1)")
+    run.add_argument("--sim-delay-ms", type=float, default=0.0, help=f"sim backend: device delay per op, 0 to "
+                          f"{lim.MAX_SIM_DELAY_MS:g} ms")
     run.add_argument("--force", action="store_true",
                      help="run a bench-* preset on the sim backend anyway (GBs of memory, minutes)")
     run.set_defaults(func=cmd_run)
@@ -108,11 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 1 a failed self-check, 2 a usage error (bad flag, VT_* variable or
-    preset, missing GPU), 130 interrupted."""
+    """Exit codes: 0 done, 1 a failed self-check (or wrong tokens in vt bench), 2 a usage error
+    (bad flag, VT_* variable, preset or output path, missing GPU), 130 interrupted."""
+    return run_command(build_parser(), argv)
+
+
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
+    """Parse argv and run the command it names, with the exit codes of main()."""
     from vt.demo import UsageError
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as e:   # --help and --version (0), a bad flag (2): returned, not raised
         return e.code
     try:

@@ -40,16 +40,19 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- checks before any work
 def check_run_args(args: argparse.Namespace) -> None:
-    """The flags that need no backend: sizes, seed, delay. Raises UsageError."""
+    """The flags that need no backend: sizes, seed, delay, each within its bound
+    (vt/cli_limits.py). Raises UsageError."""
+    from vt import cli_limits as lim
     for flag, value in (("--steps", args.steps), ("--prompt-len", args.prompt_len),
                         ("--concurrency", args.concurrency), ("--requests", args.requests)):
         if value is not None and value < 1:
             raise UsageError(f"vt run: {flag} must be a positive integer, got {value}")
-    if args.seed < 0:
-        raise UsageError(f"vt run: --seed must be an integer >= 0, got {args.seed}")
-    if not (math.isfinite(args.sim_delay_ms) and args.sim_delay_ms >= 0):
-        raise UsageError(f"vt run: --sim-delay-ms must be a finite number >= 0, got "
-                         f"{args.sim_delay_ms}")
+    why = (lim.int_problem("--concurrency", args.concurrency, 1, lim.MAX_SERVING_CONC)
+           or lim.int_problem("--requests", args.requests, 1, lim.MAX_REQUESTS)
+           or lim.int_problem("--seed", args.seed, 0, lim.MAX_SEED)
+           or lim.float_problem("--sim-delay-ms", args.sim_delay_ms, 0, lim.MAX_SIM_DELAY_MS))
+    if why:
+        raise UsageError(f"vt run: {why}")
 
 
 def _config(args: argparse.Namespace):
@@ -96,13 +99,29 @@ def check_trace_path(path: str | None, source: str) -> None:
     if os.path.isdir(path):
         raise UsageError(f"vt run: {source} {path!r} is a directory; give a file path such as "
                          f"{os.path.join(path, 'trace.json')!r}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"vt run: {source} {path!r}: directory {parent!r} does not exist; "
-                         f"create it or write the trace elsewhere")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path)
-                                                    and not os.access(path, os.W_OK)):
-        raise UsageError(f"vt run: {source} {path!r} is not writable; write the trace elsewhere")
+    check_output_path("vt run", source, path)
+
+
+def check_output_path(who: str, source: str, path: str) -> None:
+    """UsageError now, not after the work, when `path` cannot be written (vt/atomic_file.py)."""
+    from vt.atomic_file import output_path_problem
+    why = output_path_problem(path)
+    if why:
+        raise UsageError(f"{who}: {source} {path!r} {why}")
+
+
+def check_capture_sizes(config, source_is_env: bool) -> None:
+    """The bundled model's graphs hold at most max_batch rows: the larger of its default
+    max_batch and the concurrency (vt.model.HybridModel), checked before it is built."""
+    import inspect
+    from vt.model import HybridModel
+    default = inspect.signature(HybridModel).parameters["max_batch"].default
+    limit = max(default, config.serving_conc)
+    over = [s for s in config.capture_sizes if s > limit]
+    if over:
+        source = "VT_CAPTURE_SIZES" if source_is_env else "the capture sizes"
+        raise UsageError(f"vt run: {source} has {over}, above the model's max batch {limit} "
+                         f"(the larger of {default} and --concurrency); use sizes of at most {limit}")
 
 
 def backend_name(name: str) -> str:
@@ -143,9 +162,10 @@ def pick_preset(backend: str, preset: str | None, context: int, who: str, *, for
     if name not in PRESETS:
         raise UsageError(f"{who}: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
     cfg = PRESETS[name]
-    if context > cfg.max_context:
-        raise UsageError(f"{who}: prompt + new tokens = {context} exceeds {name}'s max_context "
-                         f"{cfg.max_context}; use a shorter prompt or fewer new tokens")
+    # The last new token needs no KV slot: prompt + new - 1 tokens must fit, as in generate().
+    if context - 1 > cfg.max_context:
+        raise UsageError(f"{who}: prompt + new tokens - 1 = {context - 1} exceeds {name}'s "
+                         f"max_context {cfg.max_context}; use a shorter prompt or fewer new tokens")
     # Bench presets are sized for the GPU's bandwidth: numpy on the CPU needs gigabytes of
     # host memory and minutes per step, with nothing printed meanwhile.
     if backend == "sim" and name.startswith("bench-") and not force:
@@ -182,6 +202,7 @@ def check_run(args: argparse.Namespace):
     (config, backend name, preset name, ModelConfig). Raises UsageError."""
     check_run_args(args)
     config = _config(args)
+    check_capture_sizes(config, "VT_CAPTURE_SIZES" in os.environ)
     check_unsafe_opt_in(config, args)
     check_trace_path(config.trace, "--trace" if args.trace is not None else "VT_ASYNC_EXECUTOR_TRACE")
     backend = backend_name(args.backend)
