@@ -53,6 +53,8 @@ def output_path_problem(path: str) -> str | None:
     if os.path.isdir(path):
         return "is a directory; give a file path inside it"
     parent = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(parent) and not os.path.isdir(parent):
+        return f"is under {parent!r}, which is not a directory; write elsewhere"
     if not os.path.isdir(parent):
         return f"is in directory {parent!r}, which does not exist; create it or write elsewhere"
     if os.path.exists(path) and not os.path.isfile(path):

@@ -154,8 +154,9 @@ def _weight_gb(cfg) -> float:
 
 def pick_preset(backend: str, preset: str | None, context: int, who: str, *, force: bool = False):
     """(name, ModelConfig) for backend "cuda" or "sim": the given preset, or the backend's
-    default (bench-dense on cuda, tiny-dense on sim). UsageError if it is unknown, if
-    `context` tokens (prompt + new tokens) do not fit its max_context, or if it is a bench
+    default (bench-dense on cuda, tiny-dense on sim). UsageError if it is unknown, if a
+    request of `context` = prompt + new tokens does not fit its max_context (the last new
+    token needs no KV slot: prompt + new - 1 must fit, as generate() counts), or if it is a bench
     preset on the sim backend and not `force`."""
     from vt.model import PRESETS
     name = preset or ("bench-dense" if backend == "cuda" else "tiny-dense")

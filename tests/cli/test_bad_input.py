@@ -95,7 +95,7 @@ def test_trace_in_a_missing_directory_is_refused_before_the_run(capsys, nothing_
 
 def test_trace_under_a_file_or_at_a_directory_is_refused(capsys, nothing_started, tmp_path):
     (tmp_path / "f").write_text("")
-    refused(capsys, ["run", "--trace", str(tmp_path / "f" / "x.json")], "does not exist")
+    refused(capsys, ["run", "--trace", str(tmp_path / "f" / "x.json")], "which is not a directory")
     refused(capsys, ["run", "--trace", str(tmp_path)], "is a directory", "trace.json")
 
 

@@ -160,11 +160,11 @@ def check_outputs(args: argparse.Namespace, error) -> None:
         why = None if path is None else output_path_problem(path)
         if why:
             error(f"{flag} {path!r} {why}")
-    if args.png is not None and (why := lim.png_problem(args.png)):
-        error(why)
     if args.json is not None and args.png is not None and (
             os.path.abspath(args.json) == os.path.abspath(args.png)):
         error(f"--json and --png name the same file {args.json!r}; give two paths")
+    if args.png is not None and (why := lim.png_problem(args.png)):
+        error(why)
 
 
 def cmd_bench(args: argparse.Namespace, error=None) -> int:
