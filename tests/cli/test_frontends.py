@@ -6,7 +6,8 @@ output file whole or absent.
 |---------------------------------------------------------------|-------------------------------------------|
 | a bad flag or variable: traceback, exit 1, or work done first | test_vt_run_refuses_every_bad_value,      |
 |   (capture size above max batch, --wait-poll-us -1,           |   test_vt_bench_refuses_every_bad_value   |
-|   --warmup-s inf, NaN/overflowing --sim-delay-ms)             |                                           |
+|   --warmup-s inf, NaN/overflowing --sim-delay-ms)             |   (test_every_flag_has_bad_values_drawn   |
+|                                                               |   keeps the tables complete)              |
 | sizes without an upper bound (--concurrency, --requests,      | the same two (values past each bound),    |
 |   ring depth, capture sizes, --steps, ...)                    |   test_bounds_are_in_the_help             |
 | an output path checked only after the work                    | the same two (--trace, --json, --png)     |
@@ -120,6 +121,8 @@ RUN_FLAGS = {
     "--preset": bad_choice(list(PRESETS)) | st.sampled_from([p for p in PRESETS if p.startswith("bench-")]),
     "--trace": bad_path(".json"),
     "--backend": bad_choice(["auto", "cuda", "sim"]),
+    "--force": st.sampled_from(["x", "1", "yes"]),           # a switch given a value
+    "--unsafe-no-dbuf": st.sampled_from(["x", "1", "yes"]),
 }
 ENV_VARS = {
     "VT_ASYNC_EXECUTOR": bad_choice(["0", "1"]),
@@ -170,6 +173,10 @@ BENCH_FLAGS = {
     "--png": bad_path(".png") | st.sampled_from(["plot", "plot.jpg", "plot.json"]),
     "--from-json": st.sampled_from(["missing.json", ".", "empty.json", "list.json", "text.json",
                                     "other.json", "damaged.json"]),
+    "--preset": bad_choice(list(PRESETS)),
+    "--force": st.sampled_from(["x", "1", "yes"]),           # a switch given a value
+    "--no-torch": st.sampled_from(["x", "1", "yes"]),
+    "--no-bar": st.sampled_from(["x", "1", "yes"]),
 }
 
 
@@ -191,6 +198,15 @@ def test_vt_bench_refuses_every_bad_value(capsys, monkeypatch, tmp_path, data):
         name = data.draw(st.sampled_from(sorted(BENCH_FLAGS)))
         argv.append(f"{name}={data.draw(BENCH_FLAGS[name])}")
     refused(capsys, argv)
+
+
+def test_every_flag_has_bad_values_drawn():
+    """A flag added to `vt run` or `vt bench` without bad values in these tables fails here."""
+    from vt.cli import build_parser
+    sub = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name, table in (("run", RUN_FLAGS), ("bench", BENCH_FLAGS)):
+        flags = {a.option_strings[-1] for a in sub[name]._actions if a.option_strings} - {"--help"}
+        assert flags == set(table), (name, flags ^ set(table))
 
 
 def test_vt_bench_model_presets_are_checked_up_front(capsys):
