@@ -2,14 +2,19 @@
 over one model take turns instead of sampling wrong tokens, and the API's argument errors
 name the argument.
 
-| defect class                                          | test                                        |
-|-------------------------------------------------------|---------------------------------------------|
-| an Engine dropped without close() leaks its thread    | test_engines_dropped_in_a_loop_keep_...     |
-| a dropped backend keeps its stream threads            | test_a_dropped_backend_ends_its_stream_...  |
-| two Engines over one model in two threads: wrong tokens | test_two_engines_over_one_model_in_two_... |
-| the busy message suggests a setup that is unsafe      | test_the_second_engine_is_refused_while_... |
-| a NaN or huge sim delay kills the stream worker       | test_sim_delays_that_cannot_be_slept_...    |
-| API argument errors are not ValueError/TypeError      | test_engine_/forward_model_/config_ ...     |
+| defect class                                            | test                                                        |
+|---------------------------------------------------------|-------------------------------------------------------------|
+| an Engine dropped without close() leaks its thread      | test_engines_dropped_in_a_loop_keep_threads_and_memory_flat, |
+|                                                         | test_a_dropped_engine_is_closed_by_its_finalizer            |
+| a dropped backend keeps its stream threads              | test_a_dropped_backend_ends_its_stream_threads              |
+| two Engines over one model in two threads: wrong tokens | test_two_engines_over_one_model_in_two_threads_never_give_wrong_tokens |
+| the busy message suggests a setup that is unsafe        | test_the_second_engine_is_refused_while_the_first_drives_the_model |
+| a NaN or huge sim delay kills the stream worker         | test_sim_delays_that_cannot_be_slept_are_refused_and_workers_survive |
+| API argument errors are not ValueError/TypeError naming | test_engine_argument_errors_name_the_argument,              |
+|   the argument                                          | test_engine_refuses_a_backend_that_is_not_one,              |
+|                                                         | test_generate_argument_errors_name_the_argument,            |
+|                                                         | test_forward_model_checks_vocab_and_token_table,            |
+|                                                         | test_config_bounds_and_types_name_the_field                 |
 """
 import gc
 import threading
