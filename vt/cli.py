@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     run.add_argument("--preset", default=None,
                      help="model preset (default: bench-dense on cuda, tiny-dense on sim)")
-    run.add_argument("--requests", type=int, default=None, help=f"number of requests, at most {lim.MAX_REQUESTS} (default: 2 x concurrency)")
+    run.add_argument("--requests", type=int, default=None,
+                     help=f"number of requests, at most {lim.MAX_REQUESTS} (default: 2 x concurrency)")
     run.add_argument("--concurrency", type=int, default=None,
                      help=f"max requests decoded together, at most {lim.MAX_SERVING_CONC} "
                           f"(default: VT_ASYNC_SERVING_CONC or 8)")
@@ -95,14 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "which produces wrong tokens on purpose")
     run.add_argument("--h2d", default=None, choices=["graph", "staged"],
                      help="where the per-step H2D copy runs, on top of --mode (default: graph)")
-    run.add_argument("--steps", type=int, default=32, help="new tokens per request (prompt + new tokens - 1 must fit "
-                                                                 "the preset's max_context)")
+    run.add_argument("--steps", type=int, default=32,
+                     help="new tokens per request (prompt + new tokens - 1 must fit the preset's "
+                          "max_context, as in Engine.generate)")
     run.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt")
-    run.add_argument("--trace", default=None, help="write a Chrome trace JSON (Perfetto) to this path (checked before the run, "
-                          "written whole or not at all)")
-    run.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (0 to 2**63 - 1)")
-    run.add_argument("--sim-delay-ms", type=float, default=0.0, help=f"sim backend: device delay per op, 0 to "
-                          f"{lim.MAX_SIM_DELAY_MS:g} ms")
+    run.add_argument("--trace", default=None,
+                     help="write a Chrome trace JSON (Perfetto) to this path (checked before the "
+                          "run, written whole or not at all)")
+    run.add_argument("--seed", type=int, default=0,
+                     help="seed of the weights and prompts (0 to 2**63 - 1)")
+    run.add_argument("--sim-delay-ms", type=float, default=0.0,
+                     help=f"sim backend: device delay per op, 0 to {lim.MAX_SIM_DELAY_MS:g} ms")
     run.add_argument("--force", action="store_true",
                      help="run a bench-* preset on the sim backend anyway (GBs of memory, minutes)")
     run.set_defaults(func=cmd_run)

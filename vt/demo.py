@@ -110,7 +110,7 @@ def check_output_path(who: str, source: str, path: str) -> None:
         raise UsageError(f"{who}: {source} {path!r} {why}")
 
 
-def check_capture_sizes(config, source_is_env: bool) -> None:
+def check_capture_sizes(config) -> None:
     """The bundled model's graphs hold at most max_batch rows: the larger of its default
     max_batch and the concurrency (vt.model.HybridModel), checked before it is built."""
     import inspect
@@ -119,8 +119,7 @@ def check_capture_sizes(config, source_is_env: bool) -> None:
     limit = max(default, config.serving_conc)
     over = [s for s in config.capture_sizes if s > limit]
     if over:
-        source = "VT_CAPTURE_SIZES" if source_is_env else "the capture sizes"
-        raise UsageError(f"vt run: {source} has {over}, above the model's max batch {limit} "
+        raise UsageError(f"vt run: VT_CAPTURE_SIZES has {over}, above the model's max batch {limit} "
                          f"(the larger of {default} and --concurrency); use sizes of at most {limit}")
 
 
@@ -203,7 +202,7 @@ def check_run(args: argparse.Namespace):
     (config, backend name, preset name, ModelConfig). Raises UsageError."""
     check_run_args(args)
     config = _config(args)
-    check_capture_sizes(config, "VT_CAPTURE_SIZES" in os.environ)
+    check_capture_sizes(config)   # vt run sets no sizes itself: they come from VT_CAPTURE_SIZES
     check_unsafe_opt_in(config, args)
     check_trace_path(config.trace, "--trace" if args.trace is not None else "VT_ASYNC_EXECUTOR_TRACE")
     backend = backend_name(args.backend)
