@@ -13,6 +13,13 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 H2D_MODES = ("graph", "staged")
 DEFAULT_TRACE_PATH = "vt_trace.json"
 
+# Upper bounds, refused up front by ExecutorConfig (and so by `vt run` and `vt bench`): past
+# them a typo builds gigabytes of buffers or hundreds of graphs before anything fails.
+MAX_SERVING_CONC = 1024   # serving_conc: rows of one decode step
+MAX_RING_DEPTH = 8        # ring_depth: slots (graphs + buffers) per captured size
+MAX_CAPTURE_SIZE = 1024   # each capture_sizes entry
+MAX_CAPTURE_SIZES = 64    # how many sizes get a graph
+
 # One spelling per executor mode, shared by the engine, the CLI and the bench: name -> the
 # ExecutorConfig fields that make it.
 MODES = {
@@ -48,10 +55,12 @@ class ExecutorConfig:
     poison: after each launch, overwrite the next slot's host vectors as early as the mode
         lets the host write them, with a pattern that makes a late read visibly wrong.
     trace: path of a Chrome trace JSON written at close (None: no trace).
-    serving_conc: how many requests the engine runs at once.
-    ring_depth: k, slots per size when the ring is on (2 by default: depth 2 keeps at most
-        two steps in flight, so a third slot only costs memory and capture time).
-    capture_sizes: padded batch sizes that get a graph; larger batches run eagerly.
+    serving_conc: how many requests the engine runs at once, at most MAX_SERVING_CONC.
+    ring_depth: k, slots per size when the ring is on (2 by default, at most MAX_RING_DEPTH:
+        depth 2 keeps at most two steps in flight, so a third slot only costs memory and
+        capture time).
+    capture_sizes: padded batch sizes that get a graph; larger batches run eagerly. At most
+        MAX_CAPTURE_SIZES sizes, each at most MAX_CAPTURE_SIZE (and the model's max batch).
     h2d: "graph" bakes the H2D into each slot's graph; "staged" copies out of graph into
         persistent device buffers from a double-buffered pinned staging area (one graph/size).
     depth: 2 is the async pipeline (step N+1 launched before step N's tokens are read);
@@ -76,8 +85,8 @@ class ExecutorConfig:
         for name in ("async_executor", "no_dbuf", "poison", "skip_pool_reserve"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ExecutorConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        _positive_int("serving_conc", self.serving_conc)
-        _positive_int("ring_depth", self.ring_depth)
+        _positive_int("serving_conc", self.serving_conc, MAX_SERVING_CONC)
+        _positive_int("ring_depth", self.ring_depth, MAX_RING_DEPTH)
         if self.ring_depth < 2:
             raise ValueError(f"ExecutorConfig.ring_depth must be >= 2 (a ring of one slot is the "
                              f"OFF path: set async_executor=False), got {self.ring_depth}")
@@ -92,9 +101,15 @@ class ExecutorConfig:
             raise ValueError(f"ExecutorConfig.h2d must be one of {H2D_MODES}, got {self.h2d!r}")
         if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
             raise ValueError(f"ExecutorConfig.trace must be a file path or None, got {self.trace!r}")
+        if isinstance(self.capture_sizes, (str, bytes)) or not hasattr(self.capture_sizes, "__iter__"):
+            raise TypeError(f"ExecutorConfig.capture_sizes must be a sequence of ints, got "
+                            f"{self.capture_sizes!r}")
         sizes = tuple(self.capture_sizes)
+        if len(sizes) > MAX_CAPTURE_SIZES:
+            raise ValueError(f"ExecutorConfig.capture_sizes has {len(sizes)} sizes; at most "
+                             f"{MAX_CAPTURE_SIZES} get a graph")
         for s in sizes:
-            _positive_int("capture_sizes entry", s)
+            _positive_int("capture_sizes entry", s, MAX_CAPTURE_SIZE)
         if len(set(sizes)) != len(sizes):
             raise ValueError(f"ExecutorConfig.capture_sizes has duplicates: {sizes}")
         object.__setattr__(self, "capture_sizes", tuple(sorted(sizes)))
@@ -160,9 +175,11 @@ class ExecutorConfig:
             raise ValueError(f"{e} (environment: {', '.join(from_vars) or 'none set'})") from None
 
 
-def _positive_int(name, v):
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"ExecutorConfig.{name} must be a positive int, got {v!r}")
+def _positive_int(name, v, hi):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"ExecutorConfig.{name} must be an int, got {v!r}")
+    if not 1 <= v <= hi:
+        raise ValueError(f"ExecutorConfig.{name} must be a positive int of at most {hi}, got {v!r}")
 
 
 def _parse_bool(var, raw):

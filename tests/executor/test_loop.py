@@ -2,7 +2,7 @@
 shrinking batch all run through it, and every mode gives the same tokens and logits, byte for
 byte, as the synchronous run (the toy's KV blocks hold 4 tokens, so requests cross blocks;
 budgets differ, so the batch shrinks through the graph sizes). Profiling wraps the same loop:
-its tokens are the same and its host split adds up to the host time it measured."""
+its tokens are the same and its host split adds up to the wall time it measured."""
 import pytest
 
 from vt.engine.engine import Engine
@@ -56,7 +56,9 @@ def test_a_profiled_run_gives_the_same_tokens_and_a_split_that_adds_up(sim_backe
     for name, ph in phases.items():
         parts = [ph["plan_s"], ph["collect_s"], *(ph[k] for k in RUNNER_SPLIT)]
         assert all(p >= 0 for p in parts), (name, ph)
-        assert ph["steps"] > 0 and 0 < sum(parts) <= ph["wall_s"] * 1.0001, (name, ph)
+        # a phase's wall time starts after the plan that chose its kind of step, so that
+        # plan may sit in the other phase's wall time
+        assert ph["steps"] > 0 and 0 < sum(parts) <= ph["wall_s"] + ph["plan_s"], (name, ph)
     assert phases["decode"]["device_ms"] > 0
 
 

@@ -4,21 +4,13 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import platform
-import sys
 
 from vt import __version__
+from vt.cli.common import OneLineParser, run_command
 from vt.knobs import MODES
 
 # The name `vt run --mode` used for the drain mode before MODES gave it one spelling.
 _MODE_ALIASES = {"off": "drain"}
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse with a one-line usage error: what is wrong, then where the flags are listed
-    (the default prints the whole usage block before the one line that matters)."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
 
 def _mode(value: str) -> str:
@@ -36,7 +28,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     """Print the backend vt would pick, the device, versions, and a capture/replay self-check."""
     from vt.backend import available_backends
     from vt.backend.selfcheck import run_selfcheck
-    from vt.cli.run import pick_backend
+    from vt.cli.common import pick_backend
 
     print(f"vt {importlib.metadata.version('vt') if _installed() else 'source tree'}"
           f"  python {platform.python_version()}")
@@ -69,7 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="vt", description=__doc__)
+    parser = OneLineParser(prog="vt", description=__doc__)
     parser.add_argument("--version", action="version", version=f"vt {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -77,13 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     info.set_defaults(func=cmd_info)
 
+    from vt.cli import limits as lim
     run = sub.add_parser("run", help="run a batch of requests through the decode loop")
     run.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     run.add_argument("--preset", default=None,
                      help="model preset (default: bench-dense on cuda, tiny-dense on sim)")
-    run.add_argument("--requests", type=int, default=None, help="number of requests (default: 2 x concurrency)")
+    run.add_argument("--requests", type=int, default=None,
+                     help=f"number of requests, at most {lim.MAX_REQUESTS} (default: 2 x concurrency)")
     run.add_argument("--concurrency", type=int, default=None,
-                     help="max requests decoded together (default: VT_ASYNC_SERVING_CONC or 8)")
+                     help=f"max requests decoded together, at most {lim.MAX_SERVING_CONC} "
+                          f"(default: VT_ASYNC_SERVING_CONC or 8)")
     run.add_argument("--mode", default=None, type=_mode, choices=list(MODES),
                      help="executor mode (default: from VT_ASYNC_EXECUTOR*, i.e. drain; 'off' is "
                           "an alias of drain); no_dbuf is the unsafe test arm and needs "
@@ -93,11 +88,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "which produces wrong tokens on purpose")
     run.add_argument("--h2d", default=None, choices=["graph", "staged"],
                      help="where the per-step H2D copy runs, on top of --mode (default: graph)")
-    run.add_argument("--steps", type=int, default=32, help="new tokens per request")
+    run.add_argument("--steps", type=int, default=32,
+                     help="new tokens per request (prompt + new tokens - 1 must fit the preset's "
+                          "max_context, as in Engine.generate)")
     run.add_argument("--prompt-len", type=int, default=16, help="tokens per random prompt")
-    run.add_argument("--trace", default=None, help="write a Chrome trace JSON (Perfetto) to this path")
-    run.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (>= 0)")
-    run.add_argument("--sim-delay-ms", type=float, default=0.0, help="sim backend: device delay per op")
+    run.add_argument("--trace", default=None,
+                     help="write a Chrome trace JSON (Perfetto) to this path (checked before the "
+                          "run, written whole or not at all)")
+    run.add_argument("--seed", type=int, default=0,
+                     help="seed of the weights and prompts (0 to 2**63 - 1)")
+    run.add_argument("--sim-delay-ms", type=float, default=0.0,
+                     help=f"sim backend: device delay per op, 0 to {lim.MAX_SIM_DELAY_MS:g} ms")
     run.add_argument("--force", action="store_true",
                      help="run a bench-* preset on the sim backend anyway (GBs of memory, minutes)")
     run.set_defaults(func=cmd_run)
@@ -108,18 +109,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 1 a failed self-check, 2 a usage error (bad flag, VT_* variable or
-    preset, missing GPU), 130 interrupted."""
-    from vt.cli.run import UsageError
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as e:   # --help and --version (0), a bad flag (2): returned, not raised
-        return e.code
-    try:
-        return args.func(args)
-    except UsageError as e:
-        print(e.message, file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    """Exit codes: 0 done, 1 a failed self-check (or wrong tokens in vt bench), 2 a usage error
+    (bad flag, VT_* variable, preset or output path, missing GPU), 130 interrupted."""
+    return run_command(build_parser(), argv)

@@ -9,29 +9,19 @@ is a one-line UsageError, which `vt` turns into exit code 2.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import sys
 import time
 
 import numpy as np
 
+from vt.cli.common import (UsageError, _what_to_do, backend_name, build_model, check_output_path,  # noqa: F401
+                           pick_backend, pick_preset, random_prompts)
+
 # Printed to stderr by every run in the no_dbuf mode (it needs --unsafe-no-dbuf to start).
 _UNSAFE_WARNING = ("vt run: WARNING: mode no_dbuf skips the drain without the slot ring: the host "
                    "overwrites inputs the device has not read yet, so the tokens below are WRONG "
                    "on purpose (hazard-C test arm)")
-
-
-class UsageError(SystemExit):
-    """A bad flag, VT_* variable or preset: `vt` prints the one-line message and exits 2.
-
-    A SystemExit so that a script calling these helpers outside the CLI (tools/bench.py)
-    still ends with the message and no traceback."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
 
 
 def _log(msg: str) -> None:
@@ -40,16 +30,19 @@ def _log(msg: str) -> None:
 
 # ---------------------------------------------------------------- checks before any work
 def check_run_args(args: argparse.Namespace) -> None:
-    """The flags that need no backend: sizes, seed, delay. Raises UsageError."""
+    """The flags that need no backend: sizes, seed, delay, each within its bound
+    (vt/cli/limits.py). Raises UsageError."""
+    from vt.cli import limits as lim
     for flag, value in (("--steps", args.steps), ("--prompt-len", args.prompt_len),
                         ("--concurrency", args.concurrency), ("--requests", args.requests)):
         if value is not None and value < 1:
             raise UsageError(f"vt run: {flag} must be a positive integer, got {value}")
-    if args.seed < 0:
-        raise UsageError(f"vt run: --seed must be an integer >= 0, got {args.seed}")
-    if not (math.isfinite(args.sim_delay_ms) and args.sim_delay_ms >= 0):
-        raise UsageError(f"vt run: --sim-delay-ms must be a finite number >= 0, got "
-                         f"{args.sim_delay_ms}")
+    why = (lim.int_problem("--concurrency", args.concurrency, 1, lim.MAX_SERVING_CONC)
+           or lim.int_problem("--requests", args.requests, 1, lim.MAX_REQUESTS)
+           or lim.int_problem("--seed", args.seed, 0, lim.MAX_SEED)
+           or lim.float_problem("--sim-delay-ms", args.sim_delay_ms, 0, lim.MAX_SIM_DELAY_MS))
+    if why:
+        raise UsageError(f"vt run: {why}")
 
 
 def _config(args: argparse.Namespace):
@@ -74,11 +67,6 @@ def _config(args: argparse.Namespace):
         raise UsageError(f"vt run: {e}; {_what_to_do(e, 'vt run')}") from None
 
 
-def _what_to_do(error: Exception, who: str) -> str:
-    """The end of a usage message: a VT_* variable named in the error is the thing to fix."""
-    return "fix or unset the variable" if re.search(r"\bVT_\w+", str(error)) else f"see {who} --help"
-
-
 def check_unsafe_opt_in(config, args: argparse.Namespace) -> None:
     """The no_dbuf arm produces wrong tokens by design: it runs only when asked for twice."""
     if not config.no_dbuf or args.unsafe_no_dbuf:
@@ -96,98 +84,35 @@ def check_trace_path(path: str | None, source: str) -> None:
     if os.path.isdir(path):
         raise UsageError(f"vt run: {source} {path!r} is a directory; give a file path such as "
                          f"{os.path.join(path, 'trace.json')!r}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise UsageError(f"vt run: {source} {path!r}: directory {parent!r} does not exist; "
-                         f"create it or write the trace elsewhere")
-    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path)
-                                                    and not os.access(path, os.W_OK)):
-        raise UsageError(f"vt run: {source} {path!r} is not writable; write the trace elsewhere")
+    check_output_path("vt run", source, path)
 
 
-def backend_name(name: str) -> str:
-    """What get_backend(name) would open ("auto" resolved), without opening it."""
-    if name != "auto":
-        return name
-    from vt.backend import available_backends
-    return "cuda" if "cuda" in available_backends() else "sim"
-
-
-def pick_backend(name: str, sim_delay_ms: float = 0.0, *, who: str = "vt"):
-    """get_backend(name), with the sim-only per-op device delay when one is asked for; a bad
-    name or option, a bad VT_POOL_DEBUG or cuda without a GPU is a UsageError."""
-    from vt.backend import available_backends, get_backend
-    try:
-        return get_backend(name, **({"device_delay_s": sim_delay_ms / 1e3} if sim_delay_ms else {}))
-    except ValueError as e:   # get_backend's own checks, made before it opens anything
-        raise UsageError(f"{who}: {e}; {_what_to_do(e, who)}") from None
-    except RuntimeError as e:
-        if name == "cuda" and "cuda" not in available_backends():
-            raise UsageError(f"{who}: {e}; run with --backend sim (or auto) here") from None
-        raise
-
-
-def _weight_gb(cfg) -> float:
-    from vt.model.weights import weight_shapes
-    return sum(math.prod(shape) * np.dtype(dt).itemsize
-               for shape, dt in weight_shapes(cfg).values()) / 1e9
-
-
-def pick_preset(backend: str, preset: str | None, context: int, who: str, *, force: bool = False):
-    """(name, ModelConfig) for backend "cuda" or "sim": the given preset, or the backend's
-    default (bench-dense on cuda, tiny-dense on sim). UsageError if it is unknown, if
-    `context` tokens (prompt + new tokens) do not fit its max_context, or if it is a bench
-    preset on the sim backend and not `force`."""
-    from vt.model import PRESETS
-    name = preset or ("bench-dense" if backend == "cuda" else "tiny-dense")
-    if name not in PRESETS:
-        raise UsageError(f"{who}: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    cfg = PRESETS[name]
-    if context > cfg.max_context:
-        raise UsageError(f"{who}: prompt + new tokens = {context} exceeds {name}'s max_context "
-                         f"{cfg.max_context}; use a shorter prompt or fewer new tokens")
-    # Bench presets are sized for the GPU's bandwidth: numpy on the CPU needs gigabytes of
-    # host memory and minutes per step, with nothing printed meanwhile.
-    if backend == "sim" and name.startswith("bench-") and not force:
-        raise UsageError(f"{who}: preset {name} is a GPU benchmark model ({_weight_gb(cfg):.1f} GB "
-                         f"of weights, several times that in host memory while they are made, "
-                         f"minutes per step on the CPU) and this run uses the sim backend; use "
-                         f"tiny-dense or tiny-moe, or add --force to run it anyway")
-    return name, cfg
-
-
-def resolve_preset(be, preset: str | None, context: int, who: str, *, force: bool = True):
-    """pick_preset for an open backend (tools/bench.py); exits with the message on bad input."""
-    return pick_preset(be.name, preset, context, who, force=force)
+def check_capture_sizes(config) -> None:
+    """The bundled model's graphs hold at most max_batch rows: the larger of its default
+    max_batch and the concurrency (vt.model.HybridModel), checked before it is built."""
+    import inspect
+    from vt.model import HybridModel
+    default = inspect.signature(HybridModel).parameters["max_batch"].default
+    limit = max(default, config.serving_conc)
+    over = [s for s in config.capture_sizes if s > limit]
+    if over:
+        raise UsageError(f"vt run: VT_CAPTURE_SIZES has {over}, above the model's max batch {limit} "
+                         f"(the larger of {default} and --concurrency); use sizes of at most {limit}")
 
 
 # ---------------------------------------------------------------- the run
-def build_model(be, cfg, *, max_seqs: int, context: int, seed: int, log=lambda msg: None):
-    """A HybridModel with seeded random weights and KV blocks for max_seqs sequences of
-    `context` tokens each."""
-    from vt.model import HybridModel, init_weights
-    log(f"  initialising weights (seed {seed}) ...")
-    weights = init_weights(cfg, seed=seed)
-    log(f"  uploading the model and allocating KV cache for {max_seqs} sequences ...")
-    return HybridModel(be, cfg, weights, max_seqs=max_seqs,
-                       num_kv_blocks=max_seqs * -(-context // cfg.kv_block_size))
-
-
-def random_prompts(rng, vocab: int, n: int, length: int) -> list[list[int]]:
-    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
-
-
 def check_run(args: argparse.Namespace):
     """Every check `vt run` can make before it opens a backend or builds a model:
     (config, backend name, preset name, ModelConfig). Raises UsageError."""
     check_run_args(args)
     config = _config(args)
+    check_capture_sizes(config)   # vt run sets no sizes itself: they come from VT_CAPTURE_SIZES
     check_unsafe_opt_in(config, args)
     check_trace_path(config.trace, "--trace" if args.trace is not None else "VT_ASYNC_EXECUTOR_TRACE")
     backend = backend_name(args.backend)
     if backend == "cuda" and args.sim_delay_ms:
         raise UsageError(f"vt run: --sim-delay-ms applies to the sim backend only and this run "
-                         f"uses cuda; drop it or add --backend sim")
+                         "uses cuda; drop it or add --backend sim")
     preset, cfg = pick_preset(backend, args.preset, args.prompt_len + args.steps, "vt run",
                               force=args.force)
     return config, backend, preset, cfg

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -30,6 +31,8 @@ from vt.engine.scheduler import Scheduler
 from vt.engine.profile import LoopProfile
 from vt.engine.progress import Phase, Progress
 from vt.engine.submit import make_requests
+from vt.engine.args import check_engine_args, check_generate_args
+from vt.engine.model_lease import driving, model_key
 
 
 class Engine:
@@ -37,12 +40,15 @@ class Engine:
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
     profile=True: device timing events around each step and the per-phase host split.
-    One generate() at a time: a second thread's call raises EngineBusyError.
+    One generate() at a time: a second thread's call raises EngineBusyError, and so does a
+    second Engine over the same model while this one drives it (vt/engine/model_lease.py).
+    An Engine dropped without close() is closed when collected (weakref.finalize).
     """
 
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
                  record_logits: bool = False, max_prefill_tokens: int | None = None,
                  profile: bool = False):
+        check_engine_args(backend, config, record_logits, max_prefill_tokens, profile)
         self.be = backend
         self.config = config if config is not None else ExecutorConfig.from_env()
         self.model = as_step_model(backend, model_or_forward)
@@ -50,10 +56,6 @@ class Engine:
         if self.config.serving_conc > geo.max_seqs:
             raise ValueError(f"serving_conc={self.config.serving_conc} exceeds the model's "
                              f"max_seqs={geo.max_seqs}")
-        if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
-                                               not isinstance(max_prefill_tokens, int) or
-                                               max_prefill_tokens < 1):
-            raise ValueError(f"max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
         # A step prefills at most this many prompt tokens (one prompt always fits: a prompt of
         # up to max_context tokens is admitted alone).
         self.max_prefill_tokens = max(geo.max_context, max_prefill_tokens or 0)
@@ -67,12 +69,17 @@ class Engine:
         self._loop_profile = LoopProfile(self.runner.stats) if self.runner.profile else None
         self._closed = False
         self._reset_schedule()
+        self._model_key = model_key(self.model)
         try:
-            self.runner.capture()
-            self.runner.warm_up(self.max_prefill_tokens)
+            with driving(self._model_key, "Engine(...)"):
+                self.runner.capture()
+                self.runner.warm_up(self.max_prefill_tokens)
         except BaseException:
             self.runner.close()
             raise
+        # The runner (not self) is the finalizer's argument: a dropped Engine frees its
+        # graphs, events and stream thread when collected.
+        self._finalizer = weakref.finalize(self, Runner.close, self.runner)
         self._pool_after_warm_up = backend.pool.stats()
 
     # -- public -------------------------------------------------------------------------
@@ -89,21 +96,24 @@ class Engine:
         serves as a fresh engine would.
         """
         self._check_open()
+        check_generate_args(prompts, progress)
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
                              self.model.vocab, self._sched.blocks.capacity)
         if not self._lock.acquire(blocking=False):
             raise EngineBusyError("Engine.generate() is already running (in another thread, or "
                                   "this call comes from inside it, e.g. its progress callback); "
                                   "an Engine serves one generate() at a time: wait for it to "
-                                  "return or give each thread its own Engine")
+                                  "return, or give each thread its own model and Engine")
         try:
-            return self._serve(reqs, progress)
-        except BaseException as exc:
-            device_error = self.runner.abort()
-            self._reset_schedule()
-            if device_error is not None and device_error is not exc:
-                exc.add_note(f"vt: the device also reported: {device_error}")
-            raise
+            with driving(self._model_key, "Engine.generate()"):
+                try:
+                    return self._serve(reqs, progress)
+                except BaseException as exc:
+                    device_error = self.runner.abort()
+                    self._reset_schedule()
+                    if device_error is not None and device_error is not exc:
+                        exc.add_note(f"vt: the device also reported: {device_error}")
+                    raise
         finally:
             self._lock.release()
 
@@ -129,7 +139,8 @@ class Engine:
         work: the device-bound ceiling of a decode step. It replays the last real step of
         that size (all padding if none ran yet). Call it between generate() calls."""
         self._check_open()
-        return self.runner.driver.ceiling_us(n, replays)
+        with driving(self._model_key, "Engine.device_ceiling_us()"):
+            return self.runner.driver.ceiling_us(n, replays)
 
     def close(self) -> str | None:
         """Idempotent. Returns the trace path when a trace was written. Refused with
@@ -141,7 +152,7 @@ class Engine:
                                   "from its progress callback): let generate() return first")
         try:
             self._closed = True
-            return self.runner.close()
+            return self._finalizer()
         finally:
             self._lock.release()
 

@@ -24,7 +24,9 @@ class KVCacheExhaustedError(RequestTooLargeError):
 
 
 class EngineBusyError(RuntimeError):
-    """generate() was called while another thread's generate() runs on the same Engine."""
+    """The Engine, or its model, is being driven right now: generate() while another thread's
+    generate() runs on the same Engine, or an Engine over a model another Engine drives
+    (vt/engine/model_lease.py)."""
 
 
 @dataclass

@@ -20,6 +20,7 @@ class ForwardModel:
     """
 
     def __init__(self, be, forward, *, vocab: int, token_table, geometry: KVGeometry):
+        _check_args(forward, vocab, token_table, geometry)
         if len(token_table) < geometry.max_seqs + 1:
             raise ValueError(f"token_table has {len(token_table)} rows; it needs max_seqs + 1 = "
                              f"{geometry.max_seqs + 1} (the last one is the scratch row)")
@@ -85,6 +86,24 @@ class ForwardModel:
     def sample(self, stream, logits, inputs, out_tokens) -> None:
         self.be.launch(stream, self._sample, logits, inputs.token_rows, inputs.sample_positions,
                        inputs.temperature, inputs.top_k, inputs.seed, out_tokens, self.token_table)
+
+
+def _check_args(forward, vocab, token_table, geometry) -> None:
+    """TypeError/ValueError naming the argument: a wrong one fails here, not in a kernel."""
+    if not callable(forward):
+        raise TypeError(f"ForwardModel: forward must be callable as forward(stream, inputs, "
+                        f"logits_out), got {type(forward).__name__}")
+    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)):
+        raise TypeError(f"ForwardModel: vocab must be an int, got {vocab!r}")
+    if not 2 <= vocab <= np.iinfo(np.int32).max:
+        raise ValueError(f"ForwardModel: vocab must be in [2, 2**31 - 1] (token ids are int32), "
+                         f"got {vocab}")
+    if not isinstance(geometry, KVGeometry):
+        raise TypeError(f"ForwardModel: geometry must be a vt.KVGeometry, got {type(geometry).__name__}")
+    shape, dtype = getattr(token_table, "shape", None), getattr(token_table, "dtype", None)
+    if shape is None or dtype is None or len(shape) != 1 or np.dtype(dtype) != np.int32:
+        raise TypeError(f"ForwardModel: token_table must be a 1-D int32 device array "
+                        f"(be.empty((max_seqs + 1,), np.int32)), got shape {shape} dtype {dtype}")
 
 
 def _rows_at(seqs: list[PrefillSeq], p: int, block_size: int) -> DecodeRows:

@@ -216,6 +216,7 @@ class Runner:
             self._wait(handle, drain=False)
         if handle.timing is not None:
             start, end = handle.timing
+            end.synchronize()   # recorded after `done`, which is all the wait above saw
             self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
                                                              handle.timing, step=handle.index)
                                      if self.tracer.enabled else end.elapsed_ms(start))

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import time
 
+from vt.runner.atomic_file import atomic_open
+
 HOST_TID, DEVICE_TID = 1, 2
 
 
@@ -48,7 +50,7 @@ class Tracer:
             return None
         meta = [{"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": n}}
                 for tid, n in ((HOST_TID, "host"), (DEVICE_TID, "device (stream)"))]
-        with open(self.path, "w") as f:
+        with atomic_open(self.path) as f:   # whole or absent, even after a second Ctrl-C
             json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
         return self.path
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 
 from .._handle import HandleOwner
 from ..errors import CudaError
@@ -26,7 +27,10 @@ class Event(HandleOwner):
         self._time: float | None = None
         self._cv = threading.Condition()
         self._stream = None        # stream of the latest record, whose op failures sync reports
-        self._capture = None       # the capture that holds the latest record, if recorded in one
+        # The capture that holds the latest record, if recorded in one. Weak: a graph's node
+        # holds this event, and a strong link back to the capture (which holds its graph)
+        # would keep the graph, its stream and the stream's worker thread alive forever.
+        self._capture = None
         self._own()
 
     def record(self, stream, *, external: bool = False) -> None:
@@ -34,7 +38,7 @@ class Event(HandleOwner):
         self._require_open()
         stream._require_open()
         if stream.capture is not None:
-            self._capture = stream.capture
+            self._capture = weakref.ref(stream.capture)
             node = _ExternalRecord(self) if external else Op(f"record({self.name})",
                                                              lambda: None, work=False)
             stream.submit(node)
@@ -93,10 +97,11 @@ class Event(HandleOwner):
 
     def _refuse_in_capture(self, call: str) -> None:
         # CUDA refuses the call with cudaErrorCapturedEvent; it does not invalidate the capture.
-        if self._capture is not None and self._capture.active:
+        capture = self._capture() if self._capture is not None else None
+        if capture is not None and capture.active:
             raise CudaError("cudaErrorCapturedEvent", call,
                             f"event {self.name!r} was last recorded in capture "
-                            f"{self._capture.name!r}, which is still open")
+                            f"{capture.name!r}, which is still open")
 
 
 class _ExternalRecord:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import queue
 import threading
 import time
@@ -12,6 +14,19 @@ from .._handle import HandleOwner
 from ..errors import CudaError
 
 _handles = itertools.count(0x5000)
+
+# The longest sleep one sim op may take: time.sleep refuses NaN and overflows past ~1e9 s, and
+# a delay beyond a minute per op is a typo, not a simulation.
+MAX_DELAY_S = 60.0
+
+
+def check_delay(seconds, name: str = "device_delay_s") -> None:
+    """Refuse a delay the stream worker could not sleep (ValueError/TypeError naming it)."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {seconds!r}")
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_DELAY_S):
+        raise ValueError(f"{name} must be a finite number of seconds in [0, {MAX_DELAY_S:g}], "
+                         f"got {seconds!r}")
 
 
 @dataclass(frozen=True)
@@ -32,6 +47,7 @@ class Stream(HandleOwner):
     """
 
     def __init__(self, name: str = "stream", *, device_delay_s: float = 0.0, legacy: bool = False):
+        check_delay(device_delay_s)
         self.name = name
         self.legacy = legacy
         self.handle = 0 if legacy else next(_handles)   # cudaStreamLegacy is handle 0 too
@@ -118,9 +134,9 @@ class _Worker:
 
     def _run(self) -> None:
         while (op := self._queue.get()) is not None:
-            if op.work and self.delay:
-                time.sleep(self.delay)
-            try:
+            try:   # the delay inside: nothing an op brings may end this thread (waits would hang)
+                if op.work and self.delay:
+                    time.sleep(self.delay)
                 op.fn()
             except BaseException as exc:  # kept for the next synchronize: never lost
                 with self._cv:

@@ -17,7 +17,7 @@ from ._event import Event
 from ._graph import Capture, Graph
 from ._memory import (DeviceOwner, PinnedOwner, RawMemory, as_bytes, owned_array, owner_of,
                       stream_view)
-from ._stream import Op, Stream
+from ._stream import Op, Stream, check_delay
 
 
 class SimBackend(HandleOwner):
@@ -30,8 +30,7 @@ class SimBackend(HandleOwner):
     xp = np
 
     def __init__(self, *, device_delay_s: float = 0.0, pool_debug: bool = False):
-        if device_delay_s < 0:
-            raise ValueError(f"device_delay_s must be >= 0, got {device_delay_s!r}")
+        check_delay(device_delay_s)
         self.device_delay_s = device_delay_s
         self._captures: list[Capture] = []     # open captures (global mode: they affect everyone)
         self._raw = RawMemory(before_malloc=functools.partial(_refuse_in_capture, self._captures))
@@ -109,6 +108,7 @@ class SimBackend(HandleOwner):
     def busy_wait(self, stream: Stream, seconds: float) -> None:
         """Queue `seconds` of device time (a sleep op)."""
         self._require_open()
+        check_delay(seconds, "busy_wait: seconds")
         stream.submit(Op(f"busy_wait({seconds}s)", functools.partial(time.sleep, seconds)))
 
     # -- capture --------------------------------------------------------------------------

@@ -3,7 +3,7 @@ device ceiling, at equal device work, in one run (docs/design.md, "Performance p
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import sys
 
 DEFAULT_SPIN_US = (0, 25, 50, 100, 200, 400, 1000)
@@ -21,6 +21,8 @@ EXAMPLES = """examples:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag, with its bound (vt/cli/limits.py); list flags take at most MAX_LIST_VALUES."""
+    from vt.cli import limits as lim
     from vt.knobs import MODES, SAFE_MODES
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--workload", default="synthetic", choices=["synthetic", "model"],
@@ -28,45 +30,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "model: the bundled model at --preset")
     p.add_argument("--device-us", dest="spin_us", type=float, nargs="+",
                    default=list(DEFAULT_SPIN_US), metavar="D",
-                   help="synthetic: device us per step to sweep (default: %(default)s)")
+                   help=f"synthetic: device us per step to sweep, each 0 to {lim.MAX_DEVICE_US:g} "
+                        f"(default: %(default)s)")
     p.add_argument("--force", action="store_true",
                    help="run bench-* presets on the sim backend anyway (slow, gigabytes)")
     p.add_argument("--preset", nargs="+", default=None,
                    help="model: preset(s) (default: bench-small on cuda, tiny-dense on sim)")
     p.add_argument("--conc", type=int, nargs="+", default=None,
-                   help="rows per decode step, S (default: 1 32; model: 1 32 64)")
+                   help=f"rows per decode step, S, each 1 to {lim.MAX_SERVING_CONC} (default: 1 32; "
+                        f"model: 1 32 64)")
     p.add_argument("--modes", nargs="+", default=list(SAFE_MODES), choices=list(MODES),
                    help="executor modes (default: %(default)s; no_dbuf only when named)")
     p.add_argument("--steps", type=int, default=None,
-                   help=f"decode steps per cell (default: {_STEPS['cuda']} on cuda, "
-                        f"{_STEPS['sim']} on sim)")
+                   help=f"decode steps per cell, at most {lim.MAX_STEPS} (default: {_STEPS['cuda']} on "
+                        f"cuda, {_STEPS['sim']} on sim)")
     p.add_argument("--prompt-len", type=int, default=None,
-                   help="prompt tokens per request (default: 2 synthetic, 16 model)")
+                   help=f"prompt tokens per request, at most {lim.MAX_PROMPT_LEN} and the preset's "
+                        f"context (default: 2 synthetic, 16 model)")
     p.add_argument("--repeats", type=int, default=3,
-                   help="timed runs per cell; the cell is the run with the median step time "
+                   help=f"timed runs per cell, at most {lim.MAX_REPEATS}; the cell is the run with the median step time "
                         "(every run's step time is kept in step_us_runs; default: %(default)s)")
     p.add_argument("--ceiling-replays", type=int, default=None,
-                   help=f"back-to-back replays per ceiling (default: {_REPLAYS['cuda']} on cuda, "
+                   help=f"back-to-back replays per ceiling, at most {lim.MAX_CEILING_REPLAYS} (default: {_REPLAYS['cuda']} on cuda, "
                         f"{_REPLAYS['sim']} on sim)")
     p.add_argument("--warmup-s", type=float, default=None,
-                   help="seconds of device work queued before the first cell, so that it does not "
-                        "run at idle clocks (default: 1 on cuda, 0 on sim)")
+                   help=f"seconds of device work queued before the first cell, so that it does not "
+                        f"run at idle clocks, at most {lim.MAX_WARMUP_S:g} (default: 1 on cuda, 0 on sim)")
     p.add_argument("--profile", default="both", choices=["both", "off"],
                    help="both: each vt cell runs again on an engine with profile=True for the host "
                         "split and device time; off: throughput only")
     p.add_argument("--wait-poll-us", type=float, default=None,
-                   help="vt's engines poll an event this long before blocking on it (default: "
-                        "vt's own, vt/backend/waits.py); e.g. longer than a step keeps the host awake")
+                   help=f"vt's engines poll an event this long before blocking on it, 0 to below "
+                        f"{lim.MAX_WAIT_POLL_US:g} (default: vt's own, vt/backend/waits.py); e.g. longer "
+                        f"than a step keeps the host awake")
     p.add_argument("--no-torch", action="store_true", help="leave the torch peer out")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="0 to 2**63 - 1 (default: 0)")
     p.add_argument("--sim-delay-ms", type=float, default=0.0,
-                   help="sim only: device delay per op, so the host runs ahead")
+                   help=f"sim only: device delay per op, so the host runs ahead, 0 to "
+                        f"{lim.MAX_SIM_DELAY_MS:g} ms")
     p.add_argument("--no-bar", action="store_true", help="plain progress lines, no tqdm bar")
     p.add_argument("--from-json", nargs="+", metavar="JSON",
                    help="measure nothing: print the tables of saved results (several runs of one "
                         "workload are merged, e.g. one per preset) and write --json/--png from them")
-    p.add_argument("--json", help="write the results (every column of every cell) to this path")
-    p.add_argument("--png", help="write the plot to this path (needs matplotlib: vt[bench])")
+    p.add_argument("--json", help="write the results (every column of every cell) to this path (checked before "
+                        "the run, written whole or not at all)")
+    p.add_argument("--png", help="write the plot to this path, a name ending in .png (needs matplotlib: "
+                        "vt[bench]; both checked before the run)")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -80,8 +89,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _resolve(args: argparse.Namespace, error) -> None:
-    """Fill the backend-dependent defaults and check every value before any work starts."""
+    """Fill the backend-dependent defaults and check every value, each within its bound
+    (vt/cli/limits.py), before any work starts."""
+    from vt.cli import limits as lim
     from vt.backend import available_backends
+    from vt.cli.common import pick_preset
     from vt.model import PRESETS
     backend = args.backend if args.backend != "auto" else (
         "cuda" if "cuda" in available_backends() else "sim")
@@ -96,8 +108,6 @@ def _resolve(args: argparse.Namespace, error) -> None:
         args.ceiling_replays = _REPLAYS[backend]
     if args.warmup_s is None:
         args.warmup_s = 1.0 if backend == "cuda" else 0.0
-    if args.warmup_s < 0:
-        error(f"--warmup-s must be >= 0, got {args.warmup_s}")
     if args.preset is None:
         args.preset = ["bench-small" if backend == "cuda" else "tiny-dense"]
     for flag, vals in (("--conc", args.conc), ("--steps", [args.steps]),
@@ -105,18 +115,29 @@ def _resolve(args: argparse.Namespace, error) -> None:
                        ("--ceiling-replays", [args.ceiling_replays]), ("--repeats", [args.repeats])):
         if min(vals) < 1:
             error(f"{flag} must be positive integers, got {vals}")
-    if not all(math.isfinite(d) and d >= 0 for d in args.spin_us):
-        error(f"--device-us must be finite numbers >= 0, got {args.spin_us}")
-    if not (math.isfinite(args.sim_delay_ms) and args.sim_delay_ms >= 0):
-        error(f"--sim-delay-ms must be a finite number >= 0, got {args.sim_delay_ms}")
-    if args.seed < 0:
-        error(f"--seed must be >= 0, got {args.seed}")
-    for flag, vals in (("--modes", args.modes), ("--conc", args.conc),
-                       ("--device-us", args.spin_us), ("--preset", args.preset)):
-        if len(set(vals)) != len(vals):
-            error(f"{flag} must not repeat a value, got {vals}")
+    problems = [lim.list_problem(flag, vals) for flag, vals in (
+        ("--modes", args.modes), ("--conc", args.conc), ("--device-us", args.spin_us),
+        ("--preset", args.preset))]
+    problems += [lim.int_problem("--conc", c, 1, lim.MAX_SERVING_CONC) for c in args.conc]
+    problems += [lim.float_problem("--device-us", d, 0, lim.MAX_DEVICE_US) for d in args.spin_us]
+    problems += [
+        lim.int_problem("--steps", args.steps, 1, lim.MAX_STEPS),
+        lim.int_problem("--prompt-len", args.prompt_len, 1, lim.MAX_PROMPT_LEN),
+        lim.int_problem("--repeats", args.repeats, 1, lim.MAX_REPEATS),
+        lim.int_problem("--ceiling-replays", args.ceiling_replays, 1, lim.MAX_CEILING_REPLAYS),
+        lim.int_problem("--seed", args.seed, 0, lim.MAX_SEED),
+        lim.float_problem("--warmup-s", args.warmup_s, 0, lim.MAX_WARMUP_S),
+        lim.float_problem("--sim-delay-ms", args.sim_delay_ms, 0, lim.MAX_SIM_DELAY_MS),
+        lim.float_problem("--wait-poll-us", args.wait_poll_us, 0, lim.MAX_WAIT_POLL_US,
+                          hi_open=True)]
+    why = next((p for p in problems if p), None)
+    if why:
+        error(why)
+    if backend == "cuda" and args.sim_delay_ms:
+        error("--sim-delay-ms applies to the sim backend only and this run uses cuda; drop it "
+              "or add --backend sim")
     unknown = [p for p in args.preset if p not in PRESETS]
-    if model and unknown:
+    if unknown:   # a typo is refused with either workload, not ignored by the synthetic one
         error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
     # Bench presets are sized for the GPU: on the sim they need gigabytes of host memory and
     # minutes per step, with nothing printed meanwhile (vt run refuses them the same way).
@@ -125,23 +146,51 @@ def _resolve(args: argparse.Namespace, error) -> None:
         error(f"preset(s) {big} are GPU benchmark models; on the sim backend they need "
               f"gigabytes of host memory and minutes per step: use tiny-dense or tiny-moe, or "
               f"add --force to run them anyway")
+    if model:   # every preset's context, now: not after the presets before it were measured
+        for name in args.preset:
+            pick_preset(backend, name, args.prompt_len + args.steps + 1, "vt bench", force=True)
+
+
+def check_outputs(args: argparse.Namespace, error) -> None:
+    """--json and --png can be written (and --png is a .png that matplotlib can draw), checked
+    before the measurement so that a bad path does not lose it."""
+    from vt.cli import limits as lim
+    from vt.runner.atomic_file import output_path_problem
+    for flag, path in (("--json", args.json), ("--png", args.png)):
+        why = None if path is None else output_path_problem(path)
+        if why:
+            error(f"{flag} {path!r} {why}")
+    if args.json is not None and args.png is not None and (
+            os.path.abspath(args.json) == os.path.abspath(args.png)):
+        error(f"--json and --png name the same file {args.json!r}; give two paths")
+    if args.png is not None and (why := lim.png_problem(args.png)):
+        error(why)
 
 
 def cmd_bench(args: argparse.Namespace, error=None) -> int:
     from vt.cli.bench import report
-    from vt.cli.bench.progress import Progress
+    from vt.cli.bench.progress import ProgressBar
     from vt.cli.bench.run import run
 
     def fail(msg):
-        from vt.cli.run import UsageError   # `vt` prints its one line and exits 2
+        from vt.cli.common import UsageError   # `vt` prints its one line and exits 2
         raise UsageError(f"vt bench: {msg}")
+    error = error or fail
+    check_outputs(args, error)
     if args.from_json:
-        res = report.merge([report.read_json(path) for path in args.from_json])
+        try:
+            res = report.merge([report.read_json(path) for path in args.from_json])
+            text = report.table(res)
+        except report.BadResultFile as e:
+            error(f"--from-json: {e}")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            error(f"--from-json: a cell of {args.from_json} is damaged ({type(e).__name__}: {e})")
     else:
-        _resolve(args, error or fail)
-        res = run(args, lambda total: Progress(total, bar=False if args.no_bar else None))
+        _resolve(args, error)
+        res = run(args, lambda total: ProgressBar(total, bar=False if args.no_bar else None))
+        text = report.table(res)
     print()
-    print(report.table(res))
+    print(text)
     if args.json:
         report.write_json(res, args.json)
         print(f"vt bench: wrote {args.json}")
@@ -156,9 +205,17 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
 
 
 def main(argv=None) -> int:
-    """`python3 -m vt.cli.bench` / tools/bench.py: the same command outside the `vt` CLI."""
-    p = argparse.ArgumentParser(prog="vt bench", description=__doc__, epilog=EXAMPLES,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    """`python3 -m vt.cli.bench` / tools/bench.py: the same command, exit codes and one-line usage
+    errors as `vt bench`."""
+    from vt.cli.common import run_command
+    p = add_arguments_to_parser("vt bench")
+    return run_command(p, argv)
+
+
+def add_arguments_to_parser(prog: str) -> argparse.ArgumentParser:
+    from vt.cli.common import OneLineParser
+    p = OneLineParser(prog=prog, description=__doc__, epilog=EXAMPLES,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
-    args = p.parse_args(argv)
-    return cmd_bench(args, p.error)
+    p.set_defaults(func=cmd_bench)
+    return p

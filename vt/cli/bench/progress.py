@@ -6,8 +6,8 @@ import sys
 import time
 
 
-class Progress:
-    """`with Progress(total) as p: p.step("capture ring S=32")` after each task;
+class ProgressBar:
+    """`with ProgressBar(total) as p: p.step("capture ring S=32")` after each task;
     p.log(msg) prints a line without breaking the bar."""
 
     def __init__(self, total: int, *, desc: str = "vt bench", bar: bool | None = None, out=None):

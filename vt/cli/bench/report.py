@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vt.runner.atomic_file import atomic_open, write_text_atomic
 from vt.cli.bench.cells import HOST_PARTS
 
 
@@ -93,13 +94,33 @@ def table(res: dict) -> str:
 
 
 def write_json(res: dict, path: str) -> None:
-    Path(path).write_text(json.dumps(res, indent=1))
+    write_text_atomic(path, json.dumps(res, indent=1))
+
+
+class BadResultFile(ValueError):
+    """A --from-json file that is not a readable vt bench result (the CLI's usage error)."""
+
+
+_NEEDED = {"format": str, "workload": str, "cells": list, "concs": list, "modes": list,
+           "backend": str, "device": str, "torch": dict}
 
 
 def read_json(path: str) -> dict:
-    res = json.loads(Path(path).read_text())
-    if res.get("format") != "vt-bench/1":
-        raise SystemExit(f"vt bench: {path} is not a vt bench result (format {res.get('format')!r})")
+    """A saved result, checked enough that printing and plotting it cannot fail half-way."""
+    try:
+        res = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadResultFile(f"{path!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
+    except json.JSONDecodeError as e:
+        raise BadResultFile(f"{path!r} is not JSON ({e.msg} at line {e.lineno})") from None
+    if not isinstance(res, dict) or res.get("format") != "vt-bench/1":
+        got = res.get("format") if isinstance(res, dict) else type(res).__name__
+        raise BadResultFile(f"{path!r} is not a vt bench result (format {got!r}, expected "
+                            f"'vt-bench/1')")
+    bad = [k for k, t in _NEEDED.items() if not isinstance(res.get(k), t)]
+    if bad or res["workload"] not in ("synthetic", "model"):
+        raise BadResultFile(f"{path!r} is a damaged vt bench result (field(s) "
+                            f"{bad or ['workload']} missing or of the wrong type)")
     return res
 
 
@@ -108,7 +129,7 @@ def merge(results: list[dict]) -> dict:
     concs, modes and D values united; the rest is the first run's."""
     first = dict(results[0])
     if any(r["workload"] != first["workload"] for r in results):
-        raise SystemExit("vt bench: --from-json results must all be of one workload")
+        raise BadResultFile("the --from-json results must all be of one workload")
     if len(results) == 1:
         return first
     first["cells"] = [c for r in results for c in r["cells"]]
@@ -160,6 +181,7 @@ def write_png(res: dict, path: str) -> str | None:
         ax.legend(fontsize=8)
     fig.suptitle(f"vt bench on {res['backend']} {res['device']} ({res.get('vt_commit') or ''})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=120)
     plt.close(fig)
     return None

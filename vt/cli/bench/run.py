@@ -152,7 +152,7 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
 
 
 def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
-    from vt.cli.run import build_model, random_prompts, resolve_preset
+    from vt.cli.common import build_model, random_prompts, resolve_preset
     rows = []
     ctx = args.prompt_len + args.steps + 1
     for name in args.preset:
@@ -188,7 +188,7 @@ def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
 
 def run(args, progress_factory) -> dict:
     """The whole bench: returns the result dict (report.py prints and writes it)."""
-    from vt.cli.run import pick_backend
+    from vt.cli.common import pick_backend
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
     be = pick_backend(args.backend, args.sim_delay_ms)
     try:

@@ -1,0 +1,35 @@
+"""The checks of Engine(...)'s and generate()'s own arguments (the requests themselves are
+vt/submit.py's): a wrong type is a TypeError and a wrong value a ValueError, each naming the
+argument, raised before anything is allocated or launched."""
+from __future__ import annotations
+
+from vt.knobs import ExecutorConfig
+
+_BACKEND_CALLS = ("stream", "event", "empty", "pinned_empty", "launch", "capture")
+
+
+def check_engine_args(backend, config, record_logits, max_prefill_tokens, profile) -> None:
+    missing = [c for c in _BACKEND_CALLS if not callable(getattr(backend, c, None))]
+    if missing:
+        raise TypeError(f"Engine: backend must be a vt backend (vt.backend.get_backend()), got "
+                        f"{type(backend).__name__} (it lacks {', '.join(missing)})")
+    if config is not None and not isinstance(config, ExecutorConfig):
+        raise TypeError(f"Engine: config must be a vt.ExecutorConfig or None, got "
+                        f"{type(config).__name__}")
+    for name, value in (("record_logits", record_logits), ("profile", profile)):
+        if not isinstance(value, bool):
+            raise TypeError(f"Engine: {name} must be a bool, got {value!r}")
+    if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
+                                           not isinstance(max_prefill_tokens, int)):
+        raise TypeError(f"Engine: max_prefill_tokens must be an int or None, got "
+                        f"{max_prefill_tokens!r}")
+    if max_prefill_tokens is not None and max_prefill_tokens < 1:
+        raise ValueError(f"Engine: max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
+
+
+def check_generate_args(prompts, progress) -> None:
+    if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"generate: prompts must be a list of token-id sequences, got "
+                        f"{type(prompts).__name__}")
+    if progress is not None and not callable(progress):
+        raise TypeError(f"generate: progress must be a callable or None, got {type(progress).__name__}")
