@@ -84,11 +84,17 @@ def plan_total(args, torch_ok: bool) -> int:
         peer = len(torch_peer.VARIANTS) if torch_ok else 0
         return 1 + len(args.conc) * (len(args.modes) * per_mode + (1 if torch_ok else 0)
                                      + len(args.spin_us) * (len(args.modes) + peer))
+    if args.workload == "torch":
+        peer = len(torch_peer.VARIANTS) if torch_ok else 0
+        return 1 + len(args.conc) * (len(args.modes) * (per_mode + 1) + peer)
     return 1 + len(args.preset) * (1 + len(args.conc) * len(args.modes) * (per_mode + 1))
 
 
 def torch_absent_reason(be, args) -> str | None:
     """None when the torch peer runs in this bench, else why not."""
+    if args.workload == "torch":
+        from vt.bench.torch_workload import unavailable_reason
+        return "--no-torch" if args.no_torch else unavailable_reason(be)
     if args.workload != "synthetic":
         return "the torch peer exists for the synthetic workload only"
     if args.no_torch:
@@ -197,6 +203,8 @@ def run(args, progress_factory) -> dict:
             progress.step(f"backend {be.name} {be.info().get('device', '')}".strip())
             warm_up_device(be, args.warmup_s)
             work = run_synthetic if args.workload == "synthetic" else run_model
+            if args.workload == "torch":
+                from vt.bench.torch_workload import run_torch as work
             rows = work(be, args, progress, reason)
         info = be.info()
     finally:
@@ -211,7 +219,7 @@ def run(args, progress_factory) -> dict:
         vt_commit=_commit(), started=started,
         wall_s=time.perf_counter() - t0,
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
-        presets=list(args.preset) if args.workload == "model" else None,
+        presets=list(args.preset) if args.workload != "synthetic" else None,
         concs=list(args.conc), modes=list(args.modes), steps=args.steps, repeats=args.repeats,
         prompt_len=args.prompt_len, seed=args.seed, ceiling_replays=args.ceiling_replays,
         warmup_s=args.warmup_s,
