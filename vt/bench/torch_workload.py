@@ -35,14 +35,15 @@ def unavailable_reason(be) -> str | None:
     return _peer_reason()
 
 
-def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16):
-    """(the LlamaDecoder with seeded random weights, its TorchForwardModel)."""
+def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=None):
+    """(the LlamaDecoder with seeded random weights, its TorchForwardModel); cfg: default
+    model_config()."""
     import torch
 
     from vt.step import KVGeometry
     from vt.torch import TorchForwardModel, torch_device
     from vt.torch.llama import LlamaDecoder
-    cfg = model_config()
+    cfg = cfg or model_config()
     blocks = -(-context // block_size)
     geo = KVGeometry(max_seqs=max_seqs, num_kv_blocks=max_seqs * blocks + 1,
                      block_size=block_size, max_context=blocks * block_size)

@@ -83,7 +83,7 @@ def _to_vt_names(cfg: LlamaConfig, hf: dict) -> dict[str, torch.Tensor]:
             raise ValueError("checkpoint: lm_head.weight is missing and tie_word_embeddings is false")
         out["lm_head.weight"] = head
     for i in range(cfg.layers):
-        p, q = f"layers.{i}.", f"layers.{i}."
+        p = q = f"layers.{i}."   # the same prefix in both namings
         att = p + "self_attn."
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
             out[q + f"attn.qkv.{kind}"] = torch.cat([hf.pop(att + f"{n}_proj.{kind}")
