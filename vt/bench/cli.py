@@ -93,7 +93,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
         from vt.bench import torch_workload
         args.preset = [torch_workload.PRESET]
         if backend != "cuda":
-            error("--workload torch needs a CUDA GPU (a 1B-parameter bf16 model)")
+            error("--workload torch needs a CUDA GPU (a bf16 Llama decoder of 0.6B parameters)")
     if args.modes is None:
         from vt.knobs import SAFE_MODES
         args.modes = list(SAFE_MODES if args.workload != "torch" else torch_workload.DEFAULT_MODES)
