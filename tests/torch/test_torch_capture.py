@@ -10,8 +10,10 @@ torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install
 from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
 from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.step import FORWARD_FIELDS  # noqa: E402
 from vt.stepmodel import ForwardModel  # noqa: E402
-from vt.torch import TorchCaptureError, TorchForwardModel, torch_device  # noqa: E402
+from vt.torch import TorchCaptureError, TorchForwardModel, TorchInputs  # noqa: E402
+from vt.torch.views import as_tensor  # noqa: E402
 
 from _torch_util import GEO, generate, prompts, step_model, tiny_llama  # noqa: E402
 
@@ -45,18 +47,16 @@ def _torch_forward(emb, w):
     return forward
 
 
-def _plain_forward(be, table, emb, w):
+def _plain_forward(table, emb, w):
     """The unsafe path a new user would write: a plain ForwardModel whose forward runs torch on
     vt's stream through ExternalStream, over torch.as_tensor views. Nothing routes torch's
     allocations during vt's capture."""
     fwd = _torch_forward(emb, w)
 
     def forward(stream, inputs, logits_out):
-        from vt.torch.views import TorchInputs, as_tensor
         dev = torch.device("cuda")
-        t = TorchInputs(as_tensor(table, dev), *(as_tensor(getattr(inputs, f), dev) for f in
-                        ("token_rows", "positions", "seq_lens", "slot_mapping", "block_tables",
-                         "state_idx")))
+        t = TorchInputs(as_tensor(table, dev),
+                        *(as_tensor(getattr(inputs, f), dev) for f in FORWARD_FIELDS))
         with torch.cuda.stream(torch.cuda.ExternalStream(stream.handle)):
             fwd(t, as_tensor(logits_out, dev))
     return forward
@@ -96,7 +96,7 @@ def test_plain_external_stream_forward_corrupts_tensors_allocated_after_capture(
     emb, w = _weights()
     table = cuda.empty((GEO.max_seqs + 1,), np.int32)
     table[...] = 0
-    model = ForwardModel(cuda, _plain_forward(cuda, table, emb, w), vocab=VOCAB,
+    model = ForwardModel(cuda, _plain_forward(table, emb, w), vocab=VOCAB,
                          token_table=table, geometry=GEO)
     assert _corrupted_after_replays(cuda, model) > 0
 
@@ -188,3 +188,16 @@ def test_pool_and_torch_memory_stay_flat_over_many_generate_calls(backend):
             call(eng)
         assert memory() == before
         assert eng.stats()["driver_mallocs_since_warm_up"] == mallocs
+
+
+def test_the_refusal_names_the_call_the_way_a_user_wrote_it():
+    """The name a refusal gives (CPU: the tracking alone, the GPU tests above refuse for real)."""
+    from vt.torch.capture import _LastCall
+    calls = {"torch.Tensor.item": lambda: torch.ones(1).item(),
+             "torch.tensor": lambda: torch.tensor([1.0]),
+             "torch.Tensor.tolist": lambda: torch.ones(2).tolist()}
+    for name, call in calls.items():
+        tracker = _LastCall()
+        with tracker:
+            call()
+        assert tracker.name == name

@@ -178,7 +178,7 @@ class TorchLlamaPeer:
 
 def run_torch(be, args, progress, reason: str | None) -> list[dict]:
     """Per conc: vt's engines of every mode on the module, then the peer on the same module."""
-    from vt.bench.run import _done_line, _profiles, make_engine, median_run, vt_cell
+    from vt.bench.run import _done_line, _profiles, make_engine, vt_cell
     rows = []
     ctx = args.prompt_len + args.steps + 2
     t0 = time.perf_counter()

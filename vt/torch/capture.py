@@ -57,14 +57,19 @@ class _LastCall(TorchFunctionMode):
 
     @property
     def name(self) -> str:
+        """e.g. torch.Tensor.item, torch.tensor, torch.nn.functional.linear."""
         if self.last is None:
             return "a call before any torch function (e.g. torch.cuda.synchronize())"
-        qual = getattr(self.last, "__qualname__", None) or getattr(self.last, "__name__", repr(self.last))
-        qual = qual.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
-        mod = getattr(self.last, "__module__", None)
-        if qual.startswith("Tensor.") or not mod:
-            return f"torch.{qual}" if qual.startswith("Tensor.") else qual
-        return f"{mod}.{qual}"
+        qual = getattr(self.last, "__qualname__", None) or repr(self.last)
+        for prefix in ("_TensorBase.", "TensorBase."):   # tensor methods live on the C base
+            if qual.startswith(prefix):
+                return "torch.Tensor." + qual[len(prefix):]
+        if qual.startswith("Tensor."):
+            return "torch." + qual
+        if qual.startswith("_VariableFunctionsClass."):   # torch.tensor, torch.zeros, ...
+            return "torch." + qual.split(".", 1)[1]
+        module = getattr(self.last, "__module__", None) or "torch"
+        return f"{module}.{qual}"
 
 
 def _breaks_capture(exc: BaseException, stream) -> bool:

@@ -31,7 +31,7 @@ import torch
 from vt.stepmodel import ForwardModel, KVGeometry
 from vt.step import FORWARD_FIELDS
 from vt.torch.capture import capturing_into
-from vt.torch.views import TorchInputs, ViewCache, as_tensor
+from vt.torch.views import TorchInputs, ViewCache
 
 
 def torch_device(be) -> torch.device:
@@ -69,7 +69,7 @@ class _StreamState:
     """What the adapter keeps per vt stream."""
     external: object                      # torch.cuda.ExternalStream of vt's stream
     views: ViewCache
-    pool: object = None                   # torch.cuda.MemPool, made at this stream's first capture
+    pool: object = None   # torch.cuda.MemPool, made at the first capture (no CUDA call)
     warmed: set = field(default_factory=set)   # batch sizes warmed on a side stream
 
 
