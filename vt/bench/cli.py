@@ -96,7 +96,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
             error("--workload torch needs a CUDA GPU (a bf16 Llama decoder of 0.6B parameters)")
     if args.modes is None:
         from vt.knobs import SAFE_MODES
-        args.modes = list(SAFE_MODES if args.workload != "torch" else torch_workload.DEFAULT_MODES)
+        args.modes = list(torch_workload.DEFAULT_MODES if args.workload == "torch" else SAFE_MODES)
     if args.conc is None:
         args.conc = [1, 32, 64] if model else [1, 32]
     if args.steps is None:

@@ -86,7 +86,7 @@ def plan_total(args, torch_ok: bool) -> int:
                                      + len(args.spin_us) * (len(args.modes) + peer))
     if args.workload == "torch":
         peer = len(torch_peer.VARIANTS) if torch_ok else 0
-        return 1 + len(args.conc) * (len(args.modes) * (per_mode + 1) + peer)
+        return 2 + len(args.conc) * (len(args.modes) * (per_mode + 1) + peer)
     return 1 + len(args.preset) * (1 + len(args.conc) * len(args.modes) * (per_mode + 1))
 
 
