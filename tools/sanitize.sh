@@ -15,8 +15,9 @@
 #   1. tests marked gpu and not api_errors, with the default API error reporting;
 #   2. tests marked gpu and api_errors (they provoke CUDA errors on purpose) with
 #      --report-api-errors no, so that only memory errors and leaks count.
-# Tests marked torch_allocator (the PyTorch peer of vt bench) are excluded too: PyTorch's
-# caching allocator keeps its blocks until the process exits, which --leak-check reports.
+# Tests marked torch_allocator (the PyTorch peer of vt bench, vt.torch) are excluded too:
+# PyTorch's caching allocator keeps its blocks until the process exits, which --leak-check
+# reports; memcheck runs them in a third run without the leak check.
 # Tests marked needs_overlap are excluded from both runs: they assert that the host ran ahead
 # of the device (NO_DBUF + POISON mismatches, the unguarded hazard-C overwrite), and
 # compute-sanitizer serializes kernel launches, which removes that overlap, so under it they
@@ -104,7 +105,11 @@ for tool in "${tools[@]}"; do
       leak=(); [ "$tool" = memcheck ] && leak=(--leak-check full)
       run "$tool" default-api-errors "gpu and not api_errors and not needs_overlap and not torch_allocator" -- "${t[@]}" --- "${leak[@]}"
       run "$tool" api-errors-not-reported "gpu and api_errors and not needs_overlap and not torch_allocator" -- "${t[@]}" \
-        --- "${leak[@]}" --report-api-errors no ;;
+        --- "${leak[@]}" --report-api-errors no
+      # torch_allocator tests: memory errors only. No leak check (torch's cache keeps its
+      # blocks to the end) and no API errors (torch probes the driver, failing on purpose).
+      [ "$tool" = memcheck ] && run "$tool" torch-allocator "gpu and torch_allocator and not needs_overlap" \
+        -- "${t[@]}" --- --report-api-errors no ;;
     racecheck|synccheck)
       t=("${targets[@]}"); [ ${#t[@]} -gt 0 ] || t=(tests/model/test_kernels.py)
       run "$tool" vt-kernels "gpu" -- "${t[@]}" -k "not gemm" ;;

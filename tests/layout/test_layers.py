@@ -17,7 +17,8 @@ RANK = {
     "step": 1,
     "sampling": 2,
     "graphs": 3, "model": 3,
-    "forward": 4, "torch": 4,
+    "forward": 4,
+    "torch": 4.5,             # vt.torch adapts torch forwards through ForwardModel
     "runner": 5,
     "engine": 6,
     "cli": 7,

@@ -5,7 +5,7 @@ import json
 import numpy as np
 
 from vt.backend import get_backend
-from vt.cli.bench.run import make_engine, run_vt
+from vt.cli.bench.measure import make_engine, run_vt
 from vt.model import PRESETS, HybridModel, init_weights
 
 from tool_loader import load_tool

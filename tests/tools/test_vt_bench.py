@@ -307,7 +307,7 @@ def test_torch_peer_tokens_match_the_synthetic_forward():
 
 
 def test_median_run_picks_the_middle_run_and_keeps_every_time():
-    from vt.cli.bench.run import median_run
+    from vt.cli.bench.measure import median_run
     runs = [dict(s=3e-6), dict(s=1e-6), dict(s=9e-6), dict(s=2e-6)]
     chosen, times = median_run(runs, lambda r: r["s"])
     assert chosen is runs[3]                      # lower middle of 1, 2, 3, 9

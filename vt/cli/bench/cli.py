@@ -16,6 +16,7 @@ EXAMPLES = """examples:
   vt bench --backend sim --workload synthetic --json bench.json
   vt bench --workload synthetic --device-us 0 100 400 --conc 32 --json s.json --png s.png
   vt bench --workload model --preset bench-small --conc 1 32 64 --json m.json --png m.png
+  vt bench --workload torch --conc 1 32 --json t.json
   vt bench --from-json small.json dense.json moe.json --png presets.png
 """
 
@@ -25,9 +26,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from vt.cli import limits as lim
     from vt.knobs import MODES, SAFE_MODES
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--workload", default="synthetic", choices=["synthetic", "model"],
+    p.add_argument("--workload", default="synthetic", choices=["synthetic", "model", "torch"],
                    help="synthetic: a user forward spinning D us per step (+ the torch peer); "
-                        "model: the bundled model at --preset")
+                        "model: the bundled model at --preset; torch: the vt.torch Llama decoder "
+                        "(bf16, random weights) + the same module in a torch CUDA-graph loop")
     p.add_argument("--device-us", dest="spin_us", type=float, nargs="+",
                    default=list(DEFAULT_SPIN_US), metavar="D",
                    help=f"synthetic: device us per step to sweep, each 0 to {lim.MAX_DEVICE_US:g} "
@@ -39,8 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conc", type=int, nargs="+", default=None,
                    help=f"rows per decode step, S, each 1 to {lim.MAX_SERVING_CONC} (default: 1 32; "
                         f"model: 1 32 64)")
-    p.add_argument("--modes", nargs="+", default=list(SAFE_MODES), choices=list(MODES),
-                   help="executor modes (default: %(default)s; no_dbuf only when named)")
+    p.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
+                   help=f"executor modes (default: {' '.join(SAFE_MODES)}; torch: sync drain ring; "
+                        f"no_dbuf only when named)")
     p.add_argument("--steps", type=int, default=None,
                    help=f"decode steps per cell, at most {lim.MAX_STEPS} (default: {_STEPS['cuda']} on "
                         f"cuda, {_STEPS['sim']} on sim)")
@@ -98,12 +101,20 @@ def _resolve(args: argparse.Namespace, error) -> None:
     backend = args.backend if args.backend != "auto" else (
         "cuda" if "cuda" in available_backends() else "sim")
     model = args.workload == "model"
+    if args.workload == "torch":
+        from vt.cli.bench import torch_workload
+        args.preset = [torch_workload.PRESET]
+        if backend != "cuda":
+            error("--workload torch needs a CUDA GPU (a bf16 Llama decoder of 0.6B parameters)")
+    if args.modes is None:
+        from vt.knobs import SAFE_MODES
+        args.modes = list(torch_workload.DEFAULT_MODES if args.workload == "torch" else SAFE_MODES)
     if args.conc is None:
         args.conc = [1, 32, 64] if model else [1, 32]
     if args.steps is None:
         args.steps = _STEPS[backend]
     if args.prompt_len is None:   # synthetic: a short prefill (it spins D per prompt token)
-        args.prompt_len = 16 if model else 2
+        args.prompt_len = 2 if args.workload == "synthetic" else 16
     if args.ceiling_replays is None:
         args.ceiling_replays = _REPLAYS[backend]
     if args.warmup_s is None:

@@ -22,59 +22,8 @@ import time
 import numpy as np
 
 from vt.cli.bench import cells, torch_peer
+from vt.cli.bench.measure import done_line, make_engine, median_run, profiles, vt_cell
 from vt.cli.bench.synthetic import SYNTH_VOCAB, SyntheticModel, expected_tokens
-
-
-def make_engine(be, model, mode: str, conc: int, *, profile: bool, max_prefill_tokens: int,
-                wait_poll_us: float | None = None):
-    """An engine of `mode` serving `conc` rows, one captured size (conc): the only one a
-    decode step of this bench ever uses."""
-    from vt.engine.engine import Engine
-    from vt.knobs import ExecutorConfig
-    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=(conc,),
-                                     wait_poll_us=wait_poll_us)
-    return Engine(be, model, config, profile=profile, max_prefill_tokens=max_prefill_tokens)
-
-
-def run_vt(engine, prompts, new_tokens: int) -> tuple[dict, list]:
-    """One generate(); (the stats delta it made, its tokens per request)."""
-    before = engine.stats()
-    results = engine.generate(prompts, max_new_tokens=new_tokens)
-    delta = cells.stats_delta(before, engine.stats())
-    short = [r.index for r in results if len(r.tokens) != new_tokens]
-    if short:
-        raise RuntimeError(f"requests {short[:8]} ended before {new_tokens} tokens")
-    return delta, [list(map(int, r.tokens)) for r in results]
-
-
-def median_run(runs: list, step_s) -> tuple[object, list[float]]:
-    """The run with the median step time (the lower middle of an even count) and every run's
-    step time in µs, in run order. One run's time can be off by 1.5x on a busy host; the median
-    of a few keeps the cell's columns from one consistent run."""
-    times = [1e6 * step_s(r) for r in runs]
-    order = sorted(range(len(runs)), key=times.__getitem__)
-    return runs[order[(len(runs) - 1) // 2]], times
-
-
-def _decode_step_s(delta: dict) -> float:
-    dec = cells.phases(delta)[0]
-    return dec["wall_s"] / max(dec["steps"], 1)
-
-
-def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=None,
-            repeats: int = 1) -> dict:
-    fast, prof = engines[mode, False], engines.get((mode, True))
-    runs = [run_vt(fast, prompts, new_tokens) for _ in range(repeats)]
-    (d_fast, tokens), times = median_run(runs, lambda r: _decode_step_s(r[0]))
-    d_prof = run_vt(prof, prompts, new_tokens)[0] if prof is not None else None
-    ceiling = fast.device_ceiling_us(conc, replays=replays)
-    if any(t != tokens for _, t in runs):
-        raise RuntimeError(f"{mode} {ident}: the repeated runs of one cell sampled different tokens")
-    ok = None if expect is None else tokens == expect
-    row = cells.vt_row(dict(ident, mode=mode), d_fast, d_prof, conc=conc, ceiling_us=ceiling,
-                       tokens=tokens, tokens_ok=ok)
-    row["step_us_runs"] = times
-    return row
 
 
 def plan_total(args, torch_ok: bool) -> int:
@@ -84,11 +33,17 @@ def plan_total(args, torch_ok: bool) -> int:
         peer = len(torch_peer.VARIANTS) if torch_ok else 0
         return 1 + len(args.conc) * (len(args.modes) * per_mode + (1 if torch_ok else 0)
                                      + len(args.spin_us) * (len(args.modes) + peer))
+    if args.workload == "torch":
+        peer = len(torch_peer.VARIANTS) if torch_ok else 0
+        return 2 + len(args.conc) * (len(args.modes) * (per_mode + 1) + peer)
     return 1 + len(args.preset) * (1 + len(args.conc) * len(args.modes) * (per_mode + 1))
 
 
 def torch_absent_reason(be, args) -> str | None:
     """None when the torch peer runs in this bench, else why not."""
+    if args.workload == "torch":
+        from vt.cli.bench.torch_workload import unavailable_reason
+        return "--no-torch" if args.no_torch else unavailable_reason(be)
     if args.workload != "synthetic":
         return "the torch peer exists for the synthetic workload only"
     if args.no_torch:
@@ -109,7 +64,7 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
         engines, peer = {}, None
         try:
             for mode in args.modes:
-                for prof in _profiles(args):
+                for prof in profiles(args):
                     engines[mode, prof] = make_engine(be, model.model, mode, conc, profile=prof,
                                                       max_prefill_tokens=conc * args.prompt_len,
                                                       wait_poll_us=args.wait_poll_us)
@@ -127,7 +82,7 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
                 for mode in args.modes:
                     rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
                                         args.ceiling_replays, expect, args.repeats))
-                    progress.step(_done_line(rows[-1]))
+                    progress.step(done_line(rows[-1]))
                 if peer is not None:
                     peer.set_device_us(d)
                     ceiling = peer.ceiling_us(args.ceiling_replays)
@@ -138,7 +93,7 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
                                                     steps=args.steps, ceiling_us=ceiling,
                                                     tokens_ok=all(r["tokens"] == expect for r in runs)))
                         rows[-1]["step_us_runs"] = times
-                        progress.step(_done_line(rows[-1]))
+                        progress.step(done_line(rows[-1]))
                 else:
                     rows += [cells.absent_row(reason, impl="torch", mode=v, **ident)
                              for v in torch_peer.VARIANTS]
@@ -168,7 +123,7 @@ def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
                 for mode in args.modes:
                     engines = {}
                     try:
-                        for prof in _profiles(args):
+                        for prof in profiles(args):
                             engines[mode, prof] = make_engine(
                                 be, model, mode, conc, profile=prof,
                                 max_prefill_tokens=conc * args.prompt_len,
@@ -177,7 +132,7 @@ def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
                                           f"{' (profiled)' if prof else ''}")
                         rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
                                             args.ceiling_replays, repeats=args.repeats))
-                        progress.step(_done_line(rows[-1]))
+                        progress.step(done_line(rows[-1]))
                     finally:
                         for eng in engines.values():
                             eng.close()
@@ -197,6 +152,8 @@ def run(args, progress_factory) -> dict:
             progress.step(f"backend {be.name} {be.info().get('device', '')}".strip())
             warm_up_device(be, args.warmup_s)
             work = run_synthetic if args.workload == "synthetic" else run_model
+            if args.workload == "torch":
+                from vt.cli.bench.torch_workload import run_torch as work
             rows = work(be, args, progress, reason)
         info = be.info()
     finally:
@@ -211,7 +168,7 @@ def run(args, progress_factory) -> dict:
         vt_commit=_commit(), started=started,
         wall_s=time.perf_counter() - t0,
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
-        presets=list(args.preset) if args.workload == "model" else None,
+        presets=list(args.preset) if args.workload != "synthetic" else None,
         concs=list(args.conc), modes=list(args.modes), steps=args.steps, repeats=args.repeats,
         prompt_len=args.prompt_len, seed=args.seed, ceiling_replays=args.ceiling_replays,
         warmup_s=args.warmup_s,
@@ -233,16 +190,6 @@ def warm_up_device(be, seconds: float) -> None:
             stream.synchronize()
         finally:
             stream.close()
-
-
-def _profiles(args) -> tuple[bool, ...]:
-    return (False, True) if args.profile == "both" else (False,)
-
-
-def _done_line(row: dict) -> str:
-    where = f"D={row['spin_us']:g}us" if row["spin_us"] is not None else row["preset"]
-    return (f"{row['mode']:<16} S={row['conc']:<3} {where:<11} {row['steps_per_s']:9.1f} steps/s "
-            f"{row['step_us']:8.1f} us/step")
 
 
 def _commit() -> str | None:

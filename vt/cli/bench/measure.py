@@ -1,0 +1,67 @@
+"""How one vt cell is measured, for every workload: engines per mode (a throughput one and a
+profiled one), the median of --repeats timed runs, and the cell's row."""
+from __future__ import annotations
+
+from vt.cli.bench import cells
+
+
+def make_engine(be, model, mode: str, conc: int, *, profile: bool, max_prefill_tokens: int,
+                wait_poll_us: float | None = None):
+    """An engine of `mode` serving `conc` rows, one captured size (conc): the only one a
+    decode step of this bench ever uses."""
+    from vt.engine.engine import Engine
+    from vt.knobs import ExecutorConfig
+    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=(conc,),
+                                     wait_poll_us=wait_poll_us)
+    return Engine(be, model, config, profile=profile, max_prefill_tokens=max_prefill_tokens)
+
+
+def run_vt(engine, prompts, new_tokens: int) -> tuple[dict, list]:
+    """One generate(); (the stats delta it made, its tokens per request)."""
+    before = engine.stats()
+    results = engine.generate(prompts, max_new_tokens=new_tokens)
+    delta = cells.stats_delta(before, engine.stats())
+    short = [r.index for r in results if len(r.tokens) != new_tokens]
+    if short:
+        raise RuntimeError(f"requests {short[:8]} ended before {new_tokens} tokens")
+    return delta, [list(map(int, r.tokens)) for r in results]
+
+
+def median_run(runs: list, step_s) -> tuple[object, list[float]]:
+    """The run with the median step time (the lower middle of an even count) and every run's
+    step time in µs, in run order. One run's time can be off by 1.5x on a busy host; the median
+    of a few keeps the cell's columns from one consistent run."""
+    times = [1e6 * step_s(r) for r in runs]
+    order = sorted(range(len(runs)), key=times.__getitem__)
+    return runs[order[(len(runs) - 1) // 2]], times
+
+
+def _decode_step_s(delta: dict) -> float:
+    dec = cells.phases(delta)[0]
+    return dec["wall_s"] / max(dec["steps"], 1)
+
+
+def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=None,
+            repeats: int = 1) -> dict:
+    fast, prof = engines[mode, False], engines.get((mode, True))
+    runs = [run_vt(fast, prompts, new_tokens) for _ in range(repeats)]
+    (d_fast, tokens), times = median_run(runs, lambda r: _decode_step_s(r[0]))
+    d_prof = run_vt(prof, prompts, new_tokens)[0] if prof is not None else None
+    ceiling = fast.device_ceiling_us(conc, replays=replays)
+    if any(t != tokens for _, t in runs):
+        raise RuntimeError(f"{mode} {ident}: the repeated runs of one cell sampled different tokens")
+    ok = None if expect is None else tokens == expect
+    row = cells.vt_row(dict(ident, mode=mode), d_fast, d_prof, conc=conc, ceiling_us=ceiling,
+                       tokens=tokens, tokens_ok=ok)
+    row["step_us_runs"] = times
+    return row
+
+
+def profiles(args) -> tuple[bool, ...]:
+    return (False, True) if args.profile == "both" else (False,)
+
+
+def done_line(row: dict) -> str:
+    where = f"D={row['spin_us']:g}us" if row["spin_us"] is not None else row["preset"]
+    return (f"{row['mode']:<16} S={row['conc']:<3} {where:<11} {row['steps_per_s']:9.1f} steps/s "
+            f"{row['step_us']:8.1f} us/step")

@@ -1,0 +1,231 @@
+"""`vt bench --workload torch`: the torch Llama decoder (vt.torch.llama, random bf16 weights)
+run by vt's engines, against the same module in a hand-written torch.cuda.CUDAGraph loop.
+
+The peer is what a PyTorch engineer writes for speed around this module (as torch_peer.py
+does for the synthetic forward): static device inputs, two pinned input blocks and two
+pinned token buffers, one graph per pair (the inputs' H2D, the forward, argmax, the token
+table fed back, the tokens' D2H), depth 2 with one event per step, step N's tokens read
+after step N+1 is launched. `torch_sync` waits for every step. Its prefill replays the graph
+once per prompt position with the prompt's token written into the table (untimed).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from vt.cli.bench import cells
+from vt.cli.bench.torch_peer import VARIANTS, TorchEvents, unavailable_reason as _peer_reason
+from vt.backend.timing import timed_ms
+
+PRESET = "torch-llama-10x2048"
+DEFAULT_MODES = ("sync", "drain", "ring")
+
+
+def model_config():
+    """TinyLlama's layer shape (hidden 2048, GQA 32/4 heads, SwiGLU 5632, vocab 32000) with 10
+    of its 22 layers (0.6B parameters). The step is launch-bound (~60 small kernels a layer):
+    all 22 layers measured 2.9 ms (S=1) and 3.7 ms (S=32) per step on an H200
+    (docs/data/torch-h200-bench.json); 10 layers bring it into 1-2 ms."""
+    from vt.torch.llama import LlamaConfig
+    return LlamaConfig(vocab=32000, hidden=2048, intermediate=5632, layers=10, heads=32,
+                       kv_heads=4, head_dim=64)
+
+
+def unavailable_reason(be) -> str | None:
+    if be.name != "cuda":
+        return f"the {be.name} backend: the torch workload needs a CUDA device"
+    return _peer_reason()
+
+
+def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=None):
+    """(the LlamaDecoder with seeded random weights, its TorchForwardModel); cfg: default
+    model_config()."""
+    import torch
+
+    from vt.step import KVGeometry
+    from vt.torch import TorchForwardModel, torch_device
+    from vt.torch.llama import LlamaDecoder
+    cfg = cfg or model_config()
+    blocks = -(-context // block_size)
+    geo = KVGeometry(max_seqs=max_seqs, num_kv_blocks=max_seqs * blocks + 1,
+                     block_size=block_size, max_context=blocks * block_size)
+    torch.manual_seed(seed)
+    module = LlamaDecoder(cfg, geo, dtype=torch.bfloat16, device=torch_device(be))
+    return module, TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo)
+
+
+class TorchLlamaPeer:
+    """Two captured graphs of the module for S rows, one per pinned buffer pair (docstring)."""
+
+    def __init__(self, module, S: int, warmup: int = 3):
+        import torch
+        self.torch, self.module, self.S = torch, module, S
+        g = module.geometry
+        dev = module.k_cache.device
+        self.bs = g.block_size
+        self.stream = torch.cuda.Stream(dev)
+        self.table = torch.zeros(S + 1, dtype=torch.int32, device=dev)
+        # rows, positions, seq_lens, slot_mapping: what changes per step, one H2D per step
+        self.inputs = torch.zeros(4, S, dtype=torch.int32, device=dev)
+        # Block tables of S sequences (block 0 is the scratch block): written once.
+        self.np_blocks = 1 + np.arange(S * g.max_blocks, dtype=np.int32).reshape(S, g.max_blocks)
+        self.block_tables = torch.from_numpy(self.np_blocks).to(dev)
+        self.state_idx = torch.arange(S, dtype=torch.int32, device=dev)
+        self.logits = torch.zeros(S, module.cfg.vocab, dtype=torch.float32, device=dev)
+        self.tokens = torch.zeros(S, dtype=torch.int32, device=dev)
+        self.pinned_in = [torch.zeros(4, S, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.pinned_tok = [torch.zeros(S, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.np_in = [p.numpy() for p in self.pinned_in]
+        self.np_tok = [p.numpy() for p in self.pinned_tok]
+        self.tok_ready = [torch.cuda.Event() for _ in range(2)]
+        for h in self.np_in:
+            self._fill(h, np.zeros(S, np.int32))
+        torch.cuda.synchronize()
+        with torch.cuda.stream(self.stream):
+            for i in range(warmup):   # on a side stream before capture, as torch asks
+                self._body(i % 2)
+        self.stream.synchronize()
+        self.graphs = []
+        pool = None
+        for b in range(2):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream, pool=pool):
+                self._body(b)
+            pool = graph.pool()   # both graphs in one pool: they replay in turn on one stream
+            self.graphs.append(graph)
+        self.stream.synchronize()
+
+    def _fill(self, h, pos) -> None:
+        """The step's host inputs for positions `pos` [S] into pinned block h."""
+        h[0] = np.arange(self.S, dtype=np.int32)
+        h[1] = pos
+        h[2] = pos + 1
+        h[3] = self.np_blocks[h[0], pos // self.bs] * self.bs + pos % self.bs
+
+    def _body(self, b: int) -> None:
+        from vt.torch.views import TorchInputs
+        self.inputs.copy_(self.pinned_in[b], non_blocking=True)
+        rows, pos, lens, slots = self.inputs
+        self.module(TorchInputs(self.table, rows, pos, lens, slots, self.block_tables,
+                                self.state_idx), self.logits)
+        self.tokens.copy_(self.torch.argmax(self.logits, dim=1))
+        self.table.index_put_((rows,), self.tokens)
+        self.pinned_tok[b].copy_(self.tokens, non_blocking=True)
+
+    def ceiling_us(self, replays: int = 200) -> float:
+        with self.torch.cuda.stream(self.stream):
+            ms = timed_ms(TorchEvents(), self.stream, self.graphs[0].replay, replays, 3, warmup=3)
+        return 1e3 * ms
+
+    def run(self, variant: str, prompts, steps: int) -> dict:
+        """Prefill (untimed), then `steps` timed decode steps; wall_s, wait_s, tokens."""
+        torch, S = self.torch, self.S
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown torch variant {variant!r}; choose from {VARIANTS}")
+        P = np.array(prompts, np.int32)     # [S, L]: the bench's prompts have one length
+        L = P.shape[1]
+        out = np.zeros((steps + 1, S), np.int32)
+        start = np.full(S, L - 1, np.int32)
+        with torch.cuda.stream(self.stream):
+            for p in range(L):                   # prefill: the graph with teacher forcing
+                self.table[:S].copy_(torch.from_numpy(P[:, p]).to(self.table.device))
+                self._fill(self.np_in[0], np.full(S, p, np.int32))
+                self.graphs[0].replay()
+                self.stream.synchronize()
+            out[0] = self.np_tok[0]
+            loop = self._sync_steps if variant == "torch_sync" else self._async_steps
+            t0 = time.perf_counter()
+            wait_s = loop(start, out, 1, steps + 1)
+            wall_s = time.perf_counter() - t0
+        return dict(wall_s=wall_s, wait_s=wait_s, tokens=out.T.tolist())
+
+    def _sync_steps(self, start, out, first: int, end: int) -> float:
+        graph, h, tok, ev = self.graphs[0], self.np_in[0], self.np_tok[0], self.tok_ready[0]
+        clock, wait_s = time.perf_counter, 0.0
+        for n in range(first, end):
+            self._fill(h, start + n)
+            graph.replay()
+            ev.record()
+            t = clock()
+            ev.synchronize()
+            wait_s += clock() - t
+            out[n] = tok
+        return wait_s
+
+    def _async_steps(self, start, out, first: int, end: int) -> float:
+        """Depth 2, one event per step (torch_peer.TorchPeer._async_steps): tok_ready[b] guards
+        step n's tokens and, two steps later, its pinned input block."""
+        graphs, np_in, np_tok, tok_ready = self.graphs, self.np_in, self.np_tok, self.tok_ready
+        clock, wait_s = time.perf_counter, 0.0
+        for n in range(first, end + 1):
+            b = n & 1
+            if n < end:
+                self._fill(np_in[b], start + n)
+                graphs[b].replay()
+                tok_ready[b].record()
+            if n > first:
+                t = clock()
+                tok_ready[1 - b].synchronize()
+                wait_s += clock() - t
+                out[n - 1] = np_tok[1 - b]
+        return wait_s
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.graphs = []
+
+
+def run_torch(be, args, progress, reason: str | None) -> list[dict]:
+    """Per conc: vt's engines of every mode on the module, then the peer on the same module."""
+    from vt.cli.bench.measure import done_line, make_engine, profiles, vt_cell
+    rows = []
+    ctx = args.prompt_len + args.steps + 2
+    t0 = time.perf_counter()
+    module, model = build(be, max(args.conc), ctx, args.seed)
+    progress.step(f"{PRESET}: model set up in {time.perf_counter() - t0:.1f} s")
+    for conc in args.conc:
+        rng = np.random.default_rng(args.seed + conc)
+        prompts = rng.integers(0, module.cfg.vocab, size=(conc, args.prompt_len)).tolist()
+        ident = dict(workload="torch", preset=PRESET, conc=conc)
+        for mode in args.modes:
+            engines = {}
+            try:
+                for prof in profiles(args):
+                    engines[mode, prof] = make_engine(be, model, mode, conc, profile=prof,
+                                                      max_prefill_tokens=conc * args.prompt_len,
+                                                      wait_poll_us=args.wait_poll_us)
+                    progress.step(f"captured {mode} S={conc}{' (profiled)' if prof else ''}")
+                rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
+                                    args.ceiling_replays, repeats=args.repeats))
+                progress.step(done_line(rows[-1]))
+            finally:
+                for eng in engines.values():
+                    eng.close()
+        rows += _peer_rows(module, conc, prompts, args, ident, progress, reason)
+    return rows
+
+
+def _peer_rows(module, conc, prompts, args, ident, progress, reason) -> list[dict]:
+    from vt.cli.bench.measure import done_line, median_run
+    if reason is not None:
+        return [cells.absent_row(reason, impl="torch", mode=v, **ident) for v in VARIANTS]
+    try:
+        peer = TorchLlamaPeer(module, conc)
+    except Exception as exc:   # keep the vt cells; the peer's rows say why
+        why = f"the torch peer failed to set up: {type(exc).__name__}: {exc}"
+        progress.log(f"vt bench: {why}")
+        return [cells.absent_row(why, impl="torch", mode=v, **ident) for v in VARIANTS]
+    rows = []
+    try:
+        ceiling = peer.ceiling_us(args.ceiling_replays)
+        for variant in VARIANTS:
+            runs = [peer.run(variant, prompts, args.steps) for _ in range(args.repeats)]
+            res, times = median_run(runs, lambda r: r["wall_s"] / args.steps)
+            rows.append(cells.torch_row(dict(ident, mode=variant), res, conc=conc,
+                                        steps=args.steps, ceiling_us=ceiling, tokens_ok=None))
+            rows[-1]["step_us_runs"] = times
+            progress.step(done_line(rows[-1]))
+    finally:
+        peer.close()
+    return rows

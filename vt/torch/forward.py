@@ -1,0 +1,148 @@
+"""TorchForwardModel: a PyTorch decode forward as a vt step model.
+
+The forward is `forward(inputs, logits_out)`: `inputs` a vt.torch.TorchInputs (torch views of
+the step's device buffers), `logits_out` a [S, vocab] float32 tensor it must fill. It may be a
+plain function or an nn.Module. vt runs it on its own stream, captures it into the decode
+step's graph like any forward, and around it:
+
+- on cuda, torch's current stream is vt's (torch.cuda.ExternalStream), so every kernel the
+  forward launches is in vt's stream order, and in its capture;
+- while vt captures, every torch allocation goes to a private torch.cuda.MemPool per vt stream
+  (vt/torch/capture.py says why that matters). One pool serves every size and ring slot of
+  an engine: their replays run one after another on that stream. It is dropped, and its memory
+  freed, by release_stream: at Engine.close(), after the graphs that use it are destroyed;
+- the first eager step of each batch size first runs the forward once on a side stream, as
+  torch asks before a capture (lazy initialisation, workspaces); vt's own warm-up step then
+  runs it on vt's stream before capturing that size;
+- a call that cannot be captured (host sync, .item(), a copy from host memory) is refused with
+  TorchCaptureError naming the call; any other exception propagates as it is.
+
+On the sim backend the forward runs on CPU tensors (views of the sim's numpy buffers) inside a
+sim kernel, so the sim's stream order and capture semantics apply to it (no memory pool: the
+sim's graphs hold no torch memory).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from vt.forward.user import ForwardModel, KVGeometry
+from vt.step import FORWARD_FIELDS
+from vt.torch.capture import capturing_into
+from vt.torch.views import TorchInputs, ViewCache
+
+
+def torch_device(be) -> torch.device:
+    """The torch device whose memory a backend's buffers are in: cuda:N, or cpu for the sim."""
+    return torch.device("cuda", be.device.ordinal) if be.name == "cuda" else torch.device("cpu")
+
+
+class TorchForwardModel(ForwardModel):
+    """ForwardModel of a torch forward(inputs, logits_out) (module docstring). token_table: the
+    backend's [max_seqs + 1] int32 array the sampler writes the tokens into; one is made when
+    None. The model's tensors (weights, KV cache) must be on torch_device(be)."""
+
+    def __init__(self, be, forward, *, vocab: int, geometry: KVGeometry, token_table=None):
+        if not callable(forward):
+            raise TypeError(f"forward must be a callable forward(inputs, logits_out) or an "
+                            f"nn.Module, got {type(forward).__name__}")
+        if isinstance(forward, torch.nn.Module):
+            forward.eval()
+        if token_table is None:
+            token_table = _zeros(be, (geometry.max_seqs + 1,), np.int32)
+        super().__init__(be, TorchStep(be, forward, token_table), vocab=vocab,
+                         token_table=token_table, geometry=geometry)
+
+    def release_stream(self, stream) -> None:
+        """Drop the stream's torch memory pool and views (the runner's graphs are gone)."""
+        self.forward.release(stream)
+
+    def torch_memory_pools(self) -> int:
+        """Private pools alive (one per stream that captured): 0 once every engine is closed."""
+        return sum(st.pool is not None for st in self.forward.streams.values())
+
+
+@dataclass
+class _StreamState:
+    """What the adapter keeps per vt stream."""
+    external: object                      # torch.cuda.ExternalStream of vt's stream
+    views: ViewCache
+    pool: object = None   # torch.cuda.MemPool, made at the first capture (no CUDA call)
+    warmed: set = field(default_factory=set)   # batch sizes warmed on a side stream
+
+
+class TorchStep:
+    """The callable ForwardModel drives: forward(stream, inputs, logits_out) with vt's arrays."""
+
+    def __init__(self, be, fn, token_table):
+        self.be, self.fn, self.token_table = be, fn, token_table
+        self.device = torch_device(be)
+        self.streams: dict[int, _StreamState] = {}
+
+    def __call__(self, stream, inputs, logits_out) -> None:
+        if self.be.name != "cuda":
+            self.be.launch(stream, _SimTorchKernel(self.fn), self.token_table,
+                           *(getattr(inputs, f) for f in FORWARD_FIELDS), logits_out)
+            return
+        st = self._state(stream)
+        t_in = st.views.inputs(self.token_table, inputs)
+        t_out = st.views.view(logits_out)
+        with torch.cuda.stream(st.external), torch.inference_mode():
+            if stream.is_capturing():
+                if st.pool is None:
+                    st.pool = torch.cuda.MemPool()
+                with capturing_into(st.pool, stream):
+                    self.fn(t_in, t_out)
+                return
+            if t_in.batch not in st.warmed:
+                self._warm_up_on_side_stream(st.external, t_in, t_out)
+                st.warmed.add(t_in.batch)
+            self.fn(t_in, t_out)
+
+    def _warm_up_on_side_stream(self, external, t_in, t_out) -> None:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(external)
+        with torch.cuda.stream(side):
+            self.fn(t_in, t_out)
+        external.wait_stream(side)
+
+    def _state(self, stream) -> _StreamState:
+        st = self.streams.get(stream.handle)
+        if st is None:
+            st = self.streams[stream.handle] = _StreamState(
+                torch.cuda.ExternalStream(stream.handle, device=self.device), ViewCache(self.device))
+        return st
+
+    def release(self, stream) -> None:
+        st = self.streams.pop(getattr(stream, "handle", None), None)
+        if st is not None:
+            st.views.clear()
+            st.pool = None   # the last reference: torch frees the pool's memory
+
+
+class _SimTorchKernel:
+    """The sim's kernel around a torch forward: runs it on CPU views of the sim's buffers when
+    the sim's stream reaches it (so a captured step runs it at every replay)."""
+
+    name = "torch_forward"
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def run_numpy(self, table, *arrays):
+        *fields, logits = [torch.from_numpy(np.asarray(a)) for a in (table, *arrays)]
+        with torch.inference_mode():
+            self.fn(TorchInputs(fields[0], *fields[1:]), logits)
+
+
+def _zeros(be, shape, dtype):
+    dev = be.empty(shape, dtype)
+    host = be.pinned_empty(shape, dtype)
+    host[...] = 0
+    s = be.stream(name="vt-torch-init")
+    be.copy_h2d(dev, host, s)
+    s.synchronize()
+    s.close()
+    return dev

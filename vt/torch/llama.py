@@ -1,0 +1,204 @@
+"""A Llama-family decoder in PyTorch on vt's step contract: the template to copy for your model.
+
+One decode step of S rows (one token per row, vt.torch.TorchInputs) per call:
+
+    x = embed(token_table[token_rows])                                  # [S, hidden]
+    per layer:  q, k, v = qkv(rms_norm(x))        (+ bias: Qwen2; q/k RMSNorm: Qwen3)
+                q, k = rope(q, k, positions)
+                k_cache[slot_mapping], v_cache[slot_mapping] = k, v     # the paged KV write
+                x += o(attention(q, the cache's first seq_lens slots via block_tables))
+                x += down(silu(gate(h)) * up(h)),  h = rms_norm(x)
+    logits_out = lm_head(rms_norm(x))                                   # [S, vocab] f32
+
+Every shape is fixed by S and the geometry (attention reads max_context slots per row and
+masks those at or beyond seq_lens), so the step has no host sync and captures as it is.
+vt.torch.hf loads Hugging Face checkpoints into it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from vt.step import KVGeometry
+from vt.torch.views import TorchInputs
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """The architecture. Llama: no biases; Qwen2: qkv_bias; Qwen3: qk_norm (and head_dim)."""
+    vocab: int
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rms_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_llama3: tuple | None = None   # (factor, low_freq_factor, high_freq_factor, original_max)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {v!r}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"LlamaConfig: heads={self.heads} must be a multiple of "
+                             f"kv_heads={self.kv_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ValueError(f"LlamaConfig.head_dim={self.head_dim} must be even (RoPE)")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # In float32, as Hugging Face's Llama does, then back to the weights' dtype.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden, q + 2 * kv, bias=cfg.qkv_bias)   # fused q, k, v
+        self.o = nn.Linear(q, cfg.hidden, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, inputs: TorchInputs, slots, mask):
+        c = self.cfg
+        S = x.shape[0]
+        q, k, v = self.qkv(x).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
+                                     c.kv_heads * c.head_dim], dim=-1)
+        q = q.view(S, c.heads, c.head_dim)
+        k = k.view(S, c.kv_heads, c.head_dim)
+        v = v.view(S, c.kv_heads, c.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        # The paged KV write: row r's key and value go to its slot (a pad row: the scratch block).
+        k_cache.index_copy_(0, inputs.slot_mapping.long(), k)
+        v_cache.index_copy_(0, inputs.slot_mapping.long(), v)
+        # Every row attends over max_context slots, gathered through its block table; `mask`
+        # hides the slots at or beyond its seq_lens. Grouped-query attention without copying
+        # K and V per head: head h uses KV head h // group, so the group's heads are that KV
+        # head's `group` queries.
+        keys = k_cache[slots].transpose(1, 2)     # [S, kv_heads, T, head_dim]
+        vals = v_cache[slots].transpose(1, 2)
+        group = c.heads // c.kv_heads
+        out = F.scaled_dot_product_attention(q.view(S, c.kv_heads, group, c.head_dim), keys, vals,
+                                             attn_mask=mask)   # [S, kv_heads, group, head_dim]
+        return self.o(out.reshape(S, c.heads * c.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=cfg.mlp_bias)   # fused
+        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+
+class LlamaDecoder(nn.Module):
+    """The decoder and its paged KV cache ([num_kv_blocks * block_size, kv_heads, head_dim] per
+    layer, K and V) for a vt geometry. Call it as vt's forward(inputs, logits_out)."""
+
+    def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
+                 device="cuda"):
+        super().__init__()
+        self.cfg, self.geometry = cfg, geometry
+        factory = dict(dtype=dtype, device=device)
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, **factory)
+        with torch.device(device):
+            self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.layers)).to(dtype)
+            self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
+            self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False,
+                                                                     **factory)
+        slots = geometry.num_kv_blocks * geometry.block_size
+        kv = (cfg.layers, slots, cfg.kv_heads, cfg.head_dim)
+        self.register_buffer("k_cache", torch.zeros(kv, **factory), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(kv, **factory), persistent=False)
+        cos, sin = rope_table(cfg, geometry.max_context)
+        self.register_buffer("cos", cos.to(device), persistent=False)   # [max_context, hd] f32
+        self.register_buffer("sin", sin.to(device), persistent=False)
+        T = geometry.max_blocks * geometry.block_size
+        self.register_buffer("context", torch.arange(T, device=device), persistent=False)   # [T]
+
+    @torch.inference_mode()
+    def forward(self, inputs: TorchInputs, logits_out: torch.Tensor) -> None:
+        bs = self.geometry.block_size
+        pos = inputs.positions.long()
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)   # [S, 1, hd]
+        t = self.context
+        # [S, T]: the cache slot of each of the row's positions (vt.step.kv_slot), and which
+        # of them it may see
+        slots = inputs.block_tables.long()[:, t // bs] * bs + t % bs
+        mask = (t < inputs.seq_lens.unsqueeze(1))[:, None, None, :]        # [S, 1, 1, T]
+        x = self.embed(inputs.input_ids.long())
+        for i, layer in enumerate(self.layers):
+            x = x + layer.attn(layer.attn_norm(x), cos, sin, self.k_cache[i], self.v_cache[i],
+                               inputs, slots, mask)
+            x = x + layer.mlp(layer.mlp_norm(x))
+        x = self.norm(x)
+        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        logits_out.copy_(F.linear(x, head))
+
+
+def rope(x, cos, sin):
+    """Rotary embedding, Hugging Face's layout (the two halves of head_dim rotate together)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def rope_table(cfg: LlamaConfig, max_context: int):
+    """cos, sin [max_context, head_dim] f32 (Llama 3's frequency scaling when rope_llama3).
+    In float32 throughout, as Hugging Face computes them, so that the tables are the same."""
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
+                                    / cfg.head_dim))
+    if cfg.rope_llama3 is not None:
+        inv = _llama3_frequencies(inv, *cfg.rope_llama3)
+    freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _llama3_frequencies(inv, factor, low_freq_factor, high_freq_factor, original_max):
+    """Llama 3.1's rope scaling: long wavelengths slowed by `factor`, short ones kept, a smooth
+    blend between (Hugging Face's _compute_llama3_parameters)."""
+    low_wavelen, high_wavelen = original_max / low_freq_factor, original_max / high_freq_factor
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (original_max / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, blended, scaled)
