@@ -1,5 +1,5 @@
 """Shared pieces of the model's kernels: storage-dtype conversion (numpy and CUDA) and the
-compile cache for CuPy RawModules.
+CUDA prelude they are compiled behind (the compile cache itself is vt.backend.nvrtc).
 
 Storage tensors are fp16 (numpy float16) or bf16 (raw bits in numpy uint16: numpy has no
 bfloat16). CUDA code sees both as `u16` and converts with PTX `cvt`, so no CUDA header
@@ -8,6 +8,9 @@ bfloat16). CUDA code sees both as `u16` and converts with PTX `cvt`, so no CUDA 
 from __future__ import annotations
 
 import numpy as np
+
+from vt.backend import nvrtc as _nvrtc
+from vt.backend.nvrtc import sm_count  # noqa: F401  (re-exported for the model's kernels)
 
 # ---------------------------------------------------------------- numpy side
 
@@ -93,41 +96,15 @@ __device__ float block_sum(float v, float* sh32) {
 }
 """
 
-_FUNCS: dict[tuple, object] = {}
-
-
 def cuda_function(code: str, name: str, storage, **defines):
-    """The compiled CuPy function `name` from `code` for a storage dtype and `defines` (cached).
-
-    Compiled and loaded on first use, so the first call must be eager (not under capture):
-    HybridModel and the tests run every kernel eagerly before capturing.
-    """
-    bf16 = np.dtype(storage) == np.uint16
-    key = (code, name, bf16, tuple(sorted(defines.items())))
-    fn = _FUNCS.get(key)
-    if fn is None:
-        import cupy as cp
-
-        fn = _FUNCS[key] = cp.RawModule(code=PRELUDE + code, options=nvrtc_options(bf16, defines)).get_function(name)
-    return fn
+    """The compiled CuPy function `name` from `code` (behind PRELUDE) for a storage dtype and
+    `defines`, from the shared compile cache of vt.backend.nvrtc."""
+    return _nvrtc.cuda_function(PRELUDE + code, name, VT_BF16=int(np.dtype(storage) == np.uint16), **defines)
 
 
 def nvrtc_options(bf16: bool, defines: dict) -> tuple[str, ...]:
-    """The NVRTC options of a kernel build (CuPy adds the target architecture); the compile
-    test (tests/model/test_cuda_compile.py) compiles with the same ones."""
-    return ("-std=c++17", f"-DVT_BF16={int(bf16)}") + tuple(f"-D{k}={v}" for k, v in sorted(defines.items()))
-
-
-_SM_COUNT: list[int] = []
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the current CUDA device (cached; sizes split-work grids)."""
-    if not _SM_COUNT:
-        import cupy as cp
-
-        _SM_COUNT.append(int(cp.cuda.Device().attributes["MultiProcessorCount"]))
-    return _SM_COUNT[0]
+    """The NVRTC options of a model kernel build (the compile test builds with the same ones)."""
+    return _nvrtc.nvrtc_options(dict(defines, VT_BF16=int(bf16)))
 
 
 def storage_of(*arrays) -> np.dtype:

@@ -1,0 +1,155 @@
+"""CUDA side of the sampler, part 1: the keys, the keyed random draws, the exponential race and
+the workspace layout that every sampler kernel shares (kernels.py holds the kernels).
+
+Order: elements are ranked by the 64-bit key skey = (ordered float bits of the logit) << 32 |
+(0xffffffff - token id): larger logit first, lower token id first among equal logits (-0.0 is
+read as +0.0). A kept set is always a prefix of that order, so "kept" is skey >= a threshold.
+"""
+
+PRELUDE = r"""
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+typedef unsigned long long u64;
+typedef unsigned int u32;
+#define NT 256
+#define NB 2048
+#define GAMMA 0x9e3779b97f4a7c15ull
+
+__device__ __forceinline__ u64 mix64(u64 z) {
+  z += GAMMA;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ u32 okey(float x) {
+  u32 b = __float_as_uint(x == 0.f ? 0.f : x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float unokey(u32 k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ u64 skey(float x, int i) {
+  return ((u64)okey(x) << 32) | (u64)(0xffffffffu - (u32)i);
+}
+// Probability weight of a scaled logit in fixed point (40 fraction bits): integer sums are
+// exact and independent of the order of the atomics. Weights below 2^-40 of the largest are 0.
+__device__ __forceinline__ u64 weight(float z, double zmax) {
+  double d = (double)z - zmax;
+  return d < -28.0 ? 0ull : (u64)(exp(d) * 0x1p40);
+}
+
+// Exponential race (Gumbel-max): the kept token with the largest z + g wins, g = -log(-log(u))
+// with u keyed on (row base = hash(seed, position), token id). Exact keys are doubles; two
+// cheaper bounds skip the tokens that provably cannot beat the best so far.
+struct Race { double k; int i; };
+__device__ __forceinline__ void race_add(Race& r, float z, int i, u64 base) {
+  const u64 w = mix64(base + (u64)(u32)i * GAMMA) >> 12;  // 52 random bits
+  const bool low = w < (1ull << 51);
+  const u64 m = (1ull << 52) - w;
+  // g <= -log(log 2) when u < 1/2; else g <= -log(1-u) <= (53 - floor(log2 m)) ln 2.
+  const float ub = low ? 0.36652f : (float)(53 - (63 - __clzll((long long)m))) * 0.6931472f + 1e-3f;
+  if ((double)z + (double)ub < r.k) return;
+  // float g within 1e-5 of the exact one (log1pf keeps 1-u's precision when u is near 1)
+  const float e = low ? -logf((float)(((double)w + 0.5) * 0x1p-52)) : -log1pf(-(float)(((double)m - 0.5) * 0x1p-52));
+  if ((double)z + (double)(-logf(e)) + 1e-4 < r.k) return;
+  const double key = (double)z - log(-log(((double)w + 0.5) * 0x1p-52));
+  if (key > r.k || (key == r.k && i < r.i)) { r.k = key; r.i = i; }
+}
+__device__ __forceinline__ void race_merge(Race& r, double k, int i) {
+  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; }
+}
+__device__ Race block_race(Race r) {
+  __shared__ double sk[NT / 32]; __shared__ int si[NT / 32];
+  for (int o = 16; o > 0; o >>= 1)
+    race_merge(r, __shfl_xor_sync(0xffffffffu, r.k, o), __shfl_xor_sync(0xffffffffu, r.i, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) { sk[threadIdx.x >> 5] = r.k; si[threadIdx.x >> 5] = r.i; }
+  __syncthreads();
+  for (int j = 0; j < NT / 32; ++j) race_merge(r, sk[j], si[j]);
+  return r;
+}
+__device__ u64 block_max_u64(u64 v) {
+  __shared__ u64 sm[NT / 32];
+  for (int o = 16; o > 0; o >>= 1) { u64 t = __shfl_xor_sync(0xffffffffu, v, o); v = t > v ? t : v; }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = v;
+  __syncthreads();
+  for (int j = 0; j < NT / 32; ++j) v = sm[j] > v ? sm[j] : v;
+  return v;
+}
+__device__ u32 block_sum_u32(u32 v) {
+  __shared__ u32 sm[NT / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = 0;
+  for (int j = 0; j < NT / 32; ++j) v += sm[j];
+  return v;
+}
+
+// One select (0: top_k by count, 1: top_p by mass) of one row, advanced pass by pass.
+struct SelState {
+  long long status;          // 0 idle or done, 1 value digits to go, 2 index pass to go
+  u64 prefix;                // ordered-float bits resolved so far
+  u64 above_cnt, above_mass; // count and mass of the domain strictly above the prefix
+  u64 target;                // count (top_k) or mass (top_p) the kept prefix must reach
+  u64 need;                  // tied elements to keep (index pass)
+  u64 thr;                   // kept iff skey >= thr (0 keeps everything)
+};
+struct RowState {
+  long long mode;            // 0 finished in the scan, 1 goes through the selects and the race
+  double zmax, inv_t, log_min_p, top_p;
+  SelState sel[2];
+};
+struct Work { u32* tick; u64* maxk; u32* bad; RowState* st; u32* tcnt; double* pk; int* pi; u32* hcnt; u64* hmass; };
+__device__ __forceinline__ size_t al8(size_t n) { return (n + 7) & ~(size_t)7; }
+__device__ Work layout(unsigned char* p, int S, int B) {
+  Work w; size_t o = 0;
+  w.tick = (u32*)(p + o); o += al8(4ull * S);
+  w.maxk = (u64*)(p + o); o += 8ull * S;
+  w.bad = (u32*)(p + o); o += al8(4ull * S);
+  w.st = (RowState*)(p + o); o += sizeof(RowState) * S;
+  w.tcnt = (u32*)(p + o); o += al8(4ull * S * B);
+  w.pk = (double*)(p + o); o += 8ull * S * B;
+  w.pi = (int*)(p + o); o += al8(4ull * S * B);
+  w.hcnt = (u32*)(p + o); o += 4ull * S * NB;
+  w.hmass = (u64*)(p + o);
+  return w;
+}
+// The last block of a row to finish (threadfence reduction): it alone merges the row's partials.
+__device__ bool last_block(u32* tick, int B) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(tick, 1u) == (u32)(B - 1);
+    if (last) *tick = 0;  // every block of the row has counted: ready for the next kernel
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+// Each element of the block's chunk [c0, c1) of row x: f(value, token id).
+template <class F> __device__ __forceinline__ void each(const float* __restrict__ x, int c0, int c1, F f) {
+#if VEC4
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (int j = (c0 >> 2) + threadIdx.x; j < (c1 >> 2); j += NT) {
+    const float4 v = x4[j]; const int i = j << 2;
+    f(v.x, i); f(v.y, i + 1); f(v.z, i + 2); f(v.w, i + 3);
+  }
+#else
+  for (int i = c0 + threadIdx.x; i < c1; i += NT) f(x[i], i);
+#endif
+}
+"""
+
+
+def workspace_bytes(S: int, B: int) -> int:
+    """Bytes of the sampler's workspace for S rows split in B blocks each (layout() above)."""
+    def al8(n):
+        return (n + 7) // 8 * 8
+    row_state = 8 * (5 + 2 * 7)
+    return (al8(4 * S) + 8 * S + al8(4 * S) + row_state * S + al8(4 * S * B) + 8 * S * B
+            + al8(4 * S * B) + 4 * S * 2048 + 8 * S * 2048)

@@ -1,0 +1,77 @@
+"""The sampler's launch object: the same protocol as the model's kernels (run_numpy on the sim,
+run_cupy on the current CuPy stream; capturable: no host sync, its one workspace comes from
+CuPy's allocator and is zeroed in-stream, every scalar is baked into the launch).
+
+Arguments (S rows, vocabulary V):
+  logits [S, V] f32, token_rows [S] i32, positions [S] i32, temperature [S] f32,
+  top_k [S] i32 (0 = all), top_p [S] f32, min_p [S] f32, seed [S] u64,
+  out_tokens [S] i32, token_table [*] i32
+Writes out_tokens[r] and token_table[token_rows[r]] (the next step's input token).
+
+Error rows: a row with a NaN or +inf logit, or only -inf logits, or whose largest scaled logit
+overflows (logit / temperature = inf), gets out_tokens[r] = -1 (the engine finishes that
+request with an error) and token_table[token_rows[r]] = 0, so the next embedding stays in range.
+-inf logits are otherwise legal: masked tokens, never drawn.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference
+from .device_code import workspace_bytes
+from .kernels import CODE
+
+_BLOCKS_PER_SM = 8     # resident 256-thread blocks per SM the grid aims at
+_MIN_CHUNK = 1024      # elements per block: below this a block is mostly launch overhead
+_SELECT_PASSES = [(which, level) for which in (0, 1) for level in range(4)]
+
+
+def split(S: int, V: int, sms: int) -> tuple[int, int]:
+    """(blocks per row B, elements per block C): enough blocks to fill the GPU at any S, chunks
+    a multiple of 4 (float4 loads) and none empty."""
+    B = max(1, min(-(-_BLOCKS_PER_SM * sms // S), -(-V // _MIN_CHUNK)))
+    C = (-(-V // B) + 3) // 4 * 4
+    return -(-V // C), C
+
+
+class Sampler:
+    """logits [S, V] f32 -> out_tokens [S] i32 and token_table[token_rows] (see the module doc)."""
+
+    name = "sample"
+
+    def run_numpy(self, logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
+                  out_tokens, token_table):
+        out_tokens[...] = reference.sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed)
+        token_table[token_rows] = np.maximum(out_tokens, 0)
+
+    def run_cupy(self, stream_handle, logits, token_rows, positions, temperature, top_k, top_p,
+                 min_p, seed, out_tokens, token_table):
+        import cupy as cp
+
+        from vt.backend.nvrtc import cuda_function, sm_count
+
+        S, V = logits.shape
+        if not S:
+            return
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous or V >= 2**23:
+            raise ValueError(f"Sampler: logits must be C-contiguous float32 [S, V] with V < 2**23, "
+                             f"got {logits.dtype} {logits.shape}")
+        vec = int(V % 4 == 0 and logits.data.ptr % 16 == 0)
+        B, C = split(S, V, sm_count())
+        ws = cp.empty(workspace_bytes(S, B), cp.uint8)
+        cp.cuda.runtime.memsetAsync(ws.data.ptr, 0, ws.nbytes, cp.cuda.get_current_stream().ptr)
+        grid, block = (S * B,), (256,)
+        dims = (np.int32(S), np.int32(V), np.int32(B), np.int32(C))
+        cuda_function(CODE, "sample_scan", VEC4=vec)(
+            grid, block, (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
+                          out_tokens, token_table, ws, *dims))
+        select = cuda_function(CODE, "sample_select", VEC4=vec)
+        for which, level in _SELECT_PASSES:
+            select(grid, block, (logits, ws, *dims, np.int32(which), np.int32(level)))
+        cuda_function(CODE, "sample_race", VEC4=vec)(
+            grid, block, (logits, token_rows, positions, seed, out_tokens, token_table, ws, *dims))
+
+
+def workspace_for(S: int, V: int, sms: int) -> int:
+    """Bytes the sampler allocates per call for S rows of V (for a pool's warm-up)."""
+    return workspace_bytes(S, split(S, V, sms)[0])
