@@ -89,32 +89,22 @@ __device__ u32 block_sum_u32(u32 v) {
   return v;
 }
 
-// One select (0: top_k by count, 1: top_p by mass) of one row, advanced pass by pass.
-struct SelState {
-  long long status;          // 0 idle or done, 1 value digits to go, 2 index pass to go
-  u64 prefix;                // ordered-float bits resolved so far
-  u64 above_cnt, above_mass; // count and mass of the domain strictly above the prefix
-  u64 target;                // count (top_k) or mass (top_p) the kept prefix must reach
-  u64 need;                  // tied elements to keep (index pass)
-  u64 thr;                   // kept iff skey >= thr (0 keeps everything)
-};
-struct RowState {
-  long long mode;            // 0 finished in the scan, 1 goes through the selects and the race
-  double zmax, inv_t, log_min_p, top_p;
-  SelState sel[2];
-};
-struct Work { u32* tick; u64* maxk; u32* bad; RowState* st; u32* tcnt; double* pk; int* pi; u32* hcnt; u64* hmass; };
+// Workspace. Zeroed before the launch (memset): ctr, tick, maxk, bad. Written before read:
+// thr, tcnt, pk, pi. The three histogram buffers of a row are zeroed inside the kernel, each
+// one pass before it is used (see zero_hist).
+struct Work { u32* ctr; u32* tick; u64* maxk; u32* bad; u64* thr; u32* tcnt; double* pk; int* pi; u32* hcnt; u64* hmass; };
 __device__ __forceinline__ size_t al8(size_t n) { return (n + 7) & ~(size_t)7; }
 __device__ Work layout(unsigned char* p, int S, int B) {
   Work w; size_t o = 0;
+  w.ctr = (u32*)(p + o); o += al8(4ull * S);
   w.tick = (u32*)(p + o); o += al8(4ull * S);
   w.maxk = (u64*)(p + o); o += 8ull * S;
   w.bad = (u32*)(p + o); o += al8(4ull * S);
-  w.st = (RowState*)(p + o); o += sizeof(RowState) * S;
+  w.thr = (u64*)(p + o); o += 8ull * S;
   w.tcnt = (u32*)(p + o); o += al8(4ull * S * B);
   w.pk = (double*)(p + o); o += 8ull * S * B;
   w.pi = (int*)(p + o); o += al8(4ull * S * B);
-  w.hcnt = (u32*)(p + o); o += 4ull * S * NB;
+  w.hcnt = (u32*)(p + o); o += 4ull * S * 3 * NB;
   w.hmass = (u64*)(p + o);
   return w;
 }
@@ -123,18 +113,28 @@ __device__ bool last_block(u32* tick, int B) {
   __shared__ bool last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(tick, 1u) == (u32)(B - 1);
-    if (last) *tick = 0;  // every block of the row has counted: ready for the next kernel
-  }
+  if (threadIdx.x == 0) last = atomicAdd(tick, 1u) == (u32)(B - 1);
   __syncthreads();
   if (last) __threadfence();
   return last;
+}
+// Barrier of the B blocks of one row (generation gen: every block has arrived gen times). The
+// grid is sized so that a row's blocks are resident together whenever B > 1.
+__device__ void row_sync(u32* ctr, u32 target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(ctr, 1u);
+    while (*(volatile u32*)ctr < target) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
 }
 // Each element of the block's chunk [c0, c1) of row x: f(value, token id).
 template <class F> __device__ __forceinline__ void each(const float* __restrict__ x, int c0, int c1, F f) {
 #if VEC4
   const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll 4
   for (int j = (c0 >> 2) + threadIdx.x; j < (c1 >> 2); j += NT) {
     const float4 v = x4[j]; const int i = j << 2;
     f(v.x, i); f(v.y, i + 1); f(v.z, i + 2); f(v.w, i + 3);
@@ -150,6 +150,12 @@ def workspace_bytes(S: int, B: int) -> int:
     """Bytes of the sampler's workspace for S rows split in B blocks each (layout() above)."""
     def al8(n):
         return (n + 7) // 8 * 8
-    row_state = 8 * (5 + 2 * 7)
-    return (al8(4 * S) + 8 * S + al8(4 * S) + row_state * S + al8(4 * S * B) + 8 * S * B
-            + al8(4 * S * B) + 4 * S * 2048 + 8 * S * 2048)
+    return (2 * al8(4 * S) + 8 * S + al8(4 * S) + 8 * S + al8(4 * S * B) + 8 * S * B + al8(4 * S * B)
+            + 3 * (4 + 8) * 2048 * S)
+
+
+def zeroed_bytes(S: int) -> int:
+    """The leading bytes of the workspace that must be zero at launch (ctr, tick, maxk, bad)."""
+    def al8(n):
+        return (n + 7) // 8 * 8
+    return 2 * al8(4 * S) + 8 * S + al8(4 * S)

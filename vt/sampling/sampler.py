@@ -18,18 +18,17 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference
-from .device_code import workspace_bytes
-from .kernels import CODE
+from .device_code import workspace_bytes, zeroed_bytes
+from .kernels import BLOCKS_PER_SM, CODE
 
-_BLOCKS_PER_SM = 8     # resident 256-thread blocks per SM the grid aims at
 _MIN_CHUNK = 1024      # elements per block: below this a block is mostly launch overhead
-_SELECT_PASSES = [(which, level) for which in (0, 1) for level in range(4)]
 
 
 def split(S: int, V: int, sms: int) -> tuple[int, int]:
-    """(blocks per row B, elements per block C): enough blocks to fill the GPU at any S, chunks
-    a multiple of 4 (float4 loads) and none empty."""
-    B = max(1, min(-(-_BLOCKS_PER_SM * sms // S), -(-V // _MIN_CHUNK)))
+    """(blocks per row B, elements per block C): as many blocks as fit on the GPU at once (a
+    row's blocks wait for each other at its barriers, so when B > 1 all S * B must be resident),
+    chunks a multiple of 4 (float4 loads) and none empty."""
+    B = max(1, min(BLOCKS_PER_SM * sms // S, -(-V // _MIN_CHUNK)))
     C = (-(-V // B) + 3) // 4 * 4
     return -(-V // C), C
 
@@ -59,17 +58,10 @@ class Sampler:
         vec = int(V % 4 == 0 and logits.data.ptr % 16 == 0)
         B, C = split(S, V, sm_count())
         ws = cp.empty(workspace_bytes(S, B), cp.uint8)
-        cp.cuda.runtime.memsetAsync(ws.data.ptr, 0, ws.nbytes, cp.cuda.get_current_stream().ptr)
-        grid, block = (S * B,), (256,)
-        dims = (np.int32(S), np.int32(V), np.int32(B), np.int32(C))
-        cuda_function(CODE, "sample_scan", VEC4=vec)(
-            grid, block, (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
-                          out_tokens, token_table, ws, *dims))
-        select = cuda_function(CODE, "sample_select", VEC4=vec)
-        for which, level in _SELECT_PASSES:
-            select(grid, block, (logits, ws, *dims, np.int32(which), np.int32(level)))
-        cuda_function(CODE, "sample_race", VEC4=vec)(
-            grid, block, (logits, token_rows, positions, seed, out_tokens, token_table, ws, *dims))
+        cp.cuda.runtime.memsetAsync(ws.data.ptr, 0, zeroed_bytes(S), cp.cuda.get_current_stream().ptr)
+        cuda_function(CODE, "sample", VEC4=vec)(
+            (S * B,), (256,), (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
+                               out_tokens, token_table, ws, np.int32(S), np.int32(V), np.int32(B), np.int32(C)))
 
 
 def workspace_for(S: int, V: int, sms: int) -> int:
