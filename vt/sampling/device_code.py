@@ -39,26 +39,35 @@ __device__ __forceinline__ u64 weight(float z, double zmax) {
   return d < -28.0 ? 0ull : (u64)(exp(d) * 0x1p40);
 }
 
-// Exponential race (Gumbel-max): the kept token with the largest z + g wins, g = -log(-log(u))
-// with u keyed on (row base = hash(seed, position), token id). Exact keys are doubles; two
-// cheaper bounds skip the tokens that provably cannot beat the best so far.
-struct Race { double k; int i; };
-__device__ __forceinline__ void race_add(Race& r, float z, int i, u64 base) {
-  const u64 w = mix64(base + (u64)(u32)i * GAMMA) >> 12;  // 52 random bits
-  const bool low = w < (1ull << 51);
+// Exponential race (Gumbel-max): the kept token with the largest z + g wins, g = -log(-log(u)),
+// u = (w + 1/2) 2^-52 with 52 bits w keyed on the row key (hash of seed, position) and the
+// token id: the top 32 bits h1 = H(H(i ^ k1) + k2), the low 20 from H(h1 ^ k1 ^ c). Exact keys
+// are doubles; two cheap bounds skip the tokens that provably cannot beat the best so far (the
+// first needs only h1 and float adds; most tokens stop there).
+__device__ __forceinline__ u32 lowbias32(u32 x) {
+  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+  return x;
+}
+struct Race { double k; int i; float lo; };  // lo <= k, for float comparisons
+__device__ __forceinline__ void race_add(Race& r, float z, int i, u64 key) {
+  const u32 k1 = (u32)key, k2 = (u32)(key >> 32);
+  const u32 h1 = lowbias32(lowbias32((u32)i ^ k1) + k2);
+  // g <= -log(log 2) when u < 1/2; else g <= -log(1 - u), and 1 - u >= 2^-4 / 2^-12 by h1's top bits
+  const float ub = h1 < 0x80000000u ? 0.36652f : h1 < 0xf0000000u ? 2.7736f : h1 < 0xfff00000u ? 8.3188f : 37.0f;
+  if (__fadd_ru(z, ub) < r.lo) return;
+  const u64 w = ((u64)h1 << 20) | (lowbias32(h1 ^ k1 ^ 0x85ebca6bu) >> 12);
   const u64 m = (1ull << 52) - w;
-  // g <= -log(log 2) when u < 1/2; else g <= -log(1-u) <= (53 - floor(log2 m)) ln 2.
-  const float ub = low ? 0.36652f : (float)(53 - (63 - __clzll((long long)m))) * 0.6931472f + 1e-3f;
-  if ((double)z + (double)ub < r.k) return;
   // float g within 1e-5 of the exact one (log1pf keeps 1-u's precision when u is near 1)
-  const float e = low ? -logf((float)(((double)w + 0.5) * 0x1p-52)) : -log1pf(-(float)(((double)m - 0.5) * 0x1p-52));
+  const float e = h1 < 0x80000000u ? -logf((float)(((double)w + 0.5) * 0x1p-52)) : -log1pf(-(float)(((double)m - 0.5) * 0x1p-52));
   if ((double)z + (double)(-logf(e)) + 1e-4 < r.k) return;
-  const double key = (double)z - log(-log(((double)w + 0.5) * 0x1p-52));
-  if (key > r.k || (key == r.k && i < r.i)) { r.k = key; r.i = i; }
+  const double k = (double)z - log(-log(((double)w + 0.5) * 0x1p-52));
+  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = __double2float_rd(k); }
 }
 __device__ __forceinline__ void race_merge(Race& r, double k, int i) {
-  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; }
+  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = __double2float_rd(k); }
 }
+// Merge B partial races of a row (the last block, all threads).
+__device__ Race merge_partials(const double* pk, const int* pi, int B);
 __device__ Race block_race(Race r) {
   __shared__ double sk[NT / 32]; __shared__ int si[NT / 32];
   for (int o = 16; o > 0; o >>= 1)

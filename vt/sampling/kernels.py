@@ -14,6 +14,12 @@ A phase a row does not need costs it nothing, so any mix of modes shares one gra
 from .device_code import PRELUDE
 
 _KERNELS = r"""
+__device__ Race merge_partials(const double* pk, const int* pi, int B) {
+  Race q = {-INFINITY, 0x7fffffff, -INFINITY};
+  for (int j = threadIdx.x; j < B; j += NT) race_merge(q, __ldcg(&pk[j]), __ldcg(&pi[j]));
+  return block_race(q);
+}
+
 __device__ void finish(int row, int tok, int* out, const int* rows, int* table) {
   out[row] = tok;
   table[rows[row]] = tok < 0 ? 0 : tok;  // an error row (-1) feeds a valid embedding row
@@ -47,11 +53,17 @@ struct Row {  // what every block of a row knows alike
   u32 gen; int pass;
 };
 
+// count_digit: one element into a shared count histogram, one atomic per distinct digit of the warp
+__device__ __forceinline__ void count_digit(u32* hc, u32 d) {
+  const u32 peers = __match_any_sync(__activemask(), d);
+  if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hc[d], (u32)__popc(peers));
+}
+
 // Threshold of select `which` (0: the first `target` elements; 1: the shortest prefix of the
-// domain skey >= dom whose mass reaches top_p): kept iff skey >= the returned value.
-__device__ u64 select_thr(Row& R, const Work& w, int which, u64 target, u64 dom, double top_p) {
-  __shared__ u32 hc[NB];
-  __shared__ u64 hm[NB];
+// domain skey >= dom whose mass reaches top_p): kept iff skey >= the returned value. `counted`:
+// the scan already built level 0's counts in hc (top_k only).
+__device__ u64 select_thr(Row& R, const Work& w, u32* hc, u64* hm, int which, u64 target, u64 dom,
+                          double top_p, bool counted) {
   __shared__ u64 s_ac, s_am, s_keep; __shared__ u32 s_prefix, s_tie; __shared__ int s_hit;
   u32 prefix = 0; u64 ac = 0, am = 0;
   for (int level = 0; level < 3; ++level) {
@@ -59,22 +71,23 @@ __device__ u64 select_thr(Row& R, const Work& w, int which, u64 target, u64 dom,
     const int hs = level == 1 ? 21 : 10;  // bits above the digit, already resolved
     const int buf = R.pass % 3;
     zero_hist(w, R.row, (R.pass + 1) % 3, R.b, R.B);  // the next pass's buffer (read 2 passes ago)
-    for (int d = threadIdx.x; d < nb; d += NT) { hc[d] = 0; hm[d] = 0; }
-    __syncthreads();
-    each(R.x, R.c0, R.c1, [&](float v, int i) {
-      const u32 o = okey(v);
-      if (level > 0 && (o >> hs) != (prefix >> hs)) return;
-      if (which == 1 && skey(v, i) < dom) return;
-      const u32 d = (o >> shift) & (nb - 1);
-      if (which == 0) {  // counts: one shared atomic per distinct digit of the warp
-        const u32 peers = __match_any_sync(__activemask(), d);
-        if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hc[d], (u32)__popc(peers));
-      } else {
-        atomicAdd(&hc[d], 1u);
-        const u64 wt = weight(__fmul_rn(v, R.inv_t), R.zmax);
-        if (wt) atomicAdd(&hm[d], wt);
-      }
-    });
+    if (!(counted && level == 0)) {
+      for (int d = threadIdx.x; d < nb; d += NT) { hc[d] = 0; hm[d] = 0; }
+      __syncthreads();
+      each(R.x, R.c0, R.c1, [&](float v, int i) {
+        const u32 o = okey(v);
+        if (level > 0 && (o >> hs) != (prefix >> hs)) return;
+        if (which == 1 && skey(v, i) < dom) return;
+        const u32 d = (o >> shift) & (nb - 1);
+        if (which == 0) {
+          count_digit(hc, d);
+        } else {
+          atomicAdd(&hc[d], 1u);
+          const u64 wt = weight(__fmul_rn(v, R.inv_t), R.zmax);
+          if (wt) atomicAdd(&hm[d], wt);
+        }
+      });
+    }
     __syncthreads();
     u32* gc = w.hcnt + ((size_t)R.row * 3 + buf) * NB;
     u64* gm = w.hmass + ((size_t)R.row * 3 + buf) * NB;
@@ -172,15 +185,22 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   const bool k_on = !greedy && k > 0 && k < V, p_on = !greedy && topp[row] < 1.f, m_on = !greedy && minp[row] > 0.f;
   const bool plain = !greedy && !k_on && !p_on && !m_on;
   const u64 base = mix64(seed[row] * GAMMA + (u64)(u32)pos[row]);
+  __shared__ u32 hc[NB];
+  __shared__ u64 hm[NB];
   if (k_on || p_on) zero_hist(w, row, 0, b, B);
+  if (k_on) {  // top_k's first digit needs no scan result: counted in the same sweep
+    for (int d = threadIdx.x; d < NB; d += NT) { hc[d] = 0; hm[d] = 0; }
+    __syncthreads();
+  }
   u64 best = 0; bool bad = false;
   each(R.x, R.c0, R.c1, [&](float v, int i) {
     bad |= (v != v) || (v == INFINITY);
     const u64 s = skey(v, i); best = s > best ? s : best;
+    if (k_on) count_digit(hc, s >> 53);
   });
   best = block_max_u64(best);
   bad = __syncthreads_or(bad);
-  Race r = {-INFINITY, 0x7fffffff};
+  Race r = {-INFINITY, 0x7fffffff, -INFINITY};
   if (plain) {  // the block's largest logit first: a candidate whose key prunes the rest
     race_add(r, __fmul_rn(unokey((u32)(best >> 32)), R.inv_t), (int)(0xffffffffu - (u32)best), base);
     each(R.x, R.c0, R.c1, [&](float v, int i) { race_add(r, __fmul_rn(v, R.inv_t), i, base); });
@@ -192,17 +212,12 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     w.pk[row * B + b] = r.k; w.pi[row * B + b] = r.i;
   }
   if (greedy || plain) {
-    if (!last_block(&w.tick[row], B) || threadIdx.x != 0) return;
+    if (!last_block(&w.tick[row], B)) return;
+    const int won = plain ? merge_partials(w.pk + row * B, w.pi + row * B, B).i : 0;
+    if (threadIdx.x != 0) return;
     const u64 m = __ldcg(&w.maxk[row]);
     const float zmax = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
-    int tok = (int)(0xffffffffu - (u32)m);
-    if (__ldcg(&w.bad[row]) || !isfinite(zmax)) {
-      tok = -1;
-    } else if (plain) {
-      Race q = {-INFINITY, 0x7fffffff};
-      for (int j = 0; j < B; ++j) race_merge(q, __ldcg(&w.pk[row * B + j]), __ldcg(&w.pi[row * B + j]));
-      tok = q.i;
-    }
+    const int tok = __ldcg(&w.bad[row]) || !isfinite(zmax) ? -1 : plain ? won : (int)(0xffffffffu - (u32)m);
     finish(row, tok, out, rows, table);
     return;
   }
@@ -215,8 +230,8 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     return;
   }
   R.zmax = zm;
-  const u64 tk = k_on ? select_thr(R, w, 0, (u64)k, 0, 0.0) : 0;
-  const u64 tp = p_on ? select_thr(R, w, 1, 0, tk, (double)topp[row]) : 0;
+  const u64 tk = k_on ? select_thr(R, w, hc, hm, 0, (u64)k, 0, 0.0, true) : 0;
+  const u64 tp = p_on ? select_thr(R, w, hc, hm, 1, 0, tk, (double)topp[row], false) : 0;
   const u64 th = tk > tp ? tk : tp;
   const double lmp = m_on ? log((double)minp[row]) : -INFINITY;
   race_add(r, zm, imax, base);  // the largest logit is always kept: it prunes the rest
@@ -226,10 +241,9 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   });
   r = block_race(r);
   if (threadIdx.x == 0) { w.pk[row * B + b] = r.k; w.pi[row * B + b] = r.i; }
-  if (!last_block(&w.tick[row], B) || threadIdx.x != 0) return;
-  Race q = {-INFINITY, 0x7fffffff};
-  for (int j = 0; j < B; ++j) race_merge(q, __ldcg(&w.pk[row * B + j]), __ldcg(&w.pi[row * B + j]));
-  finish(row, q.i, out, rows, table);
+  if (!last_block(&w.tick[row], B)) return;
+  const int won = merge_partials(w.pk + row * B, w.pi + row * B, B).i;
+  if (threadIdx.x == 0) finish(row, won, out, rows, table);
 }
 """
 

@@ -24,10 +24,23 @@ def mix64(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def lowbias32(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, np.uint32)
+    x = x ^ (x >> np.uint32(16))
+    x = x * np.uint32(0x7FEB352D)
+    x = x ^ (x >> np.uint32(15))
+    x = x * np.uint32(0x846CA68B)
+    return x ^ (x >> np.uint32(16))
+
+
 def gumbel(seed, positions, tokens) -> np.ndarray:
     """The race noise g = -log(-log(u)) of each (row, token): u keyed on (seed, position, token)."""
-    base = mix64(np.asarray(seed, np.uint64) * GAMMA + np.asarray(positions).astype(np.uint32).astype(np.uint64))
-    w = mix64(base[:, None] + np.asarray(tokens).astype(np.uint64) * GAMMA) >> np.uint64(12)
+    key = mix64(np.asarray(seed, np.uint64) * GAMMA + np.asarray(positions).astype(np.uint32).astype(np.uint64))
+    k1 = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
+    k2 = (key >> np.uint64(32)).astype(np.uint32)[:, None]
+    h1 = lowbias32(lowbias32(np.asarray(tokens).astype(np.uint32)[None, :] ^ k1) + k2)
+    lo = lowbias32(h1 ^ k1 ^ np.uint32(0x85EBCA6B)) >> np.uint32(12)
+    w = (h1.astype(np.uint64) << np.uint64(20)) | lo.astype(np.uint64)
     return -np.log(-np.log((w.astype(np.float64) + 0.5) * 2.0**-52))
 
 
