@@ -49,18 +49,23 @@ __device__ __forceinline__ u32 lowbias32(u32 x) {
   return x;
 }
 struct Race { double k; int i; float lo; };  // lo <= k, for float comparisons
+// The rare part of race_add, kept out of line so the unrolled hot loops stay small: the exact
+// key of a token that passed the first bound, or -inf when the float bound rules it out.
+__device__ __noinline__ double race_key(float z, u32 h1, u32 k1, double best) {
+  const u64 w = ((u64)h1 << 20) | (lowbias32(h1 ^ k1 ^ 0x85ebca6bu) >> 12);
+  const u64 m = (1ull << 52) - w;
+  // float g within 1e-5 of the exact one (log1pf keeps 1-u's precision when u is near 1)
+  const float e = h1 < 0x80000000u ? -logf((float)(((double)w + 0.5) * 0x1p-52)) : -log1pf(-(float)(((double)m - 0.5) * 0x1p-52));
+  if ((double)z + (double)(-logf(e)) + 1e-4 < best) return -INFINITY;
+  return (double)z - log(-log(((double)w + 0.5) * 0x1p-52));
+}
 __device__ __forceinline__ void race_add(Race& r, float z, int i, u64 key) {
   const u32 k1 = (u32)key, k2 = (u32)(key >> 32);
   const u32 h1 = lowbias32(lowbias32((u32)i ^ k1) + k2);
   // g <= -log(log 2) when u < 1/2; else g <= -log(1 - u), and 1 - u >= 2^-4 / 2^-12 by h1's top bits
   const float ub = h1 < 0x80000000u ? 0.36652f : h1 < 0xf0000000u ? 2.7736f : h1 < 0xfff00000u ? 8.3188f : 37.0f;
   if (__fadd_ru(z, ub) < r.lo) return;
-  const u64 w = ((u64)h1 << 20) | (lowbias32(h1 ^ k1 ^ 0x85ebca6bu) >> 12);
-  const u64 m = (1ull << 52) - w;
-  // float g within 1e-5 of the exact one (log1pf keeps 1-u's precision when u is near 1)
-  const float e = h1 < 0x80000000u ? -logf((float)(((double)w + 0.5) * 0x1p-52)) : -log1pf(-(float)(((double)m - 0.5) * 0x1p-52));
-  if ((double)z + (double)(-logf(e)) + 1e-4 < r.k) return;
-  const double k = (double)z - log(-log(((double)w + 0.5) * 0x1p-52));
+  const double k = race_key(z, h1, k1, r.k);
   if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = __double2float_rd(k); }
 }
 __device__ __forceinline__ void race_merge(Race& r, double k, int i) {

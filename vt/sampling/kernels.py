@@ -193,11 +193,18 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     __syncthreads();
   }
   u64 best = 0; bool bad = false;
-  each(R.x, R.c0, R.c1, [&](float v, int i) {
-    bad |= (v != v) || (v == INFINITY);
-    const u64 s = skey(v, i); best = s > best ? s : best;
-    if (k_on) count_digit(hc, s >> 53);
-  });
+  if (k_on) {
+    each(R.x, R.c0, R.c1, [&](float v, int i) {
+      bad |= (v != v) || (v == INFINITY);
+      const u64 s = skey(v, i); best = s > best ? s : best;
+      count_digit(hc, s >> 53);
+    });
+  } else {  // a separate loop: the warp-synchronous count would slow every greedy row's sweep
+    each(R.x, R.c0, R.c1, [&](float v, int i) {
+      bad |= (v != v) || (v == INFINITY);
+      const u64 s = skey(v, i); best = s > best ? s : best;
+    });
+  }
   best = block_max_u64(best);
   bad = __syncthreads_or(bad);
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
