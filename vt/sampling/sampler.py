@@ -1,6 +1,12 @@
 """The sampler's launch object: the same protocol as the model's kernels (run_numpy on the sim,
-run_cupy on the current CuPy stream; capturable: no host sync, its one workspace comes from
-CuPy's allocator and is zeroed in-stream, every scalar is baked into the launch).
+run_cupy on the current CuPy stream; capturable: no host sync, one memset node and one kernel
+node, its one workspace comes from CuPy's allocator (its counters zeroed by the memset, its
+histograms by the kernel itself), every scalar is baked into the launch). The first call of each
+build (V % 4 == 0 with 16-byte aligned logits, or not) compiles it, so it must be eager.
+
+The kernel's blocks of one row wait for each other at barriers; the grid is sized to fit on the
+GPU at once (split), so they never wait for a block that cannot start, unless another stream
+keeps SMs busy for good.
 
 Arguments (S rows, vocabulary V):
   logits [S, V] f32, token_rows [S] i32, positions [S] i32, temperature [S] f32,
