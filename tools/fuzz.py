@@ -2,7 +2,7 @@
 
 A *case* is a random serving workload and an engine configuration: one or more rounds of
 requests (one generate() each, on the same engine) with random prompts, budgets, per-request
-sampling (greedy, or temperature + top_k + seed) and a stop token; capture sizes (possibly
+sampling (greedy, or temperature + top_k + top_p + min_p + seed) and a stop token; capture sizes (possibly
 none: every step eager), serving concurrency, ring depth, KV geometry (tight caches make
 requests wait for blocks), sim device delay or, on cuda, queued device work per step (the host
 runs ahead of the device). Each case runs in mode "sync" (depth 1, the reference) and in every
@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
 from vt.knobs import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
-from vt.step.contract import MAX_TOP_K, KVGeometry, SamplingParams  # noqa: E402
+from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
 
 ASYNC_MODES = tuple(m for m, fields in MODES.items() if fields.get("async_executor"))
 UNSAFE = "no_dbuf+poison"
@@ -63,12 +63,15 @@ class Req:
     prompt: tuple
     budget: int
     temperature: float = 0.0
-    top_k: int = 1
+    top_k: int | None = None
     seed: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.seed)
+        return SamplingParams(self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                              seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,8 @@ class Case:
     def from_json(cls, text: str) -> "Case":
         d = json.loads(text)
         d["rounds"] = tuple(tuple(Req(tuple(r["prompt"]), r["budget"], r["temperature"],
-                                      r["top_k"], r["seed"]) for r in rnd) for rnd in d["rounds"])
+                                      r["top_k"], r["seed"], r.get("top_p", 1.0), r.get("min_p", 0.0))
+                                  for r in rnd) for rnd in d["rounds"])
         d["stops"], d["capture_sizes"] = tuple(d["stops"]), tuple(d["capture_sizes"])
         return cls(**d)
 
@@ -167,8 +171,10 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
                 reqs.append(Req(prompt, budget))
             else:
                 seed_ = d.int(0, 2**63 - 1) if d.bool() else d.int(0, 7)   # small seeds collide
-                reqs.append(Req(prompt, budget, d.int(1, 30) / 10,
-                                d.int(1, min(MAX_TOP_K, vocab)), seed_))
+                top_k = d.choice((None, d.int(1, vocab)))
+                top_p = d.choice((1.0, d.int(1, 10) / 10))
+                min_p = d.choice((0.0, d.int(0, 9) / 20))
+                reqs.append(Req(prompt, budget, d.int(1, 30) / 10, top_k, seed_, top_p, min_p))
             need = max(need, -(-(plen + budget - 1) // bs))
         rounds.append(tuple(reqs))
         stops.append(d.int(0, vocab - 1) if d.bool() else None)

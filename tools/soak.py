@@ -90,7 +90,9 @@ def chunk_workload(rng, geo: KVGeometry, vocab: int, conc: int, steps: int, max_
         prompts.append(rng.integers(0, vocab, size=plen).astype(np.int32))
         budgets.append(budget)
         sampling.append(SamplingParams() if rng.integers(0, 3) == 0 else SamplingParams(
-            float(rng.integers(2, 15)) / 10, int(rng.integers(1, 40)), int(rng.integers(0, 2**62))))
+            temperature=float(rng.integers(2, 15)) / 10, top_k=int(rng.integers(0, 40)) or None,
+            top_p=float(rng.integers(1, 11)) / 10, min_p=float(rng.integers(0, 5)) / 20,
+            seed=int(rng.integers(0, 2**62))))
         total += budget
     stop = int(rng.integers(0, vocab)) if rng.integers(0, 2) else None
     return dict(prompts=prompts, max_new_tokens=budgets, sampling=sampling, stop_token=stop)

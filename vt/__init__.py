@@ -18,7 +18,7 @@ _LAZY = {
     "Progress": "vt.engine.engine",
     "ForwardModel": "vt.forward.user",
     "KVGeometry": "vt.step.contract",
-    "SamplingParams": "vt.step.contract",
+    "SamplingParams": "vt.sampling",
     "DecodeInputs": "vt.step.contract",
     "RequestResult": "vt.engine.requests",
     "RequestTooLargeError": "vt.engine.requests",

@@ -19,7 +19,7 @@ from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import MODES, ExecutorConfig
 from vt.model import PRESETS, HybridModel, init_weights
-from vt.step import GREEDY, MAX_TOP_K, SamplingParams
+from vt.step import GREEDY, SamplingParams
 
 BATCH_MODES = ("sync", "drain", "ring", "staged")
 MAX_SEQS = 16
@@ -62,7 +62,10 @@ class Engines:
 
 
 def _request(vocab):
-    sampled = st.builds(SamplingParams, temperature=st.floats(0.05, 3.0), top_k=st.integers(1, MAX_TOP_K),
+    sampled = st.builds(SamplingParams, temperature=st.floats(0.05, 3.0),
+                        top_k=st.one_of(st.none(), st.integers(1, 64)),
+                        top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)),
+                        min_p=st.one_of(st.just(0.0), st.floats(0.0, 0.5)),
                         seed=st.integers(0, 2**63 - 1))
     return st.tuples(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=24), st.integers(1, 6),
                      st.one_of(st.just(GREEDY), sampled))
@@ -100,7 +103,7 @@ def _run(be, preset, invariant, examples, min_cases):
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 def test_request_is_bit_identical_alone_and_in_any_batch_on_the_sim(sim_backend, preset):
     """sim, batch_invariant=True: >= 70 cases per mode (>= 280 per preset, 560 in all)."""
-    _run(sim_backend, preset, True, examples=12, min_cases=70)
+    _run(sim_backend, preset, True, examples=16, min_cases=70)
 
 
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])

@@ -451,7 +451,7 @@ def work(seed):
     n = 10
     return dict(prompts=[rng.integers(0, 64, size=int(rng.integers(1, 9))) for _ in range(n)],
                 max_new_tokens=[int(b) for b in rng.integers(4, 20, size=n)],
-                sampling=[SamplingParams(0.8, 8, i) if i % 2 else SamplingParams() for i in range(n)],
+                sampling=[SamplingParams(0.8, top_k=8, seed=i) if i % 2 else SamplingParams() for i in range(n)],
                 stop_token=5)
 
 be = get_backend("sim", device_delay_s=2e-4)

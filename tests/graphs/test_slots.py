@@ -94,7 +94,7 @@ def test_padded_rows_point_at_the_scratch_row(sim_backend):
     inp = slot.host.inputs
     assert inp.token_rows.tolist() == [0, 1, 2, toy.geometry.max_seqs]
     assert inp.slot_mapping[3] == toy.geometry.pad.slot
-    assert (inp.temperature[3], inp.top_k[3]) == (0.0, 1)   # padded rows sample greedily
+    assert (inp.temperature[3], inp.top_k[3], inp.top_p[3]) == (0.0, 0, 1.0)   # padded rows sample greedily
     slot.host.fill(_rows(1), toy.geometry.pad)              # fewer rows: the tail is padded again
     assert inp.token_rows.tolist() == [0] + [toy.geometry.max_seqs] * 3
     drv.close()

@@ -15,7 +15,7 @@ VT = pathlib.Path(__file__).resolve().parents[2] / "vt"
 RANK = {
     "backend": 0, "knobs": 0,
     "step": 1,
-    "sampling": 2,
+    "sampling": 0.5,          # pure: the step contract holds its SamplingParams
     "graphs": 3, "model": 3,
     "forward": 4,
     "torch": 4.5,             # vt.torch adapts torch forwards through ForwardModel

@@ -13,7 +13,6 @@ import pytest
 
 from vt.model import kernels as K
 from vt.model.kernels import attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope
-from vt.sampling import sample as sampling
 from vt.model.kernels._common import f64, to_storage
 
 from ._util import assert_close, poison
@@ -224,39 +223,6 @@ def case_gemm_batched(rng, st):
     return _gemm_case(rng, st, (4, 5, 64), (4, 32, 64), np.float16, False)
 
 
-def _sample_case(rng, mixed):
-    """6 rows; with `mixed`, each row has its own temperature, top_k and seed (greedy rows
-    included), as requests with different sampling share one graph."""
-    V = 300
-    lg = (rng.standard_normal((6, V)) * 2).astype(np.float32)
-    lg[1, 7] = lg[1, 9] = lg[1].max() + 1  # tie at the top: index 7 wins
-    temp = (np.array([0.8, 0.0, 1.3, 0.5, 0.0, 2.0], np.float32) if mixed
-            else np.zeros(6, np.float32))
-    a = dict(logits=lg, rows=rng.permutation(8)[:6].astype(np.int32),
-             pos=rng.integers(0, 100, 6).astype(np.int32), temp=temp,
-             top_k=rng.integers(2, 60, 6).astype(np.int32),
-             seed=rng.integers(0, 2**63, 6, dtype=np.uint64), out=_poisoned(6, np.int32),
-             table=_poisoned(9, np.int32))
-
-    def expect(a):
-        toks = sampling.sample_reference(a["logits"], a["pos"], a["temp"], a["top_k"], a["seed"])
-        table = a["table"].copy()
-        table[a["rows"]] = toks
-        return {"out": (toks, 0), "table": (table, 0)}
-    return Case(a, lambda be, s, d: be.launch(
-        s, sampling.Sample(), d["logits"], d["rows"], d["pos"], d["temp"], d["top_k"], d["seed"],
-        d["out"], d["table"]), expect)
-
-
-def case_sample_greedy(rng, st):
-    return _sample_case(rng, mixed=False)
-
-
-def case_sample_top_k(rng, st):
-    return _sample_case(rng, mixed=True)
-
-
-
 def _routed_case(rng, st, per_slot):
     """RoutedGemm (storage out, as in the model): 3 rows, top-2 of 6 experts, one expert
     picked twice; x one row per row (gate/up) or one per slot (down)."""
@@ -333,20 +299,6 @@ def test_kernel_replay_is_bit_identical_to_eager(io, name, dtype):
     replay = _run(io, case, capture=True)
     for k in eager:
         assert eager[k].tobytes() == replay[k].tobytes(), f"{name}.{k} differs after replay"
-
-
-def test_top_k_sampling_follows_the_softmax_of_the_top_k():
-    """Over many positions the sampled frequencies match softmax(top-k / T)."""
-    V, k, T, n = 50, 5, 0.7, 20000
-    lg = np.random.default_rng(3).standard_normal(V).astype(np.float32)
-    toks = sampling.sample_reference(np.tile(lg, (n, 1)), np.arange(n, dtype=np.int32),
-                                     np.float32(T), k, np.uint64(99))
-    top = np.argsort(-lg)[:k]
-    p = np.exp((lg[top] - lg[top].max()) / T)
-    p /= p.sum()
-    freq = np.array([(toks == t).mean() for t in top])
-    assert set(np.unique(toks)) <= set(top)
-    assert np.abs(freq - p).max() < 0.015, (freq, p)
 
 
 @pytest.mark.gpu

@@ -17,7 +17,7 @@ from vt.model import kernels as K
 from vt.model.kernels import gemm
 from vt.model.kernels._common import to_storage
 from vt.model.model import INVARIANT_ROWS
-from vt.sampling import Sample
+from vt.sampling import Sampler
 
 from ._util import poison
 
@@ -211,12 +211,14 @@ def case_sample(rng):
     temp[::3] = 0
     per_row = dict(logits=(rng.standard_normal((M, V)) * 2).astype(np.float32),
                    rows=np.arange(M, dtype=np.int32), pos=rng.integers(0, 100, M).astype(np.int32),
-                   temp=temp, top_k=rng.integers(1, 60, M).astype(np.int32),
+                   temp=temp, top_k=rng.integers(0, 60, M).astype(np.int32),
+                   top_p=rng.uniform(0.3, 1, M).astype(np.float32),
+                   min_p=rng.uniform(0, 0.2, M).astype(np.float32),
                    seed=rng.integers(0, 2**63, M, dtype=np.uint64), out=np.full(M, -1, np.int32))
     shared = dict(table=np.zeros(M + 1, np.int32))
     return (per_row, shared, lambda be, s, d, m: be.launch(
-        s, Sample(), d["logits"], d["rows"], d["pos"], d["temp"], d["top_k"], d["seed"], d["out"],
-        d["table"]), ["out"], M)
+        s, Sampler(), d["logits"], d["rows"], d["pos"], d["temp"], d["top_k"], d["top_p"],
+        d["min_p"], d["seed"], d["out"], d["table"]), ["out"], M)
 
 
 CASES = {n[5:]: f for n, f in dict(globals()).items() if n.startswith("case_")}

@@ -42,7 +42,9 @@ class DecodeBatch:
         self.pos_off, self.len_off, self.slot_off = self.offsets
         self.block_tables = np.zeros((capacity, max_blocks), np.int32)
         self.temperature = np.zeros(capacity, np.float32)
-        self.top_k = np.ones(capacity, np.int32)
+        self.top_k = np.zeros(capacity, np.int32)
+        self.top_p = np.ones(capacity, np.float32)
+        self.min_p = np.zeros(capacity, np.float32)
         self.seed = np.zeros(capacity, np.uint64)
         self.dest_off = np.zeros(capacity, np.int64)    # where its next token goes - t (intp: an index)
         self.stop = np.full(capacity, -1, np.int32)     # stop token, -1: none
@@ -60,7 +62,8 @@ class DecodeBatch:
         self.rows[i], self.pos_off[i], self.len_off[i] = row, pos - t, pos + 1 - t
         self.block_tables[i] = block_table
         self.slot_off[i] = kv_slot(block_table, pos, bs) - t
-        self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.k, sampling.seed
+        self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.top_k or 0, sampling.seed
+        self.top_p[i], self.min_p[i] = sampling.top_p, sampling.min_p
         self.dest_off[i], self.stop[i], self.rid[i] = dest - t, stop, req.index
         req.batch_index = i
         self._leaving.setdefault(t + left - 1, []).append(req)
@@ -81,7 +84,8 @@ class DecodeBatch:
             self.reqs[i] = moved
             moved.batch_index = i
             for a in (self.rows, self.pos_off, self.len_off, self.slot_off, self.block_tables,
-                      self.temperature, self.top_k, self.seed, self.dest_off, self.stop, self.rid):
+                      self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.dest_off,
+                      self.stop, self.rid):
                 a[i] = a[last]
         self.reqs[last] = None
         self.n = last
@@ -148,6 +152,8 @@ class BatchStep:
             inp.state_idx[:n] = b.rows[:n]
             inp.temperature[:n] = b.temperature[:n]
             inp.top_k[:n] = b.top_k[:n]
+            inp.top_p[:n] = b.top_p[:n]
+            inp.min_p[:n] = b.min_p[:n]
             inp.seed[:n] = b.seed[:n]
             inp.block_tables[:n] = b.block_tables[:n]
             block.pad_from(n, pad)

@@ -34,14 +34,17 @@ class RequestResult:
     """One request's outcome.
 
     tokens: the generated ids. finish_reason: "stop" (the stop token was sampled; it is the
-    last token) or "length" (max_new_tokens were generated). logits: [len(tokens), vocab]
-    float32 when the Engine records logits, else None.
+    last token), "length" (max_new_tokens were generated) or "error" (the model gave NaN or
+    +inf logits, or only -inf, for the next token: `tokens` holds the ones before it and
+    `error` says what happened). logits: [len(tokens), vocab] float32 when the Engine records
+    logits, else None.
     """
     index: int
     prompt_len: int
     tokens: list[int]
     finish_reason: str
     logits: np.ndarray | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -59,6 +62,7 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     batch_index: int = -1     # its entry in the DecodeBatch, -1 when not decoding
     finish_reason: str | None = None
+    error: str | None = None
 
     @property
     def prompt_len(self) -> int:

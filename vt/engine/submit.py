@@ -25,6 +25,10 @@ def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling for prompt {i} must be a vt.SamplingParams, got "
                             f"{type(sp).__name__}")
+        try:
+            sp.check_vocab(vocab)
+        except ValueError as e:
+            raise ValueError(f"sampling for prompt {i}: {e}") from None
         arr = np.asarray(p)
         if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
             raise ValueError(f"prompt {i} must be a non-empty 1-D sequence of token ids, got "

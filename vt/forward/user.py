@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from vt.step.inputblock import InputBlock
-from vt.sampling.sample import Sample
+from vt.sampling import Sampler
 from vt.step.contract import (LOGITS_DTYPE, DecodeInputs, DecodeRows, KVGeometry, PadRow,  # noqa: F401
                      PrefillSeq, SamplingParams, StepModel, kv_slot)
 
@@ -34,7 +34,7 @@ class ForwardModel:
         self._host_tokens = be.pinned_empty((cap,), np.int32)
         self._dev_tokens = be.empty((cap,), np.int32)
         self._tmp_logits = be.empty((geometry.max_seqs, vocab), LOGITS_DTYPE)
-        self._sample = Sample()
+        self._sample = Sampler()
 
     def decode(self, stream, inputs, logits_out) -> None:
         self.forward(stream, inputs, logits_out)
@@ -85,7 +85,8 @@ class ForwardModel:
 
     def sample(self, stream, logits, inputs, out_tokens) -> None:
         self.be.launch(stream, self._sample, logits, inputs.token_rows, inputs.sample_positions,
-                       inputs.temperature, inputs.top_k, inputs.seed, out_tokens, self.token_table)
+                       inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
+                       out_tokens, self.token_table)
 
 
 def _check_args(forward, vocab, token_table, geometry) -> None:

@@ -9,19 +9,18 @@ import numpy as np
 
 # One definition of the decode inputs for the driver and every forward (the bundled model is one).
 from vt.step.inputblock import InputBlock
-from vt.step.contract import FIELDS, GREEDY, DecodeInputs, SamplingParams, kv_slot
+from vt.step.contract import FIELDS, GREEDY, DecodeInputs, SamplingParams, kv_slot, row_vectors
 
 
 def _sampling_vectors(sampling: SamplingParams, n: int) -> dict:
     """Per-row sampling vectors of n rows that all sample with `sampling`."""
-    return dict(temperature=np.full(n, sampling.temperature, np.float32),
-                top_k=np.full(n, sampling.k, np.int32), seed=np.full(n, sampling.seed, np.uint64))
+    return row_vectors([sampling] * n)
 
 
 def _upload(be, stream, host: dict) -> dict:
     out = {}
     for name, a in host.items():
-        a = np.ascontiguousarray(a, a.dtype if name in ("temperature", "seed") else np.int32)
+        a = np.ascontiguousarray(a, a.dtype if name in ("temperature", "top_p", "min_p", "seed") else np.int32)
         pinned = be.pinned_empty(a.shape, a.dtype)
         pinned[...] = a
         out[name] = be.empty(a.shape, a.dtype)
@@ -61,8 +60,10 @@ class PrefillInputs:
     state_idx: object
     block_tables: object
     max_len: int = 0
-    temperature: object = None   # [B] f32, top_k [B] i32, seed [B] u64: each sequence's sampling
-    top_k: object = None
+    temperature: object = None   # [B] f32, top_k [B] i32, top_p, min_p [B] f32, seed [B] u64:
+    top_k: object = None         # each sequence's sampling
+    top_p: object = None
+    min_p: object = None
     seed: object = None
 
     @property

@@ -25,12 +25,12 @@ from .inputs import DecodeInputs, PrefillInputs
 from .kernels.attention import invariant_splits
 from .kernels.gemm import WORKSPACE_BYTES
 from .weights import check_weights
-from vt.sampling.sample import Sample
+from vt.sampling import Sampler
 
 _EMBED, _GATHER, _NORM, _ROPE, _KVW = K.EmbedTokens(), K.GatherRows(), K.RMSNorm(), K.RoPE(), K.KVWrite()
 _ATTN, _GDN, _ACT, _ROUTER, _COMBINE = K.PagedAttention(), K.GDN(), K.SiluMul(), K.Router(), K.Combine()
 _COMBINE_ROUTED = K.CombineRouted()
-_SAMPLE, _FILL = Sample(), K.Fill()
+_SAMPLE, _FILL = Sampler(), K.Fill()
 _STAGING_BYTES = 64 << 20
 INVARIANT_ROWS = 64   # GEMM row block of a batch-invariant model (>= the default max_batch)
 
@@ -180,10 +180,10 @@ class HybridModel:
         self._logits(s, last, B, logits_out)
 
     def sample(self, s, logits, inp, out_tokens) -> None:
-        """out_tokens[S] int32 <- sampled tokens (each row's temperature, top_k and seed from
-        `inp`); also token_table[inp.token_rows]."""
+        """out_tokens[S] int32 <- sampled tokens (each row's sampling knobs from `inp`; -1 for
+        an error row: vt/sampling/sampler.py); also token_table[inp.token_rows]."""
         self.be.launch(s, _SAMPLE, logits, inp.token_rows, inp.sample_positions, inp.temperature,
-                       inp.top_k, inp.seed, out_tokens, self.token_table)
+                       inp.top_k, inp.top_p, inp.min_p, inp.seed, out_tokens, self.token_table)
 
     def _padded(self, n: int) -> int:
         """Rows of a GEMM operand for n rows: n, or the next multiple of the invariant block

@@ -1,5 +1,6 @@
-"""The sampler every forward's decode step ends with (the bundled model's and user forwards'):
-CUDA kernels with their numpy twin, read per row from the step's sampling vectors."""
-from vt.sampling.sample import Sample, sample_reference
+"""vt's sampler: per-request knobs (params), the CUDA kernel and its launch object (sampler,
+kernels, device_code), and its numpy twin plus the sort-based reference (reference)."""
+from .params import GREEDY, ROW_VECTORS, SamplingParams, row_vectors
+from .sampler import Sampler, workspace_for
 
-__all__ = ["Sample", "sample_reference"]
+__all__ = ["GREEDY", "ROW_VECTORS", "SamplingParams", "Sampler", "row_vectors", "workspace_for"]

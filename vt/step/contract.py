@@ -12,8 +12,9 @@ from typing import Protocol
 
 import numpy as np
 
+from vt.sampling.params import GREEDY, SamplingParams, row_vectors  # noqa: F401  (part of the contract)
+
 LOGITS_DTYPE = np.float32   # [S, vocab] logits of every step, graph or eager
-MAX_TOP_K = 256             # the sampling kernel keeps the top k in shared memory
 
 
 def kv_slot(block_table, position, block_size: int, rows=None):
@@ -29,33 +30,6 @@ def kv_slot(block_table, position, block_size: int, rows=None):
     return block * block_size + position % block_size
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 = greedy; otherwise sample among the top_k logits (1..MAX_TOP_K).
-
-    A request's random stream is keyed on (seed, position) only, never on its row, batch or
-    schedule: the same request gives the same tokens alone or in any batch.
-    """
-    temperature: float = 0.0
-    top_k: int = 1
-    seed: int = 0
-
-    def __post_init__(self):
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise ValueError(f"SamplingParams: temperature={self.temperature} must be finite and >= 0")
-        if self.temperature > 0 and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                     or not 1 <= self.top_k <= MAX_TOP_K):
-            raise ValueError(f"SamplingParams: top_k={self.top_k!r} must be an int in 1..{MAX_TOP_K}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) \
-                or not 0 <= self.seed < 2**63:
-            raise ValueError(f"SamplingParams: seed={self.seed!r} must be an int in [0, 2**63)")
-
-    @property
-    def k(self) -> int:
-        return 1 if self.temperature == 0 else self.top_k
-
-
-GREEDY = SamplingParams()
 
 
 @dataclass(frozen=True)
@@ -102,7 +76,7 @@ class KVGeometry:
 # The per-row vectors of a decode step, in the order of the contiguous input block
 # (vt/step/inputblock.py). The first six are what a forward reads; the last three the sampler.
 FORWARD_FIELDS = ("token_rows", "positions", "seq_lens", "slot_mapping", "block_tables", "state_idx")
-SAMPLING_FIELDS = ("temperature", "top_k", "seed")
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")   # vt.sampling.ROW_VECTORS
 FIELDS = FORWARD_FIELDS + SAMPLING_FIELDS
 
 
@@ -113,8 +87,8 @@ class DecodeInputs:
     token_rows[S]: row of the token table (= the sequence slot) holding the input token;
     positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
     write (position + 1); slot_mapping[S]: KV cache slot written; block_tables[S, max_blocks];
-    state_idx[S]: recurrent (GDN) state slot; temperature[S] f32, top_k[S] i32, seed[S] u64:
-    each row's sampling. Padded rows point at the model's scratch row and sample greedily.
+    state_idx[S]: recurrent (GDN) state slot; temperature[S] f32, top_k[S] i32 (0: all),
+    top_p[S] f32, min_p[S] f32, seed[S] u64: each row's sampling (vt.sampling.SamplingParams). Padded rows point at the model's scratch row and sample greedily.
     """
     token_rows: object
     positions: object
@@ -124,6 +98,8 @@ class DecodeInputs:
     state_idx: object
     temperature: object = None
     top_k: object = None
+    top_p: object = None
+    min_p: object = None
     seed: object = None
 
     @property
@@ -151,8 +127,10 @@ class DecodeRows:
     slot_mapping: np.ndarray  # [n] int32
     block_tables: np.ndarray  # [n, max_blocks] int32
     state_idx: np.ndarray     # [n] int32
-    temperature: np.ndarray | None = None   # [n] f32 (None: greedy)
-    top_k: np.ndarray | None = None         # [n] int32
+    temperature: np.ndarray | None = None   # [n] f32 (None: greedy, and the rest unused)
+    top_k: np.ndarray | None = None         # [n] int32, 0: all
+    top_p: np.ndarray | None = None         # [n] f32
+    min_p: np.ndarray | None = None         # [n] f32
     seed: np.ndarray | None = None          # [n] uint64
 
     def __len__(self):
@@ -182,9 +160,7 @@ def prefill_last_rows(seqs: list[PrefillSeq], block_size: int) -> DecodeRows:
         token_rows=np.array([s.row for s in seqs], np.int32), positions=pos, seq_lens=pos + 1,
         slot_mapping=kv_slot(bt, pos, block_size).astype(np.int32),
         block_tables=bt, state_idx=np.array([s.state_idx for s in seqs], np.int32),
-        temperature=np.array([s.sampling.temperature for s in seqs], np.float32),
-        top_k=np.array([s.sampling.k for s in seqs], np.int32),
-        seed=np.array([s.sampling.seed for s in seqs], np.uint64))
+        **row_vectors([s.sampling for s in seqs]))
 
 
 class StepModel(Protocol):

@@ -4,7 +4,7 @@ The host twin is pinned memory, the device twin pool memory, and a step's inputs
 one copy (one H2D node inside a graph, or one staged memcpy); refreshing the host twin is a
 few numpy slice writes. Layout, in int32 words (seed first: its uint64 view stays 8-byte
 aligned): seed[2S] | token_rows | positions | seq_lens | slot_mapping | state_idx | top_k |
-temperature (f32 bits) | block_tables[S * max_blocks].
+temperature | top_p | min_p (the last three f32 bits) | block_tables[S * max_blocks].
 """
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import numpy as np
 from vt.step.contract import FIELDS, DecodeInputs, DecodeRows, PadRow
 
 # positions, seq_lens, slot_mapping adjacent and in this order: InputBlock.advancing
-_PER_ROW = ("token_rows", "positions", "seq_lens", "slot_mapping", "state_idx", "top_k", "temperature")
+_PER_ROW = ("token_rows", "positions", "seq_lens", "slot_mapping", "state_idx", "top_k", "temperature",
+            "top_p", "min_p")
+_F32 = ("temperature", "top_p", "min_p")
 
 
 class InputBlock:
@@ -27,7 +29,8 @@ class InputBlock:
         for f in _PER_ROW:
             views[f] = self.raw[at:at + size]
             at += size
-        views["temperature"] = views["temperature"].view(np.float32)
+        for f in _F32:
+            views[f] = views[f].view(np.float32)
         views["block_tables"] = self.raw[at:].reshape(size, max_blocks)
         self.inputs = DecodeInputs(**views)
         # positions | seq_lens | slot_mapping as one [3, S] view: the vectors a decode step
@@ -64,9 +67,7 @@ class InputBlock:
         inp.slot_mapping[span] = pad.slot
         inp.block_tables[span] = pad.block
         inp.state_idx[span] = pad.state_idx
-        inp.temperature[span] = 0
-        inp.top_k[span] = 1
-        inp.seed[span] = 0
+        _greedy(inp, span)
         self._padded_from = start
 
     def poison(self, pad: PadRow) -> None:
@@ -93,6 +94,13 @@ class InputBlock:
             if value is not None:
                 getattr(inp, f)[start:start + n] = value
         if rows.temperature is None:          # no sampling given: greedy
-            inp.temperature[start:start + n] = 0
-            inp.top_k[start:start + n] = 1
-            inp.seed[start:start + n] = 0
+            _greedy(inp, slice(start, start + n))
+
+
+def _greedy(inp, span) -> None:
+    """Rows `span` sample greedily (the other knobs are then unused; set for determinism)."""
+    inp.temperature[span] = 0
+    inp.top_k[span] = 0
+    inp.top_p[span] = 1
+    inp.min_p[span] = 0
+    inp.seed[span] = 0

@@ -1,5 +1,5 @@
 """Shared pieces of the model's kernels: storage-dtype conversion (numpy and CUDA) and the
-compile cache for CuPy RawModules.
+CUDA prelude they are compiled behind (the compile cache itself is vt.backend.nvrtc).
 
 Storage tensors are fp16 (numpy float16) or bf16 (raw bits in numpy uint16: numpy has no
 bfloat16). CUDA code sees both as `u16` and converts with PTX `cvt`, so no CUDA header
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vt.backend.nvrtc import build_options, compiled_function, sm_count  # noqa: F401  (sm_count: the kernels' import)
+from vt.backend import nvrtc as _nvrtc
+from vt.backend.nvrtc import sm_count  # noqa: F401  (re-exported for the model's kernels)
 
 # ---------------------------------------------------------------- numpy side
 
@@ -96,16 +97,14 @@ __device__ float block_sum(float v, float* sh32) {
 """
 
 def cuda_function(code: str, name: str, storage, **defines):
-    """The compiled CuPy function `name` from the model's PRELUDE + `code` for a storage dtype
-    and `defines` (cached). Compiled and loaded on first use, so the first call must be eager
-    (not under capture): HybridModel and the tests run every kernel eagerly before capturing."""
-    bf16 = np.dtype(storage) == np.uint16
-    return compiled_function(PRELUDE + code, name, dict(defines, VT_BF16=int(bf16)))
+    """The compiled CuPy function `name` from `code` (behind PRELUDE) for a storage dtype and
+    `defines`, from the shared compile cache of vt.backend.nvrtc."""
+    return _nvrtc.cuda_function(PRELUDE + code, name, VT_BF16=int(np.dtype(storage) == np.uint16), **defines)
 
 
 def nvrtc_options(bf16: bool, defines: dict) -> tuple[str, ...]:
-    """The NVRTC options of a model kernel build; the compile test uses the same ones."""
-    return build_options(dict(defines, VT_BF16=int(bf16)))
+    """The NVRTC options of a model kernel build (the compile test builds with the same ones)."""
+    return _nvrtc.nvrtc_options(dict(defines, VT_BF16=int(bf16)))
 
 
 def storage_of(*arrays) -> np.dtype:

@@ -1,0 +1,61 @@
+"""SamplingParams: every bad type raises TypeError and every bad value ValueError, naming the
+field; the per-row vectors carry the knobs in the sampler's dtypes."""
+import numpy as np
+import pytest
+
+from vt.sampling.params import GREEDY, ROW_VECTORS, SamplingParams, row_vectors
+
+BAD_TYPES = [("temperature", "1.0"), ("temperature", True), ("temperature", None), ("top_k", 1.5),
+             ("top_k", True), ("top_k", "5"), ("top_p", "0.9"), ("top_p", False), ("min_p", [0.1]),
+             ("seed", 1.0), ("seed", True)]
+BAD_VALUES = [("temperature", -0.1), ("temperature", float("nan")), ("temperature", float("inf")),
+              ("top_k", -1), ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", float("nan")),
+              ("min_p", -0.01), ("min_p", 1.0), ("min_p", float("inf")), ("seed", -1), ("seed", 2**63)]
+
+
+@pytest.mark.parametrize("field,value", BAD_TYPES)
+def test_wrong_type_raises_type_error_naming_the_field(field, value):
+    with pytest.raises(TypeError, match=rf"SamplingParams\.{field} "):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value", BAD_VALUES)
+def test_bad_value_raises_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}="):
+        SamplingParams(**{field: value})
+
+
+def test_good_values_are_accepted():
+    for p in (GREEDY, SamplingParams(1.0, top_k=None, top_p=1.0, min_p=0.0, seed=0),
+              SamplingParams(0.5, top_k=0, top_p=0.5, min_p=0.5, seed=2**63 - 1),
+              SamplingParams(2, top_k=151936, top_p=1, min_p=0, seed=np.int64(3)),
+              SamplingParams(1e-3, top_k=1, top_p=1e-6, min_p=0.999)):
+        assert isinstance(p, SamplingParams)
+
+
+def test_top_k_is_checked_against_the_vocabulary():
+    SamplingParams(1.0, top_k=32000).check_vocab(32000)
+    SamplingParams(1.0).check_vocab(10)
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_k=32001 exceeds the vocabulary size 32000"):
+        SamplingParams(1.0, top_k=32001).check_vocab(32000)
+
+
+def test_row_vectors_hold_each_request_in_the_sampler_dtypes():
+    ps = [GREEDY, SamplingParams(0.7, top_k=50, top_p=0.9, min_p=0.05, seed=123),
+          SamplingParams(1.0, top_k=None, seed=2**63 - 1)]
+    v = row_vectors(ps)
+    assert list(v) == list(ROW_VECTORS)
+    for name, dtype in ROW_VECTORS.items():
+        assert v[name].dtype == dtype and v[name].shape == (3,)
+    assert v["top_k"].tolist() == [0, 50, 0]
+    assert v["seed"].tolist() == [0, 123, 2**63 - 1]
+    np.testing.assert_array_equal(v["temperature"], np.float32([0, 0.7, 1.0]))
+    np.testing.assert_array_equal(v["top_p"], np.float32([1, 0.9, 1]))
+    np.testing.assert_array_equal(v["min_p"], np.float32([0, 0.05, 0]))
+
+
+def test_knobs_after_temperature_are_keyword_only():
+    """SamplingParams(0.8, 8, seed) of the older (temperature, top_k, seed) order is refused
+    instead of landing the seed in top_p."""
+    with pytest.raises(TypeError):
+        SamplingParams(0.8, 8, 3)

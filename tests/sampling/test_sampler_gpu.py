@@ -1,0 +1,105 @@
+"""The CUDA sampler on a GPU: tokens equal the numpy twin's at real vocabularies in every mode,
+the distribution matches the sort-based reference, and a captured graph replays it."""
+import numpy as np
+import pytest
+
+from vt.sampling import reference
+from vt.sampling.sampler import Sampler
+
+from ._cases import MODES, chi2, chi2_bound, knobs, random_logits
+
+cp = pytest.importorskip("cupy", reason="no CuPy: the CUDA sampler needs it")
+pytestmark = pytest.mark.gpu
+try:
+    _NO_GPU = None if cp.cuda.runtime.getDeviceCount() > 0 else "no CUDA GPU"
+except Exception as exc:  # noqa: BLE001 (no driver)
+    _NO_GPU = f"no CUDA GPU ({type(exc).__name__})"
+if _NO_GPU:
+    pytest.skip(_NO_GPU, allow_module_level=True)
+
+
+def _run(x, modes, positions=None, seed0=11, table_size=None):
+    """Kernel tokens and token table for logits x [S, V] (outputs poisoned first)."""
+    S = x.shape[0]
+    kn = knobs(modes, seed0)
+    pos = np.arange(S, dtype=np.int32) * 7 + 3 if positions is None else positions
+    rows = np.arange(S, dtype=np.int32)[::-1].copy()
+    out = cp.full(S, -12345, cp.int32)
+    table = cp.full(table_size or S + 1, -777, cp.int32)
+    Sampler().run_cupy(0, cp.asarray(x), cp.asarray(rows), cp.asarray(pos), *(cp.asarray(kn[n]) for n in
+                       ("temperature", "top_k", "top_p", "min_p", "seed")), out, table)
+    want = reference.sample_tokens(x, pos, **kn)
+    return out.get(), table.get(), want, rows
+
+
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "ties"])
+@pytest.mark.parametrize("V", [32000, 151936], ids=["V32000", "V151936"])
+@pytest.mark.parametrize("S", [1, 8, 128], ids=["S001", "S008", "S128"])
+def test_kernel_tokens_equal_numpy_twin(S, V, ties):
+    """Every mode, alone (S 1 and 8) and mixed in one batch (S 128), on fresh logits."""
+    rng = np.random.default_rng(S * 1000 + V + ties)
+    names = list(MODES)
+    batches = [[m] * S for m in names] if S < 128 else [list(rng.choice(names, S))]
+    for modes in batches:
+        x = random_logits(rng, S, V, ties)
+        got, table, want, rows = _run(x, modes)
+        np.testing.assert_array_equal(got, want, err_msg=f"modes {set(modes)}")
+        np.testing.assert_array_equal(table[rows], np.maximum(want, 0))
+
+
+def test_error_rows_get_minus_one_and_table_zero():
+    """NaN, +inf and all -inf rows: token -1, table 0; a -inf-masked row samples normally."""
+    rng = np.random.default_rng(5)
+    x = random_logits(rng, 6, 32000)
+    x[0, 123] = np.nan
+    x[1, 5] = np.inf
+    x[2, :] = -np.inf
+    x[3, 7] = np.nan
+    x[4, ::2] = -np.inf
+    got, table, want, rows = _run(x, ["greedy", "temperature", "top_p", "top_k", "combined", "min_p"])
+    assert list(got[:4]) == [-1, -1, -1, -1] and (table[rows[:4]] == 0).all()
+    assert got[4] >= 0 and got[4] % 2 == 1
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "greedy"])
+def test_gpu_distribution_matches_sort_reference(mode):
+    """>= 10^5 draws (one row per position, one launch): chi-square against float64 sorting."""
+    rng = np.random.default_rng(3)
+    V, N = 4000, 120_000
+    row = (rng.standard_normal(V) * 2).astype(np.float32)
+    t, k, p, m = MODES[mode]
+    k = min(k, 400)
+    x = cp.asarray(np.broadcast_to(row, (N, V)))
+    vecs = [cp.full(N, t, cp.float32), cp.full(N, k, cp.int32), cp.full(N, p, cp.float32), cp.full(N, m, cp.float32),
+            cp.full(N, 99, cp.uint64)]
+    out = cp.full(N, -1, cp.int32)
+    Sampler().run_cupy(0, x, cp.arange(N, dtype=cp.int32), cp.arange(N, dtype=cp.int32), *vecs, out,
+                       cp.zeros(N, cp.int32))
+    counts = np.bincount(out.get(), minlength=V)
+    probs = reference.distribution(row, np.float32(t), k, float(np.float32(p)), float(np.float32(m)))
+    assert counts[probs == 0].sum() == 0, "a token outside the kept set was drawn"
+    stat, dof = chi2(counts, probs)
+    assert stat < chi2_bound(dof), f"chi-square {stat:.1f} over {dof} dof"
+
+
+def test_captured_graph_replays_the_same_tokens():
+    """Launches captured on a CuPy stream replay to the eager tokens (no host sync inside)."""
+    rng = np.random.default_rng(9)
+    x = random_logits(rng, 8, 32000)
+    modes = list(MODES)[:7] + ["combined"]
+    kn = {n: cp.asarray(v) for n, v in knobs(modes).items()}
+    args = [cp.asarray(x), cp.arange(8, dtype=cp.int32), cp.arange(8, dtype=cp.int32) + 40]
+    args += [kn[n] for n in ("temperature", "top_k", "top_p", "min_p", "seed")]
+    out, table = cp.full(8, -5, cp.int32), cp.zeros(9, cp.int32)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        Sampler().run_cupy(s.ptr, *args, out, table)   # compiles and fills the allocator's cache
+        eager = out.get()
+        out.fill(-5)
+        s.begin_capture()
+        Sampler().run_cupy(s.ptr, *args, out, table)
+        g = s.end_capture()
+        g.launch(s)
+        s.synchronize()
+    np.testing.assert_array_equal(out.get(), eager)

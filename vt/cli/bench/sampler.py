@@ -1,0 +1,146 @@
+"""vt's sampler against the best simple PyTorch sampler over the same fp32 [S, V] logits.
+
+Peers (what a PyTorch engineer writes): greedy `torch.argmax`; top_k 50 `torch.topk` +
+softmax + multinomial; top_p 0.9 sort + softmax + cumsum + mask + multinomial; plain
+temperature full softmax + exponential race (probs / Exponential(1), argmax). Each side is
+timed as the mean of CALLS calls captured in one CUDA graph (launch cost excluded), after a
+warm-up replay, median of REPEATS replays. Needs a CUDA GPU, CuPy and PyTorch.
+
+    python3 -m vt.bench.sampler --json PATH [--S 1,8 --V 32000 --modes greedy,top_k]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+MODES = ("greedy", "top_k", "top_p", "temperature")
+S_LIST = (1, 8, 32, 128, 256)
+V_LIST = (32000, 128256, 151936)
+CALLS, REPEATS = 50, 3
+TEMPERATURE, TOP_K, TOP_P = 1.0, 50, 0.9
+
+
+def _torch_sample(torch, logits, mode):
+    if mode == "greedy":
+        return torch.argmax(logits, dim=-1)
+    if mode == "top_k":
+        vals, idx = torch.topk(logits, TOP_K, dim=-1)
+        probs = torch.softmax(vals / TEMPERATURE, dim=-1)
+        return idx.gather(1, torch.multinomial(probs, 1)).squeeze(1)
+    if mode == "top_p":
+        vals, idx = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(vals / TEMPERATURE, dim=-1)
+        drop = torch.cumsum(probs, dim=-1) - probs >= TOP_P   # mass before a token already reached
+        probs = probs.masked_fill(drop, 0.0)
+        return idx.gather(1, torch.multinomial(probs, 1)).squeeze(1)
+    probs = torch.softmax(logits / TEMPERATURE, dim=-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def _graph_us(torch, body) -> float:
+    """Mean µs per call of `body`, CALLS calls captured in one CUDA graph; median of REPEATS."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            body()                                   # compile, fill caches, eager warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            body()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPEATS):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / CALLS)
+    return sorted(times)[len(times) // 2]
+
+
+def _vt_body(torch, cp, logits, mode):
+    from vt.sampling.sampler import Sampler
+
+    S, V = logits.shape
+    dev = logits.device
+    vec = {
+        "token_rows": torch.arange(S, dtype=torch.int32, device=dev),
+        "positions": torch.arange(S, dtype=torch.int32, device=dev) + 17,
+        "temperature": torch.full((S,), 0.0 if mode == "greedy" else TEMPERATURE, device=dev),
+        "top_k": torch.full((S,), TOP_K if mode == "top_k" else 0, dtype=torch.int32, device=dev),
+        "top_p": torch.full((S,), TOP_P if mode == "top_p" else 1.0, device=dev),
+        "min_p": torch.zeros(S, device=dev),
+        "seed": torch.arange(S, dtype=torch.int64, device=dev),
+    }
+    out = torch.empty(S, dtype=torch.int32, device=dev)
+    table = torch.zeros(S, dtype=torch.int32, device=dev)
+    args = [cp.asarray(logits)] + [cp.asarray(vec[n]) for n in ("token_rows", "positions", "temperature",
+                                                                  "top_k", "top_p", "min_p")]
+    args += [cp.asarray(vec["seed"]).view(cp.uint64), cp.asarray(out), cp.asarray(table)]
+    sampler = Sampler()
+
+    def body():
+        stream = torch.cuda.current_stream()
+        with cp.cuda.ExternalStream(stream.cuda_stream):
+            sampler.run_cupy(stream.cuda_stream, *args)
+    return body
+
+
+def _torch_backed_allocator(torch, cp):
+    """CuPy allocations (the sampler's workspace) from torch's caching allocator, which gives
+    allocations made during torch's graph capture the graph's private pool (as vt's pool does)."""
+    def alloc(size):
+        t = torch.empty(max(size, 1), dtype=torch.uint8, device="cuda")
+        return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(t.data_ptr(), size, t), 0)
+    return alloc
+
+
+def run_sampler_bench(S_list=S_LIST, V_list=V_LIST, modes=MODES, seed: int = 0, log=print) -> list[dict]:
+    """One row per (S, V, mode): {S, V, mode, vt_us, torch_us, ratio = vt_us / torch_us}."""
+    import cupy as cp
+    import torch
+
+    cp.cuda.set_allocator(_torch_backed_allocator(torch, cp))
+    try:
+        return _grid(torch, cp, S_list, V_list, modes, seed, log)
+    finally:
+        cp.cuda.set_allocator(cp.get_default_memory_pool().malloc)
+
+
+def _grid(torch, cp, S_list, V_list, modes, seed, log):
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    for V in V_list:
+        for S in S_list:
+            logits = torch.randn(S, V, device="cuda", generator=gen) * 3.0
+            for mode in modes:
+                vt_us = _graph_us(torch, _vt_body(torch, cp, logits, mode))
+                torch_us = _graph_us(torch, lambda: _torch_sample(torch, logits, mode))
+                row = dict(S=S, V=V, mode=mode, vt_us=round(vt_us, 2), torch_us=round(torch_us, 2),
+                           ratio=round(vt_us / torch_us, 3))
+                log(json.dumps(row))
+                rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", required=True, help="write the rows here")
+    ap.add_argument("--S", default=",".join(map(str, S_LIST)))
+    ap.add_argument("--V", default=",".join(map(str, V_LIST)))
+    ap.add_argument("--modes", default=",".join(MODES))
+    a = ap.parse_args(argv)
+    rows = run_sampler_bench([int(s) for s in a.S.split(",")], [int(v) for v in a.V.split(",")],
+                             a.modes.split(","))
+    with open(a.json, "w") as f:
+        json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

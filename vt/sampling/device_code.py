@@ -1,0 +1,175 @@
+"""CUDA side of the sampler, part 1: the keys, the keyed random draws, the exponential race and
+the workspace layout that every sampler kernel shares (kernels.py holds the kernels).
+
+Order: elements are ranked by the 64-bit key skey = (ordered float bits of the logit) << 32 |
+(0xffffffff - token id): larger logit first, lower token id first among equal logits (-0.0 is
+read as +0.0). A kept set is always a prefix of that order, so "kept" is skey >= a threshold.
+"""
+
+PRELUDE = r"""
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+typedef unsigned long long u64;
+typedef unsigned int u32;
+#define NT 256
+#define NB 2048
+#define GAMMA 0x9e3779b97f4a7c15ull
+
+__device__ __forceinline__ u64 mix64(u64 z) {
+  z += GAMMA;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+__device__ __forceinline__ u32 okey(float x) {
+  u32 b = __float_as_uint(x == 0.f ? 0.f : x);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ float unokey(u32 k) {
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ u64 skey(float x, int i) {
+  return ((u64)okey(x) << 32) | (u64)(0xffffffffu - (u32)i);
+}
+// Probability weight of a scaled logit in fixed point (40 fraction bits): integer sums are
+// exact and independent of the order of the atomics. Weights below 2^-40 of the largest are 0.
+__device__ __forceinline__ u64 weight(float z, double zmax) {
+  double d = (double)z - zmax;
+  return d < -28.0 ? 0ull : (u64)(exp(d) * 0x1p40);
+}
+
+// Exponential race (Gumbel-max): the kept token with the largest z + g wins, g = -log(-log(u)),
+// u = (w + 1/2) 2^-52 with 52 bits w keyed on the row key (hash of seed, position) and the
+// token id: the top 32 bits h1 = H(H(i ^ k1) + k2), the low 20 from H(h1 ^ k1 ^ c). Exact keys
+// are doubles; two cheap bounds skip the tokens that provably cannot beat the best so far (the
+// first needs only h1 and float adds; most tokens stop there).
+__device__ __forceinline__ u32 lowbias32(u32 x) {
+  x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
+  return x;
+}
+struct Race { double k; int i; float lo; };  // lo <= k, for float comparisons
+// The rare part of race_add, kept out of line so the unrolled hot loops stay small: the exact
+// key of a token that passed the first bound, or -inf when the float bound rules it out.
+__device__ __noinline__ double race_key(float z, u32 h1, u32 k1, double best) {
+  const u64 w = ((u64)h1 << 20) | (lowbias32(h1 ^ k1 ^ 0x85ebca6bu) >> 12);
+  const u64 m = (1ull << 52) - w;
+  // float g within 1e-5 of the exact one (log1pf keeps 1-u's precision when u is near 1)
+  const float e = h1 < 0x80000000u ? -logf((float)(((double)w + 0.5) * 0x1p-52)) : -log1pf(-(float)(((double)m - 0.5) * 0x1p-52));
+  if ((double)z + (double)(-logf(e)) + 1e-4 < best) return -INFINITY;
+  return (double)z - log(-log(((double)w + 0.5) * 0x1p-52));
+}
+__device__ __forceinline__ void race_add(Race& r, float z, int i, u64 key) {
+  const u32 k1 = (u32)key, k2 = (u32)(key >> 32);
+  const u32 h1 = lowbias32(lowbias32((u32)i ^ k1) + k2);
+  // g <= -log(log 2) when u < 1/2; else g <= -log(1 - u), and 1 - u >= 2^-4 / 2^-12 by h1's top bits
+  const float ub = h1 < 0x80000000u ? 0.36652f : h1 < 0xf0000000u ? 2.7736f : h1 < 0xfff00000u ? 8.3188f : 37.0f;
+  if (__fadd_ru(z, ub) < r.lo) return;
+  const double k = race_key(z, h1, k1, r.k);
+  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = __double2float_rd(k); }
+}
+__device__ __forceinline__ void race_merge(Race& r, double k, int i) {
+  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = __double2float_rd(k); }
+}
+// Merge B partial races of a row (the last block, all threads).
+__device__ Race merge_partials(const double* pk, const int* pi, int B);
+__device__ Race block_race(Race r) {
+  __shared__ double sk[NT / 32]; __shared__ int si[NT / 32];
+  for (int o = 16; o > 0; o >>= 1)
+    race_merge(r, __shfl_xor_sync(0xffffffffu, r.k, o), __shfl_xor_sync(0xffffffffu, r.i, o));
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) { sk[threadIdx.x >> 5] = r.k; si[threadIdx.x >> 5] = r.i; }
+  __syncthreads();
+  for (int j = 0; j < NT / 32; ++j) race_merge(r, sk[j], si[j]);
+  return r;
+}
+__device__ u64 block_max_u64(u64 v) {
+  __shared__ u64 sm[NT / 32];
+  for (int o = 16; o > 0; o >>= 1) { u64 t = __shfl_xor_sync(0xffffffffu, v, o); v = t > v ? t : v; }
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = v;
+  __syncthreads();
+  for (int j = 0; j < NT / 32; ++j) v = sm[j] > v ? sm[j] : v;
+  return v;
+}
+__device__ u32 block_sum_u32(u32 v) {
+  __shared__ u32 sm[NT / 32];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) sm[threadIdx.x >> 5] = v;
+  __syncthreads();
+  v = 0;
+  for (int j = 0; j < NT / 32; ++j) v += sm[j];
+  return v;
+}
+
+// Workspace. Zeroed before the launch (memset): ctr, tick, maxk, bad. Written before read:
+// thr, tcnt, pk, pi. The three histogram buffers of a row are zeroed inside the kernel, each
+// one pass before it is used (see zero_hist).
+struct Work { u32* ctr; u32* tick; u64* maxk; u32* bad; u64* thr; u32* tcnt; double* pk; int* pi; u32* hcnt; u64* hmass; };
+__device__ __forceinline__ size_t al8(size_t n) { return (n + 7) & ~(size_t)7; }
+__device__ Work layout(unsigned char* p, int S, int B) {
+  Work w; size_t o = 0;
+  w.ctr = (u32*)(p + o); o += al8(4ull * S);
+  w.tick = (u32*)(p + o); o += al8(4ull * S);
+  w.maxk = (u64*)(p + o); o += 8ull * S;
+  w.bad = (u32*)(p + o); o += al8(4ull * S);
+  w.thr = (u64*)(p + o); o += 8ull * S;
+  w.tcnt = (u32*)(p + o); o += al8(4ull * S * B);
+  w.pk = (double*)(p + o); o += 8ull * S * B;
+  w.pi = (int*)(p + o); o += al8(4ull * S * B);
+  w.hcnt = (u32*)(p + o); o += 4ull * S * 3 * NB;
+  w.hmass = (u64*)(p + o);
+  return w;
+}
+// The last block of a row to finish (threadfence reduction): it alone merges the row's partials.
+__device__ bool last_block(u32* tick, int B) {
+  __shared__ bool last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(tick, 1u) == (u32)(B - 1);
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+// Barrier of the B blocks of one row (generation gen: every block has arrived gen times). The
+// grid is sized so that a row's blocks are resident together whenever B > 1.
+__device__ void row_sync(u32* ctr, u32 target) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(ctr, 1u);
+    while (*(volatile u32*)ctr < target) __nanosleep(64);
+    __threadfence();
+  }
+  __syncthreads();
+}
+// Each element of the block's chunk [c0, c1) of row x: f(value, token id).
+template <class F> __device__ __forceinline__ void each(const float* __restrict__ x, int c0, int c1, F f) {
+#if VEC4
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+#pragma unroll 4
+  for (int j = (c0 >> 2) + threadIdx.x; j < (c1 >> 2); j += NT) {
+    const float4 v = x4[j]; const int i = j << 2;
+    f(v.x, i); f(v.y, i + 1); f(v.z, i + 2); f(v.w, i + 3);
+  }
+#else
+  for (int i = c0 + threadIdx.x; i < c1; i += NT) f(x[i], i);
+#endif
+}
+"""
+
+
+def workspace_bytes(S: int, B: int) -> int:
+    """Bytes of the sampler's workspace for S rows split in B blocks each (layout() above)."""
+    def al8(n):
+        return (n + 7) // 8 * 8
+    return (2 * al8(4 * S) + 8 * S + al8(4 * S) + 8 * S + al8(4 * S * B) + 8 * S * B + al8(4 * S * B)
+            + 3 * (4 + 8) * 2048 * S)
+
+
+def zeroed_bytes(S: int) -> int:
+    """The leading bytes of the workspace that must be zero at launch (ctr, tick, maxk, bad)."""
+    def al8(n):
+        return (n + 7) // 8 * 8
+    return 2 * al8(4 * S) + 8 * S + al8(4 * S)

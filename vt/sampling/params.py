@@ -1,0 +1,91 @@
+"""Per-request sampling knobs, validated on construction, and the per-row device vectors the
+sampler reads them from (one entry per batch row, so requests with different knobs share one
+captured graph)."""
+from __future__ import annotations
+
+import math
+from dataclasses import KW_ONLY, dataclass
+
+import numpy as np
+
+# The per-row vectors the sampler reads, in its argument order: name -> numpy dtype.
+# top_k 0 means the whole vocabulary; temperature 0 means greedy.
+ROW_VECTORS: dict[str, np.dtype] = {
+    "temperature": np.dtype(np.float32),
+    "top_k": np.dtype(np.int32),
+    "top_p": np.dtype(np.float32),
+    "min_p": np.dtype(np.float32),
+    "seed": np.dtype(np.uint64),
+}
+
+_SEED_END = 2**63
+
+
+def _real(name: str, v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"SamplingParams.{name} must be a real number, got {type(v).__name__} {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"SamplingParams.{name}={v!r} must be finite")
+    return float(v)
+
+
+def _int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise TypeError(f"SamplingParams.{name} must be an int, got {type(v).__name__} {v!r}")
+    return int(v)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy (argmax, lowest index on ties); otherwise sample from
+    softmax(logits / temperature) restricted, in this order, to the top_k most likely tokens
+    (None or 0: all), the smallest most-likely prefix whose probability reaches top_p, and the
+    tokens with probability >= min_p * the largest. The draws are keyed on (seed, position,
+    token id) only, so a request's tokens never depend on its row, its batch or the padded size.
+    """
+    temperature: float = 0.0
+    # The rest by name only: a positional SamplingParams(0.8, 8, seed) of an older order would
+    # otherwise land the seed in top_p.
+    _: KW_ONLY
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        t = _real("temperature", self.temperature)
+        if t < 0:
+            raise ValueError(f"SamplingParams.temperature={t!r} must be >= 0 (0 = greedy)")
+        if self.top_k is not None and _int("top_k", self.top_k) < 0:
+            raise ValueError(f"SamplingParams.top_k={self.top_k!r} must be None, 0 (all) or a positive int")
+        p = _real("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")
+        m = _real("min_p", self.min_p)
+        if not 0 <= m < 1:
+            raise ValueError(f"SamplingParams.min_p={m!r} must be in [0, 1)")
+        if not 0 <= _int("seed", self.seed) < _SEED_END:
+            raise ValueError(f"SamplingParams.seed={self.seed!r} must be in [0, 2**63)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab: int) -> None:
+        """Raise if top_k exceeds the vocabulary (known only where the model is)."""
+        if self.top_k is not None and self.top_k > vocab:
+            raise ValueError(f"SamplingParams.top_k={self.top_k} exceeds the vocabulary size {vocab}")
+
+
+GREEDY = SamplingParams()
+
+
+def row_vectors(params: list[SamplingParams]) -> dict[str, np.ndarray]:
+    """The sampler's per-row vectors (ROW_VECTORS) for a list of requests, one row each."""
+    return {
+        "temperature": np.array([p.temperature for p in params], np.float32),
+        "top_k": np.array([p.top_k or 0 for p in params], np.int32),
+        "top_p": np.array([p.top_p for p in params], np.float32),
+        "min_p": np.array([p.min_p for p in params], np.float32),
+        "seed": np.array([p.seed for p in params], np.uint64),
+    }

@@ -1,0 +1,75 @@
+"""The sampler's launch object: the same protocol as the model's kernels (run_numpy on the sim,
+run_cupy on the current CuPy stream; capturable: no host sync, one memset node and one kernel
+node, its one workspace comes from CuPy's allocator (its counters zeroed by the memset, its
+histograms by the kernel itself), every scalar is baked into the launch). The first call of each
+build (V % 4 == 0 with 16-byte aligned logits, or not) compiles it, so it must be eager.
+
+The kernel's blocks of one row wait for each other at barriers; the grid is sized to fit on the
+GPU at once (split), so they never wait for a block that cannot start, unless another stream
+keeps SMs busy for good.
+
+Arguments (S rows, vocabulary V):
+  logits [S, V] f32, token_rows [S] i32, positions [S] i32, temperature [S] f32,
+  top_k [S] i32 (0 = all), top_p [S] f32, min_p [S] f32, seed [S] u64,
+  out_tokens [S] i32, token_table [*] i32
+Writes out_tokens[r] and token_table[token_rows[r]] (the next step's input token).
+
+Error rows: a row with a NaN or +inf logit, or only -inf logits, or whose largest scaled logit
+overflows (logit / temperature = inf), gets out_tokens[r] = -1 (the engine finishes that
+request with an error) and token_table[token_rows[r]] = 0, so the next embedding stays in range.
+-inf logits are otherwise legal: masked tokens, never drawn.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import reference
+from .device_code import workspace_bytes, zeroed_bytes
+from .kernels import BLOCKS_PER_SM, CODE
+
+_MIN_CHUNK = 1024      # elements per block: below this a block is mostly launch overhead
+
+
+def split(S: int, V: int, sms: int) -> tuple[int, int]:
+    """(blocks per row B, elements per block C): as many blocks as fit on the GPU at once (a
+    row's blocks wait for each other at its barriers, so when B > 1 all S * B must be resident),
+    chunks a multiple of 4 (float4 loads) and none empty."""
+    B = max(1, min(BLOCKS_PER_SM * sms // S, -(-V // _MIN_CHUNK)))
+    C = (-(-V // B) + 3) // 4 * 4
+    return -(-V // C), C
+
+
+class Sampler:
+    """logits [S, V] f32 -> out_tokens [S] i32 and token_table[token_rows] (see the module doc)."""
+
+    name = "sample"
+
+    def run_numpy(self, logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
+                  out_tokens, token_table):
+        out_tokens[...] = reference.sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed)
+        token_table[token_rows] = np.maximum(out_tokens, 0)
+
+    def run_cupy(self, stream_handle, logits, token_rows, positions, temperature, top_k, top_p,
+                 min_p, seed, out_tokens, token_table):
+        import cupy as cp
+
+        from vt.backend.nvrtc import cuda_function, sm_count
+
+        S, V = logits.shape
+        if not S:
+            return
+        if logits.dtype != np.float32 or not logits.flags.c_contiguous or V >= 2**23:
+            raise ValueError(f"Sampler: logits must be C-contiguous float32 [S, V] with V < 2**23, "
+                             f"got {logits.dtype} {logits.shape}")
+        vec = int(V % 4 == 0 and logits.data.ptr % 16 == 0)
+        B, C = split(S, V, sm_count())
+        ws = cp.empty(workspace_bytes(S, B), cp.uint8)
+        cp.cuda.runtime.memsetAsync(ws.data.ptr, 0, zeroed_bytes(S), cp.cuda.get_current_stream().ptr)
+        cuda_function(CODE, "sample", VEC4=vec)(
+            (S * B,), (256,), (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
+                               out_tokens, token_table, ws, np.int32(S), np.int32(V), np.int32(B), np.int32(C)))
+
+
+def workspace_for(S: int, V: int, sms: int) -> int:
+    """Bytes the sampler allocates per call for S rows of V (for a pool's warm-up)."""
+    return workspace_bytes(S, split(S, V, sms)[0])
