@@ -156,7 +156,9 @@ def test_vt_run_refuses_every_bad_value(capsys, monkeypatch, data):
 DATA = "vt-bench-input.json"
 BENCH_FLAGS = {
     "--backend": bad_choice(["auto", "cuda", "sim"]),
-    "--workload": bad_choice(["synthetic", "model"]),
+    "--workload": bad_choice(["synthetic", "model", "torch", "sampler"]),
+    "--vocab": bad_int(2, lim.MAX_VOCAB),
+    "--sampling": bad_choice(["greedy", "top_k", "top_p", "temperature"]),
     "--device-us": bad_float(0, lim.MAX_DEVICE_US),
     "--conc": bad_int(1, lim.MAX_SERVING_CONC),
     "--modes": bad_choice(list(MODES)),

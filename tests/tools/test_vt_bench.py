@@ -129,7 +129,7 @@ def test_a_peer_that_fails_to_set_up_leaves_the_vt_cells(tmp_path, monkeypatch):
     from vt.cli.bench import run as run_mod
 
     class Broken:
-        def __init__(self, S):
+        def __init__(self, S, vocab):
             raise RuntimeError("no graph for you")
     monkeypatch.setattr(run_mod, "torch_absent_reason", lambda be, args: None)
     monkeypatch.setattr(torch_peer, "TorchPeer", Broken)

@@ -12,6 +12,7 @@ import math
 
 from vt.knobs import MAX_CAPTURE_SIZE, MAX_RING_DEPTH, MAX_SERVING_CONC  # noqa: F401 (re-exported)
 
+MAX_VOCAB = 1 << 20            # vt bench --vocab: a million tokens, beyond any served LLM
 MAX_REQUESTS = 100_000        # vt run --requests: prompts are made up front, 100k is seconds
 MAX_STEPS = 100_000           # vt bench --steps: decode steps per cell
 MAX_PROMPT_LEN = 4096         # vt bench --prompt-len (vt run's is bounded by the preset)

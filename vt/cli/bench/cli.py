@@ -26,10 +26,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from vt.cli import limits as lim
     from vt.knobs import MODES, SAFE_MODES
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--workload", default="synthetic", choices=["synthetic", "model", "torch"],
+    p.add_argument("--workload", default="synthetic",
+                   choices=["synthetic", "model", "torch", "sampler"],
                    help="synthetic: a user forward spinning D us per step (+ the torch peer); "
                         "model: the bundled model at --preset; torch: the vt.torch Llama decoder "
-                        "(bf16, random weights) + the same module in a torch CUDA-graph loop")
+                        "(bf16, random weights) + the same module in a torch CUDA-graph loop; "
+                        "sampler: vt's sampler against torch's over [S, V] logits (GPU)")
+    p.add_argument("--vocab", type=int, nargs="+", default=None, metavar="V",
+                   help=f"synthetic: the forward's vocabulary, one value, 2 to {lim.MAX_VOCAB} "
+                        f"(default: 32000); sampler: the vocabularies to sweep (default: 32000 "
+                        f"128256 151936)")
+    p.add_argument("--sampling", nargs="+", default=None,
+                   choices=["greedy", "top_k", "top_p", "temperature"],
+                   help="sampler: what to sample (default: all four; top_k 50, top_p 0.9, "
+                        "temperature 1)")
     p.add_argument("--device-us", dest="spin_us", type=float, nargs="+",
                    default=list(DEFAULT_SPIN_US), metavar="D",
                    help=f"synthetic: device us per step to sweep, each 0 to {lim.MAX_DEVICE_US:g} "
@@ -109,8 +119,18 @@ def _resolve(args: argparse.Namespace, error) -> None:
     if args.modes is None:
         from vt.knobs import SAFE_MODES
         args.modes = list(torch_workload.DEFAULT_MODES if args.workload == "torch" else SAFE_MODES)
+    sampler = args.workload == "sampler"
+    if sampler and backend != "cuda":
+        error("--workload sampler needs a CUDA GPU (it times CUDA graphs of vt's and torch's samplers)")
+    if args.vocab is None:
+        args.vocab = [32000, 128256, 151936] if sampler else [32000]
+    if args.workload == "synthetic" and len(args.vocab) != 1:
+        error(f"--vocab takes one value with the synthetic workload, got {args.vocab}; run once "
+              f"per vocabulary")
+    if args.sampling is None:
+        args.sampling = ["greedy", "top_k", "top_p", "temperature"]
     if args.conc is None:
-        args.conc = [1, 32, 64] if model else [1, 32]
+        args.conc = [1, 32, 64] if model else [1, 8, 32, 128, 256] if sampler else [1, 32]
     if args.steps is None:
         args.steps = _STEPS[backend]
     if args.prompt_len is None:   # synthetic: a short prefill (it spins D per prompt token)
@@ -131,6 +151,8 @@ def _resolve(args: argparse.Namespace, error) -> None:
         ("--preset", args.preset))]
     problems += [lim.int_problem("--conc", c, 1, lim.MAX_SERVING_CONC) for c in args.conc]
     problems += [lim.float_problem("--device-us", d, 0, lim.MAX_DEVICE_US) for d in args.spin_us]
+    problems += [lim.list_problem("--vocab", args.vocab)]
+    problems += [lim.int_problem("--vocab", v, 2, lim.MAX_VOCAB) for v in args.vocab]
     problems += [
         lim.int_problem("--steps", args.steps, 1, lim.MAX_STEPS),
         lim.int_problem("--prompt-len", args.prompt_len, 1, lim.MAX_PROMPT_LEN),
@@ -198,6 +220,8 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
             error(f"--from-json: a cell of {args.from_json} is damaged ({type(e).__name__}: {e})")
     else:
         _resolve(args, error)
+        if args.workload == "sampler":
+            return _cmd_sampler(args)
         res = run(args, lambda total: ProgressBar(total, bar=False if args.no_bar else None))
         text = report.table(res)
     print()
@@ -213,6 +237,21 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
     for c in bad:
         print(f"vt bench: WRONG TOKENS in {c['impl']} {c['mode']} S={c['conc']}", file=sys.stderr)
     return 1 if bad else 0
+
+
+def _cmd_sampler(args: argparse.Namespace) -> int:
+    """--workload sampler: the table, and the JSON and PNG when asked for."""
+    from vt.cli.bench import sampler
+    res = sampler.run(args.conc, args.vocab, args.sampling, seed=args.seed)
+    print()
+    print(sampler.table(res))
+    if args.json:
+        sampler.write_json(res, args.json)
+        print(f"vt bench: wrote {args.json}")
+    if args.png:
+        sampler.write_png(res, args.png)
+        print(f"vt bench: wrote {args.png}")
+    return 0
 
 
 def main(argv=None) -> int:

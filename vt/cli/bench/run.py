@@ -23,7 +23,7 @@ import numpy as np
 
 from vt.cli.bench import cells, torch_peer
 from vt.cli.bench.measure import done_line, make_engine, median_run, profiles, vt_cell
-from vt.cli.bench.synthetic import SYNTH_VOCAB, SyntheticModel, expected_tokens
+from vt.cli.bench.synthetic import SyntheticModel, expected_tokens
 
 
 def plan_total(args, torch_ok: bool) -> int:
@@ -58,9 +58,10 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
     ctx = args.prompt_len + args.steps + 2
     for conc in args.conc:
         rng = np.random.default_rng(args.seed + conc)
-        prompts = [rng.integers(0, SYNTH_VOCAB, args.prompt_len).tolist() for _ in range(conc)]
-        expect = [expected_tokens(p, args.steps + 1) for p in prompts]
-        model = SyntheticModel(be, max_seqs=conc, max_context=ctx)
+        vocab = args.vocab[0]
+        prompts = [rng.integers(0, vocab, args.prompt_len).tolist() for _ in range(conc)]
+        expect = [expected_tokens(p, args.steps + 1, vocab) for p in prompts]
+        model = SyntheticModel(be, max_seqs=conc, max_context=ctx, vocab=vocab)
         engines, peer = {}, None
         try:
             for mode in args.modes:
@@ -71,7 +72,7 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
                     progress.step(f"captured {mode} S={conc}{' (profiled)' if prof else ''}")
             if reason is None:
                 try:
-                    peer = torch_peer.TorchPeer(conc)
+                    peer = torch_peer.TorchPeer(conc, vocab)
                 except Exception as exc:   # keep the vt cells; the peer's rows say why
                     reason = f"the torch peer failed to set up: {type(exc).__name__}: {exc}"
                     progress.log(f"vt bench: {reason}")
@@ -168,6 +169,7 @@ def run(args, progress_factory) -> dict:
         vt_commit=_commit(), started=started,
         wall_s=time.perf_counter() - t0,
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
+        vocab=args.vocab[0] if args.workload == "synthetic" else None,
         presets=list(args.preset) if args.workload != "synthetic" else None,
         concs=list(args.conc), modes=list(args.modes), steps=args.steps, repeats=args.repeats,
         prompt_len=args.prompt_len, seed=args.seed, ceiling_replays=args.ceiling_replays,

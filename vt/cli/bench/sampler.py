@@ -6,7 +6,8 @@ temperature full softmax + exponential race (probs / Exponential(1), argmax). Ea
 timed as the mean of CALLS calls captured in one CUDA graph (launch cost excluded), after a
 warm-up replay, median of REPEATS replays. Needs a CUDA GPU, CuPy and PyTorch.
 
-    python3 -m vt.bench.sampler --json PATH [--S 1,8 --V 32000 --modes greedy,top_k]
+    vt bench --workload sampler [--conc 1 8 ...] [--vocab 32000 ...] [--sampling greedy ...]
+    python3 -m vt.cli.bench.sampler --json PATH [--S 1,8 --V 32000 --modes greedy,top_k]
 """
 from __future__ import annotations
 
@@ -126,6 +127,60 @@ def _grid(torch, cp, S_list, V_list, modes, seed, log):
                 log(json.dumps(row))
                 rows.append(row)
     return rows
+
+
+def run(S_list, V_list, modes, seed: int = 0) -> dict:
+    """The whole sweep as vt bench's result: the rows and what they ran on."""
+    import torch
+
+    from vt.cli.bench.run import _commit
+    rows = run_sampler_bench(S_list, V_list, modes, seed, log=lambda line: None)
+    return dict(workload="sampler", commit=_commit(), device=torch.cuda.get_device_name(),
+                torch=torch.__version__, calls_per_graph=CALLS, repeats=REPEATS, rows=rows)
+
+
+def table(res: dict) -> str:
+    """µs per call, vt | torch (ratio), one line per (V, S), one column per mode."""
+    modes = list(dict.fromkeys(r["mode"] for r in res["rows"]))
+    at = {(r["V"], r["S"], r["mode"]): r for r in res["rows"]}
+    lines = ["us per call inside a CUDA graph, vt | torch (vt / torch)",
+             f"{'V':>7} {'S':>4} " + " ".join(f"{m:>26}" for m in modes)]
+    for V, S in dict.fromkeys((r["V"], r["S"]) for r in res["rows"]):
+        cells = [at[V, S, m] for m in modes]
+        lines.append(f"{V:>7} {S:>4} " + " ".join(
+            f"{c['vt_us']:>9.1f} | {c['torch_us']:>7.1f} ({c['ratio']:.2f})" for c in cells))
+    return "\n".join(lines)
+
+
+def write_json(res: dict, path: str) -> None:
+    from vt.runner.atomic_file import write_text_atomic
+    write_text_atomic(path, json.dumps(res, indent=1) + "\n")
+
+
+def write_png(res: dict, path: str) -> None:
+    """vt's time over torch's against S, one panel per mode, one line per V (below 1: vt wins)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vt.runner.atomic_file import atomic_open
+    modes = list(dict.fromkeys(r["mode"] for r in res["rows"]))
+    fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 3.4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        for V in dict.fromkeys(r["V"] for r in res["rows"]):
+            pts = sorted((r["S"], r["ratio"]) for r in res["rows"] if r["V"] == V and r["mode"] == mode)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"V={V}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_title(mode)
+        ax.set_xlabel("rows S")
+    axes[0][0].set_ylabel("vt time / torch time")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"vt's sampler against torch's ({res.get('device')}, {res.get('commit')})", fontsize=9)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:

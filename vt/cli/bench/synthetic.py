@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-SYNTH_VOCAB = 4096
+SYNTH_VOCAB = 32000   # the default: a real LLM's vocabulary (vt bench --vocab)
 _BLOCK = 256
 
 CUDA_SOURCE = r"""
