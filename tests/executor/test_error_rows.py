@@ -24,13 +24,13 @@ class _CountUp:
         logits[tok == 27] = -np.inf          # all -inf: nothing to sample
 
     def run_cupy(self, stream_handle, table, rows, logits):
-        import cupy as cp
-        tok = table[rows]
-        logits[...] = 0
-        logits[cp.arange(len(rows)), (tok + 1) % logits.shape[1]] = 1
+        import cupy as cp   # elementwise only: a boolean-mask assignment would sync (no capture)
+        tok = table[rows][:, None]
+        onehot = cp.arange(logits.shape[1])[None, :] == (tok + 1) % logits.shape[1]
+        out = cp.where(onehot, cp.float32(1), cp.float32(0))
         for t, v in BAD.items():
-            logits[tok == t] = v
-        logits[tok == 27] = -cp.inf
+            out = cp.where(tok == t, cp.float32(v), out)
+        logits[...] = cp.where(tok == 27, cp.float32(-cp.inf), out)
 
 
 def _engine(be, mode):

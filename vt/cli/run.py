@@ -166,11 +166,14 @@ def _report(results, stats: dict, trace: str | None) -> None:
          f"mode {stats['mode']}")
     _log(f"  steps {stats['steps']} (graph {stats['graph_steps']}, eager {stats['eager_steps']}, "
          f"mixed {stats['mixed_steps']}, prefill {stats['prefill_steps']})")
-    us = {k: 1e6 * stats[k] / steps for k in ("acquire_s", "refresh_s", "launch_s", "drain_s",
-                                              "token_wait_s")}
-    _log(f"  per step (µs): acquire {us['acquire_s']:.1f}, refresh {us['refresh_s']:.1f}, launch "
-         f"{us['launch_s']:.1f}, drain waits {us['drain_s']:.1f}, token waits {us['token_wait_s']:.1f}, "
-         f"device {1e3 * stats['device_ms'] / max(stats['device_steps'], 1):.1f}")
+    dec = stats["phases"]["decode"]
+    timed, n = max(dec["timed_steps"], 1), max(dec["steps"], 1)
+    us = {k: 1e6 * dec[k] / timed for k in ("plan_s", "acquire_s", "refresh_s", "launch_s", "collect_s")}
+    _log(f"  per decode step (µs; the split timed on {dec['timed_steps']} of {dec['steps']} steps): "
+         f"plan {us['plan_s']:.1f}, acquire {us['acquire_s']:.1f}, refresh {us['refresh_s']:.1f}, "
+         f"launch {us['launch_s']:.1f}, collect {us['collect_s']:.1f}; host busy "
+         f"{1e6 * (dec['wall_s'] - dec['wait_s']) / n:.1f}, waits {1e6 * dec['wait_s'] / n:.1f}, "
+         f"device {1e3 * dec['device_ms'] / max(dec['device_steps'], 1):.1f}")
     _log(f"  pool: {stats['pool']['bytes_reserved'] / 2**20:.1f} MiB reserved, "
          f"mallocs during capture {stats['pool']['mallocs_during_capture']}, "
          f"driver mallocs since warm-up {stats['driver_mallocs_since_warm_up']}")

@@ -66,7 +66,7 @@ class Engine:
         self._tokens_out = 0
         self._wall_s = 0.0
         self._phases = {"decode": Phase(), "prefill": Phase()}
-        self._loop_profile = LoopProfile(self.runner.stats) if self.runner.profile else None
+        self._loop_profile = LoopProfile(self.runner) if self.runner.profile else None
         self._closed = False
         self._reset_schedule()
         self._model_key = model_key(self.model)

@@ -32,5 +32,6 @@ class Phase:
     launch_s: float = 0.0
     collect_s: float = 0.0
     drain_s: float = 0.0
-    device_ms: float = 0.0    # device time of the sampled steps (profile: one in DEVICE_SAMPLE)
+    timed_steps: int = 0      # iterations whose split below was timed (profile: one in SAMPLE)
+    device_ms: float = 0.0    # device time of the timed steps
     device_steps: int = 0

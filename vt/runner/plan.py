@@ -60,8 +60,8 @@ class RunnerStats:
     launch_s: float = 0.0
     token_waits: int = 0
     token_wait_s: float = 0.0
-    device_ms: float = 0.0    # with profile only: device time of the sampled steps
-    device_steps: int = 0     # the steps device_ms covers (Runner's DEVICE_SAMPLE)
+    device_ms: float = 0.0    # with profile only: device time of the timed steps
+    device_steps: int = 0     # the steps device_ms covers
     steps_by_size: dict = field(default_factory=dict)
 
     @property

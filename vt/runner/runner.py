@@ -28,12 +28,6 @@ from vt.runner.trace import Tracer
 from vt.backend.waits import DEFAULT_POLL_US, wait_event
 
 
-# With profile, device timing events go around one step in this many (every step when a trace
-# is written): two event records and a query cost the host several µs per step, which would
-# make the profiled loop slower than the one it describes.
-DEVICE_SAMPLE = 8
-
-
 def _decode_and_sample(model):
     """The captured step. A closure over the model only: a bound method of the runner would
     make runner -> driver -> runner a cycle, freed only by the cyclic GC at any later moment
@@ -46,8 +40,9 @@ def _decode_and_sample(model):
 
 class Runner:
     """Launches steps of a step model (vt.step.contract.StepModel): graphs through the driver, the rest
-    through the eager path. profile=True times the host's share of each launch and records
-    device timing events around every DEVICE_SAMPLE-th step (every step with a trace)."""
+    through the eager path. With profile=True, a launch while `timed` is set has its host
+    split timed and device timing events recorded around it (the engine's LoopProfile sets
+    `timed` on the iterations it samples; a standalone runner times every step)."""
 
     def __init__(self, be, model, config, *, record_logits: bool = False, profile: bool = False):
         self.be, self.model, self.config = be, model, config
@@ -75,7 +70,8 @@ class Runner:
         self._ring_for = self.driver.ring_for
         self._record = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(2)],
                         [be.event(blocking_sync=True) for _ in range(2)]) if record_logits else None
-        self._device_every = 1 if self.tracer.enabled else DEVICE_SAMPLE
+        self.timed = self.profile   # time the next launch (host split + device events)
+        self._n_timed = 0
         self._timing = ([tuple(be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
                          for _ in range(2)] if self.profile else None)
         self._last: StepHandle | None = None
@@ -128,7 +124,7 @@ class Runner:
         """Acquire the ring's next slot (its guard), refresh its block, replay it. With
         profile, the host split is timed and the device timing events recorded around the
         step; without it, no clock is read."""
-        prof, st = self.profile, self.stats
+        prof, st = self.timed, self.stats
         t0 = time.perf_counter() if prof else 0.0
         slot, waited = ring.acquire(self._poll_s)
         if waited:
@@ -138,7 +134,7 @@ class Runner:
         timing = None
         if prof:
             t2 = time.perf_counter()
-            timing = self._start_timing(self._steps)
+            timing = self._start_timing()
             t2_launch = time.perf_counter()   # the profile's own event record stays out of the launch span
         index, n = self._steps, plan.n
         logits = slot.launch(self.stream, n, index)
@@ -163,7 +159,7 @@ class Runner:
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
         index, n, parity = self._steps, plan.n, self._steps % 2
         t2 = time.perf_counter()
-        timing = self._start_timing(index)
+        timing = self._start_timing() if self.timed else None
         logits, kind = self.eager.launch(plan.decode, plan.prefill, parity)
         done = self.eager.done[parity]
         done.record(self.stream)
@@ -171,17 +167,19 @@ class Runner:
         self._finish_launch(handle, timing)
         self.stats.steps += 1
         setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
-        if self.profile:
+        if self.timed:
             t3 = time.perf_counter()
             self.stats.launch_s += t3 - t2
             self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
         return handle
 
-    def _start_timing(self, index: int):
-        """The timing events of step `index` when it is sampled, recorded at its start."""
-        if self._timing is None or index % self._device_every:
+    def _start_timing(self):
+        """A pair of timing events (two pairs in turn: two steps may be in flight), the start
+        recorded now."""
+        if self._timing is None:
             return None
-        timing = self._timing[(index // self._device_every) % 2]
+        timing = self._timing[self._n_timed % 2]
+        self._n_timed += 1
         timing[0].record(self.stream)
         return timing
 

@@ -96,7 +96,8 @@ def vt_row(ident: dict, fast: dict, prof: dict | None, *, conc: int, ceiling_us:
     if prof is not None:
         pdec, _ = phases(prof)
         n = max(pdec["steps"], 1)
-        per = {p: 1e6 * pdec[f"{p}_s"] / n for p in (*HOST_PARTS, "drain")}
+        timed = max(pdec["timed_steps"], 1)   # the split is timed on a sample of the steps
+        per = {p: 1e6 * pdec[f"{p}_s"] / timed for p in (*HOST_PARTS, "drain")}
         wall_us = 1e6 * pdec["wall_s"] / n
         device_us = 1e3 * pdec["device_ms"] / max(pdec["device_steps"], 1)   # sampled steps
         wait_us = 1e6 * pdec["wait_s"] / n     # blocked on the device: drains and token waits

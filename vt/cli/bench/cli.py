@@ -169,7 +169,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
     if backend == "cuda" and args.sim_delay_ms:
         error("--sim-delay-ms applies to the sim backend only and this run uses cuda; drop it "
               "or add --backend sim")
-    unknown = [p for p in args.preset if p not in PRESETS]
+    unknown = [p for p in args.preset if p not in PRESETS and args.workload != "torch"]
     if unknown:   # a typo is refused with either workload, not ignored by the synthetic one
         error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
     # Bench presets are sized for the GPU: on the sim they need gigabytes of host memory and
