@@ -77,6 +77,14 @@ class EagerPath:
             self.model.decode(self.stream, inputs, block[:size])
             self.model.sample(self.stream, block[:size], inputs, self.out_device[:size])
             self.stream.synchronize()   # the staging block is reused by the next bucket
+        if self.be.name == "cuda":
+            # The sampler allocates a workspace per call whose size follows the row count, and
+            # a prefill step samples as many rows as it admits: pre-grow one block of every
+            # size it can ask for (vt/sampling/sampler.py workspace_sizes).
+            from vt.backend.nvrtc import sm_count
+            from vt.sampling import workspace_sizes
+            for nbytes in workspace_sizes(self.capacity, self.model.vocab, sm_count()):
+                self.be.pool.reserve(nbytes)
         warm = getattr(self.model, "warm_up_prefill", None)
         if warm is not None:
             warm(self.stream, max_prefill_tokens, block)

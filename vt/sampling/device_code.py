@@ -103,7 +103,7 @@ __device__ u32 block_sum_u32(u32 v) {
   return v;
 }
 
-// Workspace. Zeroed before the launch (memset): ctr, tick, maxk, bad. Written before read:
+// Workspace. Zeroed before the launch (a zeroing kernel): ctr, tick, maxk, bad. Written before read:
 // thr, tcnt, pk, pi. The three histogram buffers of a row are zeroed inside the kernel, each
 // one pass before it is used (see zero_hist).
 struct Work { u32* ctr; u32* tick; u64* maxk; u32* bad; u64* thr; u32* tcnt; double* pk; int* pi; u32* hcnt; u64* hmass; };

@@ -1,6 +1,6 @@
 """The sampler's launch object: the same protocol as the model's kernels (run_numpy on the sim,
-run_cupy on the current CuPy stream; capturable: no host sync, one memset node and one kernel
-node, its one workspace comes from CuPy's allocator (its counters zeroed by the memset, its
+run_cupy on the current CuPy stream; capturable: no host sync, two kernel nodes, its one
+workspace comes from CuPy's allocator (its counters zeroed by the first kernel, its
 histograms by the kernel itself), every scalar is baked into the launch). The first call of each
 build (V % 4 == 0 with 16-byte aligned logits, or not) compiles it, so it must be eager.
 
@@ -63,13 +63,34 @@ class Sampler:
                              f"got {logits.dtype} {logits.shape}")
         vec = int(V % 4 == 0 and logits.data.ptr % 16 == 0)
         B, C = split(S, V, sm_count())
-        ws = cp.empty(workspace_bytes(S, B), cp.uint8)
-        cp.cuda.runtime.memsetAsync(ws.data.ptr, 0, zeroed_bytes(S), cp.cuda.get_current_stream().ptr)
+        ws = cp.empty(workspace_for(S, V, sm_count()), cp.uint8)
+        # The counters are zeroed by a kernel, not cudaMemsetAsync: inside a graph a memset
+        # node adds ~2 µs to every cudaGraphLaunch on the host, a kernel node next to nothing.
+        _zero_kernel(cp)(ws[:zeroed_bytes(S)].view(cp.uint32))
         cuda_function(CODE, "sample", VEC4=vec)(
             (S * B,), (256,), (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
                                out_tokens, token_table, ws, np.int32(S), np.int32(V), np.int32(B), np.int32(C)))
 
 
+_ZERO: list = []
+
+
+def _zero_kernel(cp):
+    """x = 0 over a uint32 array, as a plain kernel (CuPy's fill(0) would be a memset)."""
+    if not _ZERO:
+        _ZERO.append(cp.ElementwiseKernel("", "uint32 x", "x = 0", "vt_sampler_zero"))
+    return _ZERO[0]
+
+
 def workspace_for(S: int, V: int, sms: int) -> int:
-    """Bytes the sampler allocates per call for S rows of V (for a pool's warm-up)."""
-    return workspace_bytes(S, split(S, V, sms)[0])
+    """Bytes the sampler allocates per call for S rows of V: an upper bound that depends only
+    on S's power-of-two class (the S * B block terms are at most max(S, BLOCKS_PER_SM * sms),
+    16 bytes each), so that the few sizes of workspace_sizes() cover every S and a pool warmed
+    with them serves every later call without growing (prefill steps sample any row count)."""
+    rows = 1 << max(0, S - 1).bit_length()
+    return workspace_bytes(rows, 1) + 16 * max(rows, BLOCKS_PER_SM * sms) + 64
+
+
+def workspace_sizes(max_rows: int, V: int, sms: int) -> list[int]:
+    """Every size workspace_for gives for 1..max_rows rows (one per power of two)."""
+    return sorted({workspace_for(1 << k, V, sms) for k in range(max(1, max_rows - 1).bit_length() + 1)})
