@@ -86,6 +86,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--engine-profile", action="store_true",
+                    help="also time each cell on an Engine(profile=True): the profile's own host cost")
     args = ap.parse_args(argv)
     be = NullBackend()
     geo = KVGeometry(max_seqs=64, num_kv_blocks=64 * 40, block_size=16, max_context=args.steps + 8)
@@ -98,6 +100,11 @@ def main(argv=None) -> int:
                 best = min(_timed(eng, S, args.steps) for _ in range(5))
                 print(f"S={S:2d} {mode:5s}: {1e6 * best / args.steps:5.1f} us of vt host code per "
                       f"decode step (best of 5 runs of {args.steps} steps)")
+            if args.engine_profile:
+                with Engine(be, toy.step_model(), config, profile=True) as eng:
+                    eng.generate([[1, 2]] * S, max_new_tokens=20)
+                    best = min(_timed(eng, S, args.steps) for _ in range(5))
+                print(f"S={S:2d} {mode:5s}: {1e6 * best / args.steps:5.1f} us with profile=True")
                 if args.profile and S == 32 and mode == "ring":
                     pr = cProfile.Profile()
                     pr.enable()

@@ -125,7 +125,9 @@ class Engine:
         st.update(tokens=self._tokens_out, wall_s=self._wall_s,
                   tokens_per_s=self._tokens_out / self._wall_s if self._wall_s else 0.0,
                   mode=self.mode, pool=pool.__dict__,
-                  phases={k: dict(vars(p)) for k, p in self._phases.items()},
+                  phases={k: dict(vars(p), device_ms=st["device_by_phase"][k][0],
+                                  device_steps=st["device_by_phase"][k][1])
+                          for k, p in self._phases.items()},
                   driver_mallocs_since_warm_up=pool.driver_mallocs - self._pool_after_warm_up.driver_mallocs)
         return st
 
@@ -186,17 +188,18 @@ class Engine:
         stops = any(r.stop_token is not None for r in reqs)
         sync = self.config.depth == 1
         pending, inflight, deferred = deque(reqs), None, []
+        if prof is not None:
+            prof.start_call()
         t_start = clock()
         span = _PhaseSpan(decode_ph, t_start, runner.stats)
         try:
             while pending or sched.batch.n or inflight is not None or deferred:
-                if prof is not None:
-                    prof.begin()
+                timed = prof is not None and prof.begin()
                 plan = plan_step(pending, stops)
                 ph = prefill_ph if plan.prefill else decode_ph
                 if ph is not span.phase:
                     span.switch(ph)
-                if prof is not None:
+                if timed:
                     prof.planned()
                 handle = None
                 if plan.n:
@@ -206,7 +209,7 @@ class Engine:
                 elif inflight is None and not deferred:
                     raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
                                        f"{sched.batch.n} running, nothing launched or in flight")
-                if prof is not None:
+                if timed:
                     prof.launched()
                 if sync:
                     # Depth 1 reads each step's tokens at once, but applies a stop token on the
@@ -226,7 +229,7 @@ class Engine:
                     if progress is not None:
                         progress(Progress(ready.index, out.finished, len(reqs),
                                           self._tokens_out + out.count, clock() - t_start))
-                if prof is not None:
+                if timed:
                     prof.end(ph)
                 inflight = handle
         finally:

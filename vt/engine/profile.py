@@ -1,7 +1,7 @@
 """LoopProfile: the timing hooks the engine loop calls when profile=True.
 
 The loop is the same with and without them (each hook is behind one `if`), so the profiled
-host split describes the path that serves. The first SAMPLE iterations of an engine and then
+host split describes the path that serves. The first SAMPLE iterations of a call and then
 one in SAMPLE are timed (every one with a trace): a timed iteration is split into plan (the scheduler), the runner's acquire / refresh
 / launch / drain (timed inside the runner while `runner.timed` is set), collect (the tokens,
 their bookkeeping, the progress callback) and the rest ("other" in vt bench), and its step
@@ -15,56 +15,49 @@ import time
 
 # The runner's own timed parts (vt/runner/plan.py RunnerStats) that a phase accumulates.
 RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
-SAMPLE = 8
+SAMPLE = 16
 
 
 class LoopProfile:
-    __slots__ = ("_runner", "_rs", "_every", "_n", "_on", "_t0", "_t1", "_t2", "_before",
-                 "_dev_steps", "_dev_ms_at")
+    __slots__ = ("_runner", "_rs", "_every", "_n", "_t0", "_t1", "_t2", "_before")
 
     def __init__(self, runner):
         self._runner, self._rs = runner, runner.stats
         self._every = 1 if runner.tracer.enabled else SAMPLE
-        self._n, self._on = 0, False
+        self._n = 0
         self._t0 = self._t1 = self._t2 = 0.0
         self._before = (0.0,) * 4
-        self._dev_steps, self._dev_ms_at = self._rs.device_steps, self._rs.device_ms
         runner.timed = False
 
-    def begin(self) -> None:
-        """An iteration starts: time it if it is the sample's turn."""
+    def start_call(self) -> None:
+        """A generate() call's loop starts: its first SAMPLE iterations are timed."""
+        self._n = 0
+
+    def begin(self) -> bool:
+        """An iteration starts; returns whether it is timed (the loop then calls planned,
+        launched and end): the call's first SAMPLE iterations, so that a short call still
+        gets a split, then one in SAMPLE."""
         self._n += 1
-        # the first SAMPLE iterations, then one in SAMPLE: a short call still gets a split
-        self._on = self._n <= SAMPLE or self._n % self._every == 0
-        if not self._on:
-            return
+        if self._n > SAMPLE and self._n % self._every:
+            return False
         rs = self._rs
         self._before = (rs.acquire_s, rs.refresh_s, rs.launch_s, rs.drain_s)
         self._runner.timed = True
         self._t0 = time.perf_counter()
+        return True
 
     def planned(self) -> None:
-        if self._on:
-            self._t1 = time.perf_counter()
+        self._t1 = time.perf_counter()
 
     def launched(self) -> None:
-        if self._on:
-            self._t2 = time.perf_counter()
-            self._runner.timed = False   # the collect's waits count; nothing else launches
+        self._t2 = time.perf_counter()
+        self._runner.timed = False   # the collect's waits count; nothing else launches
 
     def end(self, phase) -> None:
-        """Add a timed iteration's split to `phase` (a vt.engine.progress.Phase), and the
-        device time of a timed step collected in this iteration (depth 2: the one after its
-        launch) to this iteration's phase."""
-        rs = self._rs
-        if rs.device_steps != self._dev_steps:
-            phase.device_ms += rs.device_ms - self._dev_ms_at
-            phase.device_steps += rs.device_steps - self._dev_steps
-            self._dev_steps, self._dev_ms_at = rs.device_steps, rs.device_ms
-        if not self._on:
-            return
+        """Add a timed iteration's split to `phase` (a vt.engine.progress.Phase). Device time
+        is the runner's, per phase (RunnerStats.device_by_phase)."""
         t3 = time.perf_counter()
-        acquire, refresh, launch, drain = self._before
+        rs, (acquire, refresh, launch, drain) = self._rs, self._before
         phase.timed_steps += 1
         phase.plan_s += self._t1 - self._t0
         phase.collect_s += t3 - self._t2

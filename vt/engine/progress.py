@@ -32,6 +32,4 @@ class Phase:
     launch_s: float = 0.0
     collect_s: float = 0.0
     drain_s: float = 0.0
-    timed_steps: int = 0      # iterations whose split below was timed (profile: one in SAMPLE)
-    device_ms: float = 0.0    # device time of the timed steps
-    device_steps: int = 0
+    timed_steps: int = 0      # iterations whose split below was timed (vt/engine/profile.py)

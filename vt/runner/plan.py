@@ -62,6 +62,8 @@ class RunnerStats:
     token_wait_s: float = 0.0
     device_ms: float = 0.0    # with profile only: device time of the timed steps
     device_steps: int = 0     # the steps device_ms covers
+    # the same per engine phase: "prefill" (prefill and mixed steps) or "decode": [ms, steps]
+    device_by_phase: dict = field(default_factory=lambda: {"decode": [0.0, 0], "prefill": [0.0, 0]})
     steps_by_size: dict = field(default_factory=dict)
 
     @property
@@ -70,4 +72,5 @@ class RunnerStats:
         return self.drain_s + self.token_wait_s
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__, steps_by_size=dict(self.steps_by_size))
+        return dict(self.__dict__, steps_by_size=dict(self.steps_by_size),
+                    device_by_phase={k: list(v) for k, v in self.device_by_phase.items()})

@@ -215,10 +215,15 @@ class Runner:
         if handle.timing is not None:
             start, end = handle.timing
             end.synchronize()   # recorded after `done`, which is all the wait above saw
-            self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
-                                                             handle.timing, step=handle.index)
-                                     if self.tracer.enabled else end.elapsed_ms(start))
-            self.stats.device_steps += 1
+            ms = (self.tracer.device_span(f"{handle.kind} S={handle.size}", handle.timing,
+                                          step=handle.index)
+                  if self.tracer.enabled else end.elapsed_ms(start))
+            st = self.stats
+            st.device_ms += ms
+            st.device_steps += 1
+            phase = st.device_by_phase["prefill" if handle.kind in ("mixed", "prefill") else "decode"]
+            phase[0] += ms
+            phase[1] += 1
             handle.timing = None
         return handle.tokens
 
