@@ -65,3 +65,23 @@ def done_line(row: dict) -> str:
     where = f"D={row['spin_us']:g}us" if row["spin_us"] is not None else row["preset"]
     return (f"{row['mode']:<16} S={row['conc']:<3} {where:<11} {row['steps_per_s']:9.1f} steps/s "
             f"{row['step_us']:8.1f} us/step")
+
+
+def mode_cell(be, model, mode: str, conc: int, ident: dict, prompts, args, progress,
+              label: str) -> dict:
+    """One vt cell of a model workload: the mode's engines (throughput and profiled), the
+    cell's median run, the engines closed again (the next mode captures its own)."""
+    engines = {}
+    try:
+        for prof in profiles(args):
+            engines[mode, prof] = make_engine(be, model, mode, conc, profile=prof,
+                                              max_prefill_tokens=conc * args.prompt_len,
+                                              wait_poll_us=args.wait_poll_us)
+            progress.step(f"captured {label}{mode} S={conc}{' (profiled)' if prof else ''}")
+        row = vt_cell(engines, mode, ident, prompts, args.steps + 1, conc, args.ceiling_replays,
+                      repeats=args.repeats)
+        progress.step(done_line(row))
+        return row
+    finally:
+        for eng in engines.values():
+            eng.close()

@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from vt.cli.bench import cells, torch_peer
-from vt.cli.bench.measure import done_line, make_engine, median_run, profiles, vt_cell
+from vt.cli.bench.measure import done_line, make_engine, median_run, mode_cell, profiles, vt_cell
 from vt.cli.bench.synthetic import SyntheticModel, expected_tokens
 
 
@@ -122,21 +122,8 @@ def run_model(be, args, progress, reason: str | None = None) -> list[dict]:
                 prompts = random_prompts(rng, cfg.vocab, conc, args.prompt_len)
                 ident = dict(workload="model", preset=preset, conc=conc)
                 for mode in args.modes:
-                    engines = {}
-                    try:
-                        for prof in profiles(args):
-                            engines[mode, prof] = make_engine(
-                                be, model, mode, conc, profile=prof,
-                                max_prefill_tokens=conc * args.prompt_len,
-                                wait_poll_us=args.wait_poll_us)
-                            progress.step(f"captured {preset} {mode} S={conc}"
-                                          f"{' (profiled)' if prof else ''}")
-                        rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
-                                            args.ceiling_replays, repeats=args.repeats))
-                        progress.step(done_line(rows[-1]))
-                    finally:
-                        for eng in engines.values():
-                            eng.close()
+                    rows.append(mode_cell(be, model, mode, conc, ident, prompts, args, progress,
+                                          f"{preset} "))
         finally:
             model.close()
     return rows

@@ -81,7 +81,53 @@ class TorchEvents:
         return self._Event(self._torch)
 
 
-class TorchPeer:
+class GraphLoop:
+    """The hand-written loops over two captured torch graphs (one per pinned buffer pair) that
+    the peers share: torch_sync (fill, replay, wait, read) and torch_async (depth 2). A peer
+    sets graphs, np_in, np_tok, tok_ready and stream, and writes a step's inputs in _fill."""
+
+    def _fill(self, block, start, n: int) -> None:
+        raise NotImplementedError
+
+    def _sync_steps(self, start, out, first: int, end: int) -> float:
+        graph, block, tok, ev = self.graphs[0], self.np_in[0], self.np_tok[0], self.tok_ready[0]
+        clock, wait_s = time.perf_counter, 0.0
+        for n in range(first, end):
+            self._fill(block, start, n)
+            graph.replay()
+            ev.record()
+            t = clock()
+            ev.synchronize()
+            wait_s += clock() - t
+            out[n] = tok
+        return wait_s
+
+    def _async_steps(self, start, out, first: int, end: int) -> float:
+        """Depth 2, one event per step: tok_ready[b] is recorded after step n's graph (b = n & 1),
+        which read pinned_in[b] and wrote pinned_tok[b]. The host waits on it at step n + 1 (to
+        read step n's tokens), before it rewrites pinned_in[b] at step n + 2: that one wait
+        guards both the tokens and the block."""
+        graphs, np_in, np_tok, tok_ready = self.graphs, self.np_in, self.np_tok, self.tok_ready
+        clock, wait_s = time.perf_counter, 0.0
+        for n in range(first, end + 1):
+            b = n & 1
+            if n < end:
+                self._fill(np_in[b], start, n)
+                graphs[b].replay()
+                tok_ready[b].record()
+            if n > first:                       # step n - 1's tokens, one step late
+                t = clock()
+                tok_ready[1 - b].synchronize()
+                wait_s += clock() - t
+                out[n - 1] = np_tok[1 - b]
+        return wait_s
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.graphs = []
+
+
+class TorchPeer(GraphLoop):
     """Two captured graphs for S rows (S + 1 table rows: the last is scratch, as in vt), one per
     pinned buffer pair b: copy pinned_in[b] into the static inputs, the forward, argmax,
     table[rows] = tokens, copy the tokens to pinned_tok[b]. The host's whole step is then a
@@ -134,6 +180,9 @@ class TorchPeer:
         self._sample_and_feed_back()
         self.pinned_tok[b].copy_(self.tokens, non_blocking=True)
 
+    def _fill(self, block, start, n: int) -> None:
+        np.add(start, n, out=block[1])   # positions; the rows stay 0..S-1
+
     def _sample_and_feed_back(self) -> None:
         """tokens = argmax(logits); table[rows] = tokens (the next step's input)."""
         self.tokens.copy_(self.torch.argmax(self.logits, dim=1))
@@ -175,39 +224,3 @@ class TorchPeer:
             wall_s = time.perf_counter() - t0
         return dict(wall_s=wall_s, wait_s=wait_s, tokens=out.T.tolist())
 
-    def _sync_steps(self, start, out, first: int, end: int) -> float:
-        graph, pos, tok, ev = self.graphs[0], self.np_in[0][1], self.np_tok[0], self.tok_ready[0]
-        clock, wait_s = time.perf_counter, 0.0
-        for n in range(first, end):
-            np.add(start, n, out=pos)
-            graph.replay()
-            ev.record()
-            t = clock()
-            ev.synchronize()
-            wait_s += clock() - t
-            out[n] = tok
-        return wait_s
-
-    def _async_steps(self, start, out, first: int, end: int) -> float:
-        """Depth 2, one event per step: tok_ready[b] is recorded after step n's graph (b = n & 1),
-        which read pinned_in[b] and wrote pinned_tok[b]. The host waits on it at step n + 1 (to
-        read step n's tokens), before it rewrites pinned_in[b] at step n + 2: that one wait
-        guards both the tokens and the block."""
-        graphs, np_in, np_tok, tok_ready = self.graphs, self.np_in, self.np_tok, self.tok_ready
-        clock, wait_s = time.perf_counter, 0.0
-        for n in range(first, end + 1):
-            b = n & 1
-            if n < end:
-                np.add(start, n, out=np_in[b][1])
-                graphs[b].replay()
-                tok_ready[b].record()
-            if n > first:                       # step n - 1's tokens, one step late
-                t = clock()
-                tok_ready[1 - b].synchronize()
-                wait_s += clock() - t
-                out[n - 1] = np_tok[1 - b]
-        return wait_s
-
-    def close(self) -> None:
-        self.stream.synchronize()
-        self.graphs = []

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from vt.cli.bench import cells
-from vt.cli.bench.torch_peer import VARIANTS, TorchEvents, unavailable_reason as _peer_reason
+from vt.cli.bench.torch_peer import VARIANTS, GraphLoop, TorchEvents, unavailable_reason as _peer_reason
 from vt.backend.timing import timed_ms
 
 PRESET = "torch-llama-10x2048"
@@ -55,7 +55,7 @@ def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=
     return module, TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo)
 
 
-class TorchLlamaPeer:
+class TorchLlamaPeer(GraphLoop):
     """Two captured graphs of the module for S rows, one per pinned buffer pair (docstring)."""
 
     def __init__(self, module, S: int, warmup: int = 3):
@@ -80,7 +80,7 @@ class TorchLlamaPeer:
         self.np_tok = [p.numpy() for p in self.pinned_tok]
         self.tok_ready = [torch.cuda.Event() for _ in range(2)]
         for h in self.np_in:
-            self._fill(h, np.zeros(S, np.int32))
+            self._fill(h, np.zeros(S, np.int32), 0)
         torch.cuda.synchronize()
         with torch.cuda.stream(self.stream):
             for i in range(warmup):   # on a side stream before capture, as torch asks
@@ -96,8 +96,9 @@ class TorchLlamaPeer:
             self.graphs.append(graph)
         self.stream.synchronize()
 
-    def _fill(self, h, pos) -> None:
-        """The step's host inputs for positions `pos` [S] into pinned block h."""
+    def _fill(self, h, start, n: int) -> None:
+        """The step's host inputs for positions start + n [S] into pinned block h."""
+        pos = start + n
         h[0] = np.arange(self.S, dtype=np.int32)
         h[1] = pos
         h[2] = pos + 1
@@ -130,7 +131,7 @@ class TorchLlamaPeer:
         with torch.cuda.stream(self.stream):
             for p in range(L):                   # prefill: the graph with teacher forcing
                 self.table[:S].copy_(torch.from_numpy(P[:, p]).to(self.table.device))
-                self._fill(self.np_in[0], np.full(S, p, np.int32))
+                self._fill(self.np_in[0], np.full(S, p, np.int32), 0)
                 self.graphs[0].replay()
                 self.stream.synchronize()
             out[0] = self.np_tok[0]
@@ -140,45 +141,11 @@ class TorchLlamaPeer:
             wall_s = time.perf_counter() - t0
         return dict(wall_s=wall_s, wait_s=wait_s, tokens=out.T.tolist())
 
-    def _sync_steps(self, start, out, first: int, end: int) -> float:
-        graph, h, tok, ev = self.graphs[0], self.np_in[0], self.np_tok[0], self.tok_ready[0]
-        clock, wait_s = time.perf_counter, 0.0
-        for n in range(first, end):
-            self._fill(h, start + n)
-            graph.replay()
-            ev.record()
-            t = clock()
-            ev.synchronize()
-            wait_s += clock() - t
-            out[n] = tok
-        return wait_s
-
-    def _async_steps(self, start, out, first: int, end: int) -> float:
-        """Depth 2, one event per step (torch_peer.TorchPeer._async_steps): tok_ready[b] guards
-        step n's tokens and, two steps later, its pinned input block."""
-        graphs, np_in, np_tok, tok_ready = self.graphs, self.np_in, self.np_tok, self.tok_ready
-        clock, wait_s = time.perf_counter, 0.0
-        for n in range(first, end + 1):
-            b = n & 1
-            if n < end:
-                self._fill(np_in[b], start + n)
-                graphs[b].replay()
-                tok_ready[b].record()
-            if n > first:
-                t = clock()
-                tok_ready[1 - b].synchronize()
-                wait_s += clock() - t
-                out[n - 1] = np_tok[1 - b]
-        return wait_s
-
-    def close(self) -> None:
-        self.stream.synchronize()
-        self.graphs = []
 
 
 def run_torch(be, args, progress, reason: str | None) -> list[dict]:
     """Per conc: vt's engines of every mode on the module, then the peer on the same module."""
-    from vt.cli.bench.measure import done_line, make_engine, profiles, vt_cell
+    from vt.cli.bench.measure import mode_cell
     rows = []
     ctx = args.prompt_len + args.steps + 2
     t0 = time.perf_counter()
@@ -189,19 +156,7 @@ def run_torch(be, args, progress, reason: str | None) -> list[dict]:
         prompts = rng.integers(0, module.cfg.vocab, size=(conc, args.prompt_len)).tolist()
         ident = dict(workload="torch", preset=PRESET, conc=conc)
         for mode in args.modes:
-            engines = {}
-            try:
-                for prof in profiles(args):
-                    engines[mode, prof] = make_engine(be, model, mode, conc, profile=prof,
-                                                      max_prefill_tokens=conc * args.prompt_len,
-                                                      wait_poll_us=args.wait_poll_us)
-                    progress.step(f"captured {mode} S={conc}{' (profiled)' if prof else ''}")
-                rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
-                                    args.ceiling_replays, repeats=args.repeats))
-                progress.step(done_line(rows[-1]))
-            finally:
-                for eng in engines.values():
-                    eng.close()
+            rows.append(mode_cell(be, model, mode, conc, ident, prompts, args, progress, ""))
         rows += _peer_rows(module, conc, prompts, args, ident, progress, reason)
     return rows
 
