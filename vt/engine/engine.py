@@ -1,17 +1,28 @@
-"""Engine: continuous batching of requests over the runner.
+"""Engine: continuous batching of requests over the runner, served by ONE loop in a thread
+the engine owns.
 
-Each step decodes every running request one token and prefills the newly admitted ones
-(admitted while fewer than `serving_conc` run, their KV blocks are free and the step's prompt
-tokens stay within `max_prefill_tokens`, which bounds the prefill shapes warmed at
-construction: after it, serving makes no driver malloc). The running requests' per-step state
-is a persistent DecodeBatch (vt/engine/batch.py): a row's position is an offset plus the batch's
-step counter, so a step moves nothing per row. The host knows each sequence's length without
-its tokens, so it plans step N+1 before step N's tokens arrive.
+Requests arrive from any thread (submit(); generate() is submit() for a list and a wait) and
+are picked up between steps: the loop checks two deques' lengths per step (arrivals,
+cancellations) and takes no lock unless one moved. Each step decodes every running request
+one token and prefills the newly admitted ones (admitted while fewer than `serving_conc` run,
+their KV blocks are free and the step's prompt tokens stay within `max_prefill_tokens`, which
+bounds the prefill shapes warmed at construction: after it, serving makes no driver malloc).
+The running requests' per-step state is a persistent DecodeBatch (vt/engine/batch.py): a row's
+position is an offset plus the batch's step counter, so a step moves nothing per row. The
+host knows each sequence's length without its tokens, so it plans step N+1 before step N's
+tokens arrive. Tokens go to one shared buffer (vt/engine/outputs.py) that handles read by
+cursor (vt/engine/handle.py): nothing is done per request per step to deliver them.
 
 Schedule = f(requests) at every depth: a stop token takes effect on the schedule two steps
 after the step that sampled it (the earliest the async pipeline can know it), also at depth 1,
 so the synchronous run and the async modes see the same batches. A request's tokens depend
-only on its prompt, its sampling and the model (the sampler keys on seed and position).
+only on its prompt, its sampling and the model (the sampler keys on seed and position), not
+on what else runs or when it arrived.
+
+A failure inside a step (a kernel, the forward's host code, the device) fails the requests
+that hold a row at that moment (those of the failed step and of the one in flight) with the
+error; the stream is synchronized, every row and KV block is freed, and the loop goes on with
+the requests not yet admitted and with new ones.
 """
 from __future__ import annotations
 
@@ -23,13 +34,17 @@ from typing import Callable
 from vt.backend.errors import ClosedError
 from vt.forward.adapt import as_step_model
 from vt.knobs import ExecutorConfig
-from vt.engine.outputs import CallOutputs
-from vt.engine.requests import EngineBusyError, Request, RequestResult
+from vt.engine.call import GenerateCall
+from vt.engine.handle import RequestHandle, StepNotifier
+from vt.engine.outputs import TokenBuffer
+from vt.engine.requests import RequestResult
 from vt.runner.runner import Runner
 from vt.engine.scheduler import Scheduler
 from vt.engine.profile import LoopProfile
 from vt.engine.progress import Phase, Progress
 from vt.engine.submit import make_requests
+
+__all__ = ["Engine", "Progress", "RequestHandle"]
 
 
 class Engine:
@@ -37,7 +52,8 @@ class Engine:
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
     profile=True: device timing events around each step and the per-phase host split.
-    One generate() at a time: a second thread's call raises EngineBusyError.
+    submit() and generate() may be called from any number of threads at once; the serving
+    thread starts with start() or the first of them.
     """
 
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
@@ -60,9 +76,17 @@ class Engine:
         self.record_logits, self.profile = record_logits, profile
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
                              profile=profile)
-        self._lock = threading.Lock()
-        self._tokens_out = 0
+        self._state_lock = threading.Lock()   # submit/start vs close; never taken per step
+        self._arrivals, self._cancels = deque(), deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = self._finish_on_close = False
+        self._next_id = 0
+        self._progress_sinks: list = []       # generate() calls with a progress callback
+        self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, self.model.vocab, record_logits)
+        self._notifier = StepNotifier()
         self._wall_s = 0.0
+        self._failed_steps = 0
         self._phases = {"decode": Phase(), "prefill": Phase()}
         self._loop_profile = LoopProfile(self.runner.stats) if self.runner.profile else None
         self._closed = False
@@ -76,48 +100,75 @@ class Engine:
         self._pool_after_warm_up = backend.pool.stats()
 
     # -- public -------------------------------------------------------------------------
-    def generate(self, prompts, *, max_new_tokens=16, stop_token: int | None = None,
+    def submit(self, prompt, *, max_new_tokens: int = 16, stop_token=None,
+               sampling=None) -> RequestHandle:
+        """Queue one request; it joins the batch at the next step boundary. Validates as
+        generate() does and raises here, in the caller's thread. stop_token: None, a token id
+        or a collection of ids (any of them ends the request). sampling: None (greedy) or a
+        vt.SamplingParams. Thread-safe."""
+        self._check_open()
+        (req,) = make_requests([prompt], max_new_tokens, stop_token, sampling,
+                               self.model.geometry, self.model.vocab, self._sched.blocks.capacity)
+        return self._enqueue([req], number=True)[0]
+
+    async def stream_async(self, prompt, **kwargs):
+        """`async for tok in engine.stream_async(prompt, max_new_tokens=...)`: submit() and the
+        tokens as they arrive, without blocking the event loop. Leaving the loop early (break,
+        the task cancelled) cancels the request."""
+        handle = self.submit(prompt, **kwargs)
+        try:
+            async for tok in handle.stream_async():
+                yield tok
+        finally:
+            handle.cancel()
+
+    def generate(self, prompts, *, max_new_tokens=16, stop_token=None,
                  sampling=None, progress: Callable[[Progress], None] | None = None
                  ) -> list[RequestResult]:
-        """Run every prompt to completion; results in prompt order.
+        """Run every prompt to completion; results in prompt order (submit() for each, then
+        wait for all).
 
         max_new_tokens: one int for all prompts, or one per prompt. sampling: None (greedy),
-        one vt.SamplingParams for all, or one per prompt. A request that cannot be served
-        whole raises RequestTooLargeError before any step runs. On any exception (a kernel,
-        the progress callback, KeyboardInterrupt) the engine waits for its stream, drops the
-        steps in flight, frees every row and KV block and re-raises: the next generate()
-        serves as a fresh engine would.
+        one vt.SamplingParams for all, or one per prompt. stop_token: as in submit(). A
+        request that cannot be served whole raises RequestTooLargeError before any step runs.
+        progress: called in this thread once per step of the engine while the call runs.
+        If a step of its requests fails, the others are cancelled and the step's error is
+        raised; on any exception here (the progress callback, KeyboardInterrupt) its requests
+        are cancelled (rows and KV blocks freed) before it propagates. ClosedError if the
+        engine is closed meanwhile.
         """
         self._check_open()
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
                              self.model.vocab, self._sched.blocks.capacity)
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError("Engine.generate() is already running (in another thread, or "
-                                  "this call comes from inside it, e.g. its progress callback); "
-                                  "an Engine serves one generate() at a time: wait for it to "
-                                  "return or give each thread its own Engine")
-        try:
-            return self._serve(reqs, progress)
-        except BaseException as exc:
-            device_error = self.runner.abort()
-            self._reset_schedule()
-            if device_error is not None and device_error is not exc:
-                exc.add_note(f"vt: the device also reported: {device_error}")
-            raise
-        finally:
-            self._lock.release()
+        return GenerateCall(self, reqs, progress).run()
+
+    def start(self) -> None:
+        """Start the serving thread (submit() and generate() do it when needed)."""
+        with self._state_lock:
+            self._check_open()
+            self._start_locked()
 
     def stats(self) -> dict:
-        """Steps, graph vs eager steps, waits and their time, per-phase time, pool state."""
+        """Steps, graph vs eager steps, drains and why, waits and their time, per-phase time,
+        pool state, rows and KV blocks in use."""
         self._check_open()
         st = self.runner.stats.as_dict()
         pool = self.be.pool.stats()
-        st.update(tokens=self._tokens_out, wall_s=self._wall_s,
-                  tokens_per_s=self._tokens_out / self._wall_s if self._wall_s else 0.0,
-                  mode=self.mode, pool=pool.__dict__,
+        buf, sched = self._buffer, self._sched
+        st.update(tokens=buf.tokens_out, wall_s=self._wall_s,
+                  tokens_per_s=buf.tokens_out / self._wall_s if self._wall_s else 0.0,
+                  mode=self.mode, pool=pool.__dict__, failed_steps=self._failed_steps,
+                  drained_fraction=st["drains"] / st["steps"] if st["steps"] else 0.0,
+                  requests_finished=buf.finished, requests_running=len(buf.live),
+                  rows_free=sched.rows.free_count, kv_blocks_free=sched.blocks.free_count,
+                  kv_blocks_total=sched.blocks.capacity,
                   phases={k: dict(vars(p)) for k, p in self._phases.items()},
                   driver_mallocs_since_warm_up=pool.driver_mallocs - self._pool_after_warm_up.driver_mallocs)
         return st
+
+    def idle(self) -> bool:
+        """Nothing queued or running, every row and KV block free."""
+        return not self._arrivals and not self._buffer.live and self._sched.idle()
 
     @property
     def mode(self) -> str:
@@ -127,23 +178,32 @@ class Engine:
     def device_ceiling_us(self, n: int, replays: int = 200) -> float:
         """µs per replay of the captured decode graph for n rows, back to back with no host
         work: the device-bound ceiling of a decode step. It replays the last real step of
-        that size (all padding if none ran yet). Call it between generate() calls."""
+        that size (all padding if none ran yet). Call it while the engine is idle."""
         self._check_open()
         return self.runner.driver.ceiling_us(n, replays)
 
-    def close(self) -> str | None:
-        """Idempotent. Returns the trace path when a trace was written. Refused with
-        EngineBusyError while a generate() runs: closing would destroy the graphs it launches."""
-        if self._closed:
-            return None
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError("Engine.close() while generate() runs (in another thread, or "
-                                  "from its progress callback): let generate() return first")
-        try:
-            self._closed = True
-            return self.runner.close()
-        finally:
-            self._lock.release()
+    def close(self, *, finish: bool = False) -> str | None:
+        """Stop serving and free the engine (idempotent). finish=False: requests queued or
+        running are cancelled at the next step boundary (finish_reason "cancelled"; a
+        generate() waiting on them raises ClosedError); finish=True: they are served to the
+        end first. Either way the steps in flight are collected, the serving thread exits
+        and is joined, then graphs and buffers are freed. submit() raises ClosedError from
+        the moment close() starts. Returns the trace path when a trace was written."""
+        with self._state_lock:
+            if self._closed or self._stopping:
+                return None
+            self._stopping, self._finish_on_close = True, finish
+            thread = self._thread
+        if thread is not None:
+            if thread is threading.current_thread():
+                raise RuntimeError("Engine.close() from a done callback of its own serving thread")
+            self._wake.set()
+            thread.join()
+        for req in self._arrivals:        # queued after the loop's last look: none ever ran
+            self._buffer.finish(req, "cancelled")
+        self._arrivals.clear()
+        self._closed = True
+        return self.runner.close()
 
     def __enter__(self):
         return self
@@ -151,65 +211,107 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
-    # -- the loop -----------------------------------------------------------------------
-    def _serve(self, reqs: list[Request], progress) -> list[RequestResult]:
-        out = CallOutputs(reqs, self.model.vocab, self.record_logits)
-        try:
-            self._loop(reqs, out, progress)
-        finally:
-            self._tokens_out += out.count
-        return [out.result(r) for r in reqs]
+    # -- requests in and out ------------------------------------------------------------
+    def _enqueue(self, reqs, *, number: bool) -> list[RequestHandle]:
+        now = time.perf_counter()
+        with self._state_lock:
+            self._check_open()
+            for req in reqs:
+                if number:
+                    req.index, self._next_id = self._next_id, self._next_id + 1
+                req.submitted_at = now
+            self._arrivals.extend(reqs)
+            self._start_locked()
+        self._wake.set()
+        return [RequestHandle(self, r) for r in reqs]
 
-    def _loop(self, reqs: list[Request], out: CallOutputs, progress) -> None:
-        """The one decode loop: plan step N+1, launch it, collect step N (depth 2), until
-        every request is done. Everything a step may need (admission, prefill, stops, a
-        progress callback, profiling) is a cheap check inside it; a decode step with nobody
-        to admit costs the plan's fast path, one launch and one collect."""
-        sched, runner = self._sched, self.runner
-        plan_step, launch, collect, after_launch = (sched.plan, runner.launch, runner.collect,
-                                                    sched.after_launch)
-        store, leave, clock = out.store, sched.leave, time.perf_counter
-        rs, prof = runner.stats, self._loop_profile
+    def _request_cancel(self, req) -> None:
+        self._cancels.append(req)
+        self._wake.set()
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="vt-engine", daemon=True)
+            self._thread.start()
+
+    # -- the loop -----------------------------------------------------------------------
+    def _loop(self) -> None:
+        """The one serving loop: take arrivals and cancellations (a length check each), plan
+        step N+1, launch it, collect step N (depth 2); sleep when there is nothing to do.
+        Everything a step may need (admission, prefill, stops, progress, profiling) is a
+        cheap check inside it; a decode step with nobody to admit costs the plan's fast path,
+        one launch and one collect."""
+        runner, buf, notifier = self.runner, self._buffer, self._notifier
+        launch, collect, store, notify = runner.launch, runner.collect, buf.store, notifier.notify
+        arrivals, cancels, sinks = self._arrivals, self._cancels, self._progress_sinks
+        clock, rs, prof = time.perf_counter, runner.stats, self._loop_profile
         decode_ph, prefill_ph = self._phases["decode"], self._phases["prefill"]
-        stops = any(r.stop_token is not None for r in reqs)
         sync = self.config.depth == 1
-        pending, inflight, deferred = deque(reqs), None, []
-        t_start = t0 = clock()
+        pending, inflight, deferred, cancelled = deque(), None, [], []
+        t_busy = t0 = clock()
         waited = rs.drain_s + rs.token_wait_s
-        while pending or sched.batch.n or inflight is not None or deferred:
-            if prof is not None:
-                prof.begin(t0)
-            plan = plan_step(pending, stops)
-            if prof is not None:
-                prof.planned()
-            handle = None
-            if plan.n:
-                handle = launch(plan)
-                after_launch(plan)
-            elif inflight is None and not deferred:
-                raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
-                                   f"{sched.batch.n} running, nothing launched or in flight")
-            if prof is not None:
-                prof.launched()
-            if sync:
-                # Depth 1 reads each step's tokens at once, but applies a stop token on the
-                # same step the async pipeline can (module docstring): two steps later.
-                for req in deferred:
-                    leave(req)
-                ready, handle, deferred = handle, None, []
-            else:
-                ready = inflight
-            if ready is not None:
-                stopped = store(ready.tag, collect(ready), ready.host_logits)
+        while True:
+            if arrivals:
+                self._take(pending)
+            if cancels or (self._stopping and not self._finish_on_close):
+                cancelled = self._cancel(pending)
+            sched = self._sched
+            if not (pending or sched.batch.n or inflight is not None or deferred):
+                for req in cancelled:    # nothing in flight holds them
+                    buf.finish(req, "cancelled")
+                cancelled = []
+                self._wall_s += clock() - t_busy
+                notify()
+                if self._stopping and not arrivals:
+                    return
+                self._wake.wait()
+                self._wake.clear()
+                t_busy = t0 = clock()
+                continue
+            try:
+                if prof is not None:
+                    prof.begin(t0)
+                plan = sched.plan(pending)
+                if plan.admitted:
+                    buf.live.update(plan.admitted)
+                if prof is not None:
+                    prof.planned()
+                handle = None
+                if plan.n:
+                    handle = launch(plan)
+                    sched.after_launch(plan)
+                elif inflight is None and not deferred:
+                    raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
+                                       f"{sched.batch.n} running, nothing launched or in flight")
+                if prof is not None:
+                    prof.launched()
                 if sync:
-                    deferred = stopped
+                    # Depth 1 reads each step's tokens at once, but applies a stop token on the
+                    # same step the async pipeline can (module docstring): two steps later.
+                    for req in deferred:
+                        sched.leave(req)
+                    ready, handle, deferred = handle, None, []
                 else:
-                    for req in stopped:
-                        leave(req)
-                if progress is not None:
-                    progress(Progress(ready.index, out.finished, len(reqs),
-                                      self._tokens_out + out.count, clock() - t_start))
-            t3 = clock()
+                    ready = inflight
+                t3 = clock()
+                if ready is not None:
+                    stopped = store(ready.tag, collect(ready), ready.host_logits, t3)
+                    if sync:
+                        deferred = stopped
+                    else:
+                        for req in stopped:
+                            sched.leave(req)
+                    if sinks:
+                        self._report(ready.index, t3)
+                for req in cancelled:
+                    if req.final is None:
+                        buf.finish(req, "cancelled")
+                cancelled = []
+                notify()
+            except BaseException as exc:   # noqa: BLE001 (the step's requests get it)
+                self._fail(exc, pending if plan_stalled(exc) else ())
+                inflight, deferred, cancelled, t0 = None, [], [], clock()
+                continue
             ph = prefill_ph if plan.prefill else decode_ph
             ph.steps += plan.n > 0
             ph.wall_s += t3 - t0
@@ -218,13 +320,69 @@ class Engine:
             if prof is not None:
                 prof.end(ph, t3)
             waited, inflight, t0 = now_waited, handle, t3
-        self._wall_s += clock() - t_start
+
+    def _take(self, pending: deque) -> None:
+        """Move the arrivals into the queue the scheduler admits from (a request cancelled
+        before it got there finishes at once)."""
+        arrivals = self._arrivals
+        while arrivals:
+            req = arrivals.popleft()
+            if req.cancel_requested:
+                self._buffer.finish(req, "cancelled")
+            else:
+                pending.append(req)
+
+    def _cancel(self, pending: deque) -> list:
+        """Apply the cancellations (all requests when close() cancels): a queued request
+        finishes at once; a running one leaves the batch now (its row and KV blocks free for
+        this step's plan) and finishes once the step in flight, which still holds it, has
+        been collected. Returns those."""
+        later, buf, sched = [], self._buffer, self._sched
+        if self._stopping and not self._finish_on_close:
+            self._cancels.extend(pending)
+            self._cancels.extend(sched.batch.reqs[:sched.batch.n])
+        while self._cancels:
+            req = self._cancels.popleft()
+            if req.final is not None:
+                continue
+            if req.t0 < 0:
+                if req in pending:
+                    pending.remove(req)
+                    buf.finish(req, "cancelled")
+                # else: still in the arrivals; _take finishes it
+                continue
+            sched.leave(req)
+            later.append(req)
+        return later
+
+    def _report(self, step: int, now: float) -> None:
+        for sink in list(self._progress_sinks):
+            sink.push(step, self._buffer.tokens_out, now)
+
+    def _fail(self, exc: BaseException, pending) -> None:
+        """A step failed: wait for the stream, drop what is in flight, fail every request that
+        holds a row (and, when nothing could be scheduled at all, the queued ones), free
+        every row and block. The loop then serves the rest."""
+        self._failed_steps += 1
+        device_error = self.runner.abort()
+        if device_error is not None and device_error is not exc:
+            exc.add_note(f"vt: the device also reported: {device_error}")
+        buf = self._buffer
+        for req in list(buf.live) + list(pending):
+            if req.final is None:
+                buf.finish(req, "error", exc)
+        if pending:
+            pending.clear()
+        self._reset_schedule()
+        self._notifier.notify()
 
     def _reset_schedule(self) -> None:
         self._sched = Scheduler(self.model.geometry, self.config.serving_conc, self.max_prefill_tokens)
 
     def _check_open(self):
-        if self._closed:
+        if self._closed or self._stopping:
             raise ClosedError("Engine is closed")
 
 
+def plan_stalled(exc: BaseException) -> bool:
+    return isinstance(exc, RuntimeError) and str(exc).startswith("scheduler stalled")

@@ -1,49 +1,84 @@
-"""CallOutputs: where one generate() call's tokens go. Every request's tokens live in one flat
-buffer at [base, end) (end moves up when a stop token is seen), filled step by step through
-each step's `dest` indices, and become per-request lists only in the results."""
+"""TokenBuffer: where every running request's tokens go, and how a request finishes.
+
+One flat buffer with a span of max_context entries per sequence row: a step's tokens are put
+in place with ONE fancy assignment through the step's `dest` indices, whatever the number of
+rows, and nothing per request happens per step. A request's tokens become its own array only
+when it finishes (`finish`: the copy, its finish reason, its done event and callbacks).
+
+A reader (a RequestHandle, in any thread) finds how many tokens a running request has from
+the last stored batch step (`stored_t`) alone: its token of batch step t is at
+base + t - t0. A row's next request writes its span one step after the last write of the
+previous one, and the previous one is finished (copied out) by then; a reader that raced the
+finish sees `final` set after its copy and uses it instead (RequestHandle.snapshot).
+"""
 from __future__ import annotations
+
+import traceback
 
 import numpy as np
 
-from vt.engine.requests import Request, RequestResult
+from vt.engine.requests import Request
+
+# Step times kept for the token times of the requests running: more than any request lives.
+_TIME_RING_MIN = 1024
 
 
-class CallOutputs:
-    def __init__(self, reqs: list[Request], vocab: int, record_logits: bool):
-        total = reqs[-1].end if reqs else 0
-        self.reqs = reqs
-        self.tokens = np.zeros(total, np.int32)                  # every request's tokens
-        self.limit = np.array([r.end for r in reqs], np.int64)   # per request: where they stop
-        self.logits = np.zeros((total, vocab), np.float32) if record_logits else None
-        self.finished = 0   # requests of this call whose last token arrived
-        self.count = 0      # tokens of this call that arrived
+class TokenBuffer:
+    def __init__(self, rows: int, span: int, vocab: int, record_logits: bool):
+        self.tokens = np.zeros(rows * span, np.int32)
+        self.logits = np.zeros((rows * span, vocab), np.float32) if record_logits else None
+        self.stored_t = 0            # batch steps [0, stored_t) have their tokens here
+        ring = max(_TIME_RING_MIN, 1 << (2 * span + 8).bit_length())
+        self._times, self._mask = np.zeros(ring), ring - 1
+        self.tokens_out = 0          # tokens of every finished request
+        self.finished = 0
+        self.live: set[Request] = set()   # admitted and not finished (the loop adds them)
 
-    def store(self, tag, tokens: np.ndarray, host_logits=None) -> list[Request]:
-        """Put a step's tokens where they belong (tag: Scheduler.plan's); returns the
-        requests that just stopped."""
-        dest, rid, stop, n_last = tag
-        self.tokens[dest] = tokens
+    def store(self, tag, tokens: np.ndarray, host_logits, now: float) -> list[Request]:
+        """Put a step's tokens where they belong (tag: Scheduler's StepTag) and finish the
+        requests it completes; returns those that just sampled a stop token."""
+        self.tokens[tag.dest] = tokens
         if self.logits is not None:
-            self.logits[dest] = host_logits
-        if rid is None:                 # no stop tokens in this call: every token counts
-            self.count += len(tokens)
-            self.finished += n_last
-            return []
-        limit = self.limit[rid]
-        valid = dest < limit            # False: past a stop learned earlier
+            self.logits[tag.dest] = host_logits
+        self._times[tag.t & self._mask] = now
         stopped = []
-        for i in np.flatnonzero((tokens == stop) & valid):
-            req = self.reqs[rid[i]]
-            req.end = int(dest[i]) + 1
-            req.finish_reason = "stop"
-            self.limit[req.index] = limit[i] = req.end
-            stopped.append(req)
-        self.count += int(np.count_nonzero(valid))
-        self.finished += int(np.count_nonzero(dest + 1 == limit))
+        if tag.stops is not None:
+            for i in np.flatnonzero((tokens[:, None] == tag.stops).any(1)):
+                req, d = tag.reqs[i], int(tag.dest[i])
+                if req.final is None and d < req.end:   # else: a token past its end
+                    req.end = d + 1
+                    stopped.append(req)
+        self.stored_t = tag.t + 1
+        for req in stopped:
+            self.finish(req, "stop")
+        for req in tag.leaving:
+            if req.final is None:
+                self.finish(req, "length")
         return stopped
 
-    def result(self, req: Request) -> RequestResult:
-        span = slice(req.base, req.end)
-        logits = self.logits[span].copy() if self.logits is not None else None
-        return RequestResult(req.index, req.prompt_len, self.tokens[span].tolist(),
-                             req.finish_reason or "length", logits)
+    def available(self, req: Request) -> int:
+        """How many of a running request's tokens are stored."""
+        if req.t0 < 0:
+            return 0
+        return max(0, min(self.stored_t - req.t0, req.end - req.base))
+
+    def finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
+        """Copy the request's tokens out of the buffer (its span is reused after) and wake
+        whoever waits for it."""
+        n = self.available(req)
+        span = slice(req.base, req.base + n)
+        req.final_logits = self.logits[span].copy() if self.logits is not None and n else None
+        if n:
+            req.token_times = self._times[np.arange(req.t0, req.t0 + n) & self._mask]
+        req.error = error
+        req.finish_reason = reason
+        req.final = self.tokens[span].copy()   # last: readers take `final` as "finished"
+        self.tokens_out += n
+        self.finished += 1
+        self.live.discard(req)
+        req.done_event.set()
+        for fn in req.on_done:
+            try:
+                fn(req)
+            except Exception:   # noqa: BLE001 (a caller's callback must not fail the step's others)
+                traceback.print_exc()

@@ -62,6 +62,9 @@ class RunnerStats:
     token_wait_s: float = 0.0
     device_ms: float = 0.0    # with profile only
     steps_by_size: dict = field(default_factory=dict)
+    # why each drain happened: the kind of the step it waited for (graph: the mode does not
+    # skip the drain; prefill, mixed, eager: that step owns its logits)
+    drains_after: dict = field(default_factory=dict)
 
     @property
     def wait_s(self) -> float:
@@ -69,4 +72,5 @@ class RunnerStats:
         return self.drain_s + self.token_wait_s
 
     def as_dict(self) -> dict:
-        return dict(self.__dict__, steps_by_size=dict(self.steps_by_size))
+        return dict(self.__dict__, steps_by_size=dict(self.steps_by_size),
+                    drains_after=dict(self.drains_after))

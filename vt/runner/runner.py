@@ -115,6 +115,8 @@ class Runner:
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
             self._wait(prev, drain=True)
+            by_kind = self.stats.drains_after
+            by_kind[prev.kind] = by_kind.get(prev.kind, 0) + 1
 
     def _launch_graph(self, ring, plan: StepPlan) -> StepHandle:
         """Acquire the ring's next slot (its guard), refresh its block, replay it. With
