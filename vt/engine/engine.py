@@ -254,7 +254,7 @@ class Engine:
             if arrivals:
                 self._take(pending)
             if cancels or (self._stopping and not self._finish_on_close):
-                cancelled = self._cancel(pending)
+                cancelled = self._cancel(pending, inflight is not None)
             sched = self._sched
             if not (pending or sched.batch.n or inflight is not None or deferred):
                 for req in cancelled:    # nothing in flight holds them
@@ -293,21 +293,22 @@ class Engine:
                     ready, handle, deferred = handle, None, []
                 else:
                     ready = inflight
-                t3 = clock()
                 if ready is not None:
-                    stopped = store(ready.tag, collect(ready), ready.host_logits, t3)
+                    tokens = collect(ready)
+                    stopped = store(ready.tag, tokens, ready.host_logits, clock())
                     if sync:
                         deferred = stopped
                     else:
                         for req in stopped:
                             sched.leave(req)
                     if sinks:
-                        self._report(ready.index, t3)
+                        self._report(ready.index)
                 for req in cancelled:
                     if req.final is None:
                         buf.finish(req, "cancelled")
                 cancelled = []
                 notify()
+                t3 = clock()
             except BaseException as exc:   # noqa: BLE001 (the step's requests get it)
                 self._fail(exc, pending if plan_stalled(exc) else ())
                 inflight, deferred, cancelled, t0 = None, [], [], clock()
@@ -332,11 +333,12 @@ class Engine:
             else:
                 pending.append(req)
 
-    def _cancel(self, pending: deque) -> list:
+    def _cancel(self, pending: deque, in_flight: bool) -> list:
         """Apply the cancellations (all requests when close() cancels): a queued request
         finishes at once; a running one leaves the batch now (its row and KV blocks free for
-        this step's plan) and finishes once the step in flight, which still holds it, has
-        been collected. Returns those."""
+        this step's plan) with the tokens of the steps launched so far, and finishes once the
+        step in flight, which still holds it, has been collected (before the row's next
+        request writes its span). Returns those."""
         later, buf, sched = [], self._buffer, self._sched
         if self._stopping and not self._finish_on_close:
             self._cancels.extend(pending)
@@ -352,10 +354,15 @@ class Engine:
                 # else: still in the arrivals; _take finishes it
                 continue
             sched.leave(req)
-            later.append(req)
+            req.end = min(req.end, req.base + sched.batch.t - req.t0)
+            if in_flight:
+                later.append(req)
+            else:
+                buf.finish(req, "cancelled")
         return later
 
-    def _report(self, step: int, now: float) -> None:
+    def _report(self, step: int) -> None:
+        now = time.perf_counter()
         for sink in list(self._progress_sinks):
             sink.push(step, self._buffer.tokens_out, now)
 
