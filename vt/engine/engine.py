@@ -241,6 +241,7 @@ class Engine:
         Everything a step may need (admission, prefill, stops, progress, profiling) is a
         cheap check inside it; a decode step with nobody to admit costs the plan's fast path,
         one launch and one collect."""
+        self.be.bind_thread()
         runner, buf, notifier = self.runner, self._buffer, self._notifier
         launch, collect, store, notify = runner.launch, runner.collect, buf.store, notifier.notify
         arrivals, cancels, sinks = self._arrivals, self._cancels, self._progress_sinks

@@ -17,15 +17,17 @@ EXAMPLES = """examples:
   vt bench --workload synthetic --device-us 0 100 400 --conc 32 --json s.json --png s.png
   vt bench --workload model --preset bench-small --conc 1 32 64 --json m.json --png m.png
   vt bench --from-json small.json dense.json moe.json --png presets.png
+  vt bench --workload serve --preset bench-small --clients 16 32 --modes drain ring --json s.json
 """
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from vt.knobs import MODES, SAFE_MODES
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--workload", default="synthetic", choices=["synthetic", "model"],
+    p.add_argument("--workload", default="synthetic", choices=["synthetic", "model", "serve"],
                    help="synthetic: a user forward spinning D us per step (+ the torch peer); "
-                        "model: the bundled model at --preset")
+                        "model: the bundled model at --preset; serve: the bundled model under "
+                        "serving traffic through the online API (vt/cli/bench/serve.py)")
     p.add_argument("--device-us", dest="spin_us", type=float, nargs="+",
                    default=list(DEFAULT_SPIN_US), metavar="D",
                    help="synthetic: device us per step to sweep (default: %(default)s)")
@@ -67,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "workload are merged, e.g. one per preset) and write --json/--png from them")
     p.add_argument("--json", help="write the results (every column of every cell) to this path")
     p.add_argument("--png", help="write the plot to this path (needs matplotlib: vt[bench])")
+    from vt.cli.bench.serve_run import add_serve_arguments
+    add_serve_arguments(p)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -85,7 +89,10 @@ def _resolve(args: argparse.Namespace, error) -> None:
     from vt.model import PRESETS
     backend = args.backend if args.backend != "auto" else (
         "cuda" if "cuda" in available_backends() else "sim")
-    model = args.workload == "model"
+    model = args.workload in ("model", "serve")
+    if args.workload == "serve":
+        from vt.cli.bench.serve_run import resolve_serve
+        resolve_serve(args, backend, error)
     if args.conc is None:
         args.conc = [1, 32, 64] if model else [1, 32]
     if args.steps is None:
@@ -135,6 +142,8 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
     def fail(msg):
         from vt.cli.run import UsageError   # `vt` prints its one line and exits 2
         raise UsageError(f"vt bench: {msg}")
+    if args.workload == "serve" and not args.from_json:
+        return _cmd_serve(args, error or fail)
     if args.from_json:
         res = report.merge([report.read_json(path) for path in args.from_json])
     else:
@@ -152,6 +161,27 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
            and (c["tokens_ok"] is False or c["identical_to_drain"] is False)]
     for c in bad:
         print(f"vt bench: WRONG TOKENS in {c['impl']} {c['mode']} S={c['conc']}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+def _cmd_serve(args: argparse.Namespace, error) -> int:
+    from vt.cli.bench import serve_report
+    from vt.cli.bench.progress import Progress
+    from vt.cli.bench.serve_run import run_serve
+    _resolve(args, error)
+    res = run_serve(args, lambda total: Progress(total, bar=False if args.no_bar else None))
+    print()
+    print(serve_report.table(res))
+    if args.json:
+        serve_report.write_json(res, args.json)
+        print(f"vt bench: wrote {args.json}")
+    if args.png:
+        why = serve_report.write_png(res, args.png)
+        print(f"vt bench: {'wrote ' + args.png if why is None else 'no PNG: ' + why}")
+    bad = [c for c in res["cells"] if c["tokens_identical_to_drain"] is False]
+    for c in bad:
+        print(f"vt bench: WRONG TOKENS in serve {c['preset']} {c['mode']} {c['arrival']} "
+              f"{c['load']:g}", file=sys.stderr)
     return 1 if bad else 0
 
 
