@@ -269,7 +269,7 @@ def test_cuda_submits_from_threads_equal_alone_and_cancel_frees_everything(mode)
             for t in threads:
                 t.join(60)
             got = [h.result(timeout=60) for h in handles]
-            extra = [eng.submit([9, 9], max_new_tokens=50) for _ in range(4)]
+            extra = [eng.submit([9, 9], max_new_tokens=25) for _ in range(4)]
             for h in extra:
                 h.cancel()
             assert all(h.result(timeout=60).finish_reason in ("cancelled", "length") for h in extra)
