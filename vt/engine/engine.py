@@ -34,6 +34,8 @@ from typing import Callable
 from vt.backend.errors import ClosedError
 from vt.forward.adapt import as_step_model
 from vt.knobs import ExecutorConfig
+from vt.engine.boundary import (SchedulerStalledError, apply_cancels, cancel_everything,
+                                take_arrivals)
 from vt.engine.call import GenerateCall
 from vt.engine.handle import RequestHandle, StepNotifier
 from vt.engine.outputs import TokenBuffer
@@ -253,9 +255,11 @@ class Engine:
         waited = rs.drain_s + rs.token_wait_s
         while True:
             if arrivals:
-                self._take(pending)
+                take_arrivals(arrivals, pending, buf)
             if cancels or (self._stopping and not self._finish_on_close):
-                cancelled = self._cancel(pending, inflight is not None)
+                if self._stopping and not self._finish_on_close:
+                    cancel_everything(cancels, pending, self._sched)
+                cancelled = apply_cancels(cancels, pending, self._sched, buf, inflight is not None)
             sched = self._sched
             if not (pending or sched.batch.n or inflight is not None or deferred):
                 for req in cancelled:    # nothing in flight holds them
@@ -282,8 +286,9 @@ class Engine:
                     handle = launch(plan)
                     sched.after_launch(plan)
                 elif inflight is None and not deferred:
-                    raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
-                                       f"{sched.batch.n} running, nothing launched or in flight")
+                    raise SchedulerStalledError(f"scheduler stalled: {len(pending)} pending, "
+                                                f"{sched.batch.n} running, nothing launched or "
+                                                f"in flight")
                 if prof is not None:
                     prof.launched()
                 if sync:
@@ -311,7 +316,7 @@ class Engine:
                 notify()
                 t3 = clock()
             except BaseException as exc:   # noqa: BLE001 (the step's requests get it)
-                self._fail(exc, pending if plan_stalled(exc) else ())
+                self._fail(exc, pending if isinstance(exc, SchedulerStalledError) else ())
                 inflight, deferred, cancelled, t0 = None, [], [], clock()
                 continue
             ph = prefill_ph if plan.prefill else decode_ph
@@ -322,45 +327,6 @@ class Engine:
             if prof is not None:
                 prof.end(ph, t3)
             waited, inflight, t0 = now_waited, handle, t3
-
-    def _take(self, pending: deque) -> None:
-        """Move the arrivals into the queue the scheduler admits from (a request cancelled
-        before it got there finishes at once)."""
-        arrivals = self._arrivals
-        while arrivals:
-            req = arrivals.popleft()
-            if req.cancel_requested:
-                self._buffer.finish(req, "cancelled")
-            else:
-                pending.append(req)
-
-    def _cancel(self, pending: deque, in_flight: bool) -> list:
-        """Apply the cancellations (all requests when close() cancels): a queued request
-        finishes at once; a running one leaves the batch now (its row and KV blocks free for
-        this step's plan) with the tokens of the steps launched so far, and finishes once the
-        step in flight, which still holds it, has been collected (before the row's next
-        request writes its span). Returns those."""
-        later, buf, sched = [], self._buffer, self._sched
-        if self._stopping and not self._finish_on_close:
-            self._cancels.extend(pending)
-            self._cancels.extend(sched.batch.reqs[:sched.batch.n])
-        while self._cancels:
-            req = self._cancels.popleft()
-            if req.final is not None:
-                continue
-            if req.t0 < 0:
-                if req in pending:
-                    pending.remove(req)
-                    buf.finish(req, "cancelled")
-                # else: still in the arrivals; _take finishes it
-                continue
-            sched.leave(req)
-            req.end = min(req.end, req.base + sched.batch.t - req.t0)
-            if in_flight:
-                later.append(req)
-            else:
-                buf.finish(req, "cancelled")
-        return later
 
     def _report(self, step: int) -> None:
         now = time.perf_counter()
@@ -390,7 +356,3 @@ class Engine:
     def _check_open(self):
         if self._closed or self._stopping:
             raise ClosedError("Engine is closed")
-
-
-def plan_stalled(exc: BaseException) -> bool:
-    return isinstance(exc, RuntimeError) and str(exc).startswith("scheduler stalled")
