@@ -209,6 +209,8 @@ class Runner:
             self._wait(handle, drain=False)
         if handle.timing is not None:
             start, end = handle.timing
+            # the end event is recorded after `done`: a drain waited for `done` only
+            wait_event(end, self._poll_s)
             self.stats.device_ms += (self.tracer.device_span(f"{handle.kind} S={handle.size}",
                                                              handle.timing, step=handle.index)
                                      if self.tracer.enabled else end.elapsed_ms(start))

@@ -89,7 +89,7 @@ def run_serve(args, progress_factory) -> dict:
                                 row, tokens = serve_cell(eng, work[arrival, load], arrival, load,
                                                          args.seed)
                                 row.update(preset=preset, mode=mode, arrival=arrival, load=load)
-                                row["tokens"] = tokens
+                                row["token_ids"] = tokens
                                 cells.append(row)
                                 progress.step(_line(row))
                 finally:
@@ -114,12 +114,13 @@ def _compare(cells: list[dict]) -> None:
         drain = next((c for c in cells if c["mode"] == "drain" and
                       (c["preset"], c["arrival"], c["load"]) ==
                       (row["preset"], row["arrival"], row["load"])), None)
-        row["tokens_identical_to_drain"] = None if drain is None else row["tokens"] == drain["tokens"]
+        row["tokens_identical_to_drain"] = (None if drain is None else
+                                            row["token_ids"] == drain["token_ids"])
         for k in ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99"):
             row[f"{k}_to_drain"] = (row[k] / drain[k] if drain is not None and drain[k] and
                                     row[k] is not None else None)
     for row in cells:
-        row.pop("tokens")
+        row.pop("token_ids")
 
 
 def _line(r: dict) -> str:
