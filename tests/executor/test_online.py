@@ -307,3 +307,25 @@ def test_serving_doc_example_prints_its_stated_output():
     with contextlib.redirect_stdout(out):
         exec(compile(code, str(doc), "exec"), {})
     assert out.getvalue().strip() == expected
+
+
+def test_a_broken_loop_fails_its_requests_instead_of_hanging_them(sim_backend, monkeypatch):
+    """Should the loop itself raise (outside a step), every request it holds fails with that
+    error, a blocked result() returns, and submit() refuses afterwards."""
+    with _engine(sim_backend) as eng:
+        eng.submit([1, 2], max_new_tokens=3).result(timeout=30)     # the thread runs
+        boom = RuntimeError("loop bug")
+
+        def broken(*a, **k):
+            raise boom
+        monkeypatch.setattr("vt.engine.engine.take_arrivals", broken)
+        h = eng.submit([3, 4], max_new_tokens=3)
+        with pytest.raises(RuntimeError, match="loop bug"):
+            h.result(timeout=30)
+        with pytest.raises(ClosedError):
+            eng.submit([1])
+
+
+def test_generate_of_no_prompts_returns_at_once(sim_backend):
+    with _engine(sim_backend) as eng:
+        assert eng.generate([], progress=lambda p: None) == [] == eng.generate([])

@@ -34,6 +34,8 @@ class GenerateCall:
 
     def run(self) -> list:
         eng, reqs = self.engine, self.reqs
+        if not reqs:
+            return []
         sink = None
         if self.progress is not None:
             sink = ProgressSink(len(reqs))

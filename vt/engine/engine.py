@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections import deque
 from typing import Callable
 
@@ -233,11 +234,28 @@ class Engine:
 
     def _start_locked(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="vt-engine", daemon=True)
+            self._thread = threading.Thread(target=self._serve, name="vt-engine", daemon=True)
             self._thread.start()
 
     # -- the loop -----------------------------------------------------------------------
-    def _loop(self) -> None:
+    def _serve(self) -> None:
+        """The serving thread. Should the loop itself break (a bug: step failures are handled
+        inside it), every request it holds or that arrives later fails with that error
+        instead of waiting forever, and submit() refuses from then on."""
+        pending: deque = deque()
+        try:
+            self._loop(pending)
+        except BaseException as exc:   # noqa: BLE001 (handed to every waiting request)
+            with self._state_lock:
+                self._stopping = True
+            for req in [*self._buffer.live, *pending, *self._arrivals]:
+                if req.final is None:
+                    self._buffer.finish(req, "error", exc)
+            self._arrivals.clear()
+            self._notifier.notify()
+            traceback.print_exc()   # a bug: say so, the requests carry the error
+
+    def _loop(self, pending: deque) -> None:
         """The one serving loop: take arrivals and cancellations (a length check each), plan
         step N+1, launch it, collect step N (depth 2); sleep when there is nothing to do.
         Everything a step may need (admission, prefill, stops, progress, profiling) is a
@@ -250,7 +268,7 @@ class Engine:
         clock, rs, prof = time.perf_counter, runner.stats, self._loop_profile
         decode_ph, prefill_ph = self._phases["decode"], self._phases["prefill"]
         sync = self.config.depth == 1
-        pending, inflight, deferred, cancelled = deque(), None, [], []
+        inflight, deferred, cancelled = None, [], []
         t_busy = t0 = clock()
         waited = rs.drain_s + rs.token_wait_s
         while True:
