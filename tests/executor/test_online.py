@@ -329,3 +329,33 @@ def test_a_broken_loop_fails_its_requests_instead_of_hanging_them(sim_backend, m
 def test_generate_of_no_prompts_returns_at_once(sim_backend):
     with _engine(sim_backend) as eng:
         assert eng.generate([], progress=lambda p: None) == [] == eng.generate([])
+
+
+@pytest.mark.parametrize("mode", ["sync", "drain", "ring"])
+def test_chunked_prefill_keeps_every_step_within_the_budget_and_the_tokens(sim_backend, mode):
+    """max_prefill_tokens=3 on a forward that prefills from a position: long prompts come in
+    chunks of at most 3 tokens per step (all prefills of a step together), decoding requests
+    go on between them, and every request's tokens equal those of an unchunked engine."""
+    reqs = [dict(prompt=list(range(1, 1 + n)), max_new_tokens=6, stop_token=[63]) for n in
+            (9, 1, 14, 5, 2, 11)]
+    ref = _alone(sim_backend, reqs)
+    fwd = ToyForward(sim_backend, vocab=VOCAB, geometry=GEO)
+    model = fwd.step_model()
+    chunks = []
+    real = model.prefill
+
+    def recording(stream, seqs, logits_out):
+        chunks.append(sum(len(s.tokens) - s.start for s in seqs))
+        real(stream, seqs, logits_out)
+    model.prefill = recording
+    with Engine(sim_backend, model, _config(mode), max_prefill_tokens=3) as eng:
+        chunks.clear()                                  # (the warm-up's prefills)
+        handles = [eng.submit(**r) for r in reqs]
+        got = [h.result(timeout=60) for h in handles]
+        assert eng.idle()
+        first = list(chunks)
+        h = eng.submit(list(range(20)), max_new_tokens=4)
+        h.cancel()                                      # possibly mid-way through its chunks
+        assert h.result(timeout=60).finish_reason == "cancelled" and eng.idle()
+    assert max(chunks) <= 3 and sum(first) == sum(len(r["prompt"]) for r in reqs)
+    assert [(r.tokens, r.finish_reason) for r in got] == [(r.tokens, r.finish_reason) for r in ref]

@@ -27,7 +27,7 @@ def soak(steps: int, mode: str, seed: int = 0) -> dict:
     rnd = random.Random(seed)
     checks = []
     try:
-        threads_before = threading.active_count()
+        threads_before = {t.ident for t in threading.enumerate()}
         eng = Engine(be, ToyForward(be, vocab=VOCAB, geometry=GEO).step_model(),
                      ExecutorConfig.for_mode(mode, serving_conc=6, capture_sizes=SIZES))
         sample, stop = [], threading.Event()
@@ -72,7 +72,7 @@ def soak(steps: int, mode: str, seed: int = 0) -> dict:
                     ExecutorConfig(serving_conc=6, capture_sizes=SIZES)) as ref:
             out["alone"] = [ref.generate([p], max_new_tokens=20)[0].tokens
                             for p, _ in out["sample"]]
-        out["threads_after"] = threading.active_count()
+        out["threads_after"] = {t.ident for t in threading.enumerate()}
         return out
     finally:
         be.close()
@@ -87,7 +87,7 @@ def _check(rep: dict, steps: int) -> None:
         assert c["traced"] - base["traced"] < SLACK_BYTES, checks
         assert c["threads"] == base["threads"], checks
         assert c["mallocs"] == 0, checks
-    assert rep["threads_after"] == rep["threads_before"]
+    assert rep["threads_after"] <= rep["threads_before"], "a thread outlived the engine"
     assert st["requests_finished"] > steps // 20
     for (prompt, res), alone in zip(rep["sample"], rep["alone"]):
         # the same prompt with 20 new tokens: a finished or cancelled request is a prefix of it

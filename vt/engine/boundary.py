@@ -24,6 +24,7 @@ def take_arrivals(arrivals: deque, pending: deque, buffer) -> None:
 def cancel_everything(cancels: deque, pending: deque, sched) -> None:
     """close() without finish: every queued and running request is cancelled."""
     cancels.extend(pending)
+    cancels.extend(sched.prefilling)
     cancels.extend(sched.batch.reqs[:sched.batch.n])
 
 
@@ -40,6 +41,9 @@ def apply_cancels(cancels: deque, pending: deque, sched, buffer, in_flight: bool
         if req.t0 < 0:
             if req in pending:
                 pending.remove(req)
+                buffer.finish(req, "cancelled")
+            elif req.row >= 0:            # prefilling in chunks: no token yet
+                sched.leave(req)
                 buffer.finish(req, "cancelled")
             # else: still in the arrivals; take_arrivals finishes it
             continue

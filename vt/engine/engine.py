@@ -73,9 +73,12 @@ class Engine:
                                                not isinstance(max_prefill_tokens, int) or
                                                max_prefill_tokens < 1):
             raise ValueError(f"max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
-        # A step prefills at most this many prompt tokens (one prompt always fits: a prompt of
-        # up to max_context tokens is admitted alone).
-        self.max_prefill_tokens = max(geo.max_context, max_prefill_tokens or 0)
+        # A step prefills at most this many prompt tokens. A step model that prefills from a
+        # position (chunked_prefill) gets longer prompts in chunks; for any other, one prompt
+        # always fits (a prompt of up to max_context tokens is admitted alone).
+        self._chunked = bool(getattr(self.model, "chunked_prefill", False))
+        self.max_prefill_tokens = (max_prefill_tokens or geo.max_context if self._chunked else
+                                   max(geo.max_context, max_prefill_tokens or 0))
         self.record_logits, self.profile = record_logits, profile
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
                              profile=profile)
@@ -279,7 +282,8 @@ class Engine:
                     cancel_everything(cancels, pending, self._sched)
                 cancelled = apply_cancels(cancels, pending, self._sched, buf, inflight is not None)
             sched = self._sched
-            if not (pending or sched.batch.n or inflight is not None or deferred):
+            if not (pending or sched.batch.n or sched.prefilling or inflight is not None or
+                    deferred):
                 for req in cancelled:    # nothing in flight holds them
                     buf.finish(req, "cancelled")
                 cancelled = []
@@ -369,7 +373,8 @@ class Engine:
         self._notifier.notify()
 
     def _reset_schedule(self) -> None:
-        self._sched = Scheduler(self.model.geometry, self.config.serving_conc, self.max_prefill_tokens)
+        self._sched = Scheduler(self.model.geometry, self.config.serving_conc,
+                                self.max_prefill_tokens, self._chunked)
 
     def _check_open(self):
         if self._closed or self._stopping:

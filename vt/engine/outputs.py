@@ -25,8 +25,9 @@ _TIME_RING_MIN = 1024
 
 class TokenBuffer:
     def __init__(self, rows: int, span: int, vocab: int, record_logits: bool):
-        self.tokens = np.zeros(rows * span, np.int32)
-        self.logits = np.zeros((rows * span, vocab), np.float32) if record_logits else None
+        # + 1: the scratch entry where the token of a non-final prefill chunk goes
+        self.tokens = np.zeros(rows * span + 1, np.int32)
+        self.logits = np.zeros((rows * span + 1, vocab), np.float32) if record_logits else None
         self.stored_t = 0            # batch steps [0, stored_t) have their tokens here
         ring = max(_TIME_RING_MIN, 1 << (2 * span + 8).bit_length())
         self._times, self._mask = np.zeros(ring), ring - 1

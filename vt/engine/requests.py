@@ -61,7 +61,8 @@ class Request:
     sampling: SamplingParams = GREEDY
     base: int = 0
     end: int = 0
-    t0: int = -1              # the batch step of its prefill (-1: not admitted yet)
+    t0: int = -1              # the batch step of its (last) prefill chunk (-1: not yet)
+    prefilled: int = 0        # prompt tokens prefilled so far
     row: int = -1
     blocks: list[int] = field(default_factory=list)
     batch_index: int = -1     # its entry in the DecodeBatch, -1 when not decoding

@@ -36,9 +36,16 @@ class StepTag:
 
 
 class Scheduler:
-    def __init__(self, geo: KVGeometry, serving_conc: int, max_prefill_tokens: int):
+    """chunked: the step model prefills from a position (PrefillSeq.start), so a prompt longer
+    than the step's prefill budget is prefilled in chunks over several steps (its row and
+    KV blocks held from the first) and joins the batch after the last."""
+
+    def __init__(self, geo: KVGeometry, serving_conc: int, max_prefill_tokens: int,
+                 chunked: bool = False):
         self.geo, self.serving_conc, self.max_prefill_tokens = geo, serving_conc, max_prefill_tokens
+        self.chunked = chunked
         self.span = geo.max_context     # token-buffer entries per row
+        self.scratch_dest = geo.max_seqs * self.span   # where a non-final chunk's token goes
         self.reset()
 
     def reset(self) -> None:
@@ -47,25 +54,35 @@ class Scheduler:
         self.rows = RowAllocator(geo.max_seqs)
         self.blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
         self.batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size)
+        self.prefilling: list[Request] = []   # holding a row, prompt not yet fully prefilled
 
     def idle(self) -> bool:
         """Every row and KV block is free (what a cancel or a finished request gives back)."""
-        return (self.batch.n == 0 and self.rows.free_count == self.geo.max_seqs and
+        return (self.batch.n == 0 and not self.prefilling and
+                self.rows.free_count == self.geo.max_seqs and
                 self.blocks.free_count == self.blocks.capacity)
 
     def plan(self, pending: deque) -> StepPlan:
-        """This step's rows: every request in the batch decodes; pending ones are admitted
-        (prefilled) while there is room. When nobody can be admitted (the usual decode step)
-        the plan is the batch's rows and tag alone."""
+        """This step's rows: every request in the batch decodes; prompts being prefilled in
+        chunks go on, and pending ones are admitted (prefilled) while there is room. When
+        nobody can be admitted (the usual decode step) the plan is the batch's rows and tag
+        alone."""
         b, geo = self.batch, self.geo
         b.begin_step()
         n_dec = b.n
-        if not pending or n_dec >= self.serving_conc:
+        if not self.prefilling and (not pending or n_dec >= self.serving_conc):
             return StepPlan(BatchStep(b) if n_dec else None, None, self.decode_tag())
-        admitted, prefill_tokens = [], 0
-        while pending and n_dec + len(admitted) < self.serving_conc:
+        chunks, budget = [], self.max_prefill_tokens     # (request, end of its chunk)
+        for req in self.prefilling:
+            if budget <= 0:
+                break
+            end = min(req.prompt_len, req.prefilled + budget)
+            budget -= end - req.prefilled
+            chunks.append((req, end))
+        held = n_dec + len(self.prefilling)
+        while pending and held < self.serving_conc and budget > 0:
             req = pending[0]
-            if admitted and prefill_tokens + req.prompt_len > self.max_prefill_tokens:
+            if not self.chunked and chunks and req.prompt_len > budget:
                 break   # the next step prefills it
             blocks = self.blocks.alloc(-(-(req.prompt_len + req.max_new_tokens - 1) // geo.block_size))
             if blocks is None:
@@ -73,23 +90,37 @@ class Scheduler:
             pending.popleft()
             req.row, req.blocks = self.rows.alloc(), blocks
             req.base = req.row * self.span
-            req.end, req.t0 = req.base + req.max_new_tokens, b.t
-            admitted.append(req)
-            prefill_tokens += req.prompt_len
-        prefill = []
-        for req in admitted:
+            req.end = req.base + req.max_new_tokens
+            end = min(req.prompt_len, budget) if self.chunked else req.prompt_len
+            budget -= end
+            held += 1
+            if end < req.prompt_len:
+                self.prefilling.append(req)
+            chunks.append((req, end))
+        prefill, dest, admitted = [], [], []
+        for req, end in chunks:
             bt = np.full(geo.max_blocks, geo.scratch_block, np.int32)
             bt[:len(req.blocks)] = req.blocks
-            prefill.append(PrefillSeq(req.row, req.prompt, bt, req.row, req.sampling))
+            prefill.append(PrefillSeq(req.row, req.prompt[:end], bt, req.row, req.sampling,
+                                      start=req.prefilled))
+            req.prefilled = end
+            if end == req.prompt_len:
+                req.t0 = b.t
+                dest.append(req.base)
+            else:
+                dest.append(self.scratch_dest)   # no token yet: the next chunk goes on
+            admitted.append(req)
+        if self.prefilling:
+            self.prefilling = [r for r in self.prefilling if r.prefilled < r.prompt_len]
         tag = self.decode_tag(admitted)
-        if admitted:
-            tag.dest = np.concatenate([tag.dest, [r.base for r in admitted]])
+        tag.dest = np.concatenate([tag.dest, np.asarray(dest, np.int64)])
         decode = BatchStep(b) if n_dec else None
         return StepPlan(decode, prefill, tag, admitted)
 
     def decode_tag(self, admitted=()) -> StepTag:
         """The tag of the batch's decode rows at this step (copies: the batch moves on before
-        the tokens arrive), plus the admitted requests' stop sets when any row has one."""
+        the tokens arrive), plus the prefilled requests' stop sets when any row has one (a
+        non-final chunk's row has none: its token is not one of the request's)."""
         b = self.batch
         if not b.n_stopping and not any(r.stop_tokens for r in admitted):
             return StepTag(b.t, b.dest())
@@ -99,7 +130,8 @@ class Scheduler:
             width = max(stops.shape[1], max(len(r.stop_tokens) for r in admitted))
             extra = np.full((len(admitted), width), -1, np.int32)
             for i, r in enumerate(admitted):
-                extra[i, :len(r.stop_tokens)] = r.stop_tokens
+                if r.t0 == b.t:
+                    extra[i, :len(r.stop_tokens)] = r.stop_tokens
             wide = np.full((b.n, width), -1, np.int32)
             wide[:, :stops.shape[1]] = stops
             stops = np.concatenate([wide, extra])
@@ -113,9 +145,11 @@ class Scheduler:
         leaving = self.batch.end_step()
         for req in leaving:
             self.leave(req)
-        last = [r for r in plan.admitted if r.max_new_tokens == 1]
+        joining = [(r, s) for r, s in zip(plan.admitted, plan.prefill)
+                   if len(s.tokens) == r.prompt_len]   # its last chunk: it has its first token
+        last = [r for r, _ in joining if r.max_new_tokens == 1]
         plan.tag.leaving = list(leaving) + last if last else leaving
-        for req, seq in zip(plan.admitted, plan.prefill):
+        for req, seq in joining:
             if req.max_new_tokens == 1:
                 self._free(req)
             else:
@@ -124,8 +158,11 @@ class Scheduler:
                                stops=req.stop_tokens)
 
     def leave(self, req: Request) -> None:
-        """The request decodes no more: out of the batch, its row and blocks freed."""
+        """The request decodes (or prefills) no more: out of the batch, its row and blocks
+        freed."""
         self.batch.remove(req)
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         self._free(req)
 
     def _free(self, req: Request) -> None:
