@@ -6,7 +6,8 @@ are picked up between steps: the loop checks two deques' lengths per step (arriv
 cancellations) and takes no lock unless one moved. Each step decodes every running request
 one token and prefills the newly admitted ones (admitted while fewer than `serving_conc` run,
 their KV blocks are free and the step's prompt tokens stay within `max_prefill_tokens`, which
-bounds the prefill shapes warmed at construction: after it, serving makes no driver malloc).
+bounds the prefill shapes warmed at construction: after it, serving makes no driver malloc;
+a step model with `chunked_prefill` gets longer prompts in chunks over several steps).
 The running requests' per-step state is a persistent DecodeBatch (vt/engine/batch.py): a row's
 position is an offset plus the batch's step counter, so a step moves nothing per row. The
 host knows each sequence's length without its tokens, so it plans step N+1 before step N's
