@@ -332,10 +332,11 @@ class Engine:
                             sched.leave(req)
                     if sinks:
                         self._report(ready.index)
-                for req in cancelled:
-                    if req.final is None:
-                        buf.finish(req, "cancelled")
-                cancelled = []
+                if cancelled:
+                    for req in cancelled:
+                        if req.final is None:
+                            buf.finish(req, "cancelled")
+                    cancelled = []
                 notify()
                 t3 = clock()
             except BaseException as exc:   # noqa: BLE001 (the step's requests get it)
