@@ -21,6 +21,7 @@ _LAZY = {
     "SamplingParams": "vt.sampling",
     "DecodeInputs": "vt.step.contract",
     "RequestResult": "vt.engine.requests",
+    "RequestHandle": "vt.engine.handle",
     "RequestTooLargeError": "vt.engine.requests",
     "EngineBusyError": "vt.engine.requests",
 }

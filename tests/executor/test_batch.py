@@ -35,11 +35,11 @@ def test_rows_follow_positions_across_block_crossings(group):
     for step in range(60):
         if step % 15 == 0:              # a group joins at once (same or different positions)
             for _ in range(min(group, CAP - batch.n)):
-                req = types.SimpleNamespace(index=next_index, batch_index=-1)
+                req = types.SimpleNamespace(index=next_index, batch_index=-1, stop_tokens=())
                 pos = int(rng.integers(1, 6)) if group < 12 else 3
                 bt = rng.permutation(200)[:MAX_BLOCKS].astype(np.int32)
                 batch.add(req, next_index % CAP, bt, GREEDY, pos=pos, left=int(rng.integers(5, 40)),
-                          dest=0, stop=-1)
+                          dest=0)
                 live[next_index] = pos - batch.t
                 next_index += 1
         batch.begin_step()

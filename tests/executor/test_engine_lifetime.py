@@ -128,32 +128,32 @@ def test_two_engines_over_one_model_in_two_threads_never_give_wrong_tokens(delay
     assert "busy" in flat and "ok" in flat, outcomes
 
 
-def test_the_second_engine_is_refused_while_the_first_drives_the_model(sim_backend):
-    """Refused at construction and at generate() while another engine's generate() runs on
-    the model (here: from its progress callback); allowed again once it returned. The
+def test_the_second_engine_is_refused_while_the_first_drives_the_model(delayed_sim):
+    """While one engine serves the model (a request of it is still decoding), a second
+    Engine over the model is refused at construction and its generate() fails with
+    EngineBusyError; once the first is idle the second serves, with the right tokens. The
     message does not suggest another Engine over the same model."""
-    toy = ToyForward(sim_backend, vocab=VOCAB)
-    first = Engine(sim_backend, toy.step_model(), CONFIG)
-    second = Engine(sim_backend, toy.step_model(), CONFIG)   # first is idle: allowed
+    toy = ToyForward(delayed_sim, vocab=VOCAB)
+    first = Engine(delayed_sim, toy.step_model(), CONFIG)
+    second = Engine(delayed_sim, toy.step_model(), CONFIG)   # first is idle: allowed
     prompts, budgets = workload(2, seed=3)
+    busy = first.submit([1, 2], max_new_tokens=40)      # ~40 steps of >= 1 ms each
+    next(iter(busy.stream()))                          # its first token: the first serves now
     seen = []
-
-    def inside(progress):
-        if seen:
-            return
-        for attempt in (lambda: Engine(sim_backend, toy.step_model(), CONFIG),
-                        lambda: second.generate(prompts, max_new_tokens=budgets)):
-            with pytest.raises(EngineBusyError, match="build one model per thread") as e:
-                attempt()
-            seen.append(str(e.value))
-
-    first.generate(prompts, max_new_tokens=budgets, progress=inside)
+    for attempt in (lambda: Engine(delayed_sim, toy.step_model(), CONFIG),
+                    lambda: second.generate(prompts, max_new_tokens=budgets)):
+        with pytest.raises(EngineBusyError, match="build one model per thread") as e:
+            attempt()
+        seen.append(str(e.value))
+    assert not busy.done()                             # the refusals came while it served
+    busy.result()
     assert len(seen) == 2 and all("give each thread its own Engine" not in m for m in seen)
     assert [r.tokens for r in second.generate(prompts, max_new_tokens=budgets)] == \
-        _reference(sim_backend, prompts, budgets)
-    with pytest.raises(EngineBusyError, match="give each thread its own model and Engine"):
-        first.generate(prompts, max_new_tokens=budgets,
-                       progress=lambda p: first.generate(prompts, max_new_tokens=budgets))
+        _reference(delayed_sim, prompts, budgets)
+    nested = []   # one Engine serves calls from any thread, its own progress callback too
+    first.generate(prompts, max_new_tokens=budgets, progress=lambda p: nested.append(
+        [r.tokens for r in first.generate(prompts, max_new_tokens=budgets)]) if not nested else None)
+    assert nested == [_reference(delayed_sim, prompts, budgets)]
     first.close()
     second.close()
 

@@ -47,13 +47,15 @@ class DecodeBatch:
         self.min_p = np.zeros(capacity, np.float32)
         self.seed = np.zeros(capacity, np.uint64)
         self.dest_off = np.zeros(capacity, np.int64)    # where its next token goes - t (intp: an index)
-        self.stop = np.full(capacity, -1, np.int32)     # stop token, -1: none
-        self.rid = np.zeros(capacity, np.int64)         # the request's index in its generate()
+        # Stop tokens, -1 padded: [capacity, widest set so far] (widened when a request with
+        # more joins); n_stopping entries have at least one.
+        self.stops = np.full((capacity, 1), -1, np.int32)
+        self.n_stopping = 0
         self._leaving: dict[int, list] = {}             # t -> requests whose last token it launches
         self._crossing: dict[int, list] = {}            # t -> requests entering a new KV block
 
     def add(self, req, row: int, block_table: np.ndarray, sampling: SamplingParams, *,
-            pos: int, left: int, dest: int, stop: int) -> None:
+            pos: int, left: int, dest: int, stops: tuple = ()) -> None:
         """A request joins at the end; it decodes from the next step on, `left` tokens."""
         i, t, bs = self.n, self.t, self.block_size
         if i >= self.capacity:
@@ -64,7 +66,14 @@ class DecodeBatch:
         self.slot_off[i] = kv_slot(block_table, pos, bs) - t
         self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.top_k or 0, sampling.seed
         self.top_p[i], self.min_p[i] = sampling.top_p, sampling.min_p
-        self.dest_off[i], self.stop[i], self.rid[i] = dest - t, stop, req.index
+        self.dest_off[i] = dest - t
+        if len(stops) > self.stops.shape[1]:
+            wider = np.full((self.capacity, len(stops)), -1, np.int32)
+            wider[:, :self.stops.shape[1]] = self.stops
+            self.stops = wider
+        self.stops[i] = -1
+        self.stops[i, :len(stops)] = stops
+        self.n_stopping += bool(stops)
         req.batch_index = i
         self._leaving.setdefault(t + left - 1, []).append(req)
         # The step at t + j has input position pos + j: it enters block b at j = b * bs - pos.
@@ -79,13 +88,14 @@ class DecodeBatch:
         if i < 0:
             return
         req.batch_index = -1
+        self.n_stopping -= bool(req.stop_tokens)
         if i != last:
             moved = self.reqs[last]
             self.reqs[i] = moved
             moved.batch_index = i
             for a in (self.rows, self.pos_off, self.len_off, self.slot_off, self.block_tables,
                       self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.dest_off,
-                      self.stop, self.rid):
+                      self.stops):
                 a[i] = a[last]
         self.reqs[last] = None
         self.n = last

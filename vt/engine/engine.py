@@ -1,17 +1,29 @@
-"""Engine: continuous batching of requests over the runner.
+"""Engine: continuous batching of requests over the runner, served by ONE loop in a thread
+the engine owns.
 
-Each step decodes every running request one token and prefills the newly admitted ones
-(admitted while fewer than `serving_conc` run, their KV blocks are free and the step's prompt
-tokens stay within `max_prefill_tokens`, which bounds the prefill shapes warmed at
-construction: after it, serving makes no driver malloc). The running requests' per-step state
-is a persistent DecodeBatch (vt/engine/batch.py): a row's position is an offset plus the batch's
-step counter, so a step moves nothing per row. The host knows each sequence's length without
-its tokens, so it plans step N+1 before step N's tokens arrive.
+Requests arrive from any thread (submit(); generate() is submit() for a list and a wait) and
+are picked up between steps: the loop checks two deques' lengths per step (arrivals,
+cancellations) and takes no lock unless one moved. Each step decodes every running request
+one token and prefills the newly admitted ones (admitted while fewer than `serving_conc` run,
+their KV blocks are free and the step's prompt tokens stay within `max_prefill_tokens`, which
+bounds the prefill shapes warmed at construction: after it, serving makes no driver malloc;
+a step model with `chunked_prefill` gets longer prompts in chunks over several steps).
+The running requests' per-step state is a persistent DecodeBatch (vt/engine/batch.py): a row's
+position is an offset plus the batch's step counter, so a step moves nothing per row. The
+host knows each sequence's length without its tokens, so it plans step N+1 before step N's
+tokens arrive. Tokens go to one shared buffer (vt/engine/outputs.py) that handles read by
+cursor (vt/engine/handle.py): nothing is done per request per step to deliver them.
 
 Schedule = f(requests) at every depth: a stop token takes effect on the schedule two steps
 after the step that sampled it (the earliest the async pipeline can know it), also at depth 1,
 so the synchronous run and the async modes see the same batches. A request's tokens depend
-only on its prompt, its sampling and the model (the sampler keys on seed and position).
+only on its prompt, its sampling and the model (the sampler keys on seed and position), not
+on what else runs or when it arrived.
+
+A failure inside a step (a kernel, the forward's host code, the device) fails the requests
+that hold a row at that moment (those of the failed step and of the one in flight) with the
+error; the stream is synchronized, every row and KV block is freed, and the loop goes on with
+the requests not yet admitted and with new ones.
 """
 from __future__ import annotations
 
@@ -24,25 +36,29 @@ from typing import Callable
 from vt.backend.errors import ClosedError
 from vt.forward.adapt import as_step_model
 from vt.knobs import ExecutorConfig
-from vt.engine.outputs import CallOutputs
-from vt.engine.requests import EngineBusyError, Request, RequestResult
+from vt.engine.call import GenerateCall
+from vt.engine.handle import RequestHandle, StepNotifier
+from vt.engine.outputs import TokenBuffer
+from vt.engine.requests import RequestResult
 from vt.runner.runner import Runner
 from vt.engine.scheduler import Scheduler
+from vt.engine.serving import ServingLoop, close_dropped, serving_thread
 from vt.engine.profile import LoopProfile
 from vt.engine.progress import Phase, Progress
 from vt.engine.submit import make_requests
-from vt.engine.args import check_engine_args, check_generate_args
 from vt.engine.model_lease import driving, model_key
+from vt.engine.args import check_engine_args, check_generate_args
+
+__all__ = ["Engine", "Progress", "RequestHandle"]
 
 
-class Engine:
+class Engine(ServingLoop):
     """Engine(backend, model_or_forward, config): captures at construction; close() when done.
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
     profile=True: device timing events around each step and the per-phase host split.
-    One generate() at a time: a second thread's call raises EngineBusyError, and so does a
-    second Engine over the same model while this one drives it (vt/engine/model_lease.py).
-    An Engine dropped without close() is closed when collected (weakref.finalize).
+    submit() and generate() may be called from any number of threads at once; the serving
+    thread starts with start() or the first of them.
     """
 
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
@@ -56,15 +72,30 @@ class Engine:
         if self.config.serving_conc > geo.max_seqs:
             raise ValueError(f"serving_conc={self.config.serving_conc} exceeds the model's "
                              f"max_seqs={geo.max_seqs}")
-        # A step prefills at most this many prompt tokens (one prompt always fits: a prompt of
-        # up to max_context tokens is admitted alone).
-        self.max_prefill_tokens = max(geo.max_context, max_prefill_tokens or 0)
+        if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
+                                               not isinstance(max_prefill_tokens, int) or
+                                               max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
+        # A step prefills at most this many prompt tokens. A step model that prefills from a
+        # position (chunked_prefill) gets longer prompts in chunks; for any other, one prompt
+        # always fits (a prompt of up to max_context tokens is admitted alone).
+        self._chunked = bool(getattr(self.model, "chunked_prefill", False))
+        self.max_prefill_tokens = (max_prefill_tokens or geo.max_context if self._chunked else
+                                   max(geo.max_context, max_prefill_tokens or 0))
         self.record_logits, self.profile = record_logits, profile
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
                              profile=profile)
-        self._lock = threading.Lock()
-        self._tokens_out = 0
+        self._state_lock = threading.Lock()   # submit/start vs close; never taken per step
+        self._arrivals, self._cancels = deque(), deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = self._finish_on_close = False
+        self._next_id = 0
+        self._progress_sinks: list = []       # generate() calls with a progress callback
+        self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, self.model.vocab, record_logits)
+        self._notifier = StepNotifier()
         self._wall_s = 0.0
+        self._failed_steps = 0
         self._phases = {"decode": Phase(), "prefill": Phase()}
         self._loop_profile = LoopProfile(self.runner) if self.runner.profile else None
         self._closed = False
@@ -77,59 +108,85 @@ class Engine:
         except BaseException:
             self.runner.close()
             raise
-        # The runner (not self) is the finalizer's argument: a dropped Engine frees its
-        # graphs, events and stream thread when collected.
-        self._finalizer = weakref.finalize(self, Runner.close, self.runner)
+        # An Engine dropped without close(): its serving thread holds it only weakly while
+        # idle (_serving_thread), so it is collected; then this stops the thread and frees
+        # the graphs, events and stream.
+        self._finalizer = weakref.finalize(self, close_dropped, self.runner, self._wake)
         self._pool_after_warm_up = backend.pool.stats()
 
     # -- public -------------------------------------------------------------------------
-    def generate(self, prompts, *, max_new_tokens=16, stop_token: int | None = None,
+    def submit(self, prompt, *, max_new_tokens: int = 16, stop_token=None,
+               sampling=None) -> RequestHandle:
+        """Queue one request; it joins the batch at the next step boundary. Validates as
+        generate() does and raises here, in the caller's thread. stop_token: None, a token id
+        or a collection of ids (any of them ends the request). sampling: None (greedy) or a
+        vt.SamplingParams. Thread-safe."""
+        self._check_open()
+        (req,) = make_requests([prompt], max_new_tokens, stop_token, sampling,
+                               self.model.geometry, self.model.vocab, self._sched.blocks.capacity)
+        return self._enqueue([req], number=True)[0]
+
+    async def stream_async(self, prompt, **kwargs):
+        """`async for tok in engine.stream_async(prompt, max_new_tokens=...)`: submit() and the
+        tokens as they arrive, without blocking the event loop. Leaving the loop early (break,
+        the task cancelled) cancels the request."""
+        handle = self.submit(prompt, **kwargs)
+        try:
+            async for tok in handle.stream_async():
+                yield tok
+        finally:
+            handle.cancel()
+
+    def generate(self, prompts, *, max_new_tokens=16, stop_token=None,
                  sampling=None, progress: Callable[[Progress], None] | None = None
                  ) -> list[RequestResult]:
-        """Run every prompt to completion; results in prompt order.
+        """Run every prompt to completion; results in prompt order (submit() for each, then
+        wait for all).
 
         max_new_tokens: one int for all prompts, or one per prompt. sampling: None (greedy),
-        one vt.SamplingParams for all, or one per prompt. A request that cannot be served
-        whole raises RequestTooLargeError before any step runs. On any exception (a kernel,
-        the progress callback, KeyboardInterrupt) the engine waits for its stream, drops the
-        steps in flight, frees every row and KV block and re-raises: the next generate()
-        serves as a fresh engine would.
+        one vt.SamplingParams for all, or one per prompt. stop_token: as in submit(). A
+        request that cannot be served whole raises RequestTooLargeError before any step runs.
+        progress: called in this thread once per step of the engine while the call runs.
+        If a step of its requests fails, the others are cancelled and the step's error is
+        raised; on any exception here (the progress callback, KeyboardInterrupt) its requests
+        are cancelled (rows and KV blocks freed) before it propagates. ClosedError if the
+        engine is closed meanwhile.
         """
         self._check_open()
         check_generate_args(prompts, progress)
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
                              self.model.vocab, self._sched.blocks.capacity)
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError("Engine.generate() is already running (in another thread, or "
-                                  "this call comes from inside it, e.g. its progress callback); "
-                                  "an Engine serves one generate() at a time: wait for it to "
-                                  "return, or give each thread its own model and Engine")
-        try:
-            with driving(self._model_key, "Engine.generate()"):
-                try:
-                    return self._serve(reqs, progress)
-                except BaseException as exc:
-                    device_error = self.runner.abort()
-                    self._reset_schedule()
-                    if device_error is not None and device_error is not exc:
-                        exc.add_note(f"vt: the device also reported: {device_error}")
-                    raise
-        finally:
-            self._lock.release()
+        return GenerateCall(self, reqs, progress).run()
+
+    def start(self) -> None:
+        """Start the serving thread (submit() and generate() do it when needed)."""
+        with self._state_lock:
+            self._check_open()
+            self._start_locked()
 
     def stats(self) -> dict:
-        """Steps, graph vs eager steps, waits and their time, per-phase time, pool state."""
+        """Steps, graph vs eager steps, drains and why, waits and their time, per-phase time,
+        pool state, rows and KV blocks in use."""
         self._check_open()
         st = self.runner.stats.as_dict()
         pool = self.be.pool.stats()
-        st.update(tokens=self._tokens_out, wall_s=self._wall_s,
-                  tokens_per_s=self._tokens_out / self._wall_s if self._wall_s else 0.0,
-                  mode=self.mode, pool=pool.__dict__,
+        buf, sched = self._buffer, self._sched
+        st.update(tokens=buf.tokens_out, wall_s=self._wall_s,
+                  tokens_per_s=buf.tokens_out / self._wall_s if self._wall_s else 0.0,
+                  mode=self.mode, pool=pool.__dict__, failed_steps=self._failed_steps,
+                  drained_fraction=st["drains"] / st["steps"] if st["steps"] else 0.0,
+                  requests_finished=buf.finished, requests_running=len(buf.live),
+                  rows_free=sched.rows.free_count, kv_blocks_free=sched.blocks.free_count,
+                  kv_blocks_total=sched.blocks.capacity,
                   phases={k: dict(vars(p), device_ms=st["device_by_phase"][k][0],
                                   device_steps=st["device_by_phase"][k][1])
                           for k, p in self._phases.items()},
                   driver_mallocs_since_warm_up=pool.driver_mallocs - self._pool_after_warm_up.driver_mallocs)
         return st
+
+    def idle(self) -> bool:
+        """Nothing queued or running, every row and KV block free."""
+        return not self._arrivals and not self._buffer.live and self._sched.idle()
 
     @property
     def mode(self) -> str:
@@ -139,24 +196,33 @@ class Engine:
     def device_ceiling_us(self, n: int, replays: int = 200) -> float:
         """µs per replay of the captured decode graph for n rows, back to back with no host
         work: the device-bound ceiling of a decode step. It replays the last real step of
-        that size (all padding if none ran yet). Call it between generate() calls."""
+        that size (all padding if none ran yet). Call it while the engine is idle."""
         self._check_open()
         with driving(self._model_key, "Engine.device_ceiling_us()"):
             return self.runner.driver.ceiling_us(n, replays)
 
-    def close(self) -> str | None:
-        """Idempotent. Returns the trace path when a trace was written. Refused with
-        EngineBusyError while a generate() runs: closing would destroy the graphs it launches."""
-        if self._closed:
-            return None
-        if not self._lock.acquire(blocking=False):
-            raise EngineBusyError("Engine.close() while generate() runs (in another thread, or "
-                                  "from its progress callback): let generate() return first")
-        try:
-            self._closed = True
-            return self._finalizer()
-        finally:
-            self._lock.release()
+    def close(self, *, finish: bool = False) -> str | None:
+        """Stop serving and free the engine (idempotent). finish=False: requests queued or
+        running are cancelled at the next step boundary (finish_reason "cancelled"; a
+        generate() waiting on them raises ClosedError); finish=True: they are served to the
+        end first. Either way the steps in flight are collected, the serving thread exits
+        and is joined, then graphs and buffers are freed. submit() raises ClosedError from
+        the moment close() starts. Returns the trace path when a trace was written."""
+        with self._state_lock:
+            if self._closed or self._stopping:
+                return None
+            self._stopping, self._finish_on_close = True, finish
+            thread = self._thread
+        if thread is not None:
+            if thread is threading.current_thread():
+                raise RuntimeError("Engine.close() from a done callback of its own serving thread")
+            self._wake.set()
+            thread.join()
+        for req in self._arrivals:        # queued after the loop's last look: none ever ran
+            self._buffer.finish(req, "cancelled")
+        self._arrivals.clear()
+        self._closed = True
+        return self._finalizer()
 
     def __enter__(self):
         return self
@@ -164,107 +230,34 @@ class Engine:
     def __exit__(self, *exc):
         self.close()
 
-    # -- the loop -----------------------------------------------------------------------
-    def _serve(self, reqs: list[Request], progress) -> list[RequestResult]:
-        out = CallOutputs(reqs, self.model.vocab, self.record_logits)
-        try:
-            self._loop(reqs, out, progress)
-        finally:
-            self._tokens_out += out.count
-        return [out.result(r) for r in reqs]
+    # -- requests in and out ------------------------------------------------------------
+    def _enqueue(self, reqs, *, number: bool) -> list[RequestHandle]:
+        now = time.perf_counter()
+        with self._state_lock:
+            self._check_open()
+            for req in reqs:
+                if number:
+                    req.index, self._next_id = self._next_id, self._next_id + 1
+                req.submitted_at = now
+            self._arrivals.extend(reqs)
+            self._start_locked()
+        self._wake.set()
+        return [RequestHandle(self, r) for r in reqs]
 
-    def _loop(self, reqs: list[Request], out: CallOutputs, progress) -> None:
-        """The one decode loop: plan step N+1, launch it, collect step N (depth 2), until
-        every request is done. Everything a step may need (admission, prefill, stops, a
-        progress callback, profiling) is a cheap check inside it; a decode step with nobody
-        to admit costs the plan's fast path, one launch and one collect. Per-phase wall and
-        wait time are taken when the kind of step changes, not per step."""
-        sched, runner = self._sched, self.runner
-        plan_step, launch, collect, after_launch = (sched.plan, runner.launch, runner.collect,
-                                                    sched.after_launch)
-        store, leave, clock = out.store, sched.leave, time.perf_counter
-        prof = self._loop_profile
-        decode_ph, prefill_ph = self._phases["decode"], self._phases["prefill"]
-        stops = any(r.stop_token is not None for r in reqs)
-        sync = self.config.depth == 1
-        pending, inflight, deferred = deque(reqs), None, []
-        if prof is not None:
-            prof.start_call()
-        t_start = clock()
-        span = _PhaseSpan(decode_ph, t_start, runner.stats)
-        try:
-            while pending or sched.batch.n or inflight is not None or deferred:
-                timed = prof is not None and prof.begin()
-                plan = plan_step(pending, stops)
-                ph = prefill_ph if plan.prefill else decode_ph
-                if ph is not span.phase:
-                    span.switch(ph)
-                if timed:
-                    prof.planned()
-                handle = None
-                if plan.n:
-                    handle = launch(plan)
-                    after_launch(plan)
-                    span.steps += 1
-                elif inflight is None and not deferred:
-                    raise RuntimeError(f"scheduler stalled: {len(pending)} pending, "
-                                       f"{sched.batch.n} running, nothing launched or in flight")
-                if timed:
-                    prof.launched()
-                if sync:
-                    # Depth 1 reads each step's tokens at once, but applies a stop token on the
-                    # same step the async pipeline can (module docstring): two steps later.
-                    for req in deferred:
-                        leave(req)
-                    ready, handle, deferred = handle, None, []
-                else:
-                    ready = inflight
-                if ready is not None:
-                    stopped = store(ready.tag, collect(ready), ready.host_logits)
-                    if sync:
-                        deferred = stopped
-                    else:
-                        for req in stopped:
-                            leave(req)
-                    if progress is not None:
-                        progress(Progress(ready.index, out.finished, len(reqs),
-                                          self._tokens_out + out.count, clock() - t_start))
-                if timed:
-                    prof.end(ph)
-                inflight = handle
-        finally:
-            span.close()
-            self._wall_s += clock() - t_start
+    def _request_cancel(self, req) -> None:
+        self._cancels.append(req)
+        self._wake.set()
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=serving_thread, args=(weakref.ref(self), self._wake),
+                                            name="vt-engine", daemon=True)
+            self._thread.start()
 
     def _reset_schedule(self) -> None:
-        self._sched = Scheduler(self.model.geometry, self.config.serving_conc, self.max_prefill_tokens)
+        self._sched = Scheduler(self.model.geometry, self.config.serving_conc,
+                                self.max_prefill_tokens, self._chunked)
 
     def _check_open(self):
-        if self._closed:
+        if self._closed or self._stopping:
             raise ClosedError("Engine is closed")
-
-
-class _PhaseSpan:
-    """Consecutive loop iterations that launched one kind of step: their count, wall time and
-    time blocked on the device go to that kind's Phase when the kind changes (two clock reads
-    per change instead of one per step)."""
-
-    __slots__ = ("phase", "steps", "_t0", "_wait0", "_rs")
-
-    def __init__(self, phase, t0: float, runner_stats):
-        self.phase, self.steps, self._t0, self._rs = phase, 0, t0, runner_stats
-        self._wait0 = runner_stats.drain_s + runner_stats.token_wait_s
-
-    def switch(self, phase) -> None:
-        self.close()
-        self.phase, self.steps = phase, 0
-
-    def close(self) -> None:
-        t, wait = time.perf_counter(), self._rs.drain_s + self._rs.token_wait_s
-        ph = self.phase
-        ph.steps += self.steps
-        ph.wall_s += t - self._t0
-        ph.wait_s += wait - self._wait0
-        self._t0, self._wait0, self.steps = t, wait, 0
-
-

@@ -33,13 +33,11 @@ def model_key(step_model) -> int:
     return int(ptr) if ptr is not None else id(table)
 
 
-@contextlib.contextmanager
-def driving(key: int, what: str):
-    """Hold the lease of the model `key` (model_key) for the block; EngineBusyError at once if
-    another engine holds it.
-
-    Not reentrant on purpose: an engine's progress callback that drives a second engine over
-    the same model would interleave their steps on the shared state just as two threads do."""
+def acquire(key: int, what: str) -> None:
+    """Take the lease of the model `key` (model_key); EngineBusyError at once if another
+    engine holds it. Not reentrant on purpose: an engine's progress callback that drives a
+    second engine over the same model would interleave their steps on the shared state just
+    as two threads do."""
     with _guard:
         if key in _driven:
             raise EngineBusyError(
@@ -48,8 +46,18 @@ def driving(key: int, what: str):
                 f"model share its KV cache and state, so they take turns: wait for that call to "
                 f"return, or build one model per thread and an Engine over each")
         _driven.add(key)
+
+
+def release(key: int) -> None:
+    with _guard:
+        _driven.discard(key)
+
+
+@contextlib.contextmanager
+def driving(key: int, what: str):
+    """Hold the lease of the model `key` for the block (acquire, then release)."""
+    acquire(key, what)
     try:
         yield
     finally:
-        with _guard:
-            _driven.discard(key)
+        release(key)

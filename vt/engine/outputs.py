@@ -1,63 +1,104 @@
-"""CallOutputs: where one generate() call's tokens go. Every request's tokens live in one flat
-buffer at [base, end) (end moves up when a stop token is seen), filled step by step through
-each step's `dest` indices, and become per-request lists only in the results."""
+"""TokenBuffer: where every running request's tokens go, and how a request finishes.
+
+One flat buffer with a span of max_context entries per sequence row: a step's tokens are put
+in place with ONE fancy assignment through the step's `dest` indices, whatever the number of
+rows, and nothing per request happens per step. A request's tokens become its own array only
+when it finishes (`finish`: the copy, its finish reason, its done event and callbacks).
+
+A reader (a RequestHandle, in any thread) finds how many tokens a running request has from
+the last stored batch step (`stored_t`) alone: its token of batch step t is at
+base + t - t0. A row's next request writes its span one step after the last write of the
+previous one, and the previous one is finished (copied out) by then; a reader that raced the
+finish sees `final` set after its copy and uses it instead (RequestHandle.snapshot).
+"""
 from __future__ import annotations
+
+import traceback
 
 import numpy as np
 
-from vt.engine.requests import Request, RequestResult
+from vt.engine.requests import Request
+
+# Step times kept for the token times of the requests running: more than any request lives.
+_TIME_RING_MIN = 1024
 
 
-class CallOutputs:
-    def __init__(self, reqs: list[Request], vocab: int, record_logits: bool):
-        total = reqs[-1].end if reqs else 0
-        self.reqs = reqs
-        self.tokens = np.zeros(total, np.int32)                  # every request's tokens
-        self.limit = np.array([r.end for r in reqs], np.int64)   # per request: where they stop
-        self.logits = np.zeros((total, vocab), np.float32) if record_logits else None
-        self.finished = 0   # requests of this call whose last token arrived
-        self.count = 0      # tokens of this call that arrived
-        self._bases = np.array([r.base for r in reqs], np.int64)   # a dest's request, by search
-        self._cut = False   # an error ended a request early: later tokens are checked
+class TokenBuffer:
+    def __init__(self, rows: int, span: int, vocab: int, record_logits: bool):
+        # + 1: the scratch entry where the token of a non-final prefill chunk goes
+        self.tokens = np.zeros(rows * span + 1, np.int32)
+        self.logits = np.zeros((rows * span + 1, vocab), np.float32) if record_logits else None
+        self.stored_t = 0            # batch steps [0, stored_t) have their tokens here
+        ring = max(_TIME_RING_MIN, 1 << (2 * span + 8).bit_length())
+        self._times, self._mask = np.zeros(ring), ring - 1
+        self.tokens_out = 0          # tokens of every finished request
+        self.finished = 0
+        self.live: set[Request] = set()   # admitted and not finished (the loop adds them)
 
-    def store(self, tag, tokens: np.ndarray, host_logits=None) -> list[Request]:
-        """Put a step's tokens where they belong (tag: Scheduler.plan's); returns the
-        requests that just ended: a stop token, or an error row (the sampler's -1 for NaN/inf
-        logits: vt/sampling/sampler.py), whose token is not kept."""
-        dest, rid, stop, n_last = tag
-        self.tokens[dest] = tokens
+    def store(self, tag, tokens: np.ndarray, host_logits, now: float) -> list[Request]:
+        """Put a step's tokens where they belong (tag: Scheduler's StepTag) and finish the
+        requests it completes; returns those that just sampled a stop token."""
+        self.tokens[tag.dest] = tokens
         if self.logits is not None:
-            self.logits[dest] = host_logits
-        if rid is None and not self._cut and tokens.min() >= 0:
-            self.count += len(tokens)   # no stop tokens, no error so far: every token counts
-            self.finished += n_last
-            return []
-        if rid is None:                 # an error ended a request of a call without stops
-            rid = np.searchsorted(self._bases, dest, side="right") - 1
-        limit = self.limit[rid]
-        valid = dest < limit            # False: past an end learned earlier
-        error = tokens < 0
+            self.logits[tag.dest] = host_logits
+        self._times[tag.t & self._mask] = now
+        stopped = []
+        if tokens.min() < 0:       # an error row: the sampler's -1 for NaN/inf logits
+            stopped += self._error_rows(tag, tokens)
+        if tag.stops is not None:
+            for i in np.flatnonzero((tokens[:, None] == tag.stops).any(1)):
+                req, d = tag.reqs[i], int(tag.dest[i])
+                if req.final is None and d < req.end:   # else: a token past its end
+                    req.end = d + 1
+                    stopped.append(req)
+        self.stored_t = tag.t + 1
+        for req in stopped:
+            if req.final is None:
+                self.finish(req, "error" if req.error_message else "stop")
+        for req in tag.leaving:
+            if req.final is None:
+                self.finish(req, "length")
+        return stopped
+
+    def _error_rows(self, tag, tokens) -> list[Request]:
+        """The requests whose row sampled -1 (vt/sampling/sampler.py: NaN or +inf logits, or
+        only -inf): each ends before that token, with finish_reason "error" and a message."""
         ended = []
-        hits = error if stop is None else error | (tokens == stop)
-        for i in np.flatnonzero(hits & valid):
-            req = self.reqs[rid[i]]
-            if error[i]:
-                req.end, req.finish_reason = int(dest[i]), "error"
-                req.error = (f"the logits of token {int(dest[i]) - req.base} were NaN or +inf, or "
-                             f"all -inf: nothing to sample")
-            else:
-                req.end, req.finish_reason = int(dest[i]) + 1, "stop"
-            self.limit[req.index] = limit[i] = req.end
+        for i in np.flatnonzero(tokens < 0):
+            d = int(tag.dest[i])
+            req = (tag.reqs[i] if tag.reqs is not None else
+                   next((r for r in self.live if r.base <= d < r.base + r.max_new_tokens), None))
+            if req is None or req.final is not None or d >= req.end:
+                continue            # a scratch row, or a token past the request's end
+            req.end = d
+            req.error_message = (f"the logits of token {d - req.base} were NaN or +inf, or all "
+                                 f"-inf: nothing to sample")
             ended.append(req)
-        self._cut = self._cut or bool(ended)
-        kept = valid & ~error
-        self.count += int(np.count_nonzero(kept))
-        self.finished += int(np.count_nonzero(kept & (dest + 1 == limit)))
-        self.finished += sum(r.finish_reason == "error" for r in ended)
         return ended
 
-    def result(self, req: Request) -> RequestResult:
-        span = slice(req.base, req.end)
-        logits = self.logits[span].copy() if self.logits is not None else None
-        return RequestResult(req.index, req.prompt_len, self.tokens[span].tolist(),
-                             req.finish_reason or "length", logits, req.error)
+    def available(self, req: Request) -> int:
+        """How many of a running request's tokens are stored."""
+        if req.t0 < 0:
+            return 0
+        return max(0, min(self.stored_t - req.t0, req.end - req.base))
+
+    def finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
+        """Copy the request's tokens out of the buffer (its span is reused after) and wake
+        whoever waits for it."""
+        n = self.available(req)
+        span = slice(req.base, req.base + n)
+        req.final_logits = self.logits[span].copy() if self.logits is not None and n else None
+        if n:
+            req.token_times = self._times[np.arange(req.t0, req.t0 + n) & self._mask]
+        req.error = error
+        req.finish_reason = reason
+        req.final = self.tokens[span].copy()   # last: readers take `final` as "finished"
+        self.tokens_out += n
+        self.finished += 1
+        self.live.discard(req)
+        req.done_event.set()
+        for fn in req.on_done:
+            try:
+                fn(req)
+            except Exception:   # noqa: BLE001 (a caller's callback must not fail the step's others)
+                traceback.print_exc()

@@ -1,5 +1,6 @@
-"""Turning generate()'s arguments into Requests, refusing before any step runs whatever
-cannot be served whole (one policy for context overflow and KV exhaustion: raise)."""
+"""Turning generate()'s and submit()'s arguments into Requests, refusing in the caller's
+thread, before any step runs, whatever cannot be served whole (one policy for context
+overflow and KV exhaustion: raise)."""
 from __future__ import annotations
 
 import numpy as np
@@ -10,15 +11,13 @@ from vt.step.contract import GREEDY, KVGeometry, SamplingParams
 
 def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry, vocab: int,
                   kv_capacity: int) -> list[Request]:
-    """Validated Requests, each with its span [base, end) of the call's output buffer."""
+    """Validated Requests (index = the prompt's position). stop_token: None, one token id or
+    a collection of them (any of them ends the request)."""
     prompts = list(prompts)
     budgets = _per_prompt(max_new_tokens, len(prompts), "max_new_tokens")
     samplings = _per_prompt(GREEDY if sampling is None else sampling, len(prompts), "sampling")
-    if stop_token is not None and (isinstance(stop_token, bool) or
-                                   not isinstance(stop_token, (int, np.integer)) or
-                                   not 0 <= stop_token < vocab):
-        raise ValueError(f"stop_token must be a token id in [0, {vocab}) or None, got {stop_token!r}")
-    reqs, base = [], 0
+    stops = stop_tokens(stop_token, vocab)
+    reqs = []
     for i, (p, max_new, sp) in enumerate(zip(prompts, budgets, samplings)):
         if isinstance(max_new, bool) or not isinstance(max_new, (int, np.integer)) or max_new < 1:
             raise ValueError(f"max_new_tokens must be positive ints, got {max_new!r} for prompt {i}")
@@ -36,12 +35,22 @@ def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry
         if arr.min() < 0 or arr.max() >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
         _check_fits(i, arr.size, int(max_new), geo, kv_capacity)
-        req = Request(i, arr.astype(np.int32), int(max_new),
-                      None if stop_token is None else int(stop_token), sp, base=base,
-                      end=base + int(max_new))
-        base = req.end
-        reqs.append(req)
+        reqs.append(Request(i, arr.astype(np.int32), int(max_new), stops, sp))
     return reqs
+
+
+def stop_tokens(stop_token, vocab: int) -> tuple[int, ...]:
+    """None -> (); an id -> (id,); a collection of ids -> sorted unique ids."""
+    if stop_token is None:
+        return ()
+    many = not isinstance(stop_token, (int, np.integer))
+    values = list(stop_token) if many and isinstance(stop_token, (list, tuple, set, frozenset,
+                                                                  np.ndarray)) else [stop_token]
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v < vocab:
+            raise ValueError(f"stop_token must be a token id in [0, {vocab}), a collection of "
+                             f"them, or None, got {stop_token!r}")
+    return tuple(sorted({int(v) for v in values}))
 
 
 def _check_fits(i: int, prompt_len: int, max_new: int, geo: KVGeometry, kv_capacity: int) -> None:

@@ -19,6 +19,8 @@ class ForwardModel:
     causal forward; sampling is vt's per-row greedy / temperature + top-k kernel.
     """
 
+    chunked_prefill = True   # prefill() starts at PrefillSeq.start: a prompt may come in chunks
+
     def __init__(self, be, forward, *, vocab: int, token_table, geometry: KVGeometry):
         _check_args(forward, vocab, token_table, geometry)
         if len(token_table) < geometry.max_seqs + 1:
@@ -44,8 +46,10 @@ class ForwardModel:
         to row_bucket rows (scratch rows), so the forward only ever sees those few shapes."""
         bs = self.geometry.block_size
         steps, at = [], 0
-        for p in range(max(len(s.tokens) for s in seqs)):
-            live = [i for i, s in enumerate(seqs) if p < len(s.tokens)]
+        for p in range(min(s.start for s in seqs), max(len(s.tokens) for s in seqs)):
+            live = [i for i, s in enumerate(seqs) if s.start <= p < len(s.tokens)]
+            if not live:     # between one sequence's end and another's chunk start
+                continue
             size = self.row_bucket(len(live))
             self._host.fill_range(at, _rows_at([seqs[i] for i in live], p, bs), at + size, self.pad)
             self._host_tokens[at:at + size] = 0

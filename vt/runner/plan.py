@@ -65,6 +65,9 @@ class RunnerStats:
     # the same per engine phase: "prefill" (prefill and mixed steps) or "decode": [ms, steps]
     device_by_phase: dict = field(default_factory=lambda: {"decode": [0.0, 0], "prefill": [0.0, 0]})
     steps_by_size: dict = field(default_factory=dict)
+    # why each drain happened: the kind of the step it waited for (graph: the mode does not
+    # skip the drain; prefill, mixed, eager: that step owns its logits)
+    drains_after: dict = field(default_factory=dict)
 
     @property
     def wait_s(self) -> float:
@@ -73,4 +76,5 @@ class RunnerStats:
 
     def as_dict(self) -> dict:
         return dict(self.__dict__, steps_by_size=dict(self.steps_by_size),
-                    device_by_phase={k: list(v) for k, v in self.device_by_phase.items()})
+                    device_by_phase={k: list(v) for k, v in self.device_by_phase.items()},
+                    drains_after=dict(self.drains_after))

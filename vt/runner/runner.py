@@ -119,6 +119,8 @@ class Runner:
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
             self._wait(prev, drain=True)
+            by_kind = self.stats.drains_after
+            by_kind[prev.kind] = by_kind.get(prev.kind, 0) + 1
 
     def _launch_graph(self, ring, plan: StepPlan) -> StepHandle:
         """Acquire the ring's next slot (its guard), refresh its block, replay it. With
@@ -214,7 +216,7 @@ class Runner:
             self._wait(handle, drain=False)
         if handle.timing is not None:
             start, end = handle.timing
-            end.synchronize()   # recorded after `done`, which is all the wait above saw
+            wait_event(end, self._poll_s)   # recorded after `done`, which is all a drain waited for
             ms = (self.tracer.device_span(f"{handle.kind} S={handle.size}", handle.timing,
                                           step=handle.index)
                   if self.tracer.enabled else end.elapsed_ms(start))

@@ -144,12 +144,15 @@ class DecodeRows:
 
 @dataclass
 class PrefillSeq:
-    """One newly admitted sequence: its row (token-table row = state slot), prompt, sampling."""
+    """One newly admitted sequence: its row (token-table row = state slot), prompt, sampling.
+    start > 0: a chunk; positions [0, start) are already in its KV cache and state, the step
+    prefills tokens[start:] (only step models with `chunked_prefill = True` get one)."""
     row: int
     tokens: np.ndarray        # [L] int32
     block_table: np.ndarray   # [max_blocks] int32
     state_idx: int
     sampling: SamplingParams = GREEDY
+    start: int = 0
 
 
 def prefill_last_rows(seqs: list[PrefillSeq], block_size: int) -> DecodeRows:

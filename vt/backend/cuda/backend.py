@@ -46,6 +46,14 @@ class CudaBackend(HandleOwner):
         self._legacy: Stream | None = None
         self._own(_close_all, self._captures, self._owned, self.pool, self.device)
 
+    def bind_thread(self) -> None:
+        """Make this backend's device current in the calling thread: the runtime API and CuPy
+        keep the current device per thread, so a thread that launches work here (the
+        engine's serving thread) calls this first."""
+        import cupy
+        self.device.set_current()
+        cupy.cuda.Device(self.device.ordinal).use()
+
     # -- information --------------------------------------------------------------------
     def info(self) -> dict:
         self._require_open()

@@ -158,6 +158,9 @@ class SimBackend(HandleOwner):
         for s in streams:
             s.raise_pending_error()
 
+    def bind_thread(self) -> None:
+        """The cuda backend's twin: the sim has no per-thread device state."""
+
     def info(self) -> dict:
         self._require_open()
         return {"backend": "sim", "device": "CPU simulator (numpy worker threads)",

@@ -18,6 +18,7 @@ EXAMPLES = """examples:
   vt bench --workload model --preset bench-small --conc 1 32 64 --json m.json --png m.png
   vt bench --workload torch --conc 1 32 --json t.json
   vt bench --from-json small.json dense.json moe.json --png presets.png
+  vt bench --workload serve --preset bench-small --clients 16 32 --modes drain ring --json s.json
 """
 
 
@@ -27,11 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from vt.knobs import MODES, SAFE_MODES
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--workload", default="synthetic",
-                   choices=["synthetic", "model", "torch", "sampler"],
+                   choices=["synthetic", "model", "torch", "sampler", "serve"],
                    help="synthetic: a user forward spinning D us per step (+ the torch peer); "
                         "model: the bundled model at --preset; torch: the vt.torch Llama decoder "
                         "(bf16, random weights) + the same module in a torch CUDA-graph loop; "
-                        "sampler: vt's sampler against torch's over [S, V] logits (GPU)")
+                        "sampler: vt's sampler against torch's over [S, V] logits (GPU); serve: the bundled "
+                        "model under serving traffic through the online API (vt/cli/bench/serve.py)")
     p.add_argument("--vocab", type=int, nargs="+", default=None, metavar="V",
                    help=f"synthetic: the forward's vocabulary, one value, 2 to {lim.MAX_VOCAB} "
                         f"(default: 32000); sampler: the vocabularies to sweep (default: 32000 "
@@ -89,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the run, written whole or not at all)")
     p.add_argument("--png", help="write the plot to this path, a name ending in .png (needs matplotlib: "
                         "vt[bench]; both checked before the run)")
+    from vt.cli.bench.serve_run import add_serve_arguments
+    add_serve_arguments(p)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -110,7 +114,18 @@ def _resolve(args: argparse.Namespace, error) -> None:
     from vt.model import PRESETS
     backend = args.backend if args.backend != "auto" else (
         "cuda" if "cuda" in available_backends() else "sim")
-    model = args.workload == "model"
+    model = args.workload in ("model", "serve")
+    if args.workload == "serve":
+        from vt.cli.bench.serve_run import resolve_serve
+        resolve_serve(args, backend, error)
+    else:
+        given = [flag for flag, v in (("--clients", args.clients), ("--rate", args.rate),
+                                      ("--requests", args.requests), ("--output-len", args.output_len),
+                                      ("--prompt-range", args.prompt_range),
+                                      ("--arrival", None if args.arrival == ["closed"] else args.arrival))
+                 if v is not None]
+        if given:
+            error(f"{given[0]} applies to --workload serve only")
     if args.workload == "torch":
         from vt.cli.bench import torch_workload
         args.preset = [torch_workload.PRESET]
@@ -210,6 +225,8 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
         raise UsageError(f"vt bench: {msg}")
     error = error or fail
     check_outputs(args, error)
+    if args.workload == "serve" and not args.from_json:
+        return _cmd_serve(args, error)
     if args.from_json:
         try:
             res = report.merge([report.read_json(path) for path in args.from_json])
@@ -252,6 +269,27 @@ def _cmd_sampler(args: argparse.Namespace) -> int:
         sampler.write_png(res, args.png)
         print(f"vt bench: wrote {args.png}")
     return 0
+
+
+def _cmd_serve(args: argparse.Namespace, error) -> int:
+    from vt.cli.bench import serve_report
+    from vt.cli.bench.progress import ProgressBar
+    from vt.cli.bench.serve_run import run_serve
+    _resolve(args, error)
+    res = run_serve(args, lambda total: ProgressBar(total, bar=False if args.no_bar else None))
+    print()
+    print(serve_report.table(res))
+    if args.json:
+        serve_report.write_json(res, args.json)
+        print(f"vt bench: wrote {args.json}")
+    if args.png:
+        why = serve_report.write_png(res, args.png)
+        print(f"vt bench: {'wrote ' + args.png if why is None else 'no PNG: ' + why}")
+    bad = [c for c in res["cells"] if c["tokens_identical_to_drain"] is False]
+    for c in bad:
+        print(f"vt bench: WRONG TOKENS in serve {c['preset']} {c['mode']} {c['arrival']} "
+              f"{c['load']:g}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,105 @@
+"""`vt bench --workload serve` on the sim at a small size: every mode side by side on the same
+requests, the per-cell metrics and their formulas, the JSON, the PNG, the argument checks."""
+import json
+import types
+
+import numpy as np
+import pytest
+
+from vt.cli.bench.cli import main
+from vt.cli.bench.serve import PCTS, cell_metrics, draw_requests
+from vt.knobs import SAFE_MODES
+
+
+@pytest.fixture(scope="module")
+def sim_serve(tmp_path_factory):
+    out = tmp_path_factory.mktemp("serve") / "serve.json"
+    rc = main(["--backend", "sim", "--workload", "serve", "--arrival", "closed", "poisson",
+               "--no-bar", "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def test_sim_serve_runs_every_mode_on_the_same_requests(sim_serve):
+    rc, res = sim_serve
+    assert rc == 0 and res["format"] == "vt-bench-serve/1" and res["backend"] == "sim"
+    assert res["modes"] == list(SAFE_MODES)
+    cells = {(c["mode"], c["arrival"], c["load"]) for c in res["cells"]}
+    assert cells == {(m, a, float(x)) for m in SAFE_MODES
+                     for a, x in [("closed", 2), ("closed", 4), ("poisson", 200)]}
+    for c in res["cells"]:
+        assert c["tokens_identical_to_drain"] is True, c
+        assert c["requests"] == res["requests"] == 8
+        assert res["output_len"][0] * 8 <= c["tokens"] <= res["output_len"][1] * 8
+
+
+def test_sim_serve_metrics_are_consistent(sim_serve):
+    _, res = sim_serve
+    for c in res["cells"]:
+        where = (c["mode"], c["arrival"], c["load"])
+        assert c["output_tok_per_s"] == pytest.approx(c["tokens"] / c["wall_s"]), where
+        assert c["requests_per_s"] == pytest.approx(c["requests"] / c["wall_s"]), where
+        for m in ("ttft_ms", "tpot_ms", "itl_ms"):
+            ps = [c[f"{m}_p{p}"] for p in PCTS]
+            assert all(p is not None and p >= 0 for p in ps) and ps == sorted(ps), (where, m)
+        assert 0 < c["gpu_busy"] <= 1.05, where
+        assert c["steps"] == c["graph_steps"] + c["eager_steps"] + c["mixed_steps"] + c["prefill_steps"]
+        assert c["drains"] == sum(c["drains_after"].values()), where
+        assert c["drained_fraction"] == pytest.approx(c["drains"] / c["steps"]), where
+        if c["mode"] == "ring":   # the ring drains only after steps that own their logits
+            assert set(c["drains_after"]) <= {"prefill", "mixed", "eager"}, where
+        if c["mode"] == "drain":
+            assert c["drains_after"].get("graph", 0) > 0, where
+
+
+def test_cell_metrics_formulas_on_known_token_times():
+    """Two requests with hand-made token times: TTFT, TPOT, ITL and throughput by formula."""
+    def handle(submitted):
+        return types.SimpleNamespace(_req=types.SimpleNamespace(submitted_at=submitted))
+
+    res = [types.SimpleNamespace(tokens=[1, 2, 3], token_times=np.array([1.0, 1.5, 2.5])),
+           types.SimpleNamespace(tokens=[4, 5], token_times=np.array([2.0, 2.2]))]
+    zero = dict(steps=0, graph_steps=0, eager_steps=0, mixed_steps=0, prefill_steps=0,
+                drains=0, drain_s=0.0, device_ms=0.0, token_wait_s=0.0, ring_waits=0,
+                drains_after={}, phases={k: dict(steps=0, wall_s=0.0, wait_s=0.0, device_ms=0.0)
+                                         for k in ("decode", "prefill")})
+    after = dict(zero, steps=10, graph_steps=8, mixed_steps=2, drains=2, device_ms=3000.0,
+                 drains_after={"mixed": 2})
+    m = cell_metrics([handle(0.5), handle(1.0)], res, 4.0, zero, after)
+    assert m["ttft_ms_p50"] == pytest.approx(np.percentile([500.0, 1000.0], 50))
+    assert m["tpot_ms_p99"] == pytest.approx(np.percentile([750.0, 200.0], 99))
+    assert m["itl_ms_p50"] == pytest.approx(np.percentile([500.0, 1000.0, 200.0], 50))
+    assert m["output_tok_per_s"] == 5 / 4.0 and m["requests_per_s"] == 0.5
+    assert m["gpu_busy"] == pytest.approx(0.75) and m["drained_fraction"] == 0.2
+
+
+def test_draw_requests_is_seeded_and_within_the_ranges():
+    a = draw_requests(np.random.default_rng(3), 20, 100, (2, 5), (7, 7))
+    b = draw_requests(np.random.default_rng(3), 20, 100, (2, 5), (7, 7))
+    assert a == b and all(2 <= len(p) <= 5 and n == 7 for p, n in a)
+
+
+def test_sim_serve_writes_the_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "serve.png"
+    assert main(["--backend", "sim", "--workload", "serve", "--modes", "drain", "ring",
+                 "--clients", "2", "--requests", "3", "--no-bar", "--png", str(png)]) == 0
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--output-len", "5", "2"], "--output-len must be N or MIN MAX with 1 <= MIN <= MAX"),
+    (["--prompt-range", "0"], "--prompt-range must be N or MIN MAX"),
+    (["--clients", "0"], "--clients and --requests must be positive"),
+])
+def test_bad_serve_arguments_are_refused_before_any_work(argv, needle, capsys):
+    assert main(["--backend", "sim", "--workload", "serve", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_png_without_matplotlib_is_refused_up_front(monkeypatch, capsys):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    assert main(["--backend", "sim", "--workload", "serve", "--png", "x.png"]) == 2
+    assert "--png needs matplotlib" in capsys.readouterr().err

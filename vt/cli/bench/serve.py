@@ -1,0 +1,123 @@
+"""`vt bench --workload serve`: the executor modes under serving traffic, through the online
+API (Engine.submit), on the bundled model at a preset.
+
+A cell is (preset, arrival, load, mode). Arrivals:
+  closed-loop: `clients` concurrent clients, each submitting its next request when its
+    previous one finishes (the 16/32 grid of the design);
+  open-loop Poisson: requests arrive at `rate` per second (exponential gaps, seeded),
+    whatever the engine's progress.
+Every mode of a (preset, arrival, load) serves the SAME requests (prompts and lengths drawn
+once, seeded: fixed, or uniform in [min, max]), so their tokens must agree (checked).
+
+Clients are one driver thread per cell: a finished request's done callback (on the serving
+thread) only puts it on a queue; the driver submits. Token times are the engine's (when a
+step's tokens reached the host: RequestResult.token_times), so no client thread has to wake
+per token for them. Per cell: TTFT (submit -> first token), TPOT (per request, (last - first)
+/ (n - 1)), ITL (every gap between consecutive tokens) at p50/p90/p99; requests/s and output
+tokens/s over the cell's wall time; the GPU busy fraction (device time of the steps, from
+timing events: the engines run with profile=True, both modes alike); the fraction of steps
+that drained and why (the kind of step each drain waited for), and the steps by kind.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import numpy as np
+
+PCTS = (50, 90, 99)
+
+
+def draw_requests(rng, n: int, vocab: int, prompt_len: tuple[int, int],
+                  output_len: tuple[int, int]) -> list[tuple[list[int], int]]:
+    """n (prompt, max_new_tokens), lengths uniform in each [min, max] (fixed when equal)."""
+    out = []
+    for _ in range(n):
+        p = int(rng.integers(prompt_len[0], prompt_len[1] + 1))
+        o = int(rng.integers(output_len[0], output_len[1] + 1))
+        out.append((rng.integers(0, vocab, p).tolist(), o))
+    return out
+
+
+def closed_loop(engine, requests, clients: int, timeout_s: float):
+    """Serve `requests` with `clients` concurrent clients; (handles in request order, wall)."""
+    done_q: queue.Queue = queue.Queue()
+    handles = [None] * len(requests)
+
+    def submit(i):
+        prompt, new = requests[i]
+        h = engine.submit(prompt, max_new_tokens=new)
+        h._req.on_done.append(lambda req, i=i: done_q.put(i))
+        handles[i] = h
+
+    t0 = time.perf_counter()
+    nxt = min(clients, len(requests))
+    for i in range(nxt):
+        submit(i)
+    for _ in range(len(requests)):
+        done_q.get(timeout=timeout_s)
+        if nxt < len(requests):
+            submit(nxt)
+            nxt += 1
+    return handles, time.perf_counter() - t0
+
+
+def open_loop(engine, requests, rate: float, rng, timeout_s: float):
+    """Submit at Poisson arrivals of `rate` per second; (handles, wall)."""
+    gaps = rng.exponential(1.0 / rate, len(requests))
+    handles = []
+    t0 = time.perf_counter()
+    at = t0
+    for (prompt, new), gap in zip(requests, gaps):
+        at += gap
+        delay = at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        handles.append(engine.submit(prompt, max_new_tokens=new))
+    for h in handles:
+        h.result(timeout=timeout_s)
+    return handles, time.perf_counter() - t0
+
+
+def serve_cell(engine, requests, arrival: str, load: float, seed: int,
+               timeout_s: float = 600.0) -> tuple[dict, list]:
+    """One cell on a warm engine: its metrics and every request's tokens."""
+    before = engine.stats()
+    if arrival == "closed":
+        handles, wall = closed_loop(engine, requests, int(load), timeout_s)
+    else:
+        handles, wall = open_loop(engine, requests, load, np.random.default_rng(seed), timeout_s)
+    results = [h.result(timeout=timeout_s) for h in handles]
+    after = engine.stats()
+    return cell_metrics(handles, results, wall, before, after), [r.tokens for r in results]
+
+
+def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> dict:
+    ttft, tpot, itl = [], [], []
+    for h, r in zip(handles, results):
+        times = r.token_times
+        if times is None or not len(times):
+            continue
+        ttft.append(times[0] - h._req.submitted_at)
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            itl.extend(np.diff(times).tolist())
+    tokens = sum(len(r.tokens) for r in results)
+    d = {k: after[k] - before[k] for k in ("steps", "graph_steps", "eager_steps", "mixed_steps",
+                                           "prefill_steps", "drains", "drain_s", "device_ms",
+                                           "token_wait_s", "ring_waits")}
+    drains_after = {k: v - before["drains_after"].get(k, 0) for k, v in after["drains_after"].items()}
+    phases = {}
+    for name in ("decode", "prefill"):
+        a, b = after["phases"][name], before["phases"][name]
+        phases[name] = {k: a[k] - b[k] for k in ("steps", "wall_s", "wait_s", "device_ms")}
+    out = dict(requests=len(results), tokens=tokens, wall_s=wall,
+               requests_per_s=len(results) / wall, output_tok_per_s=tokens / wall,
+               gpu_busy=d["device_ms"] / 1e3 / wall if d["device_ms"] else None,
+               drained_fraction=d["drains"] / d["steps"] if d["steps"] else 0.0,
+               drains_after=drains_after, phases=phases, **d)
+    for name, xs in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
+        for p in PCTS:
+            out[f"{name}_p{p}"] = float(np.percentile(xs, p) * 1e3) if xs else None
+    return out

@@ -1,0 +1,68 @@
+"""The serve bench's outputs: the printed table and the PNG (latency percentiles against load,
+one line per mode)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def _f(v, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def table(res: dict) -> str:
+    lines = [f"serve: {res['requests']} requests per cell, output {res['output_len']}, prompt "
+             f"{res['prompt_len']} tokens; engines profiled (device timing events)",
+             f"{'preset':<12} {'arrival':<8} {'load':>5} {'mode':<7} {'tok/s':>8} {'x drain':>7} "
+             f"{'req/s':>6} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'ITL p99':>8} "
+             f"{'busy':>5} {'drained':>7}  drains after"]
+    for r in res["cells"]:
+        lines.append(
+            f"{r['preset']:<12} {r['arrival']:<8} {r['load']:>5g} {r['mode']:<7} "
+            f"{r['output_tok_per_s']:8.1f} {_f(r['output_tok_per_s_to_drain'], '7.3f')} "
+            f"{r['requests_per_s']:6.2f} "
+            f"{_f(r['ttft_ms_p50'], '.1f'):>7}/{_f(r['ttft_ms_p99'], '.1f'):<8} "
+            f"{_f(r['tpot_ms_p50'], '.2f'):>7}/{_f(r['tpot_ms_p99'], '.2f'):<8} "
+            f"{_f(r['itl_ms_p99'], '8.2f')} {_f(r['gpu_busy'], '5.2f')} "
+            f"{r['drained_fraction']:7.3f}  {r['drains_after']}"
+            + ("" if r["tokens_identical_to_drain"] is not False else "  WRONG TOKENS"))
+    return "\n".join(lines)
+
+
+def write_json(res: dict, path: str) -> None:
+    Path(path).write_text(json.dumps(res, indent=1))
+
+
+def write_png(res: dict, path: str) -> str | None:
+    """Per (preset, arrival): TTFT, TPOT and ITL at p50 (solid) and p99 (dashed) against the
+    load, one colour per mode. Returns None, or why it could not."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed (pip install 'vt[bench]')"
+    groups = sorted({(r["preset"], r["arrival"]) for r in res["cells"]})
+    metrics = ("ttft_ms", "tpot_ms", "itl_ms")
+    fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups)), squeeze=False)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row_axes, (preset, arrival) in zip(axes, groups):
+        rows = [r for r in res["cells"] if (r["preset"], r["arrival"]) == (preset, arrival)]
+        for ax, metric in zip(row_axes, metrics):
+            for k, mode in enumerate(res["modes"]):
+                pts = sorted((r["load"], r) for r in rows if r["mode"] == mode)
+                for p, style in ((50, "-"), (99, "--")):
+                    ys = [r[f"{metric}_p{p}"] for _, r in pts]
+                    if pts and None not in ys:
+                        ax.plot([x for x, _ in pts], ys, style, marker="o",
+                                color=colours[k % len(colours)],
+                                label=f"{mode} p{p}")
+            ax.set(xlabel="concurrent clients" if arrival == "closed" else "arrivals per s",
+                   ylabel=f"{metric.split('_')[0].upper()} ms",
+                   title=f"{preset}, {arrival}: {metric.split('_')[0].upper()}")
+            ax.grid(alpha=0.3)
+        row_axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None

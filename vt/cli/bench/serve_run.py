@@ -1,0 +1,128 @@
+"""The serve sweep: per preset one model; per mode one engine (profile=True, so the GPU busy
+fraction is measured the same way in every mode), warmed, then every (arrival, load) cell on
+the same requests. Cells of one (preset, arrival, load) run mode after mode; their tokens
+must agree (tokens_identical_to_drain)."""
+from __future__ import annotations
+
+import importlib.util
+import platform
+import time
+
+import numpy as np
+
+from vt.cli.bench.serve import draw_requests, serve_cell
+
+SERVE_DEFAULTS = {   # backend -> (clients, rate, requests per cell, output len, prompt len)
+    "cuda": ([16, 32], [40.0], 96, [128, 256], [16, 64]),
+    "sim": ([2, 4], [200.0], 8, [3, 8], [2, 6]),
+}
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def add_serve_arguments(p) -> None:
+    g = p.add_argument_group("--workload serve")
+    g.add_argument("--arrival", nargs="+", default=["closed"], choices=["closed", "poisson"],
+                   help="closed: --clients concurrent clients; poisson: open loop at --rate")
+    g.add_argument("--clients", type=int, nargs="+", default=None,
+                   help="closed-loop concurrent clients (default: 16 32 on cuda, 2 4 on sim)")
+    g.add_argument("--rate", type=float, nargs="+", default=None,
+                   help="open-loop arrivals per second (default: 40 on cuda, 200 on sim)")
+    g.add_argument("--requests", type=int, default=None,
+                   help="requests per cell (default: 96 on cuda, 8 on sim)")
+    g.add_argument("--output-len", type=int, nargs="+", default=None, metavar="N",
+                   help="max_new_tokens: N, or MIN MAX drawn uniformly with --seed "
+                        "(default: 128 256 on cuda, 3 8 on sim)")
+    g.add_argument("--prompt-range", type=int, nargs="+", default=None, metavar="N",
+                   help="prompt tokens: N, or MIN MAX (default: 16 64 on cuda, 2 6 on sim)")
+
+
+def resolve_serve(args, backend: str, error) -> None:
+    """Fill the serve defaults and check them before anything runs."""
+    clients, rate, requests, out_len, prompt_len = SERVE_DEFAULTS[backend]
+    args.clients = args.clients or clients
+    args.rate = args.rate or rate
+    args.requests = args.requests or requests
+    args.output_len = args.output_len or out_len
+    args.prompt_range = args.prompt_range or prompt_len
+    for flag in ("output_len", "prompt_range"):
+        v = getattr(args, flag)
+        if len(v) == 1:
+            v = v * 2
+        if len(v) != 2 or not 1 <= v[0] <= v[1]:
+            error(f"--{flag.replace('_', '-')} must be N or MIN MAX with 1 <= MIN <= MAX, got {v}")
+        setattr(args, flag, tuple(v))
+    if min(args.clients) < 1 or args.requests < 1 or min(args.rate) <= 0:
+        error("--clients and --requests must be positive integers and --rate positive")
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        error("--png needs matplotlib, which is not installed (pip install 'vt[bench]')")
+
+
+def run_serve(args, progress_factory) -> dict:
+    from vt.cli.common import build_model, pick_backend, resolve_preset
+    from vt.engine.engine import Engine
+    from vt.knobs import ExecutorConfig
+    t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
+    be = pick_backend(args.backend, args.sim_delay_ms)
+    loads = [("closed", c) for c in args.clients if "closed" in args.arrival] + \
+            [("poisson", r) for r in args.rate if "poisson" in args.arrival]
+    conc = max(args.clients)
+    context = args.prompt_range[1] + args.output_len[1]
+    cells = []
+    try:
+        with progress_factory(len(args.preset) * len(args.modes) * (1 + len(loads))) as progress:
+            for name in args.preset:
+                preset, cfg = resolve_preset(be, name, context, "vt bench")
+                model = build_model(be, cfg, max_seqs=conc, context=context, seed=args.seed)
+                rng = np.random.default_rng(args.seed)
+                work = {load: draw_requests(rng, args.requests, cfg.vocab, args.prompt_range,
+                                            args.output_len) for load in loads}
+                warm = draw_requests(rng, conc, cfg.vocab, args.prompt_range, (2, 4))
+                try:
+                    for mode in args.modes:
+                        config = ExecutorConfig.for_mode(
+                            mode, serving_conc=conc, wait_poll_us=args.wait_poll_us,
+                            capture_sizes=tuple(s for s in CAPTURE_SIZES if s <= conc))
+                        with Engine(be, model, config, profile=True) as eng:
+                            serve_cell(eng, warm, "closed", conc, args.seed)
+                            progress.step(f"{preset} {mode}: captured and warmed")
+                            for arrival, load in loads:
+                                row, tokens = serve_cell(eng, work[arrival, load], arrival, load,
+                                                         args.seed)
+                                row.update(preset=preset, mode=mode, arrival=arrival, load=load)
+                                row["token_ids"] = tokens
+                                cells.append(row)
+                                progress.step(_line(row))
+                finally:
+                    model.close()
+        info = be.info()
+    finally:
+        be.close()
+    _compare(cells)
+    return dict(format="vt-bench-serve/1", workload="serve", backend=be.name,
+                device=str(info.get("device", "")), host=platform.node(),
+                python=platform.python_version(), started=started,
+                wall_s=time.perf_counter() - t0, presets=list(args.preset), modes=list(args.modes),
+                arrivals=list(args.arrival), clients=list(args.clients), rates=list(args.rate),
+                requests=args.requests, output_len=list(args.output_len),
+                prompt_len=list(args.prompt_range), seed=args.seed, serving_conc=conc,
+                cells=cells)
+
+
+def _compare(cells: list[dict]) -> None:
+    """Per (preset, arrival, load): ratios to drain, and the token check; tokens dropped."""
+    for row in cells:
+        drain = next((c for c in cells if c["mode"] == "drain" and
+                      (c["preset"], c["arrival"], c["load"]) ==
+                      (row["preset"], row["arrival"], row["load"])), None)
+        row["tokens_identical_to_drain"] = (None if drain is None else
+                                            row["token_ids"] == drain["token_ids"])
+        for k in ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99"):
+            row[f"{k}_to_drain"] = (row[k] / drain[k] if drain is not None and drain[k] and
+                                    row[k] is not None else None)
+    for row in cells:
+        row.pop("token_ids")
+
+
+def _line(r: dict) -> str:
+    return (f"{r['preset']} {r['mode']:<7} {r['arrival']} {r['load']:g}: "
+            f"{r['output_tok_per_s']:8.1f} tok/s, TPOT p50 {r['tpot_ms_p50'] or 0:.2f} ms")
