@@ -268,9 +268,13 @@ class Runner:
         if self._closed:
             return None
         self._closed = True
+        path = None
         try:
-            self.stream.synchronize()
-            path = self.tracer.write()
+            # The backend may be closed already (an Engine dropped after it, closed by its
+            # finalizer): its streams and graphs are gone with it, nothing is left to wait for.
+            if not self.stream.closed:
+                self.stream.synchronize()
+                path = self.tracer.write()
         finally:
             self.driver.close()
             self.eager.close()
