@@ -120,17 +120,24 @@ class RequestHandle:
         final = req.final      # finished meanwhile: its span may be reused, take the copy
         return (final, True) if final is not None else (got, False)
 
+    def _take(self, sent: int) -> tuple[list, int, bool]:
+        """The tokens after the first `sent`, how many there are now, and whether it ended."""
+        got, finished = self.snapshot()
+        return got[sent:].tolist(), len(got), finished
+
+    def _raise_failure(self) -> None:
+        """A finished request whose step failed: its error (after the tokens before it)."""
+        if self._req.error is not None:
+            raise self._req.error
+
     def stream(self, timeout: float | None = None):
         """Iterate the tokens as they arrive. timeout: the longest wait for the next one."""
         sent = 0
         while True:
-            got, finished = self.snapshot()
-            for tok in got[sent:].tolist():
-                yield tok
-            sent = len(got)
+            new, sent, finished = self._take(sent)
+            yield from new
             if finished:
-                if self._req.error is not None:
-                    raise self._req.error
+                self._raise_failure()
                 return
             if not self._notifier.wait_for(lambda: self._more(sent), timeout):
                 raise TimeoutError(f"request {self._req.index}: no token in {timeout} s")
@@ -139,13 +146,11 @@ class RequestHandle:
         """stream() for asyncio: the event loop is never blocked."""
         sent = 0
         while True:
-            got, finished = self.snapshot()
-            for tok in got[sent:].tolist():
+            new, sent, finished = self._take(sent)
+            for tok in new:
                 yield tok
-            sent = len(got)
             if finished:
-                if self._req.error is not None:
-                    raise self._req.error
+                self._raise_failure()
                 return
             fut = self._notifier.future(lambda: self._more(sent))
             if fut is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vt.backend.zeros import zeros
 from vt.forward.user import ForwardModel, KVGeometry, kv_slot
 
 
@@ -28,9 +29,9 @@ class ToyForward:
         self.geometry = geometry or KVGeometry(max_seqs=64, num_kv_blocks=512, block_size=4,
                                                max_context=64)
         g = self.geometry
-        self.token_table = _zeros(be, (g.max_seqs + 1,), np.int32)   # [rows + scratch]
-        self.kv = _zeros(be, (g.num_kv_blocks * g.block_size,), np.float32)
-        self.state = _zeros(be, (g.max_seqs + 1,), np.float32)
+        self.token_table = zeros(be, (g.max_seqs + 1,), np.int32)   # [rows + scratch]
+        self.kv = zeros(be, (g.num_kv_blocks * g.block_size,), np.float32)
+        self.state = zeros(be, (g.max_seqs + 1,), np.float32)
 
     def __call__(self, stream, inputs, logits_out) -> None:
         rows = len(inputs.token_rows)
@@ -112,17 +113,6 @@ def _cupy_kernels():
             "logits = sinf(tmp[2 * r] * (j + 1) * 0.37f + tmp[2 * r + 1] * 1.3f + j);",
             "vt_toy_logits")
     return _KERNELS
-
-
-def _zeros(be, shape, dtype):
-    dev = be.empty(shape, dtype)
-    host = be.pinned_empty(shape, dtype)
-    host[...] = 0
-    s = be.stream(name="toy-init")
-    be.copy_h2d(dev, host, s)
-    s.synchronize()
-    s.close()
-    return dev
 
 
 _ATTEND, _LOGITS = _Attend(), _Logits()

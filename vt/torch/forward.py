@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from vt.backend.zeros import zeros
 from vt.forward.user import ForwardModel, KVGeometry
 from vt.step import FORWARD_FIELDS
 from vt.torch.capture import capturing_into
@@ -51,7 +52,7 @@ class TorchForwardModel(ForwardModel):
         if isinstance(forward, torch.nn.Module):
             forward.eval()
         if token_table is None:
-            token_table = _zeros(be, (geometry.max_seqs + 1,), np.int32)
+            token_table = zeros(be, (geometry.max_seqs + 1,), np.int32)
         super().__init__(be, TorchStep(be, forward, token_table), vocab=vocab,
                          token_table=token_table, geometry=geometry)
 
@@ -135,14 +136,3 @@ class _SimTorchKernel:
         *fields, logits = [torch.from_numpy(np.asarray(a)) for a in (table, *arrays)]
         with torch.inference_mode():
             self.fn(TorchInputs(fields[0], *fields[1:]), logits)
-
-
-def _zeros(be, shape, dtype):
-    dev = be.empty(shape, dtype)
-    host = be.pinned_empty(shape, dtype)
-    host[...] = 0
-    s = be.stream(name="vt-torch-init")
-    be.copy_h2d(dev, host, s)
-    s.synchronize()
-    s.close()
-    return dev

@@ -1,0 +1,16 @@
+"""zeros(be, shape, dtype): a device array of zeros made through the backend's own copy (a
+forward's persistent buffers: state it keeps across steps, a token table)."""
+from __future__ import annotations
+
+
+def zeros(be, shape, dtype):
+    """A zero-filled device array from be.empty: fresh device memory is garbage (the sim's is
+    0xFF on purpose), so a buffer read before its first write must be zeroed once."""
+    dev = be.empty(shape, dtype)
+    host = be.pinned_empty(shape, dtype)
+    host[...] = 0
+    s = be.stream(name="vt-zeros")
+    be.copy_h2d(dev, host, s)
+    s.synchronize()
+    s.close()
+    return dev
