@@ -60,10 +60,14 @@ def test_cell_metrics_formulas_on_known_token_times():
            types.SimpleNamespace(tokens=[4, 5], token_times=np.array([2.0, 2.2]))]
     zero = dict(steps=0, graph_steps=0, eager_steps=0, mixed_steps=0, prefill_steps=0,
                 drains=0, drain_s=0.0, device_ms=0.0, token_wait_s=0.0, ring_waits=0,
-                drains_after={}, phases={k: dict(steps=0, wall_s=0.0, wait_s=0.0, device_ms=0.0)
+                drains_after={}, phases={k: dict(steps=0, wall_s=0.0, wait_s=0.0, device_ms=0.0,
+                                                 device_steps=0)
                                          for k in ("decode", "prefill")})
-    after = dict(zero, steps=10, graph_steps=8, mixed_steps=2, drains=2, device_ms=3000.0,
-                 drains_after={"mixed": 2})
+    # the profile timed 2 of the 8 decode steps (250 ms each) and 1 of the 2 mixed (500 ms)
+    after = dict(zero, steps=10, graph_steps=8, mixed_steps=2, drains=2, device_ms=1000.0,
+                 drains_after={"mixed": 2},
+                 phases=dict(decode=dict(steps=8, wall_s=0.0, wait_s=0.0, device_ms=500.0, device_steps=2),
+                             prefill=dict(steps=2, wall_s=0.0, wait_s=0.0, device_ms=500.0, device_steps=1)))
     m = cell_metrics([handle(0.5), handle(1.0)], res, 4.0, zero, after)
     assert m["ttft_ms_p50"] == pytest.approx(np.percentile([500.0, 1000.0], 50))
     assert m["tpot_ms_p99"] == pytest.approx(np.percentile([750.0, 200.0], 99))

@@ -160,7 +160,7 @@ class Runner:
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
         index, n, parity = self._steps, plan.n, self._steps % 2
-        t2 = time.perf_counter()
+        t2 = time.perf_counter() if self.timed else 0.0
         timing = self._start_timing() if self.timed else None
         logits, kind = self.eager.launch(plan.decode, plan.prefill, parity)
         done = self.eager.done[parity]

@@ -111,10 +111,15 @@ def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> di
     phases = {}
     for name in ("decode", "prefill"):
         a, b = after["phases"][name], before["phases"][name]
-        phases[name] = {k: a[k] - b[k] for k in ("steps", "wall_s", "wait_s", "device_ms")}
+        phases[name] = {k: a[k] - b[k] for k in ("steps", "wall_s", "wait_s", "device_ms",
+                                                 "device_steps")}
+    # The profile times a sample of the steps (vt/engine/profile.py): each phase's device time
+    # is its timed steps' mean times its steps (prefill steps are far longer than decode ones).
+    busy_ms = sum(ph["device_ms"] / ph["device_steps"] * ph["steps"]
+                  for ph in phases.values() if ph["device_steps"])
     out = dict(requests=len(results), tokens=tokens, wall_s=wall,
                requests_per_s=len(results) / wall, output_tok_per_s=tokens / wall,
-               gpu_busy=d["device_ms"] / 1e3 / wall if d["device_ms"] else None,
+               gpu_busy=busy_ms / 1e3 / wall if busy_ms else None,
                drained_fraction=d["drains"] / d["steps"] if d["steps"] else 0.0,
                drains_after=drains_after, phases=phases, **d)
     for name, xs in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
