@@ -111,7 +111,7 @@ def check_run(args: argparse.Namespace):
     check_trace_path(config.trace, "--trace" if args.trace is not None else "VT_ASYNC_EXECUTOR_TRACE")
     backend = backend_name(args.backend)
     if backend == "cuda" and args.sim_delay_ms:
-        raise UsageError(f"vt run: --sim-delay-ms applies to the sim backend only and this run "
+        raise UsageError("vt run: --sim-delay-ms applies to the sim backend only and this run "
                          "uses cuda; drop it or add --backend sim")
     preset, cfg = pick_preset(backend, args.preset, args.prompt_len + args.steps, "vt run",
                               force=args.force)
@@ -161,7 +161,6 @@ def _progress_printer():
 
 
 def _report(results, stats: dict, trace: str | None) -> None:
-    steps = max(stats["steps"], 1)
     _log(f"done: {stats['tokens']} tokens in {stats['wall_s']:.2f} s = {stats['tokens_per_s']:.0f} tokens/s, "
          f"mode {stats['mode']}")
     _log(f"  steps {stats['steps']} (graph {stats['graph_steps']}, eager {stats['eager_steps']}, "

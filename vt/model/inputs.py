@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import numpy as np
 
 # One definition of the decode inputs for the driver and every forward (the bundled model is one).
-from vt.step.inputblock import InputBlock
 from vt.step.contract import FIELDS, GREEDY, DecodeInputs, SamplingParams, kv_slot, row_vectors
 
 
