@@ -103,15 +103,17 @@ __device__ u32 block_sum_u32(u32 v) {
   return v;
 }
 
-// Workspace. Zeroed before the launch (a zeroing kernel): ctr, tick, maxk, bad. Written before read:
-// thr, tcnt, pk, pi. The three histogram buffers of a row are zeroed inside the kernel, each
-// one pass before it is used (see zero_hist).
-struct Work { u32* ctr; u32* tick; u64* maxk; u32* bad; u64* thr; u32* tcnt; double* pk; int* pi; u32* hcnt; u64* hmass; };
+// Workspace. Zeroed before the launch (a zeroing kernel): ctr, tick, ncand, maxk, bad. Written
+// before read: thr, tcnt, pk, pi, cand. The three histogram buffers of a row are zeroed inside
+// the kernel, each one pass before it is used (see zero_hist).
+struct Work { u32* ctr; u32* tick; u32* ncand; u64* maxk; u32* bad; u64* thr; u32* tcnt; double* pk; int* pi;
+              u32* hcnt; u64* hmass; u64* cand; };
 __device__ __forceinline__ size_t al8(size_t n) { return (n + 7) & ~(size_t)7; }
 __device__ Work layout(unsigned char* p, int S, int B) {
   Work w; size_t o = 0;
   w.ctr = (u32*)(p + o); o += al8(4ull * S);
   w.tick = (u32*)(p + o); o += al8(4ull * S);
+  w.ncand = (u32*)(p + o); o += al8(4ull * S);
   w.maxk = (u64*)(p + o); o += 8ull * S;
   w.bad = (u32*)(p + o); o += al8(4ull * S);
   w.thr = (u64*)(p + o); o += 8ull * S;
@@ -119,7 +121,8 @@ __device__ Work layout(unsigned char* p, int S, int B) {
   w.pk = (double*)(p + o); o += 8ull * S * B;
   w.pi = (int*)(p + o); o += al8(4ull * S * B);
   w.hcnt = (u32*)(p + o); o += 4ull * S * 3 * NB;
-  w.hmass = (u64*)(p + o);
+  w.hmass = (u64*)(p + o); o += 8ull * S * 3 * NB;
+  w.cand = (u64*)(p + o);
   return w;
 }
 // The last block of a row to finish (threadfence reduction): it alone merges the row's partials.
@@ -164,12 +167,12 @@ def workspace_bytes(S: int, B: int) -> int:
     """Bytes of the sampler's workspace for S rows split in B blocks each (layout() above)."""
     def al8(n):
         return (n + 7) // 8 * 8
-    return (2 * al8(4 * S) + 8 * S + al8(4 * S) + 8 * S + al8(4 * S * B) + 8 * S * B + al8(4 * S * B)
-            + 3 * (4 + 8) * 2048 * S)
+    return (3 * al8(4 * S) + 8 * S + al8(4 * S) + 8 * S + al8(4 * S * B) + 8 * S * B + al8(4 * S * B)
+            + 3 * (4 + 8) * 2048 * S + 8 * 2048 * S)
 
 
 def zeroed_bytes(S: int) -> int:
-    """The leading bytes of the workspace that must be zero at launch (ctr, tick, maxk, bad)."""
+    """The leading bytes of the workspace that must be zero at launch (ctr, tick, ncand, maxk, bad)."""
     def al8(n):
         return (n + 7) // 8 * 8
-    return 2 * al8(4 * S) + 8 * S + al8(4 * S)
+    return 3 * al8(4 * S) + 8 * S + al8(4 * S)

@@ -9,8 +9,15 @@ contiguous chunk of its row's vocabulary), in phases separated by per-row barrie
           threshold falls inside a run of equal logits
   race    exponential race over the kept prefix (and min_p)
 
+A top_k row whose first digit leaves at most NB candidates (the usual case: k in the tens or
+hundreds) skips the last two digits and the race sweep: one sweep gathers the candidates, and
+the row's first block sorts them in shared memory and does top_k, top_p, min_p and the race on
+them alone (compact_finish). Its kept set is the same prefix of the same order, so its token is
+the same.
+
 A phase a row does not need costs it nothing, so any mix of modes shares one graph node.
 """
+from .compact import COMPACT
 from .device_code import PRELUDE
 
 _KERNELS = r"""
@@ -51,6 +58,7 @@ struct Row {  // what every block of a row knows alike
   const float* x; int row, b, B, C, V, c0, c1;
   float inv_t; double zmax;
   u32 gen; int pass;
+  u32 ncand, d0;  // ncand > 0: the row goes compact, its candidates' first digit >= d0
 };
 
 // count_digit: one element into a shared count histogram, one atomic per distinct digit of the warp
@@ -124,6 +132,10 @@ __device__ u64 select_thr(Row& R, const Work& w, u32* hc, u64* hm, int which, u6
     }
     __syncthreads();
     prefix = s_prefix; ac = s_ac; am = s_am;
+    if (which == 0 && level == 0 && target <= NB && ac + s_tie <= NB) {  // few candidates: compact
+      R.ncand = (u32)(ac + s_tie); R.d0 = prefix >> 21;
+      return 0;
+    }
   }
   const u64 keep = s_keep;
   if (keep >= s_tie) return (u64)prefix << 32;  // the whole run of the threshold value is kept
@@ -167,6 +179,9 @@ __device__ u64 select_thr(Row& R, const Work& w, u32* hc, u64* hm, int which, u6
   return __ldcg(&w.thr[R.row]);
 }
 
+"""
+
+_SAMPLE = r"""
 extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     const float* __restrict__ logits, const int* __restrict__ rows, const int* __restrict__ pos,
     const float* __restrict__ temp, const int* __restrict__ topk, const float* __restrict__ topp,
@@ -175,7 +190,7 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   Row R;
   R.row = blockIdx.x / B; R.b = blockIdx.x - R.row * B; R.B = B; R.C = C; R.V = V;
   R.x = logits + (size_t)R.row * V; R.c0 = R.b * C; R.c1 = min(V, R.c0 + C);
-  R.gen = 0; R.pass = 0;
+  R.gen = 0; R.pass = 0; R.ncand = 0; R.d0 = 0;
   const int row = R.row, b = R.b;
   const Work w = layout(wsp, S, B);
   const float t = temp[row];
@@ -237,10 +252,14 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     return;
   }
   R.zmax = zm;
+  const double lmp = m_on ? log((double)minp[row]) : -INFINITY;
   const u64 tk = k_on ? select_thr(R, w, hc, hm, 0, (u64)k, 0, 0.0, true) : 0;
+  if (R.ncand) {
+    compact_finish(R, w, hm, k, p_on, (double)topp[row], lmp, base, out, rows, table);
+    return;
+  }
   const u64 tp = p_on ? select_thr(R, w, hc, hm, 1, 0, tk, (double)topp[row], false) : 0;
   const u64 th = tk > tp ? tk : tp;
-  const double lmp = m_on ? log((double)minp[row]) : -INFINITY;
   race_add(r, zm, imax, base);  // the largest logit is always kept: it prunes the rest
   each(R.x, R.c0, R.c1, [&](float v, int i) {
     const float z = __fmul_rn(v, R.inv_t);
@@ -254,6 +273,6 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
 }
 """
 
-CODE = PRELUDE + _KERNELS
+CODE = PRELUDE + _KERNELS + COMPACT + _SAMPLE
 KERNELS = ("sample",)
 BLOCKS_PER_SM = 4  # __launch_bounds__(NT, 4): a row's blocks fit on the GPU together
