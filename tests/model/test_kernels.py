@@ -101,30 +101,40 @@ def case_attention(rng, st, D=64, hq=8, hk=2, bs=8, lens=(1, 37, 0, 16, 9)):
         q_heads=hq, kv_heads=hk, head_dim=D), expect)
 
 
-def _gdn_case(rng, st, cu, fresh, H=3, dk=64, dv=32):
+def _gdn_case(rng, st, cu, fresh, H=3, dk=64, dv=32, starts=None):
+    """starts: each segment's first position (default 0); positions go on from it."""
     nseg, T = len(cu) - 1, cu[-1]
+    starts = [0] * nseg if starts is None else starts
+    pos = np.concatenate([s + np.arange(b - a) for s, a, b in zip(starts, cu[:-1], cu[1:])])
     a = dict(proj=_st(rng, (T, 2 * H * (dk + dv) + 2 * H), st),
              A_log=np.log(rng.uniform(1, 16, H)).astype(np.float32),
              dt_bias=rng.uniform(-3, 1, H).astype(np.float32), w=_st(rng, dv, st, 0.3) + 0,
              states=(rng.standard_normal((nseg + 2, H, dk, dv)) * 0.3).astype(np.float32),
              sidx=rng.permutation(nseg + 2)[:nseg].astype(np.int32), cu=np.array(cu, np.int32),
-             out=_poisoned((T, H * dv), st))
+             pos=pos.astype(np.int32), out=_poisoned((T, H * dv), st))
 
     def expect(a):
         o, S = gdn.reference(a["proj"], a["A_log"], a["dt_bias"], a["w"], a["states"], a["sidx"],
-                             a["cu"], H, dk, dv, fresh, 1e-6)
+                             a["cu"], a["pos"], H, dk, dv, fresh, 1e-6)
         return {"out": (o, F16), "states": (S, F32)}
     return Case(a, lambda be, s, d: be.launch(
         s, K.GDN(), d["proj"], d["A_log"], d["dt_bias"], d["w"], d["states"], d["sidx"], d["cu"],
-        d["out"], heads=H, dk=dk, dv=dv, fresh=fresh, eps=1e-6), expect)
+        d["pos"], d["out"], heads=H, dk=dk, dv=dv, fresh=fresh, eps=1e-6), expect)
 
 
 def case_gdn_decode(rng, st):
-    return _gdn_case(rng, st, [0, 1, 2, 3, 4], fresh=False)
+    """fresh=False: every state goes on, position 0 included (a padded decode row's)."""
+    return _gdn_case(rng, st, [0, 1, 2, 3, 4], fresh=False, starts=[5, 0, 17, 1])
 
 
 def case_gdn_prefill(rng, st):
     return _gdn_case(rng, st, [0, 3, 8, 9], fresh=True)
+
+
+def case_gdn_prefill_chunks(rng, st):
+    """A chunked prefill: first chunks (position 0, zero state) and continuing ones (their
+    state goes on) in one launch."""
+    return _gdn_case(rng, st, [0, 3, 8, 9, 13, 14], fresh=True, starts=[0, 5, 0, 12, 1])
 
 
 def case_attention_d128(rng, st):
@@ -147,7 +157,7 @@ def case_attention_unsplit_d96(rng, st):
 
 
 def case_gdn_d128(rng, st):
-    return _gdn_case(rng, st, [0, 1, 2], fresh=False, H=2, dk=128, dv=128)
+    return _gdn_case(rng, st, [0, 1, 2], fresh=True, H=2, dk=128, dv=128, starts=[0, 9])
 
 
 def case_silu_mul(rng, st):

@@ -190,9 +190,11 @@ def case_gdn_decode(rng, H=2, dk=128, dv=128):
                   dt_bias=rng.uniform(-3, 1, H).astype(np.float32), w=_st(rng, dv, 0.3))
 
     def launch(be, s, d, m):
-        idx = _iota(be, s, m)   # [0..m]: state_idx = idx[:m] (row b's own state), cu = idx
+        # [0..m]: state_idx = idx[:m] (row b's own state), cu = idx, positions = idx[:m]
+        # (unread: fresh=False)
+        idx = _iota(be, s, m)
         be.launch(s, K.GDN(), d["proj"], d["A_log"], d["dt_bias"], d["w"], d["states"], idx[:m], idx,
-                  d["out"], heads=H, dk=dk, dv=dv, fresh=False, eps=1e-6)
+                  idx[:m], d["out"], heads=H, dk=dk, dv=dv, fresh=False, eps=1e-6)
     return per_row, shared, launch, ["out", "states"], M
 
 

@@ -5,12 +5,18 @@ allocated once, instead of PrefillInputs.build (which allocates pinned memory an
 synchronizes the stream per call): prefill steps own their logits and drain, so the next
 prefill's Refresh always comes after the device has read this one's copy.
 
+Prefill comes in chunks (chunked_prefill): a PrefillSeq with start > 0 prefills
+tokens[start:] at positions start..len(tokens)-1; its attention reads the earlier positions'
+K/V from the paged cache (ctx_lens = position + 1) and its GDN state goes on from the slot
+(only a segment starting at position 0 starts from zero). The Engine keeps the chunk tokens
+of a step within max_prefill_tokens.
+
 Prefill shapes are bucketed so that warming each bucket once (warm_up_prefill) covers every
 later prefill's temporaries: the batch is padded with scratch sequences to a fixed
-max_seqs + 1 sequences, and the tokens to the next power of two (the padding sequences hold
-the extra tokens). The cost is up to 2x the prefill tokens and a last-token logits GEMM over
-max_seqs + 1 rows per prefill step (about one decode step's logits GEMM); prefill steps are
-few next to decode steps.
+max_seqs + 1 sequences, and the step's tokens (the chunks' tokens, not the prompts') to the
+next power of two (the padding sequences hold the extra tokens). The cost is up to 2x the
+prefill tokens and a last-token logits GEMM over max_seqs + 1 rows per prefill step (about
+one decode step's logits GEMM); prefill steps are few next to decode steps.
 """
 from __future__ import annotations
 
@@ -25,6 +31,8 @@ _PER_SEQ = ("last_idx", "last_positions", "token_rows", "state_idx")
 class HybridStepModel:
     """device_work_s (hazard tests and tools): queue that much device time before each decode,
     so the host runs ahead of the device on any backend (as the toy forward's option does)."""
+
+    chunked_prefill = True   # prefill() starts at PrefillSeq.start: a prompt may come in chunks
 
     def __init__(self, be, model, *, device_work_s: float = 0.0):
         from vt.model import PrefillInputs
@@ -61,7 +69,7 @@ class HybridStepModel:
     def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:
         """Prefill `seqs` (padded, see the module docstring); logits_out [len(seqs), vocab]."""
         q = self._seqs - len(seqs)
-        total = self.token_bucket(sum(len(s.tokens) for s in seqs) + q)
+        total = self.token_bucket(sum(len(s.tokens) - s.start for s in seqs) + q)
         self._prefill_padded(stream, seqs, total)
         self.be.copy_d2d(logits_out, self._logits[:len(seqs)], stream)
 
@@ -82,33 +90,38 @@ class HybridStepModel:
 
     def _prefill_padded(self, stream, seqs: list[PrefillSeq], total: int) -> None:
         """Prefill seqs plus scratch sequences: max_seqs + 1 sequences, `total` tokens."""
-        g, bs = self.geometry, self.geometry.block_size
+        g = self.geometry
         q = self._seqs - len(seqs)
-        lens = np.array([len(s.tokens) for s in seqs] + [1] * q)
+        lens = np.array([len(s.tokens) - s.start for s in seqs] + [1] * q)
         lens[len(seqs)] += total - lens.sum()     # the first scratch sequence takes the rest
-        scratch_bt = np.full(g.max_blocks, g.scratch_block, np.int32)
-        T, B = total, self._seqs
-        # Scratch positions wrap at max_context: its block table (all scratch) stays in range.
-        pos = np.concatenate([np.arange(n) for n in lens]) % g.max_context
-        seq = np.repeat(np.arange(B), lens)
+        # Each sequence's chunk is at positions start..len(tokens)-1. Scratch positions start
+        # at 0 and wrap at max_context: their block table (all scratch) stays in range.
+        starts = np.array([s.start for s in seqs] + [0] * q)
+        pos = np.concatenate([st + np.arange(n) for st, n in zip(starts, lens)]) % g.max_context
+        seq = np.repeat(np.arange(self._seqs), lens)
         cu = np.concatenate([[0], np.cumsum(lens)])
-        bt = np.stack([s.block_table for s in seqs] + [scratch_bt] * q)
+        bt = np.stack([s.block_table for s in seqs] +
+                      [np.full(g.max_blocks, g.scratch_block, np.int32)] * q)
         pad = self.pad
-        values = dict(token_ids=np.concatenate([s.tokens for s in seqs] + [np.zeros(lens[len(seqs):].sum(), np.int32)]),
-                      positions=pos, slot_mapping=kv_slot(bt[seq], pos, bs),
+        values = dict(token_ids=np.concatenate([s.tokens[s.start:] for s in seqs] +
+                                               [np.zeros(lens[len(seqs):].sum(), np.int32)]),
+                      positions=pos, slot_mapping=kv_slot(bt[seq], pos, g.block_size),
                       ctx_lens=pos + 1, token_seq=seq, cu_seqlens=cu, last_idx=cu[1:] - 1,
-                      last_positions=(lens - 1) % g.max_context,
+                      last_positions=pos[cu[1:] - 1],
                       token_rows=[s.row for s in seqs] + [pad.token_row] * q,
                       state_idx=[s.state_idx for s in seqs] + [pad.state_idx] * q,
                       block_tables=bt)
+        self.m.prefill(stream, self._PrefillInputs(**self._upload(stream, values)), self._logits)
+
+    def _upload(self, stream, values: dict) -> dict:
+        """values into the staging area and on to the device; the device views by field."""
         views = {}
         for f, v in values.items():
-            n = T if f in _PER_TOKEN else B + 1 if f == "cu_seqlens" else B
+            n = len(v)
             self._host[f][:n] = v
             self.be.copy_h2d(self._dev[f][:n], self._host[f][:n], stream)
             views[f] = self._dev[f][:n]
-        pinp = self._PrefillInputs(**views, max_len=int(min(lens.max(), g.max_context)))
-        self.m.prefill(stream, pinp, self._logits)
+        return views
 
     def release_stream(self, stream) -> None:
         self.m.release_stream(stream)

@@ -39,12 +39,15 @@ def upload_decode_inputs(be, stream, *, sampling: SamplingParams = GREEDY, **hos
 
 @dataclass
 class PrefillInputs:
-    """Prompts of B sequences, concatenated into T tokens, each prompt from position 0.
+    """Segments of B sequences, concatenated into T tokens: a whole prompt from position 0, or
+    a chunk from a later position (the positions before it already in the KV cache and GDN
+    state; build() makes whole prompts only).
 
     Per token: token_ids, positions, slot_mapping, ctx_lens (= position + 1: the prefix it
-    attends to, read from the cache just written), token_seq (its sequence b). Per sequence:
-    cu_seqlens[B+1], last_idx[B] (its last token), last_positions[B], token_rows[B],
-    state_idx[B], block_tables[B, max_blocks]. max_len is the longest prompt (host value).
+    attends to, read from the cache, earlier chunks and this step's writes alike), token_seq
+    (its sequence b). Per sequence: cu_seqlens[B+1], last_idx[B] (its last token),
+    last_positions[B], token_rows[B], state_idx[B], block_tables[B, max_blocks]. Every bound
+    the kernels use is read per token on the device (ctx_lens), none from the host.
     """
 
     token_ids: object
@@ -58,7 +61,6 @@ class PrefillInputs:
     token_rows: object
     state_idx: object
     block_tables: object
-    max_len: int = 0
     temperature: object = None   # [B] f32, top_k [B] i32, top_p, min_p [B] f32, seed [B] u64:
     top_k: object = None         # each sequence's sampling
     top_p: object = None
@@ -100,4 +102,4 @@ class PrefillInputs:
                     block_tables=bt, **_sampling_vectors(sampling, len(prompts)))
         d = _upload(be, stream, host)
         stream.synchronize()
-        return cls(**{k: v for k, v in d.items() if k != "_keep"}, max_len=int(lens.max()))
+        return cls(**{k: v for k, v in d.items() if k != "_keep"})

@@ -167,8 +167,10 @@ class HybridModel:
         self._logits(s, h, S, logits_out)
 
     def prefill(self, s, pinp: PrefillInputs, logits_out) -> None:
-        """Eager prefill of whole prompts (from position 0): writes the KV cache and the GDN
-        states; logits_out [B, vocab] fp32 gets each sequence's last-token logits."""
+        """Eager prefill of B segments (whole prompts or chunks: a segment starting past
+        position 0 reads the earlier positions' K/V from the cache and goes on from its GDN
+        state); writes the KV cache and the GDN states; logits_out [B, vocab] fp32 gets each
+        segment's last-token logits."""
         T = pinp.tokens
         h = self.be.empty((self._padded(T), self.cfg.hidden), np.float32)   # [P >= T, H]
         self.be.launch(s, _GATHER, self.emb, pinp.token_ids, h[:T])
@@ -199,7 +201,8 @@ class HybridModel:
                 self.be.launch(s, _FILL, a[n:], value=0)
 
     def _layers(self, s, h, n, positions, slots, block_tables, lens, rows, state_idx, cu, fresh):
-        """h [P, H] (P = _padded(n)), n real rows."""
+        """h [P, H] (P = _padded(n)), n real rows. fresh: a segment whose first token is at
+        position 0 starts from a zero GDN state (prefill); off, every state goes on (decode)."""
         c, be, L0 = self.cfg, self.be, self.layers
         P, st = h.shape[0], c.storage_dtype
         x = be.empty((P, c.hidden), st)                                   # [P, H] normed
@@ -224,7 +227,8 @@ class HybridModel:
             else:
                 be.launch(s, self.gemm, x, L["in"], proj)
                 be.launch(s, _GDN, proj[:n], L["A_log"], L["dt_bias"], L["norm"], self.states[i],
-                          state_idx, cu, go[:n], heads=g, dk=dk, dv=dv, fresh=fresh, eps=c.rms_eps)
+                          state_idx, cu, positions, go[:n], heads=g, dk=dk, dv=dv, fresh=fresh,
+                          eps=c.rms_eps)
                 be.launch(s, self.gemm, go, L["out"], h, accumulate=True)
             be.launch(s, _NORM, h[:n], L["ln2"], x[:n], eps=c.rms_eps)
             self._mlp(s, L, x, h, n)

@@ -5,8 +5,11 @@ Per head, with the fp32 state S [dk, dv] of the segment's sequence (states[state
   q, k L2-normalised (q also scaled by dk^-1/2)
   S <- alpha S;  S <- S + k (beta (v - S^T k))^T     (= a S (I - b k k^T) + b v k^T, transposed)
   o = S^T q;  out = rmsnorm(o) * norm_w * silu(z)
-A decode step is B segments of one token (cu = 0..B); prefill passes the prompt segments with
-fresh=True (the state starts from zero). Padded rows point at the scratch state.
+A decode step is B segments of one token (cu = 0..B, fresh=False: every state goes on).
+Prefill passes fresh=True and a segment per sequence: a segment whose first token is at
+position 0 starts from a zero state, one that starts later (a chunk after earlier chunks)
+goes on from its sequence's state, so one launch can mix first and continuing chunks.
+Padded rows point at the scratch state.
 The fused projection row is [q (H*dk) | k (H*dk) | v (H*dv) | z (H*dv) | a (H) | b (H)].
 """
 from __future__ import annotations
@@ -27,14 +30,17 @@ _CODE = r"""
 extern "C" __global__ void __launch_bounds__(NT, 1024 / NT) gdn(
     const u16* __restrict__ proj, const float* __restrict__ A_log, const float* __restrict__ dt_bias,
     const u16* __restrict__ norm_w, float* __restrict__ states, const int* __restrict__ state_idx,
-    const int* __restrict__ cu, u16* __restrict__ out, int heads, int fresh, float eps) {
+    const int* __restrict__ cu, const int* __restrict__ positions, u16* __restrict__ out,
+    int heads, int fresh, float eps) {
   __shared__ float qs[DK], ks[DK], sh[32], ab[2], ru[NP][DV], ro[NP][DV];
   int b = blockIdx.x, h = blockIdx.y, tid = threadIdx.x, j = tid % DV, p = tid / DV;
   int width = 2 * heads * (DK + DV) + 2 * heads;
   float* S = states + ((long)state_idx[b] * heads + h) * (DK * DV) + (long)p * RPT * DV + j;
+  // A segment that starts the sequence (position 0) starts from zero, not the slot's old state.
+  bool zero = fresh && cu[b] < cu[b + 1] && positions[cu[b]] == 0;
   float s[RPT];
 #pragma unroll
-  for (int r = 0; r < RPT; ++r) s[r] = fresh ? 0.f : S[r * DV];
+  for (int r = 0; r < RPT; ++r) s[r] = zero ? 0.f : S[r * DV];
   float w = LD(norm_w[j]), Al = expf(A_log[h]), dtb = dt_bias[h];
   for (int t = cu[b]; t < cu[b + 1]; ++t) {
     const u16* row = proj + (long)t * width;
@@ -95,6 +101,17 @@ def _split(p, heads, dk, dv):
     return q, k, v, z, a, b
 
 
+def _starts_fresh(cu, positions, fresh: bool) -> np.ndarray:
+    """[segments] bool: which segments start from a zero state (the kernel's `zero`): with
+    fresh, the non-empty ones whose first token is at position 0."""
+    cu, positions = np.asarray(cu), np.asarray(positions)
+    first = cu[:-1]
+    nonempty = first < cu[1:]
+    at0 = np.zeros(len(first), bool)
+    at0[nonempty] = positions[first[nonempty]] == 0
+    return at0 & bool(fresh)
+
+
 def _vec_mat(u, S):
     """[s, h, dk] x [s, h, dk, dv] -> [s, h, dv], one [1, dk] x [dk, dv] product per (s, h):
     the same call for every segment, so a segment's bits do not depend on the others (an
@@ -107,12 +124,13 @@ class GDN:
 
     name = "gdn"
 
-    def run_numpy(self, proj, A_log, dt_bias, norm_w, states, state_idx, cu, out, *, heads, dk,
-                  dv, fresh, eps):
+    def run_numpy(self, proj, A_log, dt_bias, norm_w, states, state_idx, cu, positions, out, *,
+                  heads, dk, dv, fresh, eps):
         q, k, v, z, a, b = (f32(x) for x in _split(proj, heads, dk, dv))
         lens = np.diff(cu)
         idx = np.asarray(state_idx)
-        S = np.zeros((len(idx), heads, dk, dv), np.float32) if fresh else states[idx].copy()
+        S = states[idx].copy()
+        S[_starts_fresh(cu, positions, fresh)] = 0
         res = np.empty((proj.shape[0], heads, dv), np.float32)
         for t in range(int(lens.max(initial=0))):
             act = np.nonzero(lens > t)[0]
@@ -133,24 +151,27 @@ class GDN:
         states[idx] = S
         store(out, res.reshape(out.shape))
 
-    def run_cupy(self, stream_handle, proj, A_log, dt_bias, norm_w, states, state_idx, cu, out, *,
-                 heads, dk, dv, fresh, eps):
+    def run_cupy(self, stream_handle, proj, A_log, dt_bias, norm_w, states, state_idx, cu,
+                 positions, out, *, heads, dk, dv, fresh, eps):
         fn = cuda_function(_CODE, "gdn", proj.dtype, DK=dk, DV=dv)
         nseg = cu.shape[0] - 1
         if nseg:
-            fn((nseg, heads), (4 * dv,), (proj, A_log, dt_bias, norm_w, states, state_idx, cu, out,
-                                      i32(heads), i32(int(fresh)), f32s(eps)))
+            fn((nseg, heads), (4 * dv,), (proj, A_log, dt_bias, norm_w, states, state_idx, cu,
+                                      positions, out, i32(heads), i32(int(fresh)), f32s(eps)))
 
 
-def reference(proj, A_log, dt_bias, norm_w, states, state_idx, cu, heads, dk, dv, fresh, eps):
+def reference(proj, A_log, dt_bias, norm_w, states, state_idx, cu, positions, heads, dk, dv,
+              fresh, eps):
     """float64, token by token and head by head, in the a S (I - b k k^T) + b v k^T form on
     M = S^T [dv, dk]. Returns (out [T, heads*dv], new states)."""
     q, k, v, z, a, b = (f64(x) for x in _split(np.asarray(proj), heads, dk, dv))
     states = np.array(states, np.float64)
     out = np.zeros((q.shape[0], heads, dv))
     for seg, sidx in enumerate(np.asarray(state_idx)):
+        # Written out here, not through _starts_fresh: the reference checks the twin's rule too.
+        zero = fresh and cu[seg] < cu[seg + 1] and positions[cu[seg]] == 0
         for h in range(heads):
-            M = np.zeros((dv, dk)) if fresh else states[sidx, h].T.copy()
+            M = np.zeros((dv, dk)) if zero else states[sidx, h].T.copy()
             for t in range(cu[seg], cu[seg + 1]):
                 qh = q[t, h] / np.sqrt(q[t, h] @ q[t, h] + 1e-6) / np.sqrt(dk)
                 kh = k[t, h] / np.sqrt(k[t, h] @ k[t, h] + 1e-6)
