@@ -22,7 +22,7 @@ def sim_serve(tmp_path_factory):
 def test_sim_serve_runs_every_mode_on_the_same_requests(sim_serve):
     rc, res = sim_serve
     assert rc == 0 and res["format"] == "vt-bench-serve/1" and res["backend"] == "sim"
-    assert res["modes"] == list(SAFE_MODES)
+    assert res["modes"] == list(SAFE_MODES) and res["tokens_compared"] is True
     cells = {(c["mode"], c["arrival"], c["load"]) for c in res["cells"]}
     assert cells == {(m, a, float(x)) for m in SAFE_MODES
                      for a, x in [("closed", 2), ("closed", 4), ("poisson", 200)]}
@@ -107,3 +107,18 @@ def test_png_without_matplotlib_is_refused_up_front(monkeypatch, capsys):
                         lambda name, *a: None if name == "matplotlib" else real(name, *a))
     assert main(["--backend", "sim", "--workload", "serve", "--png", "x.png"]) == 2
     assert "--png needs matplotlib" in capsys.readouterr().err
+
+
+def test_tokens_are_compared_only_where_the_model_is_batch_invariant():
+    """On cuda's default model a request's batch (and so its logits bits) depends on timing
+    that differs between modes: a token difference there is not a wrong token."""
+    from vt.cli.bench.serve_run import _compare
+    def cells():
+        base = dict(preset="p", arrival="closed", load=2, output_tok_per_s=1.0, tpot_ms_p50=1.0,
+                    ttft_ms_p99=1.0)
+        return [dict(base, mode="drain", token_ids=[[1, 2]]), dict(base, mode="ring", token_ids=[[1, 3]])]
+    checked, unchecked = cells(), cells()
+    _compare(checked, compare_tokens=True)
+    _compare(unchecked, compare_tokens=False)
+    assert [c["tokens_identical_to_drain"] for c in checked] == [True, False]
+    assert [c["tokens_identical_to_drain"] for c in unchecked] == [None, None]

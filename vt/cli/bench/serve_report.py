@@ -3,7 +3,6 @@ one line per mode)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 
 def _f(v, fmt: str) -> str:
@@ -11,8 +10,11 @@ def _f(v, fmt: str) -> str:
 
 
 def table(res: dict) -> str:
+    tokens = ("tokens compared across modes (batch-invariant model)" if res.get("tokens_compared")
+              else "tokens not compared across modes: the model is not batch-invariant here "
+                   "(VT_BATCH_INVARIANT=1 compares them)")
     lines = [f"serve: {res['requests']} requests per cell, output {res['output_len']}, prompt "
-             f"{res['prompt_len']} tokens; engines profiled (device timing events)",
+             f"{res['prompt_len']} tokens; engines profiled (device timing events); {tokens}",
              f"{'preset':<12} {'arrival':<8} {'load':>5} {'mode':<7} {'tok/s':>8} {'x drain':>7} "
              f"{'req/s':>6} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'ITL p99':>8} "
              f"{'busy':>5} {'drained':>7}  drains after"]
@@ -30,7 +32,8 @@ def table(res: dict) -> str:
 
 
 def write_json(res: dict, path: str) -> None:
-    Path(path).write_text(json.dumps(res, indent=1))
+    from vt.runner.atomic_file import write_text_atomic
+    write_text_atomic(path, json.dumps(res, indent=1))
 
 
 def write_png(res: dict, path: str) -> str | None:
@@ -63,6 +66,8 @@ def write_png(res: dict, path: str) -> str | None:
             ax.grid(alpha=0.3)
         row_axes[0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from vt.runner.atomic_file import atomic_open
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return None
