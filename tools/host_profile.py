@@ -29,6 +29,7 @@ from vt.forward.toy import ToyForward              # noqa: E402
 class _Null:
     """A stream, event or graph whose every call returns at once (events are complete)."""
     name = "null"
+    closed = False
 
     def record(self, stream=None, external=False):
         pass
@@ -64,6 +65,18 @@ class NullBackend(SimBackend):
 
     def event(self, blocking_sync=True, timing_enabled=False, name=""):
         return _Null()
+
+    def empty(self, shape, dtype, retained: bool = False):
+        # Zeroed (and pinned_empty's too): no kernel or copy ever writes these arrays here, and
+        # a garbage sampled token (a negative one is an error row) would end its request.
+        a = super().empty(shape, dtype, retained)
+        a[...] = 0
+        return a
+
+    def pinned_empty(self, shape, dtype):
+        a = super().pinned_empty(shape, dtype)
+        a[...] = 0
+        return a
 
     def copy_h2d(self, dst, src, stream):
         pass
