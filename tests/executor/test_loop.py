@@ -62,6 +62,21 @@ def test_a_profiled_run_gives_the_same_tokens_and_a_split_that_adds_up(sim_backe
     assert phases["decode"]["device_ms"] > 0
 
 
+def test_a_profiled_run_times_every_prefill_step_on_the_device(sim_backend):
+    """The profile samples decode steps for device time, but times every step that prefills:
+    those are few and unlike each other (the first wave's prefill is the longest), so a
+    sample of them would misstate their device time (it once put GPU busy above 1)."""
+    prompts, budgets = workload(40, seed=5, max_new=(2, 40))
+    toy = ToyForward(sim_backend, vocab=VOCAB)
+    with Engine(sim_backend, toy.step_model(), ExecutorConfig(async_executor=True, serving_conc=4),
+                profile=True) as eng:
+        eng.generate(prompts, max_new_tokens=budgets)
+        phases = eng.stats()["phases"]
+    pre, dec = phases["prefill"], phases["decode"]
+    assert pre["steps"] > 16 and pre["device_steps"] == pre["steps"], pre
+    assert 0 < dec["device_steps"] < dec["steps"], dec     # decode steps: a sample
+
+
 def test_the_loop_reports_progress_per_step(sim_backend):
     """The progress callback sees every step's tokens, in order."""
     seen = []

@@ -5,7 +5,8 @@ host split describes the path that serves. The first SAMPLE iterations of a call
 one in SAMPLE are timed (every one with a trace): a timed iteration is split into plan (the scheduler), the runner's acquire / refresh
 / launch / drain (timed inside the runner while `runner.timed` is set), collect (the tokens,
 their bookkeeping, the progress callback) and the rest ("other" in vt bench), and its step
-gets device timing events. Timing every step would cost the host several µs per step (clock
+gets device timing events (every step that prefills gets them too, timed or not: the runner's
+_launch_eager says why). Timing every step would cost the host several µs per step (clock
 reads, two event records and a query), making the profiled loop slower than the one it
 describes; a phase's split per step is its sums over `timed_steps`.
 """

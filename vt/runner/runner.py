@@ -42,7 +42,8 @@ class Runner:
     """Launches steps of a step model (vt.step.contract.StepModel): graphs through the driver, the rest
     through the eager path. With profile=True, a launch while `timed` is set has its host
     split timed and device timing events recorded around it (the engine's LoopProfile sets
-    `timed` on the iterations it samples; a standalone runner times every step)."""
+    `timed` on the iterations it samples; a standalone runner times every step); an eager
+    step gets device timing events whenever profile is on."""
 
     def __init__(self, be, model, config, *, record_logits: bool = False, profile: bool = False):
         self.be, self.model, self.config = be, model, config
@@ -159,9 +160,13 @@ class Runner:
         return handle
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
+        """With profile, every eager step gets device timing events, sampled or not: they are
+        few, long (a prefill is milliseconds) and unlike each other (the first wave's prefill
+        is many times a refill's), so a sample of them would misstate the device time of all;
+        two event records are nothing next to their launch."""
         index, n, parity = self._steps, plan.n, self._steps % 2
         t2 = time.perf_counter() if self.timed else 0.0
-        timing = self._start_timing() if self.timed else None
+        timing = self._start_timing() if self.profile else None
         logits, kind = self.eager.launch(plan.decode, plan.prefill, parity)
         done = self.eager.done[parity]
         done.record(self.stream)

@@ -113,8 +113,8 @@ def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> di
         a, b = after["phases"][name], before["phases"][name]
         phases[name] = {k: a[k] - b[k] for k in ("steps", "wall_s", "wait_s", "device_ms",
                                                  "device_steps")}
-    # The profile times a sample of the steps (vt/engine/profile.py): each phase's device time
-    # is its timed steps' mean times its steps (prefill steps are far longer than decode ones).
+    # The profile times every step that prefills and a sample of the decode steps
+    # (vt/engine/profile.py): each phase's device time is its timed steps' mean times its steps.
     busy_ms = sum(ph["device_ms"] / ph["device_steps"] * ph["steps"]
                   for ph in phases.values() if ph["device_steps"])
     out = dict(requests=len(results), tokens=tokens, wall_s=wall,
