@@ -72,10 +72,6 @@ class Engine(ServingLoop):
         if self.config.serving_conc > geo.max_seqs:
             raise ValueError(f"serving_conc={self.config.serving_conc} exceeds the model's "
                              f"max_seqs={geo.max_seqs}")
-        if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
-                                               not isinstance(max_prefill_tokens, int) or
-                                               max_prefill_tokens < 1):
-            raise ValueError(f"max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
         # A step prefills at most this many prompt tokens. A step model that prefills from a
         # position (chunked_prefill) gets longer prompts in chunks; for any other, one prompt
         # always fits (a prompt of up to max_context tokens is admitted alone).

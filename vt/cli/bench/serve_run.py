@@ -103,7 +103,8 @@ def run_serve(args, progress_factory) -> dict:
     finally:
         be.close()
     _compare(cells, compare_tokens=all(invariant))
-    return dict(format="vt-bench-serve/1", workload="serve", backend=be.name,
+    from vt.cli.bench.run import _commit
+    return dict(format="vt-bench-serve/1", workload="serve", backend=be.name, vt_commit=_commit(),
                 device=str(info.get("device", "")), host=platform.node(),
                 python=platform.python_version(), started=started,
                 wall_s=time.perf_counter() - t0, presets=list(args.preset), modes=list(args.modes),
