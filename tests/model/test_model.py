@@ -154,3 +154,17 @@ def test_temperature_sampling_is_reproducible_and_in_the_top_k(backend):
         np.testing.assert_array_equal(t1, t2)
         for r in range(2):
             assert t1[r] in np.argsort(-l1[r])[:8]
+
+
+def test_prefill_padding_is_spread_over_the_scratch_sequences():
+    """The padding of a prefill bucket never makes a sequence longer than it must be: the GDN
+    kernel's time follows the longest sequence, so the scratch ones share it evenly."""
+    from vt.forward.hybrid import padded_lengths
+    for chunks, seqs, total in [([40], 33, 128), ([60] * 32, 33, 2048), ([], 5, 8), ([3, 1], 3, 5)]:
+        lens = padded_lengths(chunks, seqs, total)
+        scratch = lens[len(chunks):]
+        assert lens.sum() == total and len(lens) == seqs and list(lens[:len(chunks)]) == chunks
+        assert scratch.min() >= 1 and scratch.max() - scratch.min() <= 1, lens
+    assert padded_lengths([40], 33, 128)[1:].max() == 3        # not one scratch sequence of 57
+    with pytest.raises(ValueError, match="do not fit"):
+        padded_lengths([8, 8], 2, 16)                          # no room for a scratch sequence

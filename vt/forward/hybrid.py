@@ -14,7 +14,7 @@ of a step within max_prefill_tokens.
 Prefill shapes are bucketed so that warming each bucket once (warm_up_prefill) covers every
 later prefill's temporaries: the batch is padded with scratch sequences to a fixed
 max_seqs + 1 sequences, and the step's tokens (the chunks' tokens, not the prompts') to the
-next power of two (the padding sequences hold the extra tokens). The cost is up to 2x the
+next power of two (the padding sequences share the extra tokens evenly). The cost is up to 2x the
 prefill tokens and a last-token logits GEMM over max_seqs + 1 rows per prefill step (about
 one decode step's logits GEMM); prefill steps are few next to decode steps.
 """
@@ -26,6 +26,21 @@ from vt.step.contract import KVGeometry, PrefillSeq, kv_slot
 
 _PER_TOKEN = ("token_ids", "positions", "slot_mapping", "ctx_lens", "token_seq")
 _PER_SEQ = ("last_idx", "last_positions", "token_rows", "state_idx")
+
+
+def padded_lengths(chunk_lens: list[int], seqs: int, total: int) -> np.ndarray:
+    """Token counts of a padded prefill's `seqs` sequences: the chunks', then scratch sequences
+    of at least one token that share the rest of `total` evenly. Evenly, because the GDN
+    kernel walks each sequence's tokens in order: one scratch sequence holding all the padding
+    (up to half the bucket) would set the step's critical path instead of the longest chunk."""
+    q = seqs - len(chunk_lens)
+    extra = total - sum(chunk_lens) - q
+    if q < 1 or extra < 0:
+        raise ValueError(f"padded_lengths: {len(chunk_lens)} chunks of {sum(chunk_lens)} tokens "
+                         f"do not fit {seqs} sequences of {total} tokens with a scratch sequence")
+    scratch = np.full(q, 1 + extra // q, np.int64)
+    scratch[:extra % q] += 1
+    return np.concatenate([np.asarray(chunk_lens, np.int64), scratch])
 
 
 class HybridStepModel:
@@ -92,8 +107,7 @@ class HybridStepModel:
         """Prefill seqs plus scratch sequences: max_seqs + 1 sequences, `total` tokens."""
         g = self.geometry
         q = self._seqs - len(seqs)
-        lens = np.array([len(s.tokens) - s.start for s in seqs] + [1] * q)
-        lens[len(seqs)] += total - lens.sum()     # the first scratch sequence takes the rest
+        lens = padded_lengths([len(s.tokens) - s.start for s in seqs], self._seqs, total)
         # Each sequence's chunk is at positions start..len(tokens)-1. Scratch positions start
         # at 0 and wrap at max_context: their block table (all scratch) stays in range.
         starts = np.array([s.start for s in seqs] + [0] * q)
