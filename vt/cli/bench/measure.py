@@ -44,12 +44,19 @@ def _decode_step_s(delta: dict) -> float:
 def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=None,
             repeats: int = 1) -> dict:
     fast, prof = engines[mode, False], engines.get((mode, True))
-    runs = [run_vt(fast, prompts, new_tokens) for _ in range(repeats)]
+    # Unprofiled and profiled runs alternate, and each side keeps its median run: the profile's
+    # cost is the difference of the two, and the host drifts between runs by as much.
+    runs, prof_runs = [], []
+    for _ in range(repeats):
+        runs.append(run_vt(fast, prompts, new_tokens))
+        if prof is not None:
+            prof_runs.append(run_vt(prof, prompts, new_tokens))
     (d_fast, tokens), times = median_run(runs, lambda r: _decode_step_s(r[0]))
-    d_prof = run_vt(prof, prompts, new_tokens)[0] if prof is not None else None
+    d_prof = median_run(prof_runs, lambda r: _decode_step_s(r[0]))[0][0] if prof_runs else None
     ceiling = fast.device_ceiling_us(conc, replays=replays)
-    if any(t != tokens for _, t in runs):
-        raise RuntimeError(f"{mode} {ident}: the repeated runs of one cell sampled different tokens")
+    if any(t != tokens for _, t in runs + prof_runs):
+        raise RuntimeError(f"{mode} {ident}: the repeated runs of one cell (profiled or not) "
+                           f"sampled different tokens")
     ok = None if expect is None else tokens == expect
     row = cells.vt_row(dict(ident, mode=mode), d_fast, d_prof, conc=conc, ceiling_us=ceiling,
                        tokens=tokens, tokens_ok=ok)

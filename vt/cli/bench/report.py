@@ -78,8 +78,9 @@ def table(res: dict) -> str:
     lines += ["per cell, us per decode step: the host split of the profiled run (drain = drain "
               "waits; other = the rest of the loop), host = all but the waits, device, GPU idle, "
               "machinery = refresh + acquire + launch; busy = host time of the run without "
-              "profiling, its waits excluded; tokens right",
-              f"{'cell':<32}" + "".join(f"{n:>9}" for n in names) + "  ok"]
+              "profiling, its waits excluded; prof/b = host / busy (the profile's own cost); "
+              "tokens right",
+              f"{'cell':<32}" + "".join(f"{n:>9}" for n in names) + f"{'prof/b':>8}  ok"]
     for r in res["cells"]:
         if r["status"] != "ok":
             continue
@@ -87,6 +88,7 @@ def table(res: dict) -> str:
         ok = r["tokens_ok"] if r["tokens_ok"] is not None else r["identical_to_drain"]
         lines.append(f"{r['mode'] + ' S=' + str(r['conc']) + ' ' + where:<32}"
                      + "".join(_f(r[k], ".1f").rjust(9) for k in keys)
+                     + _f(r.get("profiled_host_ratio"), ".2f").rjust(8)   # absent before it existed
                      + f"  {'-' if ok is None else 'yes' if ok else 'NO'}")
     if not res["torch"]["available"]:
         lines.append(f"torch peer absent: {res['torch']['absent_reason']}")
