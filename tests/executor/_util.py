@@ -4,8 +4,17 @@ import numpy as np
 from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
 from vt.forward.toy import ToyForward
+from vt.model import PRESETS, init_weights
 
 VOCAB = 64
+_WEIGHTS = {}
+
+
+def preset_weights(preset: str) -> dict:
+    """The bundled preset's seed-0 weights, made once per test session (they are read-only)."""
+    if preset not in _WEIGHTS:
+        _WEIGHTS[preset] = init_weights(PRESETS[preset], seed=0)
+    return _WEIGHTS[preset]
 
 
 def workload(n, seed=0, max_len=7, max_new=(6, 14)):

@@ -18,18 +18,13 @@ from hypothesis import strategies as st
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import MODES, ExecutorConfig
-from vt.model import PRESETS, HybridModel, init_weights
+from vt.model import PRESETS, HybridModel
 from vt.step import GREEDY, SamplingParams
+
+from ._util import preset_weights
 
 BATCH_MODES = ("sync", "drain", "ring", "staged")
 MAX_SEQS = 16
-_WEIGHTS = {}
-
-
-def _weights(preset):
-    if preset not in _WEIGHTS:
-        _WEIGHTS[preset] = init_weights(PRESETS[preset], seed=0)
-    return _WEIGHTS[preset]
 
 
 class Engines:
@@ -39,7 +34,7 @@ class Engines:
         self.vocab = PRESETS[preset].vocab
         self._models, self.engines = [], {}
         for mode in BATCH_MODES:
-            m = HybridModel(be, PRESETS[preset], _weights(preset), max_seqs=MAX_SEQS,
+            m = HybridModel(be, PRESETS[preset], preset_weights(preset), max_seqs=MAX_SEQS,
                             batch_invariant=invariant)
             self._models.append(m)
             cfg = ExecutorConfig(serving_conc=MAX_SEQS, capture_sizes=(1, 2, 4, 8, 16), **MODES[mode])

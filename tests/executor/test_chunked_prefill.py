@@ -16,20 +16,13 @@ from vt.backend import get_backend
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import ExecutorConfig
-from vt.model import PRESETS, HybridModel, init_weights
+from vt.model import PRESETS, HybridModel
 from vt.step import GREEDY, PrefillSeq, SamplingParams
 
-from ._util import mismatches
+from ._util import mismatches, preset_weights
 
 PRESET_IDS = ["tiny-dense", "tiny-moe"]
 BUDGET = 7    # prompt tokens per step: every prompt longer than that comes in chunks
-_WEIGHTS = {}
-
-
-def _weights(preset):
-    if preset not in _WEIGHTS:
-        _WEIGHTS[preset] = init_weights(PRESETS[preset], seed=0)
-    return _WEIGHTS[preset]
 
 
 def _requests(preset, seed=3):
@@ -47,7 +40,7 @@ def _serve(be, preset, mode, max_prefill_tokens, batch_invariant=None):
     """generate() on a fresh model; returns the results and, per prefill step, each
     sequence's (start, end) of the prompt."""
     prompts, budgets, samplings = _requests(preset)
-    model = HybridModel(be, PRESETS[preset], _weights(preset), max_seqs=8, num_kv_blocks=256,
+    model = HybridModel(be, PRESETS[preset], preset_weights(preset), max_seqs=8, num_kv_blocks=256,
                         batch_invariant=batch_invariant)
     step = HybridStepModel(be, model)
     calls, real = [], step.prefill
@@ -117,7 +110,7 @@ class _Prefiller:
 
     def __init__(self, be, preset):
         self.be, self.s = be, be.stream(name="test")
-        self.m = HybridModel(be, PRESETS[preset], _weights(preset), max_seqs=4, num_kv_blocks=64)
+        self.m = HybridModel(be, PRESETS[preset], preset_weights(preset), max_seqs=4, num_kv_blocks=64)
         self.step = HybridStepModel(be, self.m)
         g = self.step.geometry
         self.bt = np.full((3, g.max_blocks), g.scratch_block, np.int32)

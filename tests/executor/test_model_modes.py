@@ -5,18 +5,11 @@ import pytest
 from vt.engine.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import ExecutorConfig
-from vt.model import PRESETS, HybridModel, init_weights
+from vt.model import PRESETS, HybridModel
 
-from ._util import mismatches
+from ._util import mismatches, preset_weights
 
 DEVICE_WORK_S = 0.002
-_WEIGHTS = {}
-
-
-def _weights(preset):
-    if preset not in _WEIGHTS:
-        _WEIGHTS[preset] = init_weights(PRESETS[preset], seed=0)
-    return _WEIGHTS[preset]
 
 
 def _prompts(preset, n, seed):
@@ -29,7 +22,7 @@ def _prompts(preset, n, seed):
 def run_model(be, preset, prompts, budgets, *, device_work_s=0.0, **cfg):
     """One generate() on a fresh model; device_work_s queues device time before each decode
     so the host runs ahead of the device on any backend."""
-    model = HybridModel(be, PRESETS[preset], _weights(preset), max_seqs=32, num_kv_blocks=256)
+    model = HybridModel(be, PRESETS[preset], preset_weights(preset), max_seqs=32, num_kv_blocks=256)
     step = HybridStepModel(be, model, device_work_s=device_work_s)
     config = ExecutorConfig(capture_sizes=(1, 2, 4, 8, 16, 32), **cfg)
     try:
@@ -88,7 +81,7 @@ def test_model_serving_makes_no_driver_malloc_after_warm_up(backend, preset):
     lengths = [1, cfg.max_context - 4, 2, 100, 37, 3] + [int(n) for n in rng.integers(1, 80, size=6)]
     prompts = [rng.integers(0, cfg.vocab, size=n) for n in lengths]
     budgets = [int(b) for b in rng.integers(2, 5, size=len(prompts))]
-    model = HybridModel(backend, cfg, _weights(preset), max_seqs=8, num_kv_blocks=512)
+    model = HybridModel(backend, cfg, preset_weights(preset), max_seqs=8, num_kv_blocks=512)
     config = ExecutorConfig(async_executor=True, serving_conc=6, capture_sizes=(1, 2, 4))
     try:
         with Engine(backend, HybridStepModel(backend, model), config) as eng:
@@ -110,7 +103,7 @@ def test_engines_one_after_another_share_one_model(backend):
     and each drain run on the shared model yields the same tokens and logits bytes."""
     preset = "tiny-dense"
     prompts, budgets = _prompts(preset, 6, seed=5)
-    model = HybridModel(backend, PRESETS[preset], _weights(preset), max_seqs=8,
+    model = HybridModel(backend, PRESETS[preset], preset_weights(preset), max_seqs=8,
                         num_kv_blocks=64, gemm_streams=1)
     runs = []
     try:
