@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_step import bench_inputs                                      # noqa: E402
+from bench_step import warmed_step                                       # noqa: E402
 from vt.backend import get_backend                                       # noqa: E402
 from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs   # noqa: E402
 from vt.model.kernels._common import to_storage                         # noqa: E402
@@ -33,16 +33,7 @@ from vt.backend.timing import timed_ms                                          
 
 
 def step_ms(be, s, m, S, context, iters, repeats):
-    inp = bench_inputs(be, s, m, S, context)
-    logits = be.empty((S, m.cfg.vocab), np.float32, retained=True)
-    toks = be.empty((S,), np.int32, retained=True)
-
-    def step():
-        m.decode(s, inp, logits)
-        m.sample(s, logits, inp, toks)
-    with be.pool.scratch_warmup(f"invariance S={S}"):
-        step()
-        s.synchronize()
+    step, _, _ = warmed_step(be, s, m, S, context, f"invariance S={S}")
     with be.capture(s, name=f"invariance S={S}") as cap:
         step()
     g = cap.graph

@@ -72,6 +72,22 @@ def bench_inputs(be, s, m, S, context):
                                block_tables=bt, state_idx=np.arange(S))
 
 
+def warmed_step(be, s, m, S, context, name):
+    """One decode + sample step of S rows at `context` (bench_inputs), run once inside a scratch
+    warm-up so that capturing it allocates nothing: (step, its inputs, its logits)."""
+    inp = bench_inputs(be, s, m, S, context)
+    logits = be.empty((S, m.cfg.vocab), np.float32, retained=True)
+    toks = be.empty((S,), np.int32, retained=True)
+
+    def step():
+        m.decode(s, inp, logits)
+        m.sample(s, logits, inp, toks)
+    with be.pool.scratch_warmup(name):
+        step()
+        s.synchronize()
+    return step, inp, logits
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="bench-dense", choices=sorted(PRESETS))
@@ -101,16 +117,7 @@ def main(argv=None):
     kv_bytes = len(cfg.attn_layers) * cfg.kv_heads * cfg.head_dim * 2 * 2 * (a.context + 1)
     rows = []
     for S in a.batch:
-        inp = bench_inputs(be, s, m, S, a.context)
-        logits = be.empty((S, cfg.vocab), np.float32, retained=True)
-        toks = be.empty((S,), np.int32, retained=True)
-
-        def step():
-            m.decode(s, inp, logits)
-            m.sample(s, logits, inp, toks)
-        with be.pool.scratch_warmup(f"bench S={S}"):
-            step()
-            s.synchronize()
+        step, inp, logits = warmed_step(be, s, m, S, a.context, f"bench S={S}")
         eager_ms = timed_ms(be, s, step, 3, 3)
         with be.capture(s, name=f"bench decode S={S}") as cap:
             step()
