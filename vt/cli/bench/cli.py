@@ -245,14 +245,7 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
             return _cmd_sampler(args)
         res = run(args, lambda total: ProgressBar(total, bar=False if args.no_bar else None))
         text = report.table(res)
-    print()
-    print(text)
-    if args.json:
-        report.write_json(res, args.json)
-        print(f"vt bench: wrote {args.json}")
-    if args.png:
-        why = report.write_png(res, args.png)
-        print(f"vt bench: {'wrote ' + args.png if why is None else 'no PNG: ' + why}")
+    _print_and_write(res, text, args, report)
     bad = [c for c in res["cells"] if c["status"] == "ok" and c["mode"] != "no_dbuf"
            and (c["tokens_ok"] is False or c["identical_to_drain"] is False)]
     for c in bad:
@@ -260,18 +253,24 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
     return 1 if bad else 0
 
 
+def _print_and_write(res: dict, text: str, args: argparse.Namespace, out) -> None:
+    """The table, then the JSON and the PNG when asked for, written by `out` (the workload's
+    report module: write_json, and write_png returning None or why it could not)."""
+    print()
+    print(text)
+    if args.json:
+        out.write_json(res, args.json)
+        print(f"vt bench: wrote {args.json}")
+    if args.png:
+        why = out.write_png(res, args.png)
+        print(f"vt bench: {'wrote ' + args.png if why is None else 'no PNG: ' + why}")
+
+
 def _cmd_sampler(args: argparse.Namespace) -> int:
     """--workload sampler: the table, and the JSON and PNG when asked for."""
     from vt.cli.bench import sampler
     res = sampler.run(args.conc, args.vocab, args.sampling, seed=args.seed)
-    print()
-    print(sampler.table(res))
-    if args.json:
-        sampler.write_json(res, args.json)
-        print(f"vt bench: wrote {args.json}")
-    if args.png:
-        sampler.write_png(res, args.png)
-        print(f"vt bench: wrote {args.png}")
+    _print_and_write(res, sampler.table(res), args, sampler)
     return 0
 
 
@@ -288,14 +287,7 @@ def _emit_serve(res: dict, text: str, args: argparse.Namespace) -> int:
     """The serve table `text`, the JSON and PNG when asked for; exit 1 if a mode's tokens
     differed."""
     from vt.cli.bench import serve_report
-    print()
-    print(text)
-    if args.json:
-        serve_report.write_json(res, args.json)
-        print(f"vt bench: wrote {args.json}")
-    if args.png:
-        why = serve_report.write_png(res, args.png)
-        print(f"vt bench: {'wrote ' + args.png if why is None else 'no PNG: ' + why}")
+    _print_and_write(res, text, args, serve_report)
     bad = [c for c in res["cells"] if c["tokens_identical_to_drain"] is False]
     for c in bad:
         print(f"vt bench: WRONG TOKENS in serve {c['preset']} {c['mode']} {c['arrival']} "
