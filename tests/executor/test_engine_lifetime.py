@@ -9,6 +9,8 @@ name the argument.
 | a dropped backend keeps its stream threads              | test_a_dropped_backend_ends_its_stream_threads              |
 | two Engines over one model in two threads: wrong tokens | test_two_engines_over_one_model_in_two_threads_never_give_wrong_tokens |
 | the busy message suggests a setup that is unsafe        | test_the_second_engine_is_refused_while_the_first_drives_the_model |
+| engines used one after the other refused by a race with | test_engines_used_one_after_the_other_wait_for_the_handover |
+|   the first one's wind-down                             |                                                             |
 | a NaN or huge sim delay kills the stream worker         | test_sim_delays_that_cannot_be_slept_are_refused_and_workers_survive |
 | API argument errors are not ValueError/TypeError naming | test_engine_argument_errors_name_the_argument,              |
 |   the argument                                          | test_engine_refuses_a_backend_that_is_not_one,              |
@@ -18,6 +20,7 @@ name the argument.
 """
 import gc
 import threading
+import time
 import tracemalloc
 import weakref
 
@@ -27,6 +30,7 @@ import pytest
 from vt.backend import get_backend
 from vt.engine import Engine
 from vt.knobs import MAX_CAPTURE_SIZE, MAX_RING_DEPTH, MAX_SERVING_CONC, ExecutorConfig
+from vt.engine.model_lease import HANDOVER_S
 from vt.engine.requests import EngineBusyError
 from vt.forward.user import ForwardModel, KVGeometry
 from vt.forward.toy import ToyForward
@@ -156,6 +160,34 @@ def test_the_second_engine_is_refused_while_the_first_drives_the_model(delayed_s
     assert nested == [_reference(delayed_sim, prompts, budgets)]
     first.close()
     second.close()
+
+
+def test_engines_used_one_after_the_other_wait_for_the_handover(sim_backend, monkeypatch):
+    """generate() returns when its last request is finished; the serving thread lets the
+    model go a moment later. The next engine's call in that moment waits for the release
+    instead of failing with EngineBusyError (the wind-down is slowed here to 30 ms so the
+    moment is always hit), and gets the right tokens."""
+    import vt.engine.serving as serving
+    release = serving.release_model
+
+    def slow_release(key):
+        time.sleep(0.03)
+        release(key)
+
+    monkeypatch.setattr(serving, "release_model", slow_release)
+    toy = ToyForward(sim_backend, vocab=VOCAB)
+    prompts, budgets = workload(2, seed=4)
+    want = _reference(sim_backend, prompts, budgets)
+    engines = [Engine(sim_backend, toy.step_model(), CONFIG) for _ in range(2)]
+    try:
+        for i in range(6):
+            t0 = time.perf_counter()
+            got = [r.tokens for r in engines[i % 2].generate(prompts, max_new_tokens=budgets)]
+            assert got == want, i
+        assert time.perf_counter() - t0 < HANDOVER_S
+    finally:
+        for eng in engines:
+            eng.close()
 
 
 @pytest.mark.parametrize("delay", [float("nan"), float("inf"), -1.0, 1e308, 61.0])

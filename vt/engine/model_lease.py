@@ -8,6 +8,12 @@ device_ceiling_us()), and a second engine is refused while the first holds it. E
 one model used one after the other (the bench's modes over one model) stay allowed: each
 call runs its requests to completion and frees every row and block before it returns.
 
+generate() returns when its last request is finished, a moment before the serving thread
+finds nothing left to do and lets the lease go. So a holder whose work is all finished is
+waited for (it releases within one loop iteration; HANDOVER_S bounds the wait), and only a
+holder with work is refused at once: the next engine's call right after generate() returned
+must not fail by a race it cannot see.
+
 A model is known by the device address of its token table, the one buffer every step model
 has: two adapters over one user forward (two ForwardModel objects over the same arrays) are
 one model, as they must be.
@@ -16,11 +22,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
+from typing import Callable
 
 from vt.engine.requests import EngineBusyError
 
-_guard = threading.Lock()
-_driven: set[int] = set()   # addresses of the token tables being driven now
+HANDOVER_S = 5.0   # the longest wait for a holder with no work left to let the lease go
+
+_lease = threading.Condition()
+_driven: dict[int, Callable[[], bool]] = {}   # token table address -> its holder's "all done?"
 
 
 def model_key(step_model) -> int:
@@ -33,24 +43,42 @@ def model_key(step_model) -> int:
     return int(ptr) if ptr is not None else id(table)
 
 
-def acquire(key: int, what: str) -> None:
-    """Take the lease of the model `key` (model_key); EngineBusyError at once if another
-    engine holds it. Not reentrant on purpose: an engine's progress callback that drives a
-    second engine over the same model would interleave their steps on the shared state just
-    as two threads do."""
-    with _guard:
-        if key in _driven:
-            raise EngineBusyError(
-                f"{what}: another Engine over the same model is driving it right now (in another "
-                f"thread, or this call comes from its progress callback). Engines over one "
-                f"model share its KV cache and state, so they take turns: wait for that call to "
-                f"return, or build one model per thread and an Engine over each")
-        _driven.add(key)
+def _never_done() -> bool:
+    return False
+
+
+def acquire(key: int, what: str, all_done: Callable[[], bool] = _never_done) -> None:
+    """Take the lease of the model `key` (model_key). While another engine holds it:
+    EngineBusyError at once if that holder has work, else wait for its release (module
+    docstring). `all_done` is this holder's own check, for whoever asks next (read without
+    a lock: a stale answer only makes the asker wait or be refused). Not reentrant on
+    purpose: an engine's progress callback that drives a second engine over the same model
+    would interleave their steps on the shared state just as two threads do."""
+    with _lease:
+        deadline = None
+        while key in _driven:
+            if not _driven[key]():
+                raise EngineBusyError(_busy(what))
+            deadline = deadline or time.monotonic() + HANDOVER_S
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise EngineBusyError(_busy(what) + f" (it had no work left but kept the model "
+                                                    f"for {HANDOVER_S:g} s)")
+            _lease.wait(left)
+        _driven[key] = all_done
+
+
+def _busy(what: str) -> str:
+    return (f"{what}: another Engine over the same model is driving it right now (in another "
+            f"thread, or this call comes from its progress callback). Engines over one "
+            f"model share its KV cache and state, so they take turns: wait for that call to "
+            f"return, or build one model per thread and an Engine over each")
 
 
 def release(key: int) -> None:
-    with _guard:
-        _driven.discard(key)
+    with _lease:
+        _driven.pop(key, None)
+        _lease.notify_all()
 
 
 @contextlib.contextmanager

@@ -24,7 +24,8 @@ class ServingLoop:
         with that error instead of waiting forever, and submit() refuses from then on."""
         pending: deque = deque()
         try:
-            acquire_model(self._model_key, "Engine.submit()")
+            acquire_model(self._model_key, "Engine.submit()", lambda: not (
+                self._arrivals or pending or self._buffer.live))
         except EngineBusyError as exc:
             while self._arrivals:
                 self._buffer.finish(self._arrivals.popleft(), "error", exc)
