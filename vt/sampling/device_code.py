@@ -103,19 +103,22 @@ __device__ u32 block_sum_u32(u32 v) {
   return v;
 }
 
-// Workspace. Zeroed before the launch (a zeroing kernel): ctr, tick, ncand, maxk, bad. Written
-// before read: thr, tcnt, pk, pi, cand. The three histogram buffers of a row are zeroed inside
-// the kernel, each one pass before it is used (see zero_hist).
+// Counters (cnt): ctr, tick, ncand, maxk, bad. All zero at launch, and the row's last block
+// sets its row's back to zero (reset_row), so a buffer that only this kernel uses stays zero
+// from one call to the next and needs no zeroing node (the Sampler keeps one per instance).
+// Workspace (wsp): written before read: thr, tcnt, pk, pi, cand; the three histogram buffers of
+// a row are zeroed inside the kernel, each one pass before it is used (see zero_hist).
 struct Work { u32* ctr; u32* tick; u32* ncand; u64* maxk; u32* bad; u64* thr; u32* tcnt; double* pk; int* pi;
               u32* hcnt; u64* hmass; u64* cand; };
 __device__ __forceinline__ size_t al8(size_t n) { return (n + 7) & ~(size_t)7; }
-__device__ Work layout(unsigned char* p, int S, int B) {
+__device__ Work layout(unsigned char* c, unsigned char* p, int S, int B) {
   Work w; size_t o = 0;
-  w.ctr = (u32*)(p + o); o += al8(4ull * S);
-  w.tick = (u32*)(p + o); o += al8(4ull * S);
-  w.ncand = (u32*)(p + o); o += al8(4ull * S);
-  w.maxk = (u64*)(p + o); o += 8ull * S;
-  w.bad = (u32*)(p + o); o += al8(4ull * S);
+  w.ctr = (u32*)(c + o); o += al8(4ull * S);
+  w.tick = (u32*)(c + o); o += al8(4ull * S);
+  w.ncand = (u32*)(c + o); o += al8(4ull * S);
+  w.maxk = (u64*)(c + o); o += 8ull * S;
+  w.bad = (u32*)(c + o);
+  o = 0;
   w.thr = (u64*)(p + o); o += 8ull * S;
   w.tcnt = (u32*)(p + o); o += al8(4ull * S * B);
   w.pk = (double*)(p + o); o += 8ull * S * B;
@@ -124,6 +127,11 @@ __device__ Work layout(unsigned char* p, int S, int B) {
   w.hmass = (u64*)(p + o); o += 8ull * S * 3 * NB;
   w.cand = (u64*)(p + o);
   return w;
+}
+// Called once per row by its last block, after every counter read: the row's counters are zero
+// again for the next call.
+__device__ void reset_row(const Work& w, int row) {
+  w.ctr[row] = 0; w.tick[row] = 0; w.ncand[row] = 0; w.maxk[row] = 0; w.bad[row] = 0;
 }
 // The last block of a row to finish (threadfence reduction): it alone merges the row's partials.
 __device__ bool last_block(u32* tick, int B) {
@@ -163,16 +171,17 @@ template <class F> __device__ __forceinline__ void each(const float* __restrict_
 """
 
 
+def counter_bytes(S: int) -> int:
+    """Bytes of the counters for S rows (ctr, tick, ncand, maxk, bad: layout() above); they
+    must be zero at launch, and the kernel leaves them zero."""
+    return 3 * _al8(4 * S) + 8 * S + _al8(4 * S)
+
+
 def workspace_bytes(S: int, B: int) -> int:
     """Bytes of the sampler's workspace for S rows split in B blocks each (layout() above)."""
-    def al8(n):
-        return (n + 7) // 8 * 8
-    return (3 * al8(4 * S) + 8 * S + al8(4 * S) + 8 * S + al8(4 * S * B) + 8 * S * B + al8(4 * S * B)
+    return (8 * S + _al8(4 * S * B) + 8 * S * B + _al8(4 * S * B)
             + 3 * (4 + 8) * 2048 * S + 8 * 2048 * S)
 
 
-def zeroed_bytes(S: int) -> int:
-    """The leading bytes of the workspace that must be zero at launch (ctr, tick, ncand, maxk, bad)."""
-    def al8(n):
-        return (n + 7) // 8 * 8
-    return 3 * al8(4 * S) + 8 * S + al8(4 * S)
+def _al8(n: int) -> int:
+    return (n + 7) // 8 * 8

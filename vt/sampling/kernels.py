@@ -186,13 +186,14 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     const float* __restrict__ logits, const int* __restrict__ rows, const int* __restrict__ pos,
     const float* __restrict__ temp, const int* __restrict__ topk, const float* __restrict__ topp,
     const float* __restrict__ minp, const u64* __restrict__ seed, int* __restrict__ out,
-    int* __restrict__ table, unsigned char* __restrict__ wsp, int S, int V, int B, int C) {
+    int* __restrict__ table, unsigned char* __restrict__ cnt, unsigned char* __restrict__ wsp, int S,
+    int V, int B, int C) {
   Row R;
   R.row = blockIdx.x / B; R.b = blockIdx.x - R.row * B; R.B = B; R.C = C; R.V = V;
   R.x = logits + (size_t)R.row * V; R.c0 = R.b * C; R.c1 = min(V, R.c0 + C);
   R.gen = 0; R.pass = 0; R.ncand = 0; R.d0 = 0;
   const int row = R.row, b = R.b;
-  const Work w = layout(wsp, S, B);
+  const Work w = layout(cnt, wsp, S, B);
   const float t = temp[row];
   const bool greedy = !(t > 0.f);
   R.inv_t = greedy ? 1.f : __frcp_rn(t);
@@ -241,14 +242,18 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     const float zmax = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
     const int tok = __ldcg(&w.bad[row]) || !isfinite(zmax) ? -1 : plain ? won : (int)(0xffffffffu - (u32)m);
     finish(row, tok, out, rows, table);
+    reset_row(w, row);
     return;
   }
   row_sync(&w.ctr[row], ++R.gen * B);
   const u64 m = __ldcg(&w.maxk[row]);
   const int imax = (int)(0xffffffffu - (u32)m);
   const float zm = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
-  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // also all -inf: zmax = -inf
-    if (b == 0 && threadIdx.x == 0) finish(row, -1, out, rows, table);
+  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // also all -inf: zmax = -inf (every block sees it)
+    if (last_block(&w.tick[row], B) && threadIdx.x == 0) {
+      finish(row, -1, out, rows, table);
+      reset_row(w, row);
+    }
     return;
   }
   R.zmax = zm;
@@ -269,7 +274,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   if (threadIdx.x == 0) { w.pk[row * B + b] = r.k; w.pi[row * B + b] = r.i; }
   if (!last_block(&w.tick[row], B)) return;
   const int won = merge_partials(w.pk + row * B, w.pi + row * B, B).i;
-  if (threadIdx.x == 0) finish(row, won, out, rows, table);
+  if (threadIdx.x == 0) {
+    finish(row, won, out, rows, table);
+    reset_row(w, row);
+  }
 }
 """
 
