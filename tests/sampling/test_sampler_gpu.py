@@ -80,6 +80,25 @@ def test_one_instance_gives_the_twins_tokens_call_after_call():
     assert COUNTER_ROWS >= 128
 
 
+def test_top_k_far_below_the_max_counts_every_first_digit():
+    """The scan counts first digits only near each thread's max; a row whose k-th largest logit
+    is far below its max (one outlier, k = 3000) must count them all again and still give the
+    twin's token. A hot temperature keeps the outlier from winning every draw."""
+    rng = np.random.default_rng(23)
+    S, V = 6, 32000
+    x = random_logits(rng, S, V)
+    x[np.arange(S), rng.integers(0, V, S)] = 40.0
+    kn = dict(temperature=np.full(S, 30.0, np.float32), top_k=np.array([3000, 3000, 50, 2000, 3000, 700], np.int32),
+              top_p=np.array([1.0, 0.9, 1.0, 1.0, 0.5, 1.0], np.float32), min_p=np.zeros(S, np.float32),
+              seed=np.arange(S, dtype=np.uint64) + 5)
+    pos = np.arange(S, dtype=np.int32) + 9
+    out, table = cp.full(S, -12345, cp.int32), cp.full(S + 1, -777, cp.int32)
+    Sampler().run_cupy(0, cp.asarray(x), cp.arange(S, dtype=cp.int32), cp.asarray(pos),
+                       *(cp.asarray(kn[n]) for n in ("temperature", "top_k", "top_p", "min_p", "seed")),
+                       out, table)
+    np.testing.assert_array_equal(out.get(), reference.sample_tokens(x, pos, **kn))
+
+
 def test_error_rows_get_minus_one_and_table_zero():
     """NaN, +inf and all -inf rows: token -1, table 0; a -inf-masked row samples normally."""
     rng = np.random.default_rng(5)

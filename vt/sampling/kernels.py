@@ -22,6 +22,10 @@ from .compact import COMPACT
 from .device_code import PRELUDE
 
 _KERNELS = r"""
+// The scan counts a top_k row's first digits only from SPAN below the running max (8 digits: two
+// octaves of the float's magnitude): elements far below it rarely reach the top k, and counting
+// every element (a warp match and a shared atomic each) dominated a top_k row's first sweep.
+#define SPAN 8u
 __device__ Race merge_partials(const double* pk, const int* pi, int B) {
   Race q = {-INFINITY, 0x7fffffff, -INFINITY};
   for (int j = threadIdx.x; j < B; j += NT) race_merge(q, __ldcg(&pk[j]), __ldcg(&pi[j]));
@@ -70,9 +74,11 @@ __device__ __forceinline__ void count_digit(u32* hc, u32 d) {
 
 // Threshold of select `which` (0: the first `target` elements; 1: the shortest prefix of the
 // domain skey >= dom whose mass reaches top_p): kept iff skey >= the returned value. `counted`:
-// the scan already built level 0's counts in hc (top_k only).
+// the scan already built level 0's counts in hc (top_k only), exact for the digits >= exact_from
+// (the scan skips digits far below the row's max); when those hold fewer than `target`
+// elements, level 0 is counted again over every element.
 __device__ u64 select_thr(Row& R, const Work& w, u32* hc, u64* hm, int which, u64 target, u64 dom,
-                          double top_p, bool counted) {
+                          double top_p, bool counted, u32 exact_from = 0) {
   __shared__ u64 s_ac, s_am, s_keep; __shared__ u32 s_prefix, s_tie; __shared__ int s_hit;
   u32 prefix = 0; u64 ac = 0, am = 0;
   for (int level = 0; level < 3; ++level) {
@@ -106,13 +112,22 @@ __device__ u64 select_thr(Row& R, const Work& w, u32* hc, u64* hm, int which, u6
     }
     row_sync(&w.ctr[R.row], ++R.gen * R.B);
     ++R.pass;
-    for (int d = threadIdx.x; d < nb; d += NT) { hc[d] = __ldcg(&gc[d]); hm[d] = __ldcg(&gm[d]); }
+    const bool partial = counted && level == 0;
+    for (int d = threadIdx.x; d < nb; d += NT) {
+      hc[d] = partial && (u32)d < exact_from ? 0u : __ldcg(&gc[d]);
+      hm[d] = __ldcg(&gm[d]);
+    }
     __syncthreads();
     const int per = nb / NT, hi = nb - 1 - threadIdx.x * per;  // this thread's buckets, descending
     u64 sc = 0, sm = 0;
     for (int j = 0; j < per; ++j) { sc += hc[hi - j]; sm += hm[hi - j]; }
     u64 ec = sc, em = sm, tc, tm;
     block_exscan2(ec, em, tc, tm);
+    if (partial && tc < target) {  // the k-th largest is below the exact digits: count them all
+      counted = false;
+      level = -1;
+      continue;
+    }
     if (which == 1 && level == 0) {  // the mass of the domain is known now: top_p's target
       const double want = ceil(top_p * (double)tm);
       target = want >= (double)tm ? tm : want < 1.0 ? 1ull : (u64)want;
@@ -210,11 +225,11 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     __syncthreads();
   }
   u64 best = 0; bool bad = false;
-  if (k_on) {
+  if (k_on) {  // count first digits from SPAN below this thread's running max (select_thr)
     each(R.x, R.c0, R.c1, [&](float v, int i) {
       bad |= (v != v) || (v == INFINITY);
       const u64 s = skey(v, i); best = s > best ? s : best;
-      count_digit(hc, s >> 53);
+      if ((u32)(s >> 53) + SPAN >= (u32)(best >> 53)) count_digit(hc, s >> 53);
     });
   }
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
@@ -262,7 +277,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   }
   R.zmax = zm;
   const double lmp = m_on ? log((double)minp[row]) : -INFINITY;
-  const u64 tk = k_on ? select_thr(R, w, hc, hm, 0, (u64)k, 0, 0.0, true) : 0;
+  // Every thread counted the digits from SPAN below its own max, so all from SPAN below the
+  // row's max: level 0 is exact there.
+  const u32 exact_from = (u32)(m >> 53) > SPAN ? (u32)(m >> 53) - SPAN : 0u;
+  const u64 tk = k_on ? select_thr(R, w, hc, hm, 0, (u64)k, 0, 0.0, true, exact_from) : 0;
   if (R.ncand) {
     compact_finish(R, w, hm, k, p_on, (double)topp[row], lmp, base, out, rows, table);
     return;
