@@ -2,6 +2,7 @@
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
 # Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
+#   sampler profile serve torch
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
@@ -44,6 +45,20 @@ for s in "${stages[@]}"; do
               stage "hazard-$m-$c" python3 tools/hazard_repro.py --backend cuda --model $m --conc $c --runs 5
             done; done ;;
     run) stage run python3 -m vt run ;;
+    sampler) stage sampler python3 -m vt bench --workload sampler --no-bar --json "$OUT/sampler.json" ;;
+    profile) stage profile python3 -m vt bench --workload synthetic --device-us 0 --conc 1 32 \
+               --modes drain ring --no-torch --repeats 5 --warmup-s 0.5 --vocab 32000 --profile both \
+               --no-bar --json "$OUT/profile.json" ;;
+    serve) stage serve-small python3 -m vt bench --workload serve --preset bench-small \
+             --modes sync drain ring staged --arrival closed poisson --clients 16 32 --rate 100 300 \
+             --output-len 128 256 --requests 96 --no-bar --json "$OUT/serve-small.json"
+           stage serve-dense python3 -m vt bench --workload serve --preset bench-dense \
+             --modes sync drain ring staged --arrival closed poisson --clients 16 32 --rate 30 70 \
+             --output-len 128 256 --requests 64 --no-bar --json "$OUT/serve-dense.json" ;;
+    torch) stage torch-tests python3 -m pytest -q -rs -m gpu tests/torch
+           stage torch-memcheck bash tools/sanitize.sh memcheck tests/torch
+           stage torch-bench python3 -m vt bench --workload torch --conc 1 32 --steps 100 --repeats 2 \
+             --profile off --no-bar --json "$OUT/torch.json" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

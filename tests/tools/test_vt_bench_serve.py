@@ -122,3 +122,24 @@ def test_tokens_are_compared_only_where_the_model_is_batch_invariant():
     _compare(unchecked, compare_tokens=False)
     assert [c["tokens_identical_to_drain"] for c in checked] == [True, False]
     assert [c["tokens_identical_to_drain"] for c in unchecked] == [None, None]
+
+
+def test_saved_serve_results_are_reprinted_and_replotted(sim_serve, tmp_path, capsys):
+    """--from-json takes serve results too: the same table, the JSON and the PNG from them
+    without measuring; serve and decode results together are refused in one line."""
+    _, res = sim_serve
+    saved = tmp_path / "serve.json"
+    saved.write_text(json.dumps(res))
+    again, png = tmp_path / "again.json", tmp_path / "again.png"
+    pytest.importorskip("matplotlib")
+    assert main(["--from-json", str(saved), str(saved), "--json", str(again), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "tokens compared across modes" in out and png.stat().st_size > 0
+    merged = json.loads(again.read_text())
+    assert len(merged["cells"]) == 2 * len(res["cells"]) and merged["modes"] == res["modes"]
+    decode = tmp_path / "decode.json"
+    decode.write_text(json.dumps(dict(format="vt-bench/1", workload="synthetic")))
+    from vt.cli.main import main as vt_main
+    assert vt_main(["bench", "--from-json", str(saved), str(decode)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "one workload" in err[0], err

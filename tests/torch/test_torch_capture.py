@@ -163,6 +163,9 @@ def test_pool_and_torch_memory_stay_flat_over_many_generate_calls(backend):
     few, neither vt's pool nor (cuda) torch's allocator grows, and vt makes no driver malloc.
     1000 calls on cuda; 40 on the sim (vt's pool only: its torch tensors are CPU memory)."""
     cuda = backend.name == "cuda"
+    if backend.pool.debug:
+        pytest.skip("pool debug mode (VT_POOL_DEBUG=1, as tools/sanitize.sh runs) gives every "
+                    "buffer its own exact-size malloc by design; flatness is the normal suite's")
     calls = 1000 if cuda else 40
     rng = np.random.default_rng(5)
     model = step_model(backend, tiny_llama(backend))

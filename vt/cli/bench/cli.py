@@ -216,7 +216,7 @@ def check_outputs(args: argparse.Namespace, error) -> None:
 
 
 def cmd_bench(args: argparse.Namespace, error=None) -> int:
-    from vt.cli.bench import report
+    from vt.cli.bench import report, serve_report
     from vt.cli.bench.progress import ProgressBar
     from vt.cli.bench.run import run
 
@@ -229,7 +229,12 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
         return _cmd_serve(args, error)
     if args.from_json:
         try:
-            res = report.merge([report.read_json(path) for path in args.from_json])
+            loaded = [report.load_json(path) for path in args.from_json]
+            if any(isinstance(r, dict) and r.get("format") == serve_report.FORMAT for r in loaded):
+                res = serve_report.read_results(args.from_json, loaded)
+                serve_report.table(res)     # a damaged cell fails here, before any output
+                return _emit_serve(res, args)
+            res = report.merge([report.read_json(p, r) for p, r in zip(args.from_json, loaded)])
             text = report.table(res)
         except report.BadResultFile as e:
             error(f"--from-json: {e}")
@@ -272,11 +277,16 @@ def _cmd_sampler(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace, error) -> int:
-    from vt.cli.bench import serve_report
     from vt.cli.bench.progress import ProgressBar
     from vt.cli.bench.serve_run import run_serve
     _resolve(args, error)
     res = run_serve(args, lambda total: ProgressBar(total, bar=False if args.no_bar else None))
+    return _emit_serve(res, args)
+
+
+def _emit_serve(res: dict, args: argparse.Namespace) -> int:
+    """The serve table, the JSON and PNG when asked for; exit 1 if a mode's tokens differed."""
+    from vt.cli.bench import serve_report
     print()
     print(serve_report.table(res))
     if args.json:

@@ -107,14 +107,20 @@ _NEEDED = {"format": str, "workload": str, "cells": list, "concs": list, "modes"
            "backend": str, "device": str, "torch": dict}
 
 
-def read_json(path: str) -> dict:
-    """A saved result, checked enough that printing and plotting it cannot fail half-way."""
+def load_json(path: str):
+    """The parsed file, or BadResultFile saying why it cannot be read."""
     try:
-        res = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError) as e:
         raise BadResultFile(f"{path!r} cannot be read: {getattr(e, 'strerror', None) or e}") from None
     except json.JSONDecodeError as e:
         raise BadResultFile(f"{path!r} is not JSON ({e.msg} at line {e.lineno})") from None
+
+
+def read_json(path: str, res=None) -> dict:
+    """A saved result (`res`: already loaded from `path`), checked enough that printing and
+    plotting it cannot fail half-way."""
+    res = load_json(path) if res is None else res
     if not isinstance(res, dict) or res.get("format") != "vt-bench/1":
         got = res.get("format") if isinstance(res, dict) else type(res).__name__
         raise BadResultFile(f"{path!r} is not a vt bench result (format {got!r}, expected "

@@ -71,3 +71,32 @@ def write_png(res: dict, path: str) -> str | None:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return None
+
+
+FORMAT = "vt-bench-serve/1"
+_NEEDED = {"cells": list, "modes": list, "presets": list, "requests": int, "output_len": list,
+           "prompt_len": list}
+
+
+def read_results(paths: list[str], loaded: list) -> dict:
+    """Saved serve results (`loaded`: the files parsed) as one: cells and modes united, tokens
+    compared only if every run compared them. BadResultFile names the first bad file."""
+    from vt.cli.bench.report import BadResultFile
+    for path, res in zip(paths, loaded):
+        if not isinstance(res, dict) or res.get("format") != FORMAT:
+            got = res.get("format") if isinstance(res, dict) else type(res).__name__
+            raise BadResultFile(f"{path!r} is not a vt bench serve result (format {got!r}); "
+                                f"--from-json takes results of one workload")
+        bad = [k for k, t in _NEEDED.items() if not isinstance(res.get(k), t)]
+        if bad:
+            raise BadResultFile(f"{path!r} is a damaged vt bench serve result (field(s) {bad} "
+                                f"missing or of the wrong type)")
+    merged = dict(loaded[0])
+    if len(loaded) > 1:
+        merged["cells"] = [c for r in loaded for c in r["cells"]]
+        merged["modes"] = list(dict.fromkeys(m for r in loaded for m in r["modes"]))
+        merged["presets"] = list(dict.fromkeys(p for r in loaded for p in r["presets"]))
+        merged["tokens_compared"] = all(r.get("tokens_compared") for r in loaded)
+        merged["merged_from"] = [dict(vt_commit=r.get("vt_commit"), started=r.get("started"),
+                                      presets=r["presets"]) for r in loaded]
+    return merged
