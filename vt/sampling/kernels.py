@@ -2,8 +2,7 @@
 contiguous chunk of its row's vocabulary), in phases separated by per-row barriers:
 
   scan    max logit (greedy), the NaN/+inf check, and the whole race of plain-temperature rows
-          in the same sweep (greedy, plain and error rows end here: the row's last block writes
-          the token)
+          (greedy, plain and error rows end here: the row's last block writes the token)
   select  top_k by count, then top_p by fixed-point mass inside the top_k set: radix select
           over the ordered float bits in digits of 11, 11 and 10 bits (every block reads the
           row's merged histogram and takes the same decision), then one index pass only when the
@@ -231,16 +230,7 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
       const u64 s = skey(v, i); best = s > best ? s : best;
       if ((u32)(s >> 53) + SPAN >= (u32)(best >> 53)) count_digit(hc, s >> 53);
     });
-  }
-  Race r = {-INFINITY, 0x7fffffff, -INFINITY};
-  if (plain) {  // the race in the same sweep: each thread's best so far prunes its later tokens
-    each(R.x, R.c0, R.c1, [&](float v, int i) {
-      bad |= (v != v) || (v == INFINITY);
-      const u64 s = skey(v, i); best = s > best ? s : best;
-      race_add(r, __fmul_rn(v, R.inv_t), i, base);
-    });
-    r = block_race(r);
-  } else if (!k_on) {  // apart from top_k's: the warp-synchronous count would slow greedy rows
+  } else {  // a separate loop: the warp-synchronous count would slow every greedy row's sweep
     each(R.x, R.c0, R.c1, [&](float v, int i) {
       bad |= (v != v) || (v == INFINITY);
       const u64 s = skey(v, i); best = s > best ? s : best;
@@ -248,6 +238,12 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   }
   best = block_max_u64(best);
   bad = __syncthreads_or(bad);
+  Race r = {-INFINITY, 0x7fffffff, -INFINITY};
+  if (plain) {  // the block's largest logit first: a candidate whose key prunes the rest
+    race_add(r, __fmul_rn(unokey((u32)(best >> 32)), R.inv_t), (int)(0xffffffffu - (u32)best), base);
+    each(R.x, R.c0, R.c1, [&](float v, int i) { race_add(r, __fmul_rn(v, R.inv_t), i, base); });
+    r = block_race(r);
+  }
   if (threadIdx.x == 0) {
     atomicMax(&w.maxk[row], best);
     if (bad) atomicOr(&w.bad[row], 1u);
