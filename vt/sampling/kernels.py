@@ -58,6 +58,31 @@ __device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
   __syncthreads();
 }
 
+// A plain-temperature row's race over the block's chunk, the block's largest logit first (a
+// candidate whose key prunes the rest). Out of line: its loop gets the registers to itself
+// instead of sharing them with everything the kernel keeps live across it (which spilled).
+__device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t,
+                                        u64 best, u64 base) {
+  Race r = {-INFINITY, 0x7fffffff, -INFINITY};
+  race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), (int)(0xffffffffu - (u32)best), base);
+  each(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); });
+  return block_race(r);
+}
+
+// The race over the kept prefix (skey >= th, and min_p) of the block's chunk; the row's largest
+// logit (zm, token imax) is always kept and goes first: it prunes the rest. Out of line for the
+// same reason as plain_race.
+__device__ __noinline__ Race kept_race(const float* __restrict__ x, int c0, int c1, float inv_t,
+                                       double zmax, u64 th, double lmp, float zm, int imax, u64 base) {
+  Race r = {-INFINITY, 0x7fffffff, -INFINITY};
+  race_add(r, zm, imax, base);
+  each(x, c0, c1, [&](float v, int i) {
+    const float z = __fmul_rn(v, inv_t);
+    if (skey(v, i) >= th && (double)z - zmax >= lmp) race_add(r, z, i, base);
+  });
+  return block_race(r);
+}
+
 struct Row {  // what every block of a row knows alike
   const float* x; int row, b, B, C, V, c0, c1;
   float inv_t; double zmax;
@@ -208,7 +233,6 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   R.x = logits + (size_t)R.row * V; R.c0 = R.b * C; R.c1 = min(V, R.c0 + C);
   R.gen = 0; R.pass = 0; R.ncand = 0; R.d0 = 0;
   const int row = R.row, b = R.b;
-  const Work w = layout(cnt, wsp, S, B);
   const float t = temp[row];
   const bool greedy = !(t > 0.f);
   R.inv_t = greedy ? 1.f : __frcp_rn(t);
@@ -218,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   const u64 base = mix64(seed[row] * GAMMA + (u64)(u32)pos[row]);
   __shared__ u32 hc[NB];
   __shared__ u64 hm[NB];
-  if (k_on || p_on) zero_hist(w, row, 0, b, B);
+  if (k_on || p_on) zero_hist(layout(cnt, wsp, S, B), row, 0, b, B);
   if (k_on) {  // top_k's first digit needs no scan result: counted in the same sweep
     for (int d = threadIdx.x; d < NB; d += NT) { hc[d] = 0; hm[d] = 0; }
     __syncthreads();
@@ -239,11 +263,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   best = block_max_u64(best);
   bad = __syncthreads_or(bad);
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
-  if (plain) {  // the block's largest logit first: a candidate whose key prunes the rest
-    race_add(r, __fmul_rn(unokey((u32)(best >> 32)), R.inv_t), (int)(0xffffffffu - (u32)best), base);
-    each(R.x, R.c0, R.c1, [&](float v, int i) { race_add(r, __fmul_rn(v, R.inv_t), i, base); });
-    r = block_race(r);
-  }
+  if (plain) r = plain_race(R.x, R.c0, R.c1, R.inv_t, best, base);
+  // The workspace's pointers are computed here, after the sweeps: live across them they
+  // took registers the sweeps' loops then spilled for.
+  const Work w = layout(cnt, wsp, S, B);
   if (threadIdx.x == 0) {
     atomicMax(&w.maxk[row], best);
     if (bad) atomicOr(&w.bad[row], 1u);
@@ -283,12 +306,7 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   }
   const u64 tp = p_on ? select_thr(R, w, hc, hm, 1, 0, tk, (double)topp[row], false) : 0;
   const u64 th = tk > tp ? tk : tp;
-  race_add(r, zm, imax, base);  // the largest logit is always kept: it prunes the rest
-  each(R.x, R.c0, R.c1, [&](float v, int i) {
-    const float z = __fmul_rn(v, R.inv_t);
-    if (skey(v, i) >= th && (double)z - R.zmax >= lmp) race_add(r, z, i, base);
-  });
-  r = block_race(r);
+  r = kept_race(R.x, R.c0, R.c1, R.inv_t, R.zmax, th, lmp, zm, imax, base);
   if (threadIdx.x == 0) { w.pk[row * B + b] = r.k; w.pi[row * B + b] = r.i; }
   if (!last_block(&w.tick[row], B)) return;
   const int won = merge_partials(w.pk + row * B, w.pi + row * B, B).i;
