@@ -63,12 +63,15 @@ def test_knobs_after_temperature_are_keyword_only():
 
 @pytest.mark.parametrize("V", [300, 32000, 151936])
 def test_the_workspace_bound_covers_every_row_count_with_few_sizes(V):
-    """workspace_for(S) >= what the kernel lays out for S rows, and takes one size per power
-    of two of S, so a pool warmed with workspace_sizes() serves every later call."""
-    from vt.sampling.device_code import workspace_bytes
-    from vt.sampling.sampler import split, workspace_for, workspace_sizes
+    """workspace_for(S) >= what the kernel lays out for S rows (and the counters too, past
+    COUNTER_ROWS rows), and takes one size per power of two of S, so a pool warmed with
+    workspace_sizes() (which adds an instance's counter buffer) serves every later call."""
+    from vt.sampling.device_code import counter_bytes, workspace_bytes
+    from vt.sampling.sampler import COUNTER_ROWS, split, workspace_for, workspace_sizes
     for sms in (1, 78, 132):
-        for S in range(1, 300):
-            assert workspace_bytes(S, split(S, V, sms)[0]) <= workspace_for(S, V, sms)
-        assert {workspace_for(S, V, sms) for S in range(1, 65)} == set(workspace_sizes(64, V, sms))
-        assert len(workspace_sizes(64, V, sms)) == 7
+        for S in [*range(1, 300), COUNTER_ROWS + 1, 3 * COUNTER_ROWS]:
+            own = counter_bytes(S) + 8 if S > COUNTER_ROWS else 0
+            assert workspace_bytes(S, split(S, V, sms)[0]) + own <= workspace_for(S, V, sms)
+        assert ({workspace_for(S, V, sms) for S in range(1, 65)} | {counter_bytes(COUNTER_ROWS)}
+                == set(workspace_sizes(64, V, sms)))
+        assert len(workspace_sizes(64, V, sms)) == 8

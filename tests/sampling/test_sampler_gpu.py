@@ -28,16 +28,18 @@ def _return_cupys_cached_blocks():
     cp.get_default_pinned_memory_pool().free_all_blocks()
 
 
-def _run(x, modes, positions=None, seed0=11, table_size=None):
-    """Kernel tokens and token table for logits x [S, V] (outputs poisoned first)."""
+def _run(x, modes, positions=None, seed0=11, table_size=None, sampler=None):
+    """Kernel tokens and token table for logits x [S, V] (outputs poisoned first); a fresh
+    Sampler unless one is given."""
     S = x.shape[0]
     kn = knobs(modes, seed0)
     pos = np.arange(S, dtype=np.int32) * 7 + 3 if positions is None else positions
     rows = np.arange(S, dtype=np.int32)[::-1].copy()
     out = cp.full(S, -12345, cp.int32)
     table = cp.full(table_size or S + 1, -777, cp.int32)
-    Sampler().run_cupy(0, cp.asarray(x), cp.asarray(rows), cp.asarray(pos), *(cp.asarray(kn[n]) for n in
-                       ("temperature", "top_k", "top_p", "min_p", "seed")), out, table)
+    (sampler or Sampler()).run_cupy(0, cp.asarray(x), cp.asarray(rows), cp.asarray(pos),
+                                    *(cp.asarray(kn[n]) for n in ("temperature", "top_k", "top_p",
+                                                                  "min_p", "seed")), out, table)
     want = reference.sample_tokens(x, pos, **kn)
     return out.get(), table.get(), want, rows
 
@@ -55,6 +57,46 @@ def test_kernel_tokens_equal_numpy_twin(S, V, ties):
         got, table, want, rows = _run(x, modes)
         np.testing.assert_array_equal(got, want, err_msg=f"modes {set(modes)}")
         np.testing.assert_array_equal(table[rows], np.maximum(want, 0))
+
+
+def test_one_instance_gives_the_twins_tokens_call_after_call():
+    """An instance keeps its counters between calls (the kernel leaves them zero): calls that
+    take every path in turn (greedy, plain, the compact and the long top_k path, top_p, error
+    rows, one and many blocks per row) on one instance each give the numpy twin's tokens."""
+    from vt.sampling.sampler import COUNTER_ROWS
+    rng = np.random.default_rng(17)
+    sampler, names = Sampler(), list(MODES)
+    for call in range(16):
+        S, V = (1, 8, 33, 128)[call % 4], (32000, 151936)[call // 4 % 2]
+        modes = [names[(call + j) % len(names)] for j in range(S)]
+        x = random_logits(rng, S, V, ties=call % 3 == 0)
+        if call % 5 == 2:
+            x[0, 3] = np.nan                        # an error row ends early in its path
+        got, table, want, rows = _run(x, modes, seed0=call, sampler=sampler)
+        np.testing.assert_array_equal(got, want, err_msg=f"call {call}: S={S} V={V}")
+        np.testing.assert_array_equal(table[rows], np.maximum(want, 0))
+    dev = cp.cuda.Device().id
+    assert not sampler._counters[dev][:].get().any()   # left zero, as the next call needs
+    assert COUNTER_ROWS >= 128
+
+
+def test_top_k_far_below_the_max_counts_every_first_digit():
+    """The scan counts first digits only near each thread's max; a row whose k-th largest logit
+    is far below its max (one outlier, k = 3000) must count them all again and still give the
+    twin's token. A hot temperature keeps the outlier from winning every draw."""
+    rng = np.random.default_rng(23)
+    S, V = 6, 32000
+    x = random_logits(rng, S, V)
+    x[np.arange(S), rng.integers(0, V, S)] = 40.0
+    kn = dict(temperature=np.full(S, 30.0, np.float32), top_k=np.array([3000, 3000, 50, 2000, 3000, 700], np.int32),
+              top_p=np.array([1.0, 0.9, 1.0, 1.0, 0.5, 1.0], np.float32), min_p=np.zeros(S, np.float32),
+              seed=np.arange(S, dtype=np.uint64) + 5)
+    pos = np.arange(S, dtype=np.int32) + 9
+    out, table = cp.full(S, -12345, cp.int32), cp.full(S + 1, -777, cp.int32)
+    Sampler().run_cupy(0, cp.asarray(x), cp.arange(S, dtype=cp.int32), cp.asarray(pos),
+                       *(cp.asarray(kn[n]) for n in ("temperature", "top_k", "top_p", "min_p", "seed")),
+                       out, table)
+    np.testing.assert_array_equal(out.get(), reference.sample_tokens(x, pos, **kn))
 
 
 def test_error_rows_get_minus_one_and_table_zero():
@@ -94,7 +136,8 @@ def test_gpu_distribution_matches_sort_reference(mode):
 
 
 def test_captured_graph_replays_the_same_tokens():
-    """Launches captured on a CuPy stream replay to the eager tokens (no host sync inside)."""
+    """Launches captured on a CuPy stream replay to the eager tokens (no host sync inside),
+    replay after replay (the instance's counters are left zero for the next one)."""
     rng = np.random.default_rng(9)
     x = random_logits(rng, 8, 32000)
     modes = list(MODES)[:7] + ["combined"]
@@ -103,13 +146,15 @@ def test_captured_graph_replays_the_same_tokens():
     args += [kn[n] for n in ("temperature", "top_k", "top_p", "min_p", "seed")]
     out, table = cp.full(8, -5, cp.int32), cp.zeros(9, cp.int32)
     s = cp.cuda.Stream(non_blocking=True)
+    sampler = Sampler()
     with s:
-        Sampler().run_cupy(s.ptr, *args, out, table)   # compiles and fills the allocator's cache
+        sampler.run_cupy(s.ptr, *args, out, table)   # compiles, allocates its counters
         eager = out.get()
-        out.fill(-5)
         s.begin_capture()
-        Sampler().run_cupy(s.ptr, *args, out, table)
+        sampler.run_cupy(s.ptr, *args, out, table)
         g = s.end_capture()
-        g.launch(s)
-        s.synchronize()
-    np.testing.assert_array_equal(out.get(), eager)
+        for _ in range(3):
+            out.fill(-5)
+            g.launch(s)
+            s.synchronize()
+            np.testing.assert_array_equal(out.get(), eager)

@@ -30,7 +30,7 @@ from vt.sampling import Sampler
 _EMBED, _GATHER, _NORM, _ROPE, _KVW = K.EmbedTokens(), K.GatherRows(), K.RMSNorm(), K.RoPE(), K.KVWrite()
 _ATTN, _GDN, _ACT, _ROUTER, _COMBINE = K.PagedAttention(), K.GDN(), K.SiluMul(), K.Router(), K.Combine()
 _COMBINE_ROUTED = K.CombineRouted()
-_SAMPLE, _FILL = Sampler(), K.Fill()
+_FILL = K.Fill()
 _STAGING_BYTES = 64 << 20
 INVARIANT_ROWS = 64   # GEMM row block of a batch-invariant model (>= the default max_batch)
 
@@ -70,6 +70,7 @@ class HybridModel:
         self.states = {i: backend.empty(st_shape, np.float32) for i in cfg.gdn_layers}
         self.token_table = backend.empty((self.max_seqs + 1,), np.int32)   # [max_seqs + 1]
         self._iota = self._const(np.arange(self.max_batch + 1, dtype=np.int32))
+        self._sample = Sampler()   # its own: a Sampler's calls must run in order (sampler.py)
         # Everything a step can read is defined: padded rows read the scratch block and state,
         # and sanitizer runs (initcheck) flag reads of memory nobody wrote.
         for a in [*self.states.values(), *self.k_cache.values(), *self.v_cache.values(), self.token_table]:
@@ -184,7 +185,7 @@ class HybridModel:
     def sample(self, s, logits, inp, out_tokens) -> None:
         """out_tokens[S] int32 <- sampled tokens (each row's sampling knobs from `inp`; -1 for
         an error row: vt/sampling/sampler.py); also token_table[inp.token_rows]."""
-        self.be.launch(s, _SAMPLE, logits, inp.token_rows, inp.sample_positions, inp.temperature,
+        self.be.launch(s, self._sample, logits, inp.token_rows, inp.sample_positions, inp.temperature,
                        inp.top_k, inp.top_p, inp.min_p, inp.seed, out_tokens, self.token_table)
 
     def _padded(self, n: int) -> int:

@@ -44,7 +44,10 @@ __device__ void compact_finish(Row& R, const Work& w, u64* s, int k, bool p_on, 
     cand[at] = skey(v, i);
   });
   row_sync(&w.ctr[R.row], ++R.gen * R.B);
-  if (R.b != 0) return;
+  if (R.b != 0) {
+    if (last_block(&w.tick[R.row], R.B) && threadIdx.x == 0) reset_row(w, R.row);
+    return;
+  }
   const int n = (int)R.ncand;
   for (int j = threadIdx.x; j < n; j += NT) s[j] = __ldcg(&cand[j]);
   sort_desc(s, n);
@@ -76,6 +79,7 @@ __device__ void compact_finish(Row& R, const Work& w, u64* s, int k, bool p_on, 
   }
   r = block_race(r);
   if (threadIdx.x == 0) finish(R.row, r.i, out, rows, table);
+  if (last_block(&w.tick[R.row], R.B) && threadIdx.x == 0) reset_row(w, R.row);
 }
 
 """

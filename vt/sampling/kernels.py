@@ -21,6 +21,10 @@ from .compact import COMPACT
 from .device_code import PRELUDE
 
 _KERNELS = r"""
+// The scan counts a top_k row's first digits only from SPAN below the running max (8 digits: two
+// octaves of the float's magnitude): elements far below it rarely reach the top k, and counting
+// every element (a warp match and a shared atomic each) dominated a top_k row's first sweep.
+#define SPAN 8u
 __device__ Race merge_partials(const double* pk, const int* pi, int B) {
   Race q = {-INFINITY, 0x7fffffff, -INFINITY};
   for (int j = threadIdx.x; j < B; j += NT) race_merge(q, __ldcg(&pk[j]), __ldcg(&pi[j]));
@@ -54,6 +58,31 @@ __device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
   __syncthreads();
 }
 
+// A plain-temperature row's race over the block's chunk, the block's largest logit first (a
+// candidate whose key prunes the rest). Out of line: its loop gets the registers to itself
+// instead of sharing them with everything the kernel keeps live across it (which spilled).
+__device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t,
+                                        u64 best, u64 base) {
+  Race r = {-INFINITY, 0x7fffffff, -INFINITY};
+  race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), (int)(0xffffffffu - (u32)best), base);
+  each(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); });
+  return block_race(r);
+}
+
+// The race over the kept prefix (skey >= th, and min_p) of the block's chunk; the row's largest
+// logit (zm, token imax) is always kept and goes first: it prunes the rest. Out of line for the
+// same reason as plain_race.
+__device__ __noinline__ Race kept_race(const float* __restrict__ x, int c0, int c1, float inv_t,
+                                       double zmax, u64 th, double lmp, float zm, int imax, u64 base) {
+  Race r = {-INFINITY, 0x7fffffff, -INFINITY};
+  race_add(r, zm, imax, base);
+  each(x, c0, c1, [&](float v, int i) {
+    const float z = __fmul_rn(v, inv_t);
+    if (skey(v, i) >= th && (double)z - zmax >= lmp) race_add(r, z, i, base);
+  });
+  return block_race(r);
+}
+
 struct Row {  // what every block of a row knows alike
   const float* x; int row, b, B, C, V, c0, c1;
   float inv_t; double zmax;
@@ -69,9 +98,11 @@ __device__ __forceinline__ void count_digit(u32* hc, u32 d) {
 
 // Threshold of select `which` (0: the first `target` elements; 1: the shortest prefix of the
 // domain skey >= dom whose mass reaches top_p): kept iff skey >= the returned value. `counted`:
-// the scan already built level 0's counts in hc (top_k only).
+// the scan already built level 0's counts in hc (top_k only), exact for the digits >= exact_from
+// (the scan skips digits far below the row's max); when those hold fewer than `target`
+// elements, level 0 is counted again over every element.
 __device__ u64 select_thr(Row& R, const Work& w, u32* hc, u64* hm, int which, u64 target, u64 dom,
-                          double top_p, bool counted) {
+                          double top_p, bool counted, u32 exact_from = 0) {
   __shared__ u64 s_ac, s_am, s_keep; __shared__ u32 s_prefix, s_tie; __shared__ int s_hit;
   u32 prefix = 0; u64 ac = 0, am = 0;
   for (int level = 0; level < 3; ++level) {
@@ -105,13 +136,22 @@ __device__ u64 select_thr(Row& R, const Work& w, u32* hc, u64* hm, int which, u6
     }
     row_sync(&w.ctr[R.row], ++R.gen * R.B);
     ++R.pass;
-    for (int d = threadIdx.x; d < nb; d += NT) { hc[d] = __ldcg(&gc[d]); hm[d] = __ldcg(&gm[d]); }
+    const bool partial = counted && level == 0;
+    for (int d = threadIdx.x; d < nb; d += NT) {
+      hc[d] = partial && (u32)d < exact_from ? 0u : __ldcg(&gc[d]);
+      hm[d] = __ldcg(&gm[d]);
+    }
     __syncthreads();
     const int per = nb / NT, hi = nb - 1 - threadIdx.x * per;  // this thread's buckets, descending
     u64 sc = 0, sm = 0;
     for (int j = 0; j < per; ++j) { sc += hc[hi - j]; sm += hm[hi - j]; }
     u64 ec = sc, em = sm, tc, tm;
     block_exscan2(ec, em, tc, tm);
+    if (partial && tc < target) {  // the k-th largest is below the exact digits: count them all
+      counted = false;
+      level = -1;
+      continue;
+    }
     if (which == 1 && level == 0) {  // the mass of the domain is known now: top_p's target
       const double want = ceil(top_p * (double)tm);
       target = want >= (double)tm ? tm : want < 1.0 ? 1ull : (u64)want;
@@ -186,13 +226,13 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     const float* __restrict__ logits, const int* __restrict__ rows, const int* __restrict__ pos,
     const float* __restrict__ temp, const int* __restrict__ topk, const float* __restrict__ topp,
     const float* __restrict__ minp, const u64* __restrict__ seed, int* __restrict__ out,
-    int* __restrict__ table, unsigned char* __restrict__ wsp, int S, int V, int B, int C) {
+    int* __restrict__ table, unsigned char* __restrict__ cnt, unsigned char* __restrict__ wsp, int S,
+    int V, int B, int C) {
   Row R;
   R.row = blockIdx.x / B; R.b = blockIdx.x - R.row * B; R.B = B; R.C = C; R.V = V;
   R.x = logits + (size_t)R.row * V; R.c0 = R.b * C; R.c1 = min(V, R.c0 + C);
   R.gen = 0; R.pass = 0; R.ncand = 0; R.d0 = 0;
   const int row = R.row, b = R.b;
-  const Work w = layout(wsp, S, B);
   const float t = temp[row];
   const bool greedy = !(t > 0.f);
   R.inv_t = greedy ? 1.f : __frcp_rn(t);
@@ -202,17 +242,17 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   const u64 base = mix64(seed[row] * GAMMA + (u64)(u32)pos[row]);
   __shared__ u32 hc[NB];
   __shared__ u64 hm[NB];
-  if (k_on || p_on) zero_hist(w, row, 0, b, B);
+  if (k_on || p_on) zero_hist(layout(cnt, wsp, S, B), row, 0, b, B);
   if (k_on) {  // top_k's first digit needs no scan result: counted in the same sweep
     for (int d = threadIdx.x; d < NB; d += NT) { hc[d] = 0; hm[d] = 0; }
     __syncthreads();
   }
   u64 best = 0; bool bad = false;
-  if (k_on) {
+  if (k_on) {  // count first digits from SPAN below this thread's running max (select_thr)
     each(R.x, R.c0, R.c1, [&](float v, int i) {
       bad |= (v != v) || (v == INFINITY);
       const u64 s = skey(v, i); best = s > best ? s : best;
-      count_digit(hc, s >> 53);
+      if ((u32)(s >> 53) + SPAN >= (u32)(best >> 53)) count_digit(hc, s >> 53);
     });
   } else {  // a separate loop: the warp-synchronous count would slow every greedy row's sweep
     each(R.x, R.c0, R.c1, [&](float v, int i) {
@@ -223,11 +263,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   best = block_max_u64(best);
   bad = __syncthreads_or(bad);
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
-  if (plain) {  // the block's largest logit first: a candidate whose key prunes the rest
-    race_add(r, __fmul_rn(unokey((u32)(best >> 32)), R.inv_t), (int)(0xffffffffu - (u32)best), base);
-    each(R.x, R.c0, R.c1, [&](float v, int i) { race_add(r, __fmul_rn(v, R.inv_t), i, base); });
-    r = block_race(r);
-  }
+  if (plain) r = plain_race(R.x, R.c0, R.c1, R.inv_t, best, base);
+  // The workspace's pointers are computed here, after the sweeps: live across them they
+  // took registers the sweeps' loops then spilled for.
+  const Work w = layout(cnt, wsp, S, B);
   if (threadIdx.x == 0) {
     atomicMax(&w.maxk[row], best);
     if (bad) atomicOr(&w.bad[row], 1u);
@@ -241,35 +280,40 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     const float zmax = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
     const int tok = __ldcg(&w.bad[row]) || !isfinite(zmax) ? -1 : plain ? won : (int)(0xffffffffu - (u32)m);
     finish(row, tok, out, rows, table);
+    reset_row(w, row);
     return;
   }
   row_sync(&w.ctr[row], ++R.gen * B);
   const u64 m = __ldcg(&w.maxk[row]);
   const int imax = (int)(0xffffffffu - (u32)m);
   const float zm = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
-  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // also all -inf: zmax = -inf
-    if (b == 0 && threadIdx.x == 0) finish(row, -1, out, rows, table);
+  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // also all -inf: zmax = -inf (every block sees it)
+    if (last_block(&w.tick[row], B) && threadIdx.x == 0) {
+      finish(row, -1, out, rows, table);
+      reset_row(w, row);
+    }
     return;
   }
   R.zmax = zm;
   const double lmp = m_on ? log((double)minp[row]) : -INFINITY;
-  const u64 tk = k_on ? select_thr(R, w, hc, hm, 0, (u64)k, 0, 0.0, true) : 0;
+  // Every thread counted the digits from SPAN below its own max, so all from SPAN below the
+  // row's max: level 0 is exact there.
+  const u32 exact_from = (u32)(m >> 53) > SPAN ? (u32)(m >> 53) - SPAN : 0u;
+  const u64 tk = k_on ? select_thr(R, w, hc, hm, 0, (u64)k, 0, 0.0, true, exact_from) : 0;
   if (R.ncand) {
     compact_finish(R, w, hm, k, p_on, (double)topp[row], lmp, base, out, rows, table);
     return;
   }
   const u64 tp = p_on ? select_thr(R, w, hc, hm, 1, 0, tk, (double)topp[row], false) : 0;
   const u64 th = tk > tp ? tk : tp;
-  race_add(r, zm, imax, base);  // the largest logit is always kept: it prunes the rest
-  each(R.x, R.c0, R.c1, [&](float v, int i) {
-    const float z = __fmul_rn(v, R.inv_t);
-    if (skey(v, i) >= th && (double)z - R.zmax >= lmp) race_add(r, z, i, base);
-  });
-  r = block_race(r);
+  r = kept_race(R.x, R.c0, R.c1, R.inv_t, R.zmax, th, lmp, zm, imax, base);
   if (threadIdx.x == 0) { w.pk[row * B + b] = r.k; w.pi[row * B + b] = r.i; }
   if (!last_block(&w.tick[row], B)) return;
   const int won = merge_partials(w.pk + row * B, w.pi + row * B, B).i;
-  if (threadIdx.x == 0) finish(row, won, out, rows, table);
+  if (threadIdx.x == 0) {
+    finish(row, won, out, rows, table);
+    reset_row(w, row);
+  }
 }
 """
 

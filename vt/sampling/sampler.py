@@ -1,8 +1,15 @@
 """The sampler's launch object: the same protocol as the model's kernels (run_numpy on the sim,
-run_cupy on the current CuPy stream; capturable: no host sync, two kernel nodes, its one
-workspace comes from CuPy's allocator (its counters zeroed by the first kernel, its
-histograms by the kernel itself), every scalar is baked into the launch). The first call of each
-build (V % 4 == 0 with 16-byte aligned logits, or not) compiles it, so it must be eager.
+run_cupy on the current CuPy stream; capturable: no host sync, one kernel node, its
+workspace comes from CuPy's allocator (its histograms zeroed by the kernel itself), every
+scalar is baked into the launch). The first call of each build (V % 4 == 0 with 16-byte aligned
+logits, or not) compiles it, and the first call of an instance allocates its counters, so both
+must be eager.
+
+The kernel's per-row counters must be zero at launch, and the kernel leaves them zero: each
+instance keeps one zeroed counter buffer for up to COUNTER_ROWS rows and needs no zeroing node
+(a node in a graph costs every replay device time). So an instance's calls must run in order,
+on one stream at a time, as one model's steps do; a call with more rows takes per-call counters
+zeroed by a kernel first.
 
 The kernel's blocks of one row wait for each other at barriers; the grid is sized to fit on the
 GPU at once (split), so they never wait for a block that cannot start, unless another stream
@@ -24,10 +31,11 @@ from __future__ import annotations
 import numpy as np
 
 from . import reference
-from .device_code import workspace_bytes, zeroed_bytes
+from .device_code import counter_bytes, workspace_bytes
 from .kernels import BLOCKS_PER_SM, CODE
 
 _MIN_CHUNK = 1024      # elements per block: below this a block is mostly launch overhead
+COUNTER_ROWS = 4096    # rows whose counters an instance keeps zeroed between calls
 
 
 def split(S: int, V: int, sms: int) -> tuple[int, int]:
@@ -43,6 +51,9 @@ class Sampler:
     """logits [S, V] f32 -> out_tokens [S] i32 and token_table[token_rows] (see the module doc)."""
 
     name = "sample"
+
+    def __init__(self):
+        self._counters = {}    # CUDA device id -> this instance's zeroed counter buffer
 
     def run_numpy(self, logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
                   out_tokens, token_table):
@@ -64,12 +75,28 @@ class Sampler:
         vec = int(V % 4 == 0 and logits.data.ptr % 16 == 0)
         B, C = split(S, V, sm_count())
         ws = cp.empty(workspace_for(S, V, sm_count()), cp.uint8)
-        # The counters are zeroed by a kernel, not cudaMemsetAsync: inside a graph a memset
-        # node adds ~2 µs to every cudaGraphLaunch on the host, a kernel node next to nothing.
-        _zero_kernel(cp)(ws[:zeroed_bytes(S)].view(cp.uint32))
+        cnt = self._zeroed_counters(cp, S, ws)
         cuda_function(CODE, "sample", VEC4=vec)(
             (S * B,), (256,), (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
-                               out_tokens, token_table, ws, np.int32(S), np.int32(V), np.int32(B), np.int32(C)))
+                               out_tokens, token_table, cnt, ws, np.int32(S), np.int32(V), np.int32(B),
+                               np.int32(C)))
+
+    def _zeroed_counters(self, cp, S: int, ws):
+        """Counters for S rows that are zero now: the instance's own buffer (the kernel leaves
+        it zero), or for more than COUNTER_ROWS rows the tail of this call's workspace zeroed
+        by a kernel (not cudaMemsetAsync: inside a graph a memset node adds ~2 µs to every
+        cudaGraphLaunch on the host, a kernel node next to nothing)."""
+        if S > COUNTER_ROWS:
+            n = counter_bytes(S)
+            cnt = ws[(ws.size - n) // 8 * 8:][:n]      # 8-byte aligned; workspace_for counts it
+            _zero_kernel(cp)(cnt.view(cp.uint32))
+            return cnt
+        dev = cp.cuda.Device().id
+        if dev not in self._counters:
+            cnt = cp.empty(counter_bytes(COUNTER_ROWS), cp.uint8)
+            _zero_kernel(cp)(cnt.view(cp.uint32))
+            self._counters[dev] = cnt
+        return self._counters[dev]
 
 
 _ZERO: list = []
@@ -88,9 +115,12 @@ def workspace_for(S: int, V: int, sms: int) -> int:
     16 bytes each), so that the few sizes of workspace_sizes() cover every S and a pool warmed
     with them serves every later call without growing (prefill steps sample any row count)."""
     rows = 1 << max(0, S - 1).bit_length()
-    return workspace_bytes(rows, 1) + 16 * max(rows, BLOCKS_PER_SM * sms) + 64
+    return (workspace_bytes(rows, 1) + 16 * max(rows, BLOCKS_PER_SM * sms) + 64
+            + (counter_bytes(rows) if rows > COUNTER_ROWS else 0))
 
 
 def workspace_sizes(max_rows: int, V: int, sms: int) -> list[int]:
-    """Every size workspace_for gives for 1..max_rows rows (one per power of two)."""
-    return sorted({workspace_for(1 << k, V, sms) for k in range(max(1, max_rows - 1).bit_length() + 1)})
+    """Every size workspace_for gives for 1..max_rows rows (one per power of two), and the
+    size of an instance's counter buffer (its first call may come inside a capture)."""
+    return sorted({workspace_for(1 << k, V, sms) for k in range(max(1, max_rows - 1).bit_length() + 1)}
+                  | {counter_bytes(COUNTER_ROWS)})
