@@ -58,9 +58,8 @@ __device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
   __syncthreads();
 }
 
-// A plain-temperature row's race over the block's chunk, the block's largest logit first (a
-// candidate whose key prunes the rest). Out of line: its loop gets the registers to itself
-// instead of sharing them with everything the kernel keeps live across it (which spilled).
+// A plain-temperature row's race over the block's chunk, its largest logit first (it prunes the
+// rest). Out of line: the loop gets the registers to itself (inline, the kernel spilled).
 __device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t,
                                         u64 best, u64 base) {
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
@@ -69,9 +68,8 @@ __device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int
   return block_race(r);
 }
 
-// The race over the kept prefix (skey >= th, and min_p) of the block's chunk; the row's largest
-// logit (zm, token imax) is always kept and goes first: it prunes the rest. Out of line for the
-// same reason as plain_race.
+// The race over the kept prefix (skey >= th, and min_p) of the block's chunk, the row's largest
+// logit (zm, token imax: always kept) first. Out of line for the same reason as plain_race.
 __device__ __noinline__ Race kept_race(const float* __restrict__ x, int c0, int c1, float inv_t,
                                        double zmax, u64 th, double lmp, float zm, int imax, u64 base) {
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
