@@ -86,7 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-bar", action="store_true", help="plain progress lines, no tqdm bar")
     p.add_argument("--from-json", nargs="+", metavar="JSON",
                    help="measure nothing: print the tables of saved results (several runs of one "
-                        "workload are merged, e.g. one per preset) and write --json/--png from them")
+                        "workload are merged, e.g. one per preset; sampler results one at a time) and write "
+                        "--json/--png from them")
     p.add_argument("--json", help="write the results (every column of every cell) to this path (checked before "
                         "the run, written whole or not at all)")
     p.add_argument("--png", help="write the plot to this path, a name ending in .png (needs matplotlib: "
@@ -233,6 +234,9 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
             if any(isinstance(r, dict) and r.get("format") == serve_report.FORMAT for r in loaded):
                 res = serve_report.read_results(args.from_json, loaded)
                 return _emit_serve(res, serve_report.table(res), args)   # a damaged cell: here
+            if len(loaded) == 1 and isinstance(loaded[0], dict) and loaded[0].get("workload") == "sampler":
+                from vt.cli.bench import sampler
+                return _print_and_write(loaded[0], sampler.table(loaded[0]), args, sampler) or 0
             res = report.merge([report.read_json(p, r) for p, r in zip(args.from_json, loaded)])
             text = report.table(res)
         except report.BadResultFile as e:

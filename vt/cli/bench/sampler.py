@@ -171,6 +171,8 @@ def write_png(res: dict, path: str) -> None:
             pts = sorted((r["S"], r["ratio"]) for r in res["rows"] if r["V"] == V and r["mode"] == mode)
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"V={V}")
         ax.axhline(1.0, color="gray", lw=0.8)
+        if mode != "greedy":   # the target: half of torch's time (greedy's is 1.0, the line above)
+            ax.axhline(0.5, color="gray", lw=0.8, ls="--")
         ax.set_xscale("log", base=2)
         ax.set_title(mode)
         ax.set_xlabel("rows S")
