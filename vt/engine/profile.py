@@ -1,14 +1,16 @@
 """LoopProfile: the timing hooks the engine loop calls when profile=True.
 
 The loop is the same with and without them (each hook is behind one `if`), so the profiled
-host split describes the path that serves. The first SAMPLE iterations of a call and then
-one in SAMPLE are timed (every one with a trace): a timed iteration is split into plan (the scheduler), the runner's acquire / refresh
-/ launch / drain (timed inside the runner while `runner.timed` is set), collect (the tokens,
+host split describes the path that serves. The first FIRST iterations of a call and then
+one in EVERY are timed (every one with a trace): a timed iteration is split into plan (the
+scheduler), the runner's acquire / refresh / launch / drain (timed inside the runner while `runner.timed` is set), collect (the tokens,
 their bookkeeping, the progress callback) and the rest ("other" in vt bench), and its step
 gets device timing events (every step that prefills gets them too, timed or not: the runner's
 _launch_eager says why). Timing every step would cost the host several µs per step (clock
 reads, two event records and a query), making the profiled loop slower than the one it
-describes; a phase's split per step is its sums over `timed_steps`.
+describes; a phase's split per step is its sums over `timed_steps`. One in 16 still cost the
+H200 loop about 12 % of its host time per step at 20 µs steps, one in 64 about 6 %
+(docs/benchmarks.md, section 2).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import time
 
 # The runner's own timed parts (vt/runner/plan.py RunnerStats) that a phase accumulates.
 RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
-SAMPLE = 16
+FIRST = 16   # a call's first iterations, all timed: a short call still gets a split
+EVERY = 64   # then one iteration in EVERY
 
 
 class LoopProfile:
@@ -24,22 +27,22 @@ class LoopProfile:
 
     def __init__(self, runner):
         self._runner, self._rs = runner, runner.stats
-        self._every = 1 if runner.tracer.enabled else SAMPLE
+        self._every = 1 if runner.tracer.enabled else EVERY
         self._n = 0
         self._t0 = self._t1 = self._t2 = 0.0
         self._before = (0.0,) * 4
         runner.timed = False
 
     def start_call(self) -> None:
-        """A generate() call's loop starts: its first SAMPLE iterations are timed."""
+        """A generate() call's loop starts: its first FIRST iterations are timed."""
         self._n = 0
 
     def begin(self) -> bool:
         """An iteration starts; returns whether it is timed (the loop then calls planned,
-        launched and end): the call's first SAMPLE iterations, so that a short call still
-        gets a split, then one in SAMPLE."""
+        launched and end): the call's first FIRST iterations, so that a short call still
+        gets a split, then one in EVERY."""
         self._n += 1
-        if self._n > SAMPLE and self._n % self._every:
+        if self._n > FIRST and self._n % self._every:
             return False
         rs = self._rs
         self._before = (rs.acquire_s, rs.refresh_s, rs.launch_s, rs.drain_s)
