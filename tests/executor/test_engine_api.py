@@ -118,6 +118,29 @@ def test_stats_report_steps_waits_and_pool(sim_backend):
     assert dec["wall_s"] > 0 and dec["refresh_s"] > 0 and dec["launch_s"] > 0 and dec["device_ms"] > 0
 
 
+def test_set_profile_times_the_same_engine_only_while_on(sim_backend, delayed_sim):
+    """set_profile switches the timing of one engine between calls: the host split and the
+    device time grow only over the profiled call, the tokens are the same in all three, and
+    switching while the engine serves is refused."""
+    with _engine(sim_backend, async_executor=True) as eng:
+        runs, timed = [], []
+        for on in (False, True, False):
+            eng.set_profile(on)
+            assert eng.profile is on
+            runs.append([r.tokens for r in eng.generate([[1, 2], [3]], max_new_tokens=8)])
+            dec = eng.stats()["phases"]["decode"]
+            timed.append((dec["timed_steps"], dec["device_steps"]))
+    assert runs[0] == runs[1] == runs[2]
+    assert timed[0] == (0, 0) and timed[1][0] > 0 and timed[1][1] > 0 and timed[2] == timed[1]
+    with _engine(delayed_sim, async_executor=True) as eng:
+        busy = eng.submit([1, 2], max_new_tokens=40)
+        next(iter(busy.stream()))
+        with pytest.raises(RuntimeError, match="call it while it is idle"):
+            eng.set_profile(True)
+        busy.result()
+        eng.set_profile(True)
+
+
 def test_trace_is_chrome_json_with_host_and_device_spans(sim_backend, tmp_path):
     """The trace is Chrome JSON with host spans (refresh, launch, waits) and device spans."""
     path = tmp_path / "trace.json"

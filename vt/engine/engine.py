@@ -122,6 +122,21 @@ class Engine(ServingLoop):
                                self.model.geometry, self.model.vocab, self._sched.blocks.capacity)
         return self._enqueue([req], number=True)[0]
 
+    def set_profile(self, on: bool) -> None:
+        """Switch profile=True's timing (Engine's docstring) on or off for the calls that
+        follow, on this engine and its captured graphs: the same loop timed and untimed,
+        without a second engine. Only while the engine is idle (RuntimeError otherwise);
+        with a trace it stays on."""
+        with self._state_lock:
+            self._check_open()
+            if not self.idle():
+                raise RuntimeError("Engine.set_profile: the engine is serving; call it while "
+                                   "it is idle (nothing queued or running)")
+            with driving(self._model_key, "Engine.set_profile()"):   # the loop has let go
+                self.runner.set_profile(on)
+                self.profile = self.runner.profile
+                self._loop_profile = LoopProfile(self.runner) if self.profile else None
+
     async def stream_async(self, prompt, **kwargs):
         """`async for tok in engine.stream_async(prompt, max_new_tokens=...)`: submit() and the
         tokens as they arrive, without blocking the event loop. Leaving the loop early (break,

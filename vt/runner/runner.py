@@ -71,14 +71,22 @@ class Runner:
         self._ring_for = self.driver.ring_for
         self._record = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(2)],
                         [be.event(blocking_sync=True) for _ in range(2)]) if record_logits else None
-        self.timed = self.profile   # time the next launch (host split + device events)
         self._n_timed = 0
-        self._timing = ([tuple(be.event(blocking_sync=True, timing_enabled=True) for _ in range(2))
-                         for _ in range(2)] if self.profile else None)
+        self._timing = None
+        self.set_profile(self.profile)
         self._last: StepHandle | None = None
         self._inflight: list[StepHandle] = []
         self._steps = 0
         self._closed = False
+
+    def set_profile(self, on: bool) -> None:
+        """Profile from the next launch on (always with a trace). The timing events are made
+        the first time; call it between steps only (Engine.set_profile: while idle)."""
+        self.profile = bool(on) or self.tracer.enabled
+        if self.profile and self._timing is None:
+            self._timing = [tuple(self.be.event(blocking_sync=True, timing_enabled=True)
+                                  for _ in range(2)) for _ in range(2)]
+        self.timed = self.profile   # time the next launch (host split + device events)
 
     def capture(self) -> None:
         """Capture every graph (warm-up, pre-grow and capture per size: vt/graphs/capture.py)."""

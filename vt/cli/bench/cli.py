@@ -72,8 +72,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"seconds of device work queued before the first cell, so that it does not "
                         f"run at idle clocks, at most {lim.MAX_WARMUP_S:g} (default: 1 on cuda, 0 on sim)")
     p.add_argument("--profile", default="both", choices=["both", "off"],
-                   help="both: each vt cell runs again on an engine with profile=True for the host "
-                        "split and device time; off: throughput only")
+                   help="both: each vt cell's engine runs again profiled (Engine.set_profile) for the "
+                        "host split and device time; off: throughput only")
     p.add_argument("--wait-poll-us", type=float, default=None,
                    help=f"vt's engines poll an event this long before blocking on it, 0 to below "
                         f"{lim.MAX_WAIT_POLL_US:g} (default: vt's own, vt/backend/waits.py); e.g. longer "

@@ -1,5 +1,5 @@
 """How one vt cell is measured, for every workload: engines per mode (a throughput one and a
-profiled one), the median of --repeats timed runs, and the cell's row."""
+profiled runs of the same engine), the median of --repeats timed runs, and the cell's row."""
 from __future__ import annotations
 
 from vt.cli.bench import cells
@@ -42,18 +42,21 @@ def _decode_step_s(delta: dict) -> float:
 
 
 def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=None,
-            repeats: int = 1) -> dict:
-    fast, prof = engines[mode, False], engines.get((mode, True))
-    # Unprofiled and profiled runs alternate, and each side keeps its median run: the profile's
-    # cost is the difference of the two, and the host drifts between runs by as much.
+            repeats: int = 1, profiled: bool = False) -> dict:
+    eng = engines[mode]
+    # With `profiled`, unprofiled and profiled runs alternate on the one engine
+    # (Engine.set_profile), and each side keeps its median run: the profile's cost is the
+    # difference of the two, and the host drifts between runs by as much as that.
     runs, prof_runs = [], []
     for _ in range(repeats):
-        runs.append(run_vt(fast, prompts, new_tokens))
-        if prof is not None:
-            prof_runs.append(run_vt(prof, prompts, new_tokens))
+        runs.append(run_vt(eng, prompts, new_tokens))
+        if profiled:
+            eng.set_profile(True)
+            prof_runs.append(run_vt(eng, prompts, new_tokens))
+            eng.set_profile(False)
     (d_fast, tokens), times = median_run(runs, lambda r: _decode_step_s(r[0]))
     d_prof = median_run(prof_runs, lambda r: _decode_step_s(r[0]))[0][0] if prof_runs else None
-    ceiling = fast.device_ceiling_us(conc, replays=replays)
+    ceiling = eng.device_ceiling_us(conc, replays=replays)
     if any(t != tokens for _, t in runs + prof_runs):
         raise RuntimeError(f"{mode} {ident}: the repeated runs of one cell (profiled or not) "
                            f"sampled different tokens")
@@ -64,8 +67,9 @@ def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=Non
     return row
 
 
-def profiles(args) -> tuple[bool, ...]:
-    return (False, True) if args.profile == "both" else (False,)
+def profiled(args) -> bool:
+    """Whether each vt cell also runs profiled (--profile both)."""
+    return args.profile == "both"
 
 
 def done_line(row: dict) -> str:
@@ -76,17 +80,16 @@ def done_line(row: dict) -> str:
 
 def mode_cell(be, model, mode: str, conc: int, ident: dict, prompts, args, progress,
               label: str) -> dict:
-    """One vt cell of a model workload: the mode's engines (throughput and profiled), the
-    cell's median run, the engines closed again (the next mode captures its own)."""
+    """One vt cell of a model workload: the mode's engine, the cell's median run (profiled
+    runs too with --profile both), the engine closed again (the next mode captures its own)."""
     engines = {}
     try:
-        for prof in profiles(args):
-            engines[mode, prof] = make_engine(be, model, mode, conc, profile=prof,
-                                              max_prefill_tokens=conc * args.prompt_len,
-                                              wait_poll_us=args.wait_poll_us)
-            progress.step(f"captured {label}{mode} S={conc}{' (profiled)' if prof else ''}")
+        engines[mode] = make_engine(be, model, mode, conc, profile=False,
+                                    max_prefill_tokens=conc * args.prompt_len,
+                                    wait_poll_us=args.wait_poll_us)
+        progress.step(f"captured {label}{mode} S={conc}")
         row = vt_cell(engines, mode, ident, prompts, args.steps + 1, conc, args.ceiling_replays,
-                      repeats=args.repeats)
+                      repeats=args.repeats, profiled=profiled(args))
         progress.step(done_line(row))
         return row
     finally:

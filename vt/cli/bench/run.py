@@ -2,8 +2,8 @@
 
 Each cell serves `conc` requests whose prompts all prefill in the first step, then decode
 `steps` steps of exactly `conc` rows: the decode phase is `steps` graph steps at one padded
-size, the prefill is one step, reported apart. Every vt cell runs twice on two engines of
-the same mode: without profiling (steps/s: nothing added to the loop) and with it (host
+size, the prefill is one step, reported apart. Every vt cell's engine runs twice per repeat:
+without profiling (steps/s: nothing added to the loop) and with it (Engine.set_profile: host
 split, device time, GPU idle). Cells are interleaved (per conc and D, every mode in turn)
 so that drift hits all modes alike; compare ratios, not absolute times across runs.
 
@@ -22,13 +22,13 @@ import time
 import numpy as np
 
 from vt.cli.bench import cells, torch_peer
-from vt.cli.bench.measure import done_line, make_engine, median_run, mode_cell, profiles, vt_cell
+from vt.cli.bench.measure import done_line, make_engine, median_run, mode_cell, profiled, vt_cell
 from vt.cli.bench.synthetic import SyntheticModel, expected_tokens
 
 
 def plan_total(args, torch_ok: bool) -> int:
     """Progress units: set-up, each engine (capture), each cell."""
-    per_mode = 2 if args.profile == "both" else 1
+    per_mode = 1   # one engine per mode: --profile both switches its profile between runs
     if args.workload == "synthetic":
         peer = len(torch_peer.VARIANTS) if torch_ok else 0
         return 1 + len(args.conc) * (len(args.modes) * per_mode + (1 if torch_ok else 0)
@@ -65,11 +65,10 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
         engines, peer = {}, None
         try:
             for mode in args.modes:
-                for prof in profiles(args):
-                    engines[mode, prof] = make_engine(be, model.model, mode, conc, profile=prof,
-                                                      max_prefill_tokens=conc * args.prompt_len,
-                                                      wait_poll_us=args.wait_poll_us)
-                    progress.step(f"captured {mode} S={conc}{' (profiled)' if prof else ''}")
+                engines[mode] = make_engine(be, model.model, mode, conc, profile=False,
+                                            max_prefill_tokens=conc * args.prompt_len,
+                                            wait_poll_us=args.wait_poll_us)
+                progress.step(f"captured {mode} S={conc}")
             if reason is None:
                 try:
                     peer = torch_peer.TorchPeer(conc, vocab)
@@ -82,7 +81,8 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
                 ident = dict(workload="synthetic", conc=conc, spin_us=d)
                 for mode in args.modes:
                     rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
-                                        args.ceiling_replays, expect, args.repeats))
+                                        args.ceiling_replays, expect, args.repeats,
+                                        profiled(args)))
                     progress.step(done_line(rows[-1]))
                 if peer is not None:
                     peer.set_device_us(d)
