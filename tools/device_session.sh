@@ -2,7 +2,7 @@
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
 # Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
-#   sampler profile serve torch
+#   sampler profile serve torch prefill
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
@@ -46,15 +46,19 @@ for s in "${stages[@]}"; do
             done; done ;;
     run) stage run python3 -m vt run ;;
     sampler) stage sampler python3 -m vt bench --workload sampler --no-bar --json "$OUT/sampler.json" ;;
-    profile) stage profile python3 -m vt bench --workload synthetic --device-us 0 --conc 1 32 \
-               --modes drain ring --no-torch --repeats 5 --warmup-s 0.5 --vocab 32000 --profile both \
-               --no-bar --json "$OUT/profile.json" ;;
+    profile) for v in control default control default; do   # the control: the noise floor
+               stage "profile-$v" python3 tools/profile_overhead.py $v --workload synthetic \
+                 --device-us 0 --conc 1 32 --modes drain ring --no-torch --repeats 9 --warmup-s 0.5 \
+                 --vocab 32000 --steps 3000 --no-bar
+             done ;;
     serve) stage serve-small python3 -m vt bench --workload serve --preset bench-small \
              --modes sync drain ring staged --arrival closed poisson --clients 16 32 --rate 100 300 \
              --output-len 128 256 --requests 96 --no-bar --json "$OUT/serve-small.json"
            stage serve-dense python3 -m vt bench --workload serve --preset bench-dense \
              --modes sync drain ring staged --arrival closed poisson --clients 16 32 --rate 30 70 \
              --output-len 128 256 --requests 64 --no-bar --json "$OUT/serve-dense.json" ;;
+    prefill) stage prefill python3 tools/profile_prefill.py --preset bench-small --seqs 1 4 16 \
+               --prompt-len 16 40 64 --json "$OUT/prefill.json" ;;
     torch) stage torch-tests python3 -m pytest -q -rs -m gpu tests/torch
            stage torch-memcheck bash tools/sanitize.sh memcheck tests/torch
            stage torch-bench python3 -m vt bench --workload torch --conc 1 32 --steps 100 --repeats 2 \

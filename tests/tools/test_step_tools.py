@@ -28,3 +28,16 @@ def test_profile_step_on_the_sim(capsys, monkeypatch):
                        "--context", "8", "--iters", "2", "--repeats", "1", "--mode", "remove"])
     out = capsys.readouterr().out
     assert "S=2: captured step" in out and "gemm" in out and "sample" in out
+
+
+def test_profile_prefill_on_the_sim(tmp_path):
+    """Each (seqs, prompt length) prefills eagerly and from a captured graph, with no driver
+    malloc during the capture (the fixture counts them), and reports all three times."""
+    profile_prefill = load_tool("profile_prefill")
+    out = tmp_path / "prefill.json"
+    assert profile_prefill.main(["--backend", "sim", "--preset", "tiny-dense", "--max-seqs", "4",
+                                 "--seqs", "1", "2", "--prompt-len", "5", "--iters", "2",
+                                 "--repeats", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["seqs"], r["prompt_len"]) for r in rows] == [(1, 5), (2, 5)]
+    assert all(r["host_ms"] > 0 and r["eager_ms"] > 0 and r["graph_ms"] > 0 for r in rows)
