@@ -61,14 +61,19 @@ def test_cell_metrics_formulas_on_known_token_times():
     zero = dict(steps=0, graph_steps=0, eager_steps=0, mixed_steps=0, prefill_steps=0,
                 drains=0, drain_s=0.0, device_ms=0.0, token_wait_s=0.0, ring_waits=0,
                 drains_after={}, phases={k: dict(steps=0, wall_s=0.0, wait_s=0.0, device_ms=0.0,
-                                                 device_steps=0)
+                                                 device_steps=0, timed_steps=0, plan_s=0.0,
+                                                 launch_s=0.0, collect_s=0.0, drain_s=0.0)
                                          for k in ("decode", "prefill")})
-    # the profile timed 2 of the 8 decode steps (250 ms each) and 1 of the 2 mixed (500 ms)
+    # the profile timed 2 of the 8 decode steps (250 ms each) and 1 of the 2 mixed (500 ms,
+    # 3 ms of it the host enqueueing it)
     after = dict(zero, steps=10, graph_steps=8, mixed_steps=2, drains=2, device_ms=1000.0,
                  drains_after={"mixed": 2},
-                 phases=dict(decode=dict(steps=8, wall_s=0.0, wait_s=0.0, device_ms=500.0, device_steps=2),
-                             prefill=dict(steps=2, wall_s=0.0, wait_s=0.0, device_ms=500.0, device_steps=1)))
+                 phases=dict(decode=dict(zero["phases"]["decode"], steps=8, device_ms=500.0,
+                                         device_steps=2),
+                             prefill=dict(zero["phases"]["prefill"], steps=2, device_ms=500.0,
+                                          device_steps=1, timed_steps=1, launch_s=0.003)))
     m = cell_metrics([handle(0.5), handle(1.0)], res, 4.0, zero, after)
+    assert m["phases"]["prefill"]["launch_s"] / m["phases"]["prefill"]["timed_steps"] == 0.003
     assert m["ttft_ms_p50"] == pytest.approx(np.percentile([500.0, 1000.0], 50))
     assert m["tpot_ms_p99"] == pytest.approx(np.percentile([750.0, 200.0], 99))
     assert m["itl_ms_p50"] == pytest.approx(np.percentile([500.0, 1000.0, 200.0], 50))

@@ -111,8 +111,11 @@ def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> di
     phases = {}
     for name in ("decode", "prefill"):
         a, b = after["phases"][name], before["phases"][name]
+        # The host split too (summed over timed_steps): for the steps that prefill, launch_s
+        # over timed_steps is the host's time to enqueue one, next to its device time.
         phases[name] = {k: a[k] - b[k] for k in ("steps", "wall_s", "wait_s", "device_ms",
-                                                 "device_steps")}
+                                                 "device_steps", "timed_steps", "plan_s",
+                                                 "launch_s", "collect_s", "drain_s")}
     # The profile times every step that prefills and a sample of the decode steps
     # (vt/engine/profile.py): each phase's device time is its timed steps' mean times its steps.
     busy_ms = sum(ph["device_ms"] / ph["device_steps"] * ph["steps"]

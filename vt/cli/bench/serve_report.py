@@ -17,7 +17,7 @@ def table(res: dict) -> str:
              f"{res['prompt_len']} tokens; engines profiled (device timing events); {tokens}",
              f"{'preset':<12} {'arrival':<8} {'load':>5} {'mode':<7} {'tok/s':>8} {'x drain':>7} "
              f"{'req/s':>6} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'ITL p99':>8} "
-             f"{'busy':>5} {'drained':>7}  drains after"]
+             f"{'busy':>5} {'drained':>7} {'prefill dev/host ms':>19}  drains after"]
     for r in res["cells"]:
         lines.append(
             f"{r['preset']:<12} {r['arrival']:<8} {r['load']:>5g} {r['mode']:<7} "
@@ -26,9 +26,18 @@ def table(res: dict) -> str:
             f"{_f(r['ttft_ms_p50'], '.1f'):>7}/{_f(r['ttft_ms_p99'], '.1f'):<8} "
             f"{_f(r['tpot_ms_p50'], '.2f'):>7}/{_f(r['tpot_ms_p99'], '.2f'):<8} "
             f"{_f(r['itl_ms_p99'], '8.2f')} {_f(r['gpu_busy'], '5.2f')} "
-            f"{r['drained_fraction']:7.3f}  {r['drains_after']}"
+            f"{r['drained_fraction']:7.3f} {_prefill_ms(r):>19}  {r['drains_after']}"
             + ("" if r["tokens_identical_to_drain"] is not False else "  WRONG TOKENS"))
     return "\n".join(lines)
+
+
+def _prefill_ms(r: dict) -> str:
+    """A step that prefills: its mean device time and the host's time to enqueue it (results
+    saved before the host split was recorded show '-' for the latter)."""
+    ph = r.get("phases", {}).get("prefill", {})
+    dev = ph["device_ms"] / ph["device_steps"] if ph.get("device_steps") else None
+    host = 1e3 * ph["launch_s"] / ph["timed_steps"] if ph.get("timed_steps") else None
+    return f"{_f(dev, '.2f')}/{_f(host, '.2f')}"
 
 
 def write_json(res: dict, path: str) -> None:
