@@ -58,7 +58,15 @@ for s in "${stages[@]}"; do
              --modes sync drain ring staged --arrival closed poisson --clients 16 32 --rate 30 70 \
              --output-len 128 256 --requests 64 --no-bar --json "$OUT/serve-dense.json" ;;
     prefill) stage prefill python3 tools/profile_prefill.py --preset bench-small --seqs 1 4 16 \
-               --prompt-len 16 40 64 --json "$OUT/prefill.json" ;;
+               --prompt-len 16 40 64 --json "$OUT/prefill.json"
+             stage prefill-graph-tests env VT_PREFILL_GRAPHS=1 python3 -m pytest -q -m gpu \
+               tests/executor/test_prefill_graphs.py tests/executor/test_chunked_prefill.py tests/model
+             for g in 0 1; do   # eager prefill against captured prefill buckets, one call
+               stage "serve-prefill-graphs-$g" env VT_PREFILL_GRAPHS=$g python3 -m vt bench \
+                 --workload serve --preset bench-small --modes drain ring --arrival closed \
+                 --clients 16 32 --output-len 128 256 --requests 96 --no-bar \
+                 --json "$OUT/serve-prefill-graphs-$g.json"
+             done ;;
     torch) stage torch-tests python3 -m pytest -q -rs -m gpu tests/torch
            stage torch-memcheck bash tools/sanitize.sh memcheck tests/torch
            stage torch-bench python3 -m vt bench --workload torch --conc 1 32 --steps 100 --repeats 2 \

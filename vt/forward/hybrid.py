@@ -17,8 +17,19 @@ max_seqs + 1 sequences, and the step's tokens (the chunks' tokens, not the promp
 next power of two (the padding sequences share the extra tokens evenly). The cost is up to 2x the
 prefill tokens and a last-token logits GEMM over max_seqs + 1 rows per prefill step (about
 one decode step's logits GEMM); prefill steps are few next to decode steps.
+
+With prefill graphs on (VT_PREFILL_GRAPHS=1, or capture_prefill=True), warm_up_prefill also
+captures each bucket, its input uploads included, as a graph on the engine's stream, and a
+prefill then writes the pinned staging area and launches the bucket's graph: one launch
+instead of one per kernel per layer plus one per upload. A bucket's shapes, buffers and kernel
+parameters are all fixed (the sequences differ only in the values uploaded), so one graph
+serves every prefill of its bucket. The graph reads the staging area when it runs, which is
+safe for the same reason the eager uploads are: a prefill step drains before the next one
+writes it. Off by default until measured on a GPU (docs/benchmarks.md, section 7).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -49,7 +60,7 @@ class HybridStepModel:
 
     chunked_prefill = True   # prefill() starts at PrefillSeq.start: a prompt may come in chunks
 
-    def __init__(self, be, model, *, device_work_s: float = 0.0):
+    def __init__(self, be, model, *, device_work_s: float = 0.0, capture_prefill: bool | None = None):
         from vt.model import PrefillInputs
         self._PrefillInputs = PrefillInputs
         cfg = model.cfg
@@ -71,6 +82,8 @@ class HybridStepModel:
         self._host = {f: be.pinned_empty(s, np.int32) for f, s in shapes.items()}
         self._dev = {f: be.empty(s, np.int32) for f, s in shapes.items()}
         self._logits = be.empty((seqs, cfg.vocab), np.float32)   # [max_seqs + 1, vocab]
+        self.capture_prefill = prefill_graphs_default() if capture_prefill is None else capture_prefill
+        self._graphs: dict[tuple[int, int], object] = {}   # (stream handle, token bucket) -> graph
 
     @property
     def token_table(self):
@@ -99,12 +112,34 @@ class HybridStepModel:
         hi = self.token_bucket(max_prefill_tokens + self._seqs - 1)
         total = lo
         while total <= hi:
-            self._prefill_padded(stream, [], total)
+            if self.capture_prefill:
+                self._capture_bucket(stream, total)
+            else:
+                self._prefill_padded(stream, [], total)
             stream.synchronize()   # the staging area is reused by the next bucket
             total *= 2
 
-    def _prefill_padded(self, stream, seqs: list[PrefillSeq], total: int) -> None:
-        """Prefill seqs plus scratch sequences: max_seqs + 1 sequences, `total` tokens."""
+    def _capture_bucket(self, stream, total: int) -> None:
+        """The eager warm-up of a bucket under the pool's scratch warm-up (so the capture's
+        temporaries fit the arena without a driver malloc), then its capture."""
+        name = f"prefill {total} tokens"
+        with self.be.pool.scratch_warmup(name):
+            self._prefill_padded(stream, [], total, eager=True)
+            stream.synchronize()
+        key = (stream.handle, total)
+        with self.be.capture(stream, name=name) as cap:
+            self._prefill_padded(stream, [], total, eager=True)
+        graph = cap.graph
+        graph.upload(stream)
+        old = self._graphs.pop(key, None)
+        if old is not None:
+            old.close()
+        self._graphs[key] = graph
+
+    def _prefill_padded(self, stream, seqs: list[PrefillSeq], total: int, *,
+                        eager: bool = False) -> None:
+        """Prefill seqs plus scratch sequences: max_seqs + 1 sequences, `total` tokens: the
+        bucket's graph when there is one and not `eager` (a warm-up or a capture)."""
         g = self.geometry
         q = self._seqs - len(seqs)
         lens = padded_lengths([len(s.tokens) - s.start for s in seqs], self._seqs, total)
@@ -125,20 +160,39 @@ class HybridStepModel:
                       token_rows=[s.row for s in seqs] + [pad.token_row] * q,
                       state_idx=[s.state_idx for s in seqs] + [pad.state_idx] * q,
                       block_tables=bt)
+        for f, v in values.items():
+            self._host[f][:len(v)] = v
+        graph = None if eager else self._graphs.get((stream.handle, total))
+        if graph is not None:
+            graph.launch(stream)   # its uploads read the staging area written above
+            return
         self.m.prefill(stream, self._PrefillInputs(**self._upload(stream, values)), self._logits)
 
     def _upload(self, stream, values: dict) -> dict:
-        """values into the staging area and on to the device; the device views by field."""
+        """The staging area's first len(values[f]) entries of each field on to the device; the
+        device views by field."""
         views = {}
         for f, v in values.items():
             n = len(v)
-            self._host[f][:n] = v
             self.be.copy_h2d(self._dev[f][:n], self._host[f][:n], stream)
             views[f] = self._dev[f][:n]
         return views
 
     def release_stream(self, stream) -> None:
+        """Close the prefill graphs captured on `stream` (their GEMMs use the stream's cuBLAS
+        workspace), then let the model free what it holds for it."""
+        for key in [k for k in self._graphs if k[0] == stream.handle]:
+            self._graphs.pop(key).close()
         self.m.release_stream(stream)
 
     def sample(self, stream, logits, inputs, out_tokens) -> None:
         self.m.sample(stream, logits, inputs, out_tokens)
+
+
+def prefill_graphs_default() -> bool:
+    """VT_PREFILL_GRAPHS: "1" captures the bundled model's prefill buckets, "0" (the default)
+    runs them eagerly."""
+    raw = os.environ.get("VT_PREFILL_GRAPHS", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"VT_PREFILL_GRAPHS={raw!r}: expected 0 or 1")
+    return raw == "1"
