@@ -45,7 +45,9 @@ for s in "${stages[@]}"; do
               stage "hazard-$m-$c" python3 tools/hazard_repro.py --backend cuda --model $m --conc $c --runs 5
             done; done ;;
     run) stage run python3 -m vt run ;;
-    sampler) stage sampler python3 -m vt bench --workload sampler --no-bar --json "$OUT/sampler.json" ;;
+    sampler) stage sampler python3 -m vt bench --workload sampler --no-bar --json "$OUT/sampler.json"
+             stage sampler-ablation python3 tools/sampler_ablation.py --mode temperature --S 8 32 128 \
+               --V 32000 151936 ;;
     profile) for v in control default control default; do   # the control: the noise floor
                stage "profile-$v" python3 tools/profile_overhead.py $v --workload synthetic \
                  --device-us 0 --conc 1 32 --modes drain ring --no-torch --repeats 9 --warmup-s 0.5 \

@@ -41,3 +41,10 @@ def test_profile_prefill_on_the_sim(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["seqs"], r["prompt_len"]) for r in rows] == [(1, 5), (2, 5)]
     assert all(r["host_ms"] > 0 and r["eager_ms"] > 0 and r["graph_ms"] > 0 for r in rows)
+
+
+def test_sampler_ablation_edits_still_match_the_kernel(capsys):
+    """Each variant of tools/sampler_ablation.py edits the kernel source text exactly once: a
+    kernel change that moves a stage fails here, not on the GPU by timing the wrong thing."""
+    assert load_tool("sampler_ablation").main(["--check"]) == 0
+    assert "7 variants apply" in capsys.readouterr().out
