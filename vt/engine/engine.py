@@ -78,7 +78,7 @@ class Engine(ServingLoop):
         self._chunked = bool(getattr(self.model, "chunked_prefill", False))
         self.max_prefill_tokens = (max_prefill_tokens or geo.max_context if self._chunked else
                                    max(geo.max_context, max_prefill_tokens or 0))
-        self.record_logits, self.profile = record_logits, profile
+        self.record_logits = record_logits
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
                              profile=profile)
         self._state_lock = threading.Lock()   # submit/start vs close; never taken per step
@@ -134,8 +134,12 @@ class Engine(ServingLoop):
                                    "it is idle (nothing queued or running)")
             with driving(self._model_key, "Engine.set_profile()"):   # the loop has let go
                 self.runner.set_profile(on)
-                self.profile = self.runner.profile
                 self._loop_profile = LoopProfile(self.runner) if self.profile else None
+
+    @property
+    def profile(self) -> bool:
+        """Whether the engine times its loop now (profile=True, set_profile, or a trace)."""
+        return self.runner.profile
 
     async def stream_async(self, prompt, **kwargs):
         """`async for tok in engine.stream_async(prompt, max_new_tokens=...)`: submit() and the

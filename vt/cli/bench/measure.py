@@ -41,9 +41,8 @@ def _decode_step_s(delta: dict) -> float:
     return dec["wall_s"] / max(dec["steps"], 1)
 
 
-def vt_cell(engines, mode, ident, prompts, new_tokens, conc, replays, expect=None,
+def vt_cell(eng, mode, ident, prompts, new_tokens, conc, replays, expect=None,
             repeats: int = 1, profiled: bool = False) -> dict:
-    eng = engines[mode]
     # With `profiled`, unprofiled and profiled runs alternate on the one engine
     # (Engine.set_profile), and each side keeps its median run: the profile's cost is the
     # difference of the two, and the host drifts between runs by as much as that.
@@ -82,16 +81,13 @@ def mode_cell(be, model, mode: str, conc: int, ident: dict, prompts, args, progr
               label: str) -> dict:
     """One vt cell of a model workload: the mode's engine, the cell's median run (profiled
     runs too with --profile both), the engine closed again (the next mode captures its own)."""
-    engines = {}
+    eng = make_engine(be, model, mode, conc, profile=False,
+                      max_prefill_tokens=conc * args.prompt_len, wait_poll_us=args.wait_poll_us)
     try:
-        engines[mode] = make_engine(be, model, mode, conc, profile=False,
-                                    max_prefill_tokens=conc * args.prompt_len,
-                                    wait_poll_us=args.wait_poll_us)
         progress.step(f"captured {label}{mode} S={conc}")
-        row = vt_cell(engines, mode, ident, prompts, args.steps + 1, conc, args.ceiling_replays,
+        row = vt_cell(eng, mode, ident, prompts, args.steps + 1, conc, args.ceiling_replays,
                       repeats=args.repeats, profiled=profiled(args))
         progress.step(done_line(row))
         return row
     finally:
-        for eng in engines.values():
-            eng.close()
+        eng.close()

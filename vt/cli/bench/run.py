@@ -27,16 +27,15 @@ from vt.cli.bench.synthetic import SyntheticModel, expected_tokens
 
 
 def plan_total(args, torch_ok: bool) -> int:
-    """Progress units: set-up, each engine (capture), each cell."""
-    per_mode = 1   # one engine per mode: --profile both switches its profile between runs
+    """Progress units: set-up, each engine (capture: one per mode, profiled or not), each cell."""
     if args.workload == "synthetic":
         peer = len(torch_peer.VARIANTS) if torch_ok else 0
-        return 1 + len(args.conc) * (len(args.modes) * per_mode + (1 if torch_ok else 0)
+        return 1 + len(args.conc) * (len(args.modes) + (1 if torch_ok else 0)
                                      + len(args.spin_us) * (len(args.modes) + peer))
     if args.workload == "torch":
         peer = len(torch_peer.VARIANTS) if torch_ok else 0
-        return 2 + len(args.conc) * (len(args.modes) * (per_mode + 1) + peer)
-    return 1 + len(args.preset) * (1 + len(args.conc) * len(args.modes) * (per_mode + 1))
+        return 2 + len(args.conc) * (len(args.modes) * 2 + peer)
+    return 1 + len(args.preset) * (1 + len(args.conc) * len(args.modes) * 2)
 
 
 def torch_absent_reason(be, args) -> str | None:
@@ -80,7 +79,7 @@ def run_synthetic(be, args, progress, reason: str | None) -> list[dict]:
                 model.set_device_us(d)
                 ident = dict(workload="synthetic", conc=conc, spin_us=d)
                 for mode in args.modes:
-                    rows.append(vt_cell(engines, mode, ident, prompts, args.steps + 1, conc,
+                    rows.append(vt_cell(engines[mode], mode, ident, prompts, args.steps + 1, conc,
                                         args.ceiling_replays, expect, args.repeats,
                                         profiled(args)))
                     progress.step(done_line(rows[-1]))
