@@ -6,8 +6,11 @@ device on sim and cuda alike: the regime where hazard-C shows if a mode lets it.
 import numpy as np
 import pytest
 
+from vt.engine.engine import Engine
+from vt.forward.toy import ToyForward
+from vt.knobs import ExecutorConfig
 
-from ._util import mismatches, run_toy, workload
+from ._util import VOCAB, mismatches, run_toy, workload
 
 DEVICE_WORK_S = 0.002
 
@@ -81,6 +84,25 @@ def test_eager_only_matches_graphs(backend):
     eager, st = run_toy(backend, prompts, budgets, serving_conc=8, capture_sizes=())
     assert st["graph_steps"] == 0 and st["eager_steps"] > 0
     assert mismatches(graphs, eager) == 0
+
+
+@pytest.mark.parametrize("async_executor", [False, True], ids=["off", "ring"])
+def test_mixed_steps_replay_the_decode_graph(backend, async_executor):
+    """A mixed step (prefill + decode) runs its decode rows as their captured graph: every
+    graph replay is a graph step or a mixed step, and the tokens and recorded logits bytes
+    equal an all-eager run's (the decode rows' logits are copied out of the graph's block)."""
+    prompts, budgets = workload(24, seed=8)
+    eager, _ = run_toy(backend, prompts, budgets, serving_conc=6, capture_sizes=())
+    config = ExecutorConfig(serving_conc=6, async_executor=async_executor, poison=async_executor)
+    toy = ToyForward(backend, vocab=VOCAB)
+    with Engine(backend, toy.step_model(), config, record_logits=True) as eng:
+        mixed = eng.generate(prompts, max_new_tokens=budgets)
+        st = eng.stats()
+        replays = sum(slot.output.generation for ring in eng.runner.driver.rings.values()
+                      for slot in ring.slots)
+    assert st["mixed_steps"] > 0 and st["graph_steps"] > 0
+    assert replays == st["graph_steps"] + st["mixed_steps"]
+    assert mismatches(eager, mixed) == 0
 
 
 def test_oversize_batch_falls_back_to_eager(backend):

@@ -1,5 +1,6 @@
 """The eager path: prefill, mixed (prefill + decode) and oversize decode steps, launched
-directly (no graph) into logits the step owns. Such steps always drain, so one staging block
+directly into logits the step owns (a mixed step's decode rows replay their captured graph
+when one fits: see launch). Such steps always drain, so one staging block
 per purpose is enough: the next eager refresh comes after the drain that waited for this one.
 
 Shapes are bucketed so that warming each bucket once (warm_up) covers every later eager
@@ -41,16 +42,26 @@ class EagerPath:
     def buckets(self, graph_sizes) -> list[int]:
         return sorted(set(graph_sizes) | {self.capacity})
 
-    def launch(self, decode, prefill: list, parity: int):
+    def launch(self, decode, prefill: list, parity: int, *, slot=None, index: int = -1,
+               keep_logits: bool = False):
         """Launch the step; returns (ForwardLogits [n rows], kind). `decode`: step rows
-        (DecodeRows, or the engine's BatchStep). Decode rows run first and
-        are sampled; the prefill then writes its logits after them (rows [n_dec, n)), over the
-        padded decode rows' logits, which the stream has already sampled."""
+        (DecodeRows, or the engine's BatchStep), run first and sampled. `slot`: a captured
+        graph slot that fits them (a mixed step's decode rows then replay its graph, one launch
+        instead of one per kernel per layer; `index` is the runner's step count for it). The
+        prefill writes its logits after the decode rows (rows [n_dec, n)). With a slot, the
+        decode rows' logits stay in the graph's block and are copied into the step's only when
+        `keep_logits` (recorded logits): nothing else reads an owning step's logits."""
         n_dec = len(decode) if decode is not None else 0
         n = n_dec + len(prefill)
         block = self._logits[self._turn % 3]   # [capacity, vocab]
         self._turn += 1
-        if n_dec:
+        if n_dec and slot is not None:
+            decode.write_into(slot.host, self.model.pad)
+            view = slot.launch(self.stream, n_dec, index)
+            self.be.copy_d2d(self.out_device[:n_dec], slot.out_device[:n_dec], self.stream)
+            if keep_logits:
+                self.be.copy_d2d(block[:n_dec], view.rows, self.stream)
+        elif n_dec:
             size = self.bucket(n_dec)
             inputs = self._stage(self._decode, decode, size)
             self.model.decode(self.stream, inputs, block[:size])

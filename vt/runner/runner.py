@@ -174,8 +174,10 @@ class Runner:
         two event records are nothing next to their launch."""
         index, n, parity = self._steps, plan.n, self._steps % 2
         t2 = time.perf_counter() if self.timed else 0.0
+        slot = self._mixed_decode_slot(plan)
         timing = self._start_timing() if self.profile else None
-        logits, kind = self.eager.launch(plan.decode, plan.prefill, parity)
+        logits, kind = self.eager.launch(plan.decode, plan.prefill, parity, slot=slot, index=index,
+                                         keep_logits=self._record is not None)
         done = self.eager.done[parity]
         done.record(self.stream)
         handle = StepHandle(index, kind, n, n, logits, plan.tag, self.eager.out_host[parity], done)
@@ -187,6 +189,20 @@ class Runner:
             self.stats.launch_s += t3 - t2
             self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
         return handle
+
+    def _mixed_decode_slot(self, plan: StepPlan):
+        """The graph slot for a mixed step's decode rows (None: no captured size fits them, or
+        no decode rows), acquired through its ring's guard like a graph step's: its graph
+        replaces the eager decode's launches (one per kernel per layer), which made a mixed
+        step launch-bound."""
+        n_dec = len(plan.decode) if plan.decode is not None and plan.prefill else 0
+        ring = self._ring_for(n_dec) if n_dec else None
+        if ring is None:
+            return None
+        slot, waited = ring.acquire(self._poll_s)
+        if waited:
+            self.stats.ring_waits += 1
+        return slot
 
     def _start_timing(self):
         """A pair of timing events (two pairs in turn: two steps may be in flight), the start
