@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt, from a chec
 
 from vt.sampling import kernels, sampler   # noqa: E402
 
+_LOOP = ("  each_then(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); },\n"
+         "            [&] { share_lo(r); });\n")
 _FIRST_KEY = ("  race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), "
-              "(int)(0xffffffffu - (u32)best), base);\n"
-              "  each(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); });\n")
-_LOOP = "  each(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); });\n"
-_PLAIN_REDUCE = ("  each(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); });\n"
-                 "  return block_race(r);\n")
+              "(int)(0xffffffffu - (u32)best), base);\n" + _LOOP)
+_PLAIN_REDUCE = _LOOP + "  return block_race(r);\n"
+_SHARE = "  r.lo = unokey(__reduce_max_sync(__activemask(), okey(r.lo)));\n"
 _MERGE = "const int won = plain ? merge_partials(w.pk + row * B, w.pi + row * B, B).i : 0;"
 _FINE = "  if (__fadd_ru(z, race_bound(h1)) < r.lo) return;\n"
 _HASH = "const u32 h1 = lowbias32(lowbias32((u32)i ^ k1) + k2);"
@@ -38,6 +38,7 @@ VARIANTS = {
     "no block reduce": [(_PLAIN_REDUCE, _LOOP + "  return r;\n")],    # the block's race merge
     "no row merge": [(_MERGE, "const int won = 0;")],                 # the last block's merge
     "no fine bound": [(_FINE, "")],                                   # the crude bound only
+    "no warp share": [(_SHARE, "")],                                  # each lane prunes alone
     "one hash round": [(_HASH, "const u32 h1 = lowbias32((u32)i ^ k1 ^ k2);")],
 }
 

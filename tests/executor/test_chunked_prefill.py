@@ -43,12 +43,12 @@ def _serve(be, preset, mode, max_prefill_tokens, batch_invariant=None):
     model = HybridModel(be, PRESETS[preset], preset_weights(preset), max_seqs=8, num_kv_blocks=256,
                         batch_invariant=batch_invariant)
     step = HybridStepModel(be, model)
-    calls, real = [], step.prefill
+    calls, real = [], step.prepare_prefill   # what the runner calls for every prefill
 
-    def recording(stream, seqs, logits_out):
+    def recording(seqs):
         calls.append([(s.start, len(s.tokens)) for s in seqs])
-        real(stream, seqs, logits_out)
-    step.prefill = recording
+        return real(seqs)
+    step.prepare_prefill = recording
     config = ExecutorConfig.for_mode(mode, serving_conc=6, capture_sizes=(1, 2, 4, 8))
     try:
         with Engine(be, step, config, record_logits=True,

@@ -96,10 +96,21 @@ class HybridStepModel:
 
     def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:
         """Prefill `seqs` (padded, see the module docstring); logits_out [len(seqs), vocab]."""
+        self.prepare_prefill(seqs)(stream, logits_out)
+
+    def prepare_prefill(self, seqs: list[PrefillSeq]):
+        """prefill's host half, done now: the padded inputs written to the staging area.
+        Returns its device half, launch(stream, logits_out). The runner prepares a mixed
+        step's prefill before it launches the step's decode rows, so that the device does not
+        wait for the host's part."""
         q = self._seqs - len(seqs)
         total = self.token_bucket(sum(len(s.tokens) - s.start for s in seqs) + q)
-        self._prefill_padded(stream, seqs, total)
-        self.be.copy_d2d(logits_out, self._logits[:len(seqs)], stream)
+        values = self._stage_padded(seqs, total)
+
+        def launch(stream, logits_out) -> None:
+            self._launch_padded(stream, total, values)
+            self.be.copy_d2d(logits_out, self._logits[:len(seqs)], stream)
+        return launch
 
     @staticmethod
     def token_bucket(n: int) -> int:
@@ -140,17 +151,23 @@ class HybridStepModel:
                         eager: bool = False) -> None:
         """Prefill seqs plus scratch sequences: max_seqs + 1 sequences, `total` tokens: the
         bucket's graph when there is one and not `eager` (a warm-up or a capture)."""
+        self._launch_padded(stream, total, self._stage_padded(seqs, total), eager=eager)
+
+    def _stage_padded(self, seqs: list[PrefillSeq], total: int) -> dict:
+        """The padded prefill's input vectors, written to the staging area; returned by field."""
         g = self.geometry
         q = self._seqs - len(seqs)
         lens = padded_lengths([len(s.tokens) - s.start for s in seqs], self._seqs, total)
         # Each sequence's chunk is at positions start..len(tokens)-1. Scratch positions start
         # at 0 and wrap at max_context: their block table (all scratch) stays in range.
+        # (Vectorized: a loop over the max_seqs + 1 sequences was most of a prefill's host time.)
         starts = np.array([s.start for s in seqs] + [0] * q)
-        pos = np.concatenate([st + np.arange(n) for st, n in zip(starts, lens)]) % g.max_context
-        seq = np.repeat(np.arange(self._seqs), lens)
         cu = np.concatenate([[0], np.cumsum(lens)])
-        bt = np.stack([s.block_table for s in seqs] +
-                      [np.full(g.max_blocks, g.scratch_block, np.int32)] * q)
+        seq = np.repeat(np.arange(self._seqs), lens)
+        pos = (np.arange(total) - cu[seq] + starts[seq]) % g.max_context
+        bt = np.full((self._seqs, g.max_blocks), g.scratch_block, np.int32)
+        for i, s in enumerate(seqs):
+            bt[i] = s.block_table
         pad = self.pad
         values = dict(token_ids=np.concatenate([s.tokens[s.start:] for s in seqs] +
                                                [np.zeros(lens[len(seqs):].sum(), np.int32)]),
@@ -162,6 +179,9 @@ class HybridStepModel:
                       block_tables=bt)
         for f, v in values.items():
             self._host[f][:len(v)] = v
+        return values
+
+    def _launch_padded(self, stream, total: int, values: dict, *, eager: bool = False) -> None:
         graph = None if eager else self._graphs.get((stream.handle, total))
         if graph is not None:
             graph.launch(stream)   # its uploads read the staging area written above

@@ -55,6 +55,12 @@ class EagerPath:
         n = n_dec + len(prefill)
         block = self._logits[self._turn % 3]   # [capacity, vocab]
         self._turn += 1
+        if prefill:   # the host's part first: the device runs the decode rows meanwhile
+            rows = prefill_last_rows(prefill, self.model.geometry.block_size)
+            self._fill(self._prefill, rows, len(prefill))
+            prepare = getattr(self.model, "prepare_prefill", None)
+            launch_prefill = (prepare(prefill) if prepare is not None else
+                              lambda stream, out: self.model.prefill(stream, prefill, out))
         if n_dec and slot is not None:
             decode.write_into(slot.host, self.model.pad)
             view = slot.launch(self.stream, n_dec, index)
@@ -67,9 +73,8 @@ class EagerPath:
             self.model.decode(self.stream, inputs, block[:size])
             self.model.sample(self.stream, block[:size], inputs, self.out_device[:size])
         if prefill:
-            rows = prefill_last_rows(prefill, self.model.geometry.block_size)
-            inputs = self._stage(self._prefill, rows, len(prefill))
-            self.model.prefill(self.stream, prefill, block[n_dec:n])
+            inputs = self._upload(self._prefill, len(prefill))
+            launch_prefill(self.stream, block[n_dec:n])
             self.model.sample(self.stream, block[n_dec:n], inputs, self.out_device[n_dec:n])
         self.be.copy_d2h(self.out_host[parity][:n], self.out_device[:n], self.stream)
         kind = "eager" if not prefill else ("mixed" if n_dec else "prefill")
@@ -107,10 +112,16 @@ class EagerPath:
 
     def _stage(self, blocks, rows, size: int):
         """Fill the host block (tail padded), copy it to the device; the [size] device views."""
-        host, dev = blocks
+        self._fill(blocks, rows, size)
+        return self._upload(blocks, size)
+
+    def _fill(self, blocks, rows, size: int) -> None:
         if not len(rows) <= size <= self.capacity:
             raise ValueError(f"an eager step of {len(rows)} rows padded to {size} exceeds the "
                              f"eager capacity {self.capacity} (max_seqs)")
-        rows.write_into(host, self.model.pad)
+        rows.write_into(blocks[0], self.model.pad)
+
+    def _upload(self, blocks, size: int):
+        host, dev = blocks
         host.copy_to(self.be, dev, self.stream)
         return dev.inputs.rows(0, size)

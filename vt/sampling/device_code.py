@@ -48,7 +48,7 @@ __device__ __forceinline__ u32 lowbias32(u32 x) {
   x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
   return x;
 }
-struct Race { double k; int i; float lo; };  // lo <= k, for float comparisons
+struct Race { double k; int i; float lo; };  // lo <= k, or <= another lane's k (share_lo)
 // The rare part of race_add, kept out of line so the unrolled hot loops stay small: the exact
 // key of a token that passed the first bound, or -inf when the float bound rules it out.
 __device__ __noinline__ double race_key(float z, u32 h1, u32 k1, double best) {
@@ -80,8 +80,14 @@ __device__ __forceinline__ void race_add(Race& r, float z, int i, u64 key) {
   // A finer bound for the few that pass, before the out-of-line exact key: the crude one lets
   // about 1 token in 100 through, which is a call in nearly every warp's iteration.
   if (__fadd_ru(z, race_bound(h1)) < r.lo) return;
-  const double k = race_key(z, h1, k1, r.k);
-  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = __double2float_rd(k); }
+  const double k = race_key(z, h1, k1, fmax(r.k, (double)r.lo));
+  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = fmaxf(r.lo, __double2float_rd(k)); }
+}
+// Every lane's lo becomes its warp's largest: still at most a key some lane holds, so a token
+// below it cannot win the row. A lane sees a few dozen tokens of a row; the warp's best of
+// 32 times as many prunes most of the tokens that its own best lets through to the bounds.
+__device__ __forceinline__ void share_lo(Race& r) {
+  r.lo = unokey(__reduce_max_sync(__activemask(), okey(r.lo)));
 }
 __device__ __forceinline__ void race_merge(Race& r, double k, int i) {
   if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = __double2float_rd(k); }
@@ -170,18 +176,24 @@ __device__ void row_sync(u32* ctr, u32 target) {
   }
   __syncthreads();
 }
-// Each element of the block's chunk [c0, c1) of row x: f(value, token id).
-template <class F> __device__ __forceinline__ void each(const float* __restrict__ x, int c0, int c1, F f) {
+// Each element of the block's chunk [c0, c1) of row x: f(value, token id), then after() once
+// per vector of 4 (per element without VEC4).
+template <class F, class G>
+__device__ __forceinline__ void each_then(const float* __restrict__ x, int c0, int c1, F f, G after) {
 #if VEC4
   const float4* x4 = reinterpret_cast<const float4*>(x);
 #pragma unroll 4
   for (int j = (c0 >> 2) + threadIdx.x; j < (c1 >> 2); j += NT) {
     const float4 v = x4[j]; const int i = j << 2;
     f(v.x, i); f(v.y, i + 1); f(v.z, i + 2); f(v.w, i + 3);
+    after();
   }
 #else
-  for (int i = c0 + threadIdx.x; i < c1; i += NT) f(x[i], i);
+  for (int i = c0 + threadIdx.x; i < c1; i += NT) { f(x[i], i); after(); }
 #endif
+}
+template <class F> __device__ __forceinline__ void each(const float* __restrict__ x, int c0, int c1, F f) {
+  each_then(x, c0, c1, f, [] {});
 }
 """
 

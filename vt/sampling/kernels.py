@@ -58,13 +58,13 @@ __device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
   __syncthreads();
 }
 
-// A plain-temperature row's race over the block's chunk, its largest logit first (it prunes the
-// rest). Out of line: the loop gets the registers to itself (inline, the kernel spilled).
-__device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t,
-                                        u64 best, u64 base) {
+// A plain-temperature row's race over the block's chunk, its largest logit first (it and the
+// warp's best, share_lo, prune the rest). Out of line: the loop gets the registers to itself (inline, the kernel spilled).
+__device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t, u64 best, u64 base) {
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
   race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), (int)(0xffffffffu - (u32)best), base);
-  each(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); });
+  each_then(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); },
+            [&] { share_lo(r); });
   return block_race(r);
 }
 
@@ -74,10 +74,10 @@ __device__ __noinline__ Race kept_race(const float* __restrict__ x, int c0, int 
                                        double zmax, u64 th, double lmp, float zm, int imax, u64 base) {
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
   race_add(r, zm, imax, base);
-  each(x, c0, c1, [&](float v, int i) {
+  each_then(x, c0, c1, [&](float v, int i) {
     const float z = __fmul_rn(v, inv_t);
     if (skey(v, i) >= th && (double)z - zmax >= lmp) race_add(r, z, i, base);
-  });
+  }, [&] { share_lo(r); });
   return block_race(r);
 }
 

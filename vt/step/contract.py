@@ -170,7 +170,10 @@ class StepModel(Protocol):
     """What the runner drives. `decode` must be capturable (launches only, no host sync, no
     allocation outside the backend's pool); `prefill` runs eagerly; `sample` reads each row's
     sampling from `inputs` and writes out_tokens and the device token table (the next step's
-    input); `release_stream` frees per-stream resources once the runner's graphs are gone."""
+    input); `release_stream` frees per-stream resources once the runner's graphs are gone.
+    Optional: `prepare_prefill(seqs)` does prefill's host work at once and returns its device
+    half, launch(stream, logits_out): the runner then prepares a mixed step's prefill before
+    it launches the step's decode rows (vt.forward.hybrid has one)."""
     vocab: int
     geometry: KVGeometry
     pad: PadRow
