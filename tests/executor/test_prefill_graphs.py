@@ -49,9 +49,9 @@ def test_captured_prefill_serves_the_tokens_of_eager_prefill(backend, preset, bu
 
 def test_vt_prefill_graphs_is_0_or_1(monkeypatch):
     monkeypatch.delenv("VT_PREFILL_GRAPHS", raising=False)
-    assert prefill_graphs_default() is False
-    monkeypatch.setenv("VT_PREFILL_GRAPHS", "1")
     assert prefill_graphs_default() is True
+    monkeypatch.setenv("VT_PREFILL_GRAPHS", "0")
+    assert prefill_graphs_default() is False
     monkeypatch.setenv("VT_PREFILL_GRAPHS", "yes")
     with pytest.raises(ValueError, match="VT_PREFILL_GRAPHS='yes': expected 0 or 1"):
         prefill_graphs_default()

@@ -18,14 +18,15 @@ next power of two (the padding sequences share the extra tokens evenly). The cos
 prefill tokens and a last-token logits GEMM over max_seqs + 1 rows per prefill step (about
 one decode step's logits GEMM); prefill steps are few next to decode steps.
 
-With prefill graphs on (VT_PREFILL_GRAPHS=1, or capture_prefill=True), warm_up_prefill also
-captures each bucket, its input uploads included, as a graph on the engine's stream, and a
-prefill then writes the pinned staging area and launches the bucket's graph: one launch
+With prefill graphs on (the default; VT_PREFILL_GRAPHS=0 or capture_prefill=False turns them
+off), warm_up_prefill also captures each bucket, its input uploads included, as a graph on the
+engine's stream, and a prefill then writes the pinned staging area and launches the bucket's graph: one launch
 instead of one per kernel per layer plus one per upload. A bucket's shapes, buffers and kernel
 parameters are all fixed (the sequences differ only in the values uploaded), so one graph
 serves every prefill of its bucket. The graph reads the staging area when it runs, which is
 safe for the same reason the eager uploads are: a prefill step drains before the next one
-writes it. Off by default until measured on a GPU (docs/benchmarks.md, section 7).
+writes it. On the H200 a replayed prefill bucket ran 4-13x faster than the eager one, whose
+launches bound it (docs/benchmarks.md, section 7).
 """
 from __future__ import annotations
 
@@ -210,9 +211,9 @@ class HybridStepModel:
 
 
 def prefill_graphs_default() -> bool:
-    """VT_PREFILL_GRAPHS: "1" captures the bundled model's prefill buckets, "0" (the default)
+    """VT_PREFILL_GRAPHS: "1" (the default) captures the bundled model's prefill buckets, "0"
     runs them eagerly."""
-    raw = os.environ.get("VT_PREFILL_GRAPHS", "0")
+    raw = os.environ.get("VT_PREFILL_GRAPHS", "1")
     if raw not in ("0", "1"):
         raise ValueError(f"VT_PREFILL_GRAPHS={raw!r}: expected 0 or 1")
     return raw == "1"
