@@ -87,7 +87,8 @@ class FaultyForward:
 
     Inside a capture it launches `graph_bomb` and `oob` (they run at every replay), outside
     (eager steps: prefill substeps, mixed and oversize decode, the warm-ups) `eager_bomb`;
-    host_fault = (k, exc) raises from the forward's own host code on its k-th eager call.
+    host_fault = (k, exc) raises from the forward's own host code on its k-th eager call;
+    host_gate (a threading.Event) holds the next eager call until the test sets it.
     """
 
     def __init__(self, be, geometry=GEO):
@@ -95,7 +96,7 @@ class FaultyForward:
         self.toy = ToyForward(be, vocab=VOCAB, geometry=geometry)
         self.graph_bomb, self.eager_bomb = Bomb("graph_bomb"), Bomb("eager_bomb")
         self.oob = OutOfBounds(self.toy.kv)
-        self.host_calls, self.host_fault = 0, None
+        self.host_calls, self.host_fault, self.host_gate = 0, None, None
 
     def __call__(self, stream, inputs, logits_out):
         if self.be.is_capturing(stream):
@@ -103,6 +104,9 @@ class FaultyForward:
             self.be.launch(stream, self.oob, self.toy.kv)
         else:
             self.host_calls += 1
+            if self.host_gate is not None:
+                gate, self.host_gate = self.host_gate, None
+                gate.wait(30)
             if self.host_fault is not None and self.host_calls == self.host_fault[0]:
                 exc, self.host_fault = self.host_fault[1], None
                 raise exc

@@ -137,11 +137,14 @@ def test_cancel_of_a_finished_request_changes_nothing(sim_backend):
 @pytest.mark.parametrize("mode", ["drain", "ring", "staged"])
 def test_a_raising_step_fails_its_requests_and_the_engine_serves_the_next(sim_backend, mode):
     """A kernel raises at the 4th graph replay: the requests of that step get the error from
-    result() and stream(); a request submitted after is served as it is alone."""
+    result() and stream(); a request submitted after is served as it is alone. The first
+    prefill waits until all three are submitted, so all three are in the failing step."""
     fwd = FaultyForward(sim_backend)
     with _engine(sim_backend, mode, fwd=fwd) as eng:
         fwd.graph_bomb.arm(4)
+        fwd.host_gate = gate = threading.Event()
         failing = [eng.submit([1, 2, 3], max_new_tokens=12) for _ in range(3)]
+        gate.set()
         for h in failing:
             with pytest.raises(RuntimeError, match="graph_bomb raised on call"):
                 h.result(timeout=30)
