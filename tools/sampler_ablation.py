@@ -24,22 +24,22 @@ _LOOP = ("  each_then(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, 
          "            [&] { share_lo(r); });\n")
 _FIRST_KEY = ("  race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), "
               "(int)(0xffffffffu - (u32)best), base);\n" + _LOOP)
-_PLAIN_REDUCE = _LOOP + "  return block_race(r);\n"
+_PLAIN_REDUCE = _LOOP + "  return block_race(race_done(r, base));\n"
 _SHARE = "  r.lo = unokey(__reduce_max_sync(__activemask(), okey(r.lo)));\n"
 _MERGE = "const int won = plain ? merge_partials(w.pk + row * B, w.pi + row * B, B).i : 0;"
 _FINE = "  if (__fadd_ru(z, race_bound(h1)) < r.lo) return;\n"
-_HASH = "const u32 h1 = lowbias32(lowbias32((u32)i ^ k1) + k2);"
+_HASH = "  return lowbias32(lowbias32((u32)i ^ (u32)key) + (u32)(key >> 32));\n"
 
 # name -> [(text, replacement)]: what each variant leaves out of the plain-temperature path
 VARIANTS = {
     "full": [],
     "no first key": [(_FIRST_KEY, _FIRST_KEY.split("\n", 1)[1])],   # the block max's exact key
     "no race loop": [(_LOOP, "")],                                    # the sweep over the chunk
-    "no block reduce": [(_PLAIN_REDUCE, _LOOP + "  return r;\n")],    # the block's race merge
+    "no block reduce": [(_PLAIN_REDUCE, _LOOP + "  return race_done(r, base);\n")],   # the block's merge
     "no row merge": [(_MERGE, "const int won = 0;")],                 # the last block's merge
     "no fine bound": [(_FINE, "")],                                   # the crude bound only
     "no warp share": [(_SHARE, "")],                                  # each lane prunes alone
-    "one hash round": [(_HASH, "const u32 h1 = lowbias32((u32)i ^ k1 ^ k2);")],
+    "one hash round": [(_HASH, "  return lowbias32((u32)i ^ (u32)key ^ (u32)(key >> 32));\n")],
 }
 
 

@@ -77,7 +77,7 @@ __device__ void compact_finish(Row& R, const Work& w, u64* s, int k, bool p_on, 
     const float z = __fmul_rn(unokey((u32)(s[j] >> 32)), R.inv_t);
     if ((double)z - R.zmax >= lmp) race_add(r, z, (int)(0xffffffffu - (u32)s[j]), base);
   }
-  r = block_race(r);
+  r = block_race(race_done(r, base));
   if (threadIdx.x == 0) finish(R.row, r.i, out, rows, table);
   if (last_block(&w.tick[R.row], R.B) && threadIdx.x == 0) reset_row(w, R.row);
 }

@@ -43,21 +43,31 @@ __device__ __forceinline__ u64 weight(float z, double zmax) {
 // u = (w + 1/2) 2^-52 with 52 bits w keyed on the row key (hash of seed, position) and the
 // token id: the top 32 bits h1 = H(H(i ^ k1) + k2), the low 20 from H(h1 ^ k1 ^ c). Exact keys
 // are doubles; two cheap bounds skip the tokens that provably cannot beat the best so far (the
-// first needs only h1 and float adds; most tokens stop there).
+// first needs only h1 and float adds; most tokens stop there), then a float estimate of the
+// key; the exact key is computed only for a close call and for each lane's final best.
 __device__ __forceinline__ u32 lowbias32(u32 x) {
   x ^= x >> 16; x *= 0x7feb352du; x ^= x >> 15; x *= 0x846ca68bu; x ^= x >> 16;
   return x;
 }
-struct Race { double k; int i; float lo; };  // lo <= k, or <= another lane's k (share_lo)
-// The rare part of race_add, kept out of line so the unrolled hot loops stay small: the exact
-// key of a token that passed the first bound, or -inf when the float bound rules it out.
-__device__ __noinline__ double race_key(float z, u32 h1, u32 k1, double best) {
-  const u64 w = ((u64)h1 << 20) | (lowbias32(h1 ^ k1 ^ 0x85ebca6bu) >> 12);
-  const u64 m = (1ull << 52) - w;
-  // float g within 1e-5 of the exact one (log1pf keeps 1-u's precision when u is near 1)
+// A lane's race. k: the best token's key, exact unless `est`, then an estimate within 1e-5 of
+// it (race_est); z and i: that token; lo <= its exact key, or <= another lane's (share_lo).
+// Zero-initialized fields beyond {k, i, lo} give est = false: -inf with no token is exact.
+struct Race { double k; int i; float lo; float z; bool est; };
+__device__ __forceinline__ u32 race_h1(int i, u64 key) {
+  return lowbias32(lowbias32((u32)i ^ (u32)key) + (u32)(key >> 32));
+}
+__device__ __forceinline__ u64 race_w(u32 h1, u32 k1) {
+  return ((u64)h1 << 20) | (lowbias32(h1 ^ k1 ^ 0x85ebca6bu) >> 12);
+}
+// z + g with a float g within 1e-5 of the exact one (log1pf keeps 1-u's precision when u is
+// near 1). Out of line, as race_exact: the unrolled hot loops stay small.
+__device__ __noinline__ double race_est(float z, u32 h1, u32 k1) {
+  const u64 w = race_w(h1, k1), m = (1ull << 52) - w;
   const float e = h1 < 0x80000000u ? -logf((float)(((double)w + 0.5) * 0x1p-52)) : -log1pf(-(float)(((double)m - 0.5) * 0x1p-52));
-  if ((double)z + (double)(-logf(e)) + 1e-4 < best) return -INFINITY;
-  return (double)z - log(-log(((double)w + 0.5) * 0x1p-52));
+  return (double)z + (double)(-logf(e));
+}
+__device__ __noinline__ double race_exact(float z, u32 h1, u32 k1) {
+  return (double)z - log(-log(((double)race_w(h1, k1) + 0.5) * 0x1p-52));
 }
 // An upper bound of g = -log(-log(u)) from h1 alone (close to g unless u is tiny): u < uh =
 // ((h1 >> 8) + 1) 2^-24 (exact in float). -log(u) > L = max(1 - uh, fast -log(uh) less its error),
@@ -72,16 +82,28 @@ __device__ __forceinline__ float race_bound(u32 h1) {
   return g + 1e-5f * fabsf(g) + 1e-5f;
 }
 __device__ __forceinline__ void race_add(Race& r, float z, int i, u64 key) {
-  const u32 k1 = (u32)key, k2 = (u32)(key >> 32);
-  const u32 h1 = lowbias32(lowbias32((u32)i ^ k1) + k2);
+  const u32 k1 = (u32)key;
+  const u32 h1 = race_h1(i, key);
   // g <= -log(log 2) when u < 1/2; else g <= -log(1 - u), and 1 - u >= 2^-4 / 2^-12 by h1's top bits
   const float ub = h1 < 0x80000000u ? 0.36652f : h1 < 0xf0000000u ? 2.7736f : h1 < 0xfff00000u ? 8.3188f : 37.0f;
   if (__fadd_ru(z, ub) < r.lo) return;
-  // A finer bound for the few that pass, before the out-of-line exact key: the crude one lets
+  // A finer bound for the few that pass, before the out-of-line estimate: the crude one lets
   // about 1 token in 100 through, which is a call in nearly every warp's iteration.
   if (__fadd_ru(z, race_bound(h1)) < r.lo) return;
-  const double k = race_key(z, h1, k1, fmax(r.k, (double)r.lo));
-  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.lo = fmaxf(r.lo, __double2float_rd(k)); }
+  const double ke = race_est(z, h1, k1);
+  if (ke + 1e-4 < fmax(r.k, (double)r.lo)) return;   // below the best: errors 1e-5 each way
+  if (ke > r.k + 1e-4) {   // above it: the exact key can wait (race_done), most such tokens lose later
+    r.k = ke; r.i = i; r.z = z; r.est = true; r.lo = fmaxf(r.lo, __double2float_rd(ke - 1e-4));
+    return;
+  }
+  if (r.est) { r.k = race_exact(r.z, race_h1(r.i, key), k1); r.est = false; }   // a close call
+  const double k = race_exact(z, h1, k1);
+  if (k > r.k || (k == r.k && i < r.i)) { r.k = k; r.i = i; r.z = z; r.lo = fmaxf(r.lo, __double2float_rd(k)); }
+}
+// The lane's race with its best key exact, for merging with other lanes' and blocks'.
+__device__ __forceinline__ Race race_done(Race r, u64 key) {
+  if (r.est) { r.k = race_exact(r.z, race_h1(r.i, key), (u32)key); r.est = false; }
+  return r;
 }
 // Every lane's lo becomes its warp's largest: still at most a key some lane holds, so a token
 // below it cannot win the row. A lane sees a few dozen tokens of a row; the warp's best of

@@ -65,7 +65,7 @@ __device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int
   race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), (int)(0xffffffffu - (u32)best), base);
   each_then(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); },
             [&] { share_lo(r); });
-  return block_race(r);
+  return block_race(race_done(r, base));
 }
 
 // The race over the kept prefix (skey >= th, and min_p) of the block's chunk, the row's largest
@@ -78,7 +78,7 @@ __device__ __noinline__ Race kept_race(const float* __restrict__ x, int c0, int 
     const float z = __fmul_rn(v, inv_t);
     if (skey(v, i) >= th && (double)z - zmax >= lmp) race_add(r, z, i, base);
   }, [&] { share_lo(r); });
-  return block_race(r);
+  return block_race(race_done(r, base));
 }
 
 struct Row {  // what every block of a row knows alike
