@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt, from a chec
 
 from vt.sampling import kernels, sampler   # noqa: E402
 
-_LOOP = ("  each_then(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); },\n"
+_LOOP = ("  each_then<1>(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); },\n"
          "            [&] { share_lo(r); });\n")
 _FIRST_KEY = ("  race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), "
               "(int)(0xffffffffu - (u32)best), base);\n" + _LOOP)

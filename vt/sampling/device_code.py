@@ -199,12 +199,12 @@ __device__ void row_sync(u32* ctr, u32 target) {
   __syncthreads();
 }
 // Each element of the block's chunk [c0, c1) of row x: f(value, token id), then after() once
-// per vector of 4 (per element without VEC4).
-template <class F, class G>
+// per vector of 4 (per element without VEC4). U: the loop's unroll (measured per loop).
+template <int U = 4, class F, class G>
 __device__ __forceinline__ void each_then(const float* __restrict__ x, int c0, int c1, F f, G after) {
 #if VEC4
   const float4* x4 = reinterpret_cast<const float4*>(x);
-#pragma unroll 4
+#pragma unroll (U)
   for (int j = (c0 >> 2) + threadIdx.x; j < (c1 >> 2); j += NT) {
     const float4 v = x4[j]; const int i = j << 2;
     f(v.x, i); f(v.y, i + 1); f(v.z, i + 2); f(v.w, i + 3);

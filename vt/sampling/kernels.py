@@ -58,12 +58,12 @@ __device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
   __syncthreads();
 }
 
-// A plain-temperature row's race over the block's chunk, its largest logit first (it and the
-// warp's best, share_lo, prune the rest). Out of line: the loop gets the registers to itself (inline, the kernel spilled).
+// A plain-temperature row's race over its chunk, the row's largest logit first (that key and
+// share_lo prune the rest). Out of line (inline, the kernel spilled); not unrolled (faster).
 __device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t, u64 best, u64 base) {
   Race r = {-INFINITY, 0x7fffffff, -INFINITY};
   race_add(r, __fmul_rn(unokey((u32)(best >> 32)), inv_t), (int)(0xffffffffu - (u32)best), base);
-  each_then(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); },
+  each_then<1>(x, c0, c1, [&](float v, int i) { race_add(r, __fmul_rn(v, inv_t), i, base); },
             [&] { share_lo(r); });
   return block_race(race_done(r, base));
 }
