@@ -95,6 +95,36 @@ def test_sim_serve_writes_the_png(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_sim_serve_repeats_take_turns_and_report_the_median_run(tmp_path, capsys):
+    """--repeats 3: every cell runs three times, the modes taking turns on the same requests;
+    the row is the median run by tokens/s, every run is kept, and ring's runs are paired with
+    drain's of the same repeat (also printed)."""
+    out = tmp_path / "serve.json"
+    assert main(["--backend", "sim", "--workload", "serve", "--modes", "drain", "ring",
+                 "--clients", "2", "--requests", "3", "--repeats", "3", "--no-bar",
+                 "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    res = json.loads(out.read_text())
+    cells = {c["mode"]: c for c in res["cells"]}
+    assert set(cells) == {"drain", "ring"}
+    for c in cells.values():
+        runs = c["output_tok_per_s_runs"]
+        assert len(runs) == 3 and c["output_tok_per_s"] == sorted(runs)[1]
+        assert c["tokens_identical_to_drain"] is True
+    paired = cells["ring"]["output_tok_per_s_to_drain_runs"]
+    assert paired == pytest.approx([r / d for r, d in zip(cells["ring"]["output_tok_per_s_runs"],
+                                                          cells["drain"]["output_tok_per_s_runs"])])
+    assert "x drain per repeat" in printed and "closed 2 ring: " in printed
+
+
+def test_median_run_is_the_middle_run_by_tokens_per_s():
+    from vt.cli.bench.serve_run import median_run
+    rows = [dict(output_tok_per_s=x, tag=i) for i, x in enumerate([5.0, 1.0, 3.0, 4.0])]
+    row = median_run(rows)
+    assert row["tag"] == 2 and row["output_tok_per_s_runs"] == [5.0, 1.0, 3.0, 4.0]
+    assert median_run(rows[:1])["tag"] == 0
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--output-len", "5", "2"], "--output-len must be N or MIN MAX with 1 <= MIN <= MAX"),
     (["--prompt-range", "0"], "--prompt-range must be N or MIN MAX"),
@@ -120,7 +150,7 @@ def test_tokens_are_compared_only_where_the_model_is_batch_invariant():
     from vt.cli.bench.serve_run import _compare
     def cells():
         base = dict(preset="p", arrival="closed", load=2, output_tok_per_s=1.0, tpot_ms_p50=1.0,
-                    ttft_ms_p99=1.0)
+                    ttft_ms_p99=1.0, output_tok_per_s_runs=[1.0])
         return [dict(base, mode="drain", token_ids=[[1, 2]]), dict(base, mode="ring", token_ids=[[1, 3]])]
     checked, unchecked = cells(), cells()
     _compare(checked, compare_tokens=True)

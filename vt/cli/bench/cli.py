@@ -62,9 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=None,
                    help=f"prompt tokens per request, at most {lim.MAX_PROMPT_LEN} and the preset's "
                         f"context (default: 2 synthetic, 16 model)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int, default=None,
                    help=f"timed runs per cell, at most {lim.MAX_REPEATS}; the cell is the run with the median step time "
-                        "(every run's step time is kept in step_us_runs; default: %(default)s)")
+                        "(every run's step time is kept in step_us_runs; default: 3), for serve the median "
+                        "output tokens/s, the modes taking turns (default: 1)")
     p.add_argument("--ceiling-replays", type=int, default=None,
                    help=f"back-to-back replays per ceiling, at most {lim.MAX_CEILING_REPLAYS} (default: {_REPLAYS['cuda']} on cuda, "
                         f"{_REPLAYS['sim']} on sim)")
@@ -147,6 +148,8 @@ def _resolve(args: argparse.Namespace, error) -> None:
         args.sampling = ["greedy", "top_k", "top_p", "temperature"]
     if args.conc is None:
         args.conc = [1, 32, 64] if model else [1, 8, 32, 128, 256] if sampler else [1, 32]
+    if args.repeats is None:
+        args.repeats = 1 if args.workload == "serve" else 3
     if args.steps is None:
         args.steps = _STEPS[backend]
     if args.prompt_len is None:   # synthetic: a short prefill (it spins D per prompt token)

@@ -28,6 +28,12 @@ def table(res: dict) -> str:
             f"{_f(r['itl_ms_p99'], '8.2f')} {_f(r['gpu_busy'], '5.2f')} "
             f"{r['drained_fraction']:7.3f} {_prefill_ms(r):>19}  {r['drains_after']}"
             + ("" if r["tokens_identical_to_drain"] is not False else "  WRONG TOKENS"))
+    paired = [r for r in res["cells"] if len(r.get("output_tok_per_s_to_drain_runs") or []) > 1
+              and r["mode"] != "drain"]
+    if paired:   # results saved before --repeats applied to serve have no runs
+        lines.append("x drain per repeat (each run against drain's run of the same repeat):")
+        lines += [f"  {r['preset']} {r['arrival']} {r['load']:g} {r['mode']}: "
+                  + " ".join(f"{x:.3f}" for x in r["output_tok_per_s_to_drain_runs"]) for r in paired]
     return "\n".join(lines)
 
 

@@ -1,6 +1,7 @@
 """The serve sweep: per preset one model; per mode one engine (profile=True, so the GPU busy
-fraction is measured the same way in every mode), warmed, then every (arrival, load) cell on
-the same requests. Cells of one (preset, arrival, load) run mode after mode; where the model's
+fraction is measured the same way in every mode), all captured and warmed first, then every
+(arrival, load) cell on the same requests, --repeats times, the modes taking turns (engines
+over one model drive it one after the other); a cell reports its median run. Where the model's
 rows are batch-invariant (always on the sim; on cuda with VT_BATCH_INVARIANT=1) their tokens
 must agree (tokens_identical_to_drain). Elsewhere a request's batch depends on when requests
 arrive and steps end, which differs from mode to mode, and a row's logits bits depend on its
@@ -72,8 +73,9 @@ def run_serve(args, progress_factory) -> dict:
     conc = max(args.clients)
     context = args.prompt_range[1] + args.output_len[1]
     cells, invariant = [], []
+    steps = len(args.preset) * len(args.modes) * (1 + len(loads) * args.repeats)
     try:
-        with progress_factory(len(args.preset) * len(args.modes) * (1 + len(loads))) as progress:
+        with progress_factory(steps) as progress:
             for name in args.preset:
                 preset, cfg = resolve_preset(be, name, context, "vt bench")
                 model = build_model(be, cfg, max_seqs=conc, context=context, seed=args.seed)
@@ -82,22 +84,31 @@ def run_serve(args, progress_factory) -> dict:
                 work = {load: draw_requests(rng, args.requests, cfg.vocab, args.prompt_range,
                                             args.output_len) for load in loads}
                 warm = draw_requests(rng, conc, cfg.vocab, args.prompt_range, (2, 4))
+                engines = {}
                 try:
                     for mode in args.modes:
                         config = ExecutorConfig.for_mode(
                             mode, serving_conc=conc, wait_poll_us=args.wait_poll_us,
                             capture_sizes=tuple(s for s in CAPTURE_SIZES if s <= conc))
-                        with Engine(be, model, config, profile=True) as eng:
-                            serve_cell(eng, warm, "closed", conc, args.seed)
-                            progress.step(f"{preset} {mode}: captured and warmed")
-                            for arrival, load in loads:
+                        engines[mode] = Engine(be, model, config, profile=True)
+                        serve_cell(engines[mode], warm, "closed", conc, args.seed)
+                        progress.step(f"{preset} {mode}: captured and warmed")
+                    # Repeats interleave the modes (drain, ring, drain, ring, ...): a host
+                    # that slows down mid-call slows both sides of a ratio alike.
+                    runs = {}
+                    for _ in range(args.repeats):
+                        for arrival, load in loads:
+                            for mode, eng in engines.items():
                                 row, tokens = serve_cell(eng, work[arrival, load], arrival, load,
                                                          args.seed)
                                 row.update(preset=preset, mode=mode, arrival=arrival, load=load)
                                 row["token_ids"] = tokens
-                                cells.append(row)
+                                runs.setdefault((arrival, load, mode), []).append(row)
                                 progress.step(_line(row))
+                    cells += [median_run(rows) for rows in runs.values()]
                 finally:
+                    for eng in engines.values():
+                        eng.close()
                     model.close()
         info = be.info()
     finally:
@@ -114,6 +125,13 @@ def run_serve(args, progress_factory) -> dict:
                 tokens_compared=all(invariant), cells=cells)
 
 
+def median_run(rows: list[dict]) -> dict:
+    """The run with the median output tokens/s stands for the cell; every run's tokens/s is
+    kept (output_tok_per_s_runs, in repeat order)."""
+    row = sorted(rows, key=lambda r: r["output_tok_per_s"])[(len(rows) - 1) // 2]
+    return dict(row, output_tok_per_s_runs=[r["output_tok_per_s"] for r in rows])
+
+
 def _compare(cells: list[dict], compare_tokens: bool) -> None:
     """Per (preset, arrival, load): ratios to drain, and the token check where the model is
     batch-invariant (else None); tokens dropped."""
@@ -126,6 +144,10 @@ def _compare(cells: list[dict], compare_tokens: bool) -> None:
         for k in ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99"):
             row[f"{k}_to_drain"] = (row[k] / drain[k] if drain is not None and drain[k] and
                                     row[k] is not None else None)
+        # Paired by repeat: run i of this mode against run i of drain, served side by side.
+        row["output_tok_per_s_to_drain_runs"] = (
+            None if drain is None else
+            [a / b for a, b in zip(row["output_tok_per_s_runs"], drain["output_tok_per_s_runs"])])
     for row in cells:
         row.pop("token_ids")
 
