@@ -2,7 +2,7 @@
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
 # Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
-#   sampler profile serve torch prefill
+#   sampler profile serve serve-ab torch prefill
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
@@ -69,6 +69,11 @@ for s in "${stages[@]}"; do
                  --clients 16 32 --output-len 128 256 --requests 96 --no-bar \
                  --json "$OUT/serve-prefill-graphs-$g.json"
              done ;;
+    serve-ab) for p in bench-small bench-dense; do   # the closed-loop drain/ring A/B, 3 paired repeats
+                stage "serve-ab-$p" python3 -m vt bench --workload serve --preset $p --modes drain ring \
+                  --arrival closed --clients 16 32 --output-len 128 256 --requests 384 --repeats 3 \
+                  --no-bar --json "$OUT/serve-ab-$p.json"
+              done ;;
     torch) stage torch-tests python3 -m pytest -q -rs -m gpu tests/torch
            stage torch-memcheck bash tools/sanitize.sh memcheck tests/torch
            stage torch-bench python3 -m vt bench --workload torch --conc 1 32 --steps 100 --repeats 2 \
