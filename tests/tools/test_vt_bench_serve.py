@@ -8,6 +8,7 @@ import pytest
 
 from vt.cli.bench.cli import main
 from vt.cli.bench.serve import PCTS, cell_metrics, draw_requests
+from vt.cli.bench.serve_report import _prefill_ms
 from vt.knobs import SAFE_MODES
 
 
@@ -49,6 +50,11 @@ def test_sim_serve_metrics_are_consistent(sim_serve):
             assert set(c["drains_after"]) <= {"prefill", "mixed", "eager"}, where
         if c["mode"] == "drain":
             assert c["drains_after"].get("graph", 0) > 0, where
+        # the host time of every step that prefills (not a sample): what the table divides
+        n = c["mixed_steps"] + c["prefill_steps"]
+        assert n > 0 and c["eager_launch_s"] > 0 and c["eager_steps"] == 0, where
+        host = float(_prefill_ms(c).split("/")[1])
+        assert host == pytest.approx(1e3 * c["eager_launch_s"] / n, abs=0.006), where
 
 
 def test_cell_metrics_formulas_on_known_token_times():
@@ -60,13 +66,14 @@ def test_cell_metrics_formulas_on_known_token_times():
            types.SimpleNamespace(tokens=[4, 5], token_times=np.array([2.0, 2.2]))]
     zero = dict(steps=0, graph_steps=0, eager_steps=0, mixed_steps=0, prefill_steps=0,
                 drains=0, drain_s=0.0, device_ms=0.0, token_wait_s=0.0, ring_waits=0,
-                drains_after={}, phases={k: dict(steps=0, wall_s=0.0, wait_s=0.0, device_ms=0.0,
+                eager_launch_s=0.0, drains_after={}, phases={k: dict(steps=0, wall_s=0.0, wait_s=0.0, device_ms=0.0,
                                                  device_steps=0, timed_steps=0, plan_s=0.0,
                                                  launch_s=0.0, collect_s=0.0, drain_s=0.0)
                                          for k in ("decode", "prefill")})
     # the profile timed 2 of the 8 decode steps (250 ms each) and 1 of the 2 mixed (500 ms,
-    # 3 ms of it the host enqueueing it)
+    # 3 ms of it the host enqueueing it); the host enqueued both mixed steps in 8 ms
     after = dict(zero, steps=10, graph_steps=8, mixed_steps=2, drains=2, device_ms=1000.0,
+                 eager_launch_s=0.008,
                  drains_after={"mixed": 2},
                  phases=dict(decode=dict(zero["phases"]["decode"], steps=8, device_ms=500.0,
                                          device_steps=2),
@@ -74,6 +81,7 @@ def test_cell_metrics_formulas_on_known_token_times():
                                           device_steps=1, timed_steps=1, launch_s=0.003)))
     m = cell_metrics([handle(0.5), handle(1.0)], res, 4.0, zero, after)
     assert m["phases"]["prefill"]["launch_s"] / m["phases"]["prefill"]["timed_steps"] == 0.003
+    assert m["eager_launch_s"] == 0.008 and _prefill_ms(m) == "500.00/4.00"   # 500 ms / 1, 8 ms / 2
     assert m["ttft_ms_p50"] == pytest.approx(np.percentile([500.0, 1000.0], 50))
     assert m["tpot_ms_p99"] == pytest.approx(np.percentile([750.0, 200.0], 99))
     assert m["itl_ms_p50"] == pytest.approx(np.percentile([500.0, 1000.0, 200.0], 50))

@@ -58,6 +58,7 @@ class RunnerStats:
     acquire_s: float = 0.0
     refresh_s: float = 0.0
     launch_s: float = 0.0
+    eager_launch_s: float = 0.0   # with profile: host time launching every eager/mixed/prefill step
     token_waits: int = 0
     token_wait_s: float = 0.0
     device_ms: float = 0.0    # with profile only: device time of the timed steps

@@ -171,9 +171,10 @@ class Runner:
         """With profile, every eager step gets device timing events, sampled or not: they are
         few, long (a prefill is milliseconds) and unlike each other (the first wave's prefill
         is many times a refill's), so a sample of them would misstate the device time of all;
-        two event records are nothing next to their launch."""
+        two event records are nothing next to their launch. For the same reason their host
+        launch time is summed for every one (eager_launch_s)."""
         index, n, parity = self._steps, plan.n, self._steps % 2
-        t2 = time.perf_counter() if self.timed else 0.0
+        t2 = time.perf_counter() if self.profile else 0.0
         slot = self._mixed_decode_slot(plan)
         timing = self._start_timing() if self.profile else None
         logits, kind = self.eager.launch(plan.decode, plan.prefill, parity, slot=slot, index=index,
@@ -184,10 +185,12 @@ class Runner:
         self._finish_launch(handle, timing)
         self.stats.steps += 1
         setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
-        if self.timed:
+        if self.profile:
             t3 = time.perf_counter()
-            self.stats.launch_s += t3 - t2
-            self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
+            self.stats.eager_launch_s += t3 - t2
+            if self.timed:
+                self.stats.launch_s += t3 - t2
+                self.tracer.host_span(f"launch {kind} n={n}", t2, t3, step=index, n=n)
         return handle
 
     def _mixed_decode_slot(self, plan: StepPlan):

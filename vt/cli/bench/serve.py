@@ -106,13 +106,13 @@ def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> di
     tokens = sum(len(r.tokens) for r in results)
     d = {k: after[k] - before[k] for k in ("steps", "graph_steps", "eager_steps", "mixed_steps",
                                            "prefill_steps", "drains", "drain_s", "device_ms",
-                                           "token_wait_s", "ring_waits")}
+                                           "token_wait_s", "ring_waits", "eager_launch_s")}
     drains_after = {k: v - before["drains_after"].get(k, 0) for k, v in after["drains_after"].items()}
     phases = {}
     for name in ("decode", "prefill"):
         a, b = after["phases"][name], before["phases"][name]
-        # The host split too (summed over timed_steps): for the steps that prefill, launch_s
-        # over timed_steps is the host's time to enqueue one, next to its device time.
+        # The host split too (summed over timed_steps; the host time to enqueue every step
+        # that prefills is eager_launch_s above, not a sample).
         phases[name] = {k: a[k] - b[k] for k in ("steps", "wall_s", "wait_s", "device_ms",
                                                  "device_steps", "timed_steps", "plan_s",
                                                  "launch_s", "collect_s", "drain_s")}

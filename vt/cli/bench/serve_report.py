@@ -38,11 +38,16 @@ def table(res: dict) -> str:
 
 
 def _prefill_ms(r: dict) -> str:
-    """A step that prefills: its mean device time and the host's time to enqueue it (results
-    saved before the host split was recorded show '-' for the latter)."""
+    """A step that prefills: its mean device time and the host's time to enqueue it, both
+    over every such step (results saved before eager_launch_s averaged the timed iterations
+    only, which a call's first wave dominates; older ones show '-')."""
     ph = r.get("phases", {}).get("prefill", {})
     dev = ph["device_ms"] / ph["device_steps"] if ph.get("device_steps") else None
-    host = 1e3 * ph["launch_s"] / ph["timed_steps"] if ph.get("timed_steps") else None
+    n = r.get("mixed_steps", 0) + r.get("prefill_steps", 0)
+    if "eager_launch_s" in r and n and not r.get("eager_steps"):
+        host = 1e3 * r["eager_launch_s"] / n
+    else:
+        host = 1e3 * ph["launch_s"] / ph["timed_steps"] if ph.get("timed_steps") else None
     return f"{_f(dev, '.2f')}/{_f(host, '.2f')}"
 
 
