@@ -168,11 +168,9 @@ class Runner:
         return handle
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
-        """With profile, every eager step gets device timing events, sampled or not: they are
-        few, long (a prefill is milliseconds) and unlike each other (the first wave's prefill
-        is many times a refill's), so a sample of them would misstate the device time of all;
-        two event records are nothing next to their launch. For the same reason their host
-        launch time is summed for every one (eager_launch_s)."""
+        """With profile, every eager step gets device timing events and its host launch time
+        summed (eager_launch_s), sampled or not: they are few, long and unlike each other (the
+        first wave's prefill is many times a refill's), so a sample would misstate them all."""
         index, n, parity = self._steps, plan.n, self._steps % 2
         t2 = time.perf_counter() if self.profile else 0.0
         slot = self._mixed_decode_slot(plan)
@@ -194,10 +192,9 @@ class Runner:
         return handle
 
     def _mixed_decode_slot(self, plan: StepPlan):
-        """The graph slot for a mixed step's decode rows (None: no captured size fits them, or
-        no decode rows), acquired through its ring's guard like a graph step's: its graph
-        replaces the eager decode's launches (one per kernel per layer), which made a mixed
-        step launch-bound."""
+        """The graph slot for a mixed step's decode rows, through its ring's guard (None: no
+        decode rows, or no captured size fits): its graph replaces the eager decode's launches
+        (one per kernel per layer), which made a mixed step launch-bound."""
         n_dec = len(plan.decode) if plan.decode is not None and plan.prefill else 0
         ring = self._ring_for(n_dec) if n_dec else None
         if ring is None:
