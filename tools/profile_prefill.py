@@ -28,12 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # profile_step, next to this file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt, from a checkout
 
-from profile_step import _capture                               # noqa: E402
 from vt.backend import get_backend                             # noqa: E402
 from vt.backend.timing import timed_ms                         # noqa: E402
+from vt.graphs import capture_warmed                           # noqa: E402
 from vt.forward.hybrid import HybridStepModel                  # noqa: E402
 from vt.model import PRESETS, HybridModel, init_weights        # noqa: E402
 from vt.step.contract import PrefillSeq                        # noqa: E402
@@ -61,7 +60,7 @@ def profile(be, s, sm, seqs, iters: int, repeats: int) -> dict:
         host.append(1e3 * (time.perf_counter() - t0))
     s.synchronize()
     eager = timed_ms(be, s, prefill, iters, repeats, warmup=1)
-    g = _capture(be, s, prefill, f"prefill {len(seqs)}x{len(seqs[0].tokens)}")
+    g = capture_warmed(be, s, prefill, f"prefill {len(seqs)}x{len(seqs[0].tokens)}")
     try:
         graph = timed_ms(be, s, lambda: g.launch(s), iters, repeats, warmup=1)
     finally:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt, from a chec
 from bench_step import bench_inputs, copy_bandwidth            # noqa: E402
 from vt.backend import get_backend                             # noqa: E402
 from vt.backend.timing import timed_ms                            # noqa: E402
+from vt.graphs import capture_warmed                              # noqa: E402
 from vt.model import PRESETS, HybridModel, init_weights        # noqa: E402
 
 _L2_BYTES = 50 << 20  # H100/H200 L2; the GEMM-alone weight copies cover at least 3x it
@@ -69,15 +70,6 @@ def _time_graph(be, s, g, iters, repeats) -> float:
     return timed_ms(be, s, lambda: g.launch(s), iters, repeats, warmup=1)
 
 
-def _capture(be, s, fn, name):
-    with be.pool.scratch_warmup(name):  # grow the pool eagerly so the capture never mallocs
-        fn()
-        s.synchronize()
-    with be.capture(s, name=name) as cap:
-        fn()
-    g = cap.graph
-    g.upload(s)
-    return g
 
 
 def _step_graph(be, s, m, inp, logits, toks, name, target=None, repeat=1):
@@ -91,7 +83,7 @@ def _step_graph(be, s, m, inp, logits, toks, name, target=None, repeat=1):
             m.sample(s, logits, inp, toks)
         finally:
             m.be = be
-    return _capture(be, s, step, name), list(ed.seen)
+    return capture_warmed(be, s, step, name), list(ed.seen)
 
 
 def _gemm_alone(be, s, m, fam, kernel, args, params, iters, repeats):
@@ -106,7 +98,7 @@ def _gemm_alone(be, s, m, fam, kernel, args, params, iters, repeats):
     def calls():
         for i in range(_GEMM_CALLS):
             be.launch(s, kernel, x, copies[i % len(copies)], out, **params)
-    g = _capture(be, s, calls, f"profile {fam} alone")
+    g = capture_warmed(be, s, calls, f"profile {fam} alone")
     ms = _time_graph(be, s, g, iters, repeats) / _GEMM_CALLS
     g.close()
     return ms, w.nbytes / (ms * 1e-3) / 1e12

@@ -34,6 +34,7 @@ import os
 
 import numpy as np
 
+from vt.graphs import capture_warmed
 from vt.step.contract import KVGeometry, PrefillSeq, kv_slot
 
 _PER_TOKEN = ("token_ids", "positions", "slot_mapping", "ctx_lens", "token_seq")
@@ -132,17 +133,11 @@ class HybridStepModel:
             total *= 2
 
     def _capture_bucket(self, stream, total: int) -> None:
-        """The eager warm-up of a bucket under the pool's scratch warm-up (so the capture's
-        temporaries fit the arena without a driver malloc), then its capture."""
-        name = f"prefill {total} tokens"
-        with self.be.pool.scratch_warmup(name):
-            self._prefill_padded(stream, [], total, eager=True)
-            stream.synchronize()
+        """The bucket's graph (vt.graphs.capture_warmed: an eager warm-up, then the capture)."""
         key = (stream.handle, total)
-        with self.be.capture(stream, name=name) as cap:
-            self._prefill_padded(stream, [], total, eager=True)
-        graph = cap.graph
-        graph.upload(stream)
+        graph = capture_warmed(self.be, stream,
+                               lambda: self._prefill_padded(stream, [], total, eager=True),
+                               f"prefill {total} tokens")
         old = self._graphs.pop(key, None)
         if old is not None:
             old.close()

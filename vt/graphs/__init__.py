@@ -1,7 +1,8 @@
 """Captured decode graphs: SizeSlot, SlotRing, the driver, capture with pool warm-up."""
+from vt.graphs.capture import capture_warmed
 from vt.graphs.driver import DecodeGraphDriver, GraphSettings
 from vt.graphs.logits import ForwardLogits, GraphOutput, StaleLogitsError
 from vt.graphs.slot import SizeSlot, SlotRing
 
 __all__ = ["DecodeGraphDriver", "GraphSettings", "ForwardLogits", "GraphOutput",
-           "StaleLogitsError", "SizeSlot", "SlotRing"]
+           "StaleLogitsError", "SizeSlot", "SlotRing", "capture_warmed"]

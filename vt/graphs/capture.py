@@ -60,3 +60,17 @@ def capture_slot(be, stream, step, slot, vocab: int, *, staged: bool) -> GraphOu
     graph = cap.graph
     graph.upload(stream)
     return GraphOutput(graph, logits, slot.name)
+
+
+def capture_warmed(be, stream, launch, name: str):
+    """Capture `launch()` (launches only) as a graph, uploaded, after one eager run of it under
+    `pool.scratch_warmup` (so its temporaries fit the arena: no driver malloc in the capture).
+    For work outside the decode slots: the bundled model's prefill buckets, the tools."""
+    with be.pool.scratch_warmup(name):
+        launch()
+        stream.synchronize()
+    with be.capture(stream, name=name) as cap:
+        launch()
+    graph = cap.graph
+    graph.upload(stream)
+    return graph
