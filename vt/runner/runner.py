@@ -137,9 +137,7 @@ class Runner:
         step; without it, no clock is read."""
         prof, st = self.timed, self.stats
         t0 = time.perf_counter() if prof else 0.0
-        slot, waited = ring.acquire(self._poll_s)
-        if waited:
-            st.ring_waits += 1
+        slot, waited = self._acquire(ring)
         t1 = time.perf_counter() if prof else 0.0
         plan.decode.write_into(slot.host, self.model.pad)
         timing = None
@@ -197,12 +195,14 @@ class Runner:
         (one per kernel per layer), which made a mixed step launch-bound."""
         n_dec = len(plan.decode) if plan.decode is not None and plan.prefill else 0
         ring = self._ring_for(n_dec) if n_dec else None
-        if ring is None:
-            return None
+        return None if ring is None else self._acquire(ring)[0]
+
+    def _acquire(self, ring):
+        """The ring's next slot through its guard, and the seconds the guard blocked (counted)."""
         slot, waited = ring.acquire(self._poll_s)
         if waited:
             self.stats.ring_waits += 1
-        return slot
+        return slot, waited
 
     def _start_timing(self):
         """A pair of timing events (two pairs in turn: two steps may be in flight), the start
