@@ -75,6 +75,9 @@ def test_sim_sweep_vt_cells_have_sane_values(sim_sweep):
         assert r["overlap_efficiency_hd"] > 0 and r["overlap_h_us"] > 0, where
         assert r["ratio_to_torch_async"] is None, where   # no torch on the sim
         assert r["profiled_steps_per_s"] > 0, where
+        pairs = r["profiled_host_ratio_pairs"]   # a profiled run against its unprofiled neighbour
+        assert len(pairs) == 3 and all(x > 0 for x in pairs), where
+        assert r["profiled_host_ratio"] == sorted(pairs)[1], where
         if r["mode"] == "drain":
             assert r["ratio_to_drain"] == 1.0
     assert any(r["host_drain_us"] > 0 for r in res["cells"] if r["mode"] == "drain")

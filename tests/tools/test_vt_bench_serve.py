@@ -119,17 +119,23 @@ def test_sim_serve_repeats_take_turns_and_report_the_median_run(tmp_path, capsys
         runs = c["output_tok_per_s_runs"]
         assert len(runs) == 3 and c["output_tok_per_s"] == sorted(runs)[1]
         assert c["tokens_identical_to_drain"] is True
-    paired = cells["ring"]["output_tok_per_s_to_drain_runs"]
-    assert paired == pytest.approx([r / d for r, d in zip(cells["ring"]["output_tok_per_s_runs"],
-                                                          cells["drain"]["output_tok_per_s_runs"])])
-    assert "x drain per repeat" in printed and "closed 2 ring: " in printed
+    for key in ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99"):
+        ring, drain = cells["ring"][f"{key}_runs"], cells["drain"][f"{key}_runs"]
+        assert len(ring) == len(drain) == 3, key
+        assert cells["ring"][f"{key}_to_drain_runs"] == pytest.approx(
+            [r / d for r, d in zip(ring, drain)]), key
+    assert "x drain per repeat" in printed and "closed 2 ring: tok/s " in printed
+    assert "TPOT p50 " in printed and "TTFT p99 " in printed
 
 
 def test_median_run_is_the_middle_run_by_tokens_per_s():
     from vt.cli.bench.serve_run import median_run
-    rows = [dict(output_tok_per_s=x, tag=i) for i, x in enumerate([5.0, 1.0, 3.0, 4.0])]
+    rows = [dict(output_tok_per_s=x, tpot_ms_p50=x / 10, ttft_ms_p99=x * 10, tag=i)
+            for i, x in enumerate([5.0, 1.0, 3.0, 4.0])]
     row = median_run(rows)
     assert row["tag"] == 2 and row["output_tok_per_s_runs"] == [5.0, 1.0, 3.0, 4.0]
+    assert row["tpot_ms_p50_runs"] == [0.5, 0.1, 0.3, 0.4]
+    assert row["ttft_ms_p99_runs"] == [50.0, 10.0, 30.0, 40.0]
     assert median_run(rows[:1])["tag"] == 0
 
 
@@ -158,7 +164,8 @@ def test_tokens_are_compared_only_where_the_model_is_batch_invariant():
     from vt.cli.bench.serve_run import _compare
     def cells():
         base = dict(preset="p", arrival="closed", load=2, output_tok_per_s=1.0, tpot_ms_p50=1.0,
-                    ttft_ms_p99=1.0, output_tok_per_s_runs=[1.0])
+                    ttft_ms_p99=1.0, **{f"{k}_runs": [1.0] for k in
+                                        ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99")})
         return [dict(base, mode="drain", token_ids=[[1, 2]]), dict(base, mode="ring", token_ids=[[1, 3]])]
     checked, unchecked = cells(), cells()
     _compare(checked, compare_tokens=True)

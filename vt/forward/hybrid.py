@@ -186,11 +186,13 @@ class HybridStepModel:
 
     def _upload(self, stream, values: dict) -> dict:
         """The staging area's first len(values[f]) entries of each field on to the device; the
-        device views by field."""
+        device views by field. Copied by a kernel reading the pinned staging area, not a
+        memcpy (be.copy_h2d_mapped): a bucket's graph holds one node per field, and with
+        memcpy nodes its launch cost the host 33-38 µs instead of 8-11 on the H200."""
         views = {}
         for f, v in values.items():
             n = len(v)
-            self.be.copy_h2d(self._dev[f][:n], self._host[f][:n], stream)
+            self.be.copy_h2d_mapped(self._dev[f][:n], self._host[f][:n], stream)
             views[f] = self._dev[f][:n]
         return views
 

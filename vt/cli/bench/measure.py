@@ -44,15 +44,17 @@ def _decode_step_s(delta: dict) -> float:
 def vt_cell(eng, mode, ident, prompts, new_tokens, conc, replays, expect=None,
             repeats: int = 1, profiled: bool = False) -> dict:
     # With `profiled`, unprofiled and profiled runs alternate on the one engine
-    # (Engine.set_profile), and each side keeps its median run: the profile's cost is the
-    # difference of the two, and the host drifts between runs by as much as that.
+    # (Engine.set_profile), in pairs whose order flips each repeat (fast-profiled,
+    # profiled-fast, ...), and each side keeps its median run for its columns. The profile's
+    # cost is measured per pair (paired_host_ratio): the host drifts between runs by as much
+    # as that cost, and two adjacent runs share most of the drift.
     runs, prof_runs = [], []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if profiled and i % 2:
+            prof_runs.append(_profiled_run(eng, prompts, new_tokens))
         runs.append(run_vt(eng, prompts, new_tokens))
-        if profiled:
-            eng.set_profile(True)
-            prof_runs.append(run_vt(eng, prompts, new_tokens))
-            eng.set_profile(False)
+        if profiled and not i % 2:
+            prof_runs.append(_profiled_run(eng, prompts, new_tokens))
     (d_fast, tokens), times = median_run(runs, lambda r: _decode_step_s(r[0]))
     d_prof = median_run(prof_runs, lambda r: _decode_step_s(r[0]))[0][0] if prof_runs else None
     ceiling = eng.device_ceiling_us(conc, replays=replays)
@@ -63,7 +65,25 @@ def vt_cell(eng, mode, ident, prompts, new_tokens, conc, replays, expect=None,
     row = cells.vt_row(dict(ident, mode=mode), d_fast, d_prof, conc=conc, ceiling_us=ceiling,
                        tokens=tokens, tokens_ok=ok)
     row["step_us_runs"] = times
+    if prof_runs:
+        pairs = [_host_us(p[0]) / max(_host_us(f[0]), 1e-9) for f, p in zip(runs, prof_runs)]
+        row["profiled_host_ratio_pairs"] = pairs
+        row["profiled_host_ratio"] = sorted(pairs)[(len(pairs) - 1) // 2]
     return row
+
+
+def _profiled_run(eng, prompts, new_tokens: int) -> tuple[dict, list]:
+    eng.set_profile(True)
+    try:
+        return run_vt(eng, prompts, new_tokens)
+    finally:
+        eng.set_profile(False)
+
+
+def _host_us(delta: dict) -> float:
+    """Host time per decode step of a run: its wall time less its waits on the device."""
+    dec = cells.phases(delta)[0]
+    return 1e6 * (dec["wall_s"] - dec["wait_s"]) / max(dec["steps"], 1)
 
 
 def profiled(args) -> bool:

@@ -78,7 +78,8 @@ def table(res: dict) -> str:
     lines += ["per cell, us per decode step: the host split of the profiled run (drain = drain "
               "waits; other = the rest of the loop), host = all but the waits, device, GPU idle, "
               "machinery = refresh + acquire + launch; busy = host time of the run without "
-              "profiling, its waits excluded; prof/b = host / busy (the profile's own cost); "
+              "profiling, its waits excluded; prof/b = the profile's own cost, the median over repeats "
+              "of a profiled run's host time over the unprofiled run's beside it; "
               "tokens right",
               f"{'cell':<32}" + "".join(f"{n:>9}" for n in names) + f"{'prof/b':>8}  ok"]
     for r in res["cells"]:

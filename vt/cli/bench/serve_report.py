@@ -31,10 +31,21 @@ def table(res: dict) -> str:
     paired = [r for r in res["cells"] if len(r.get("output_tok_per_s_to_drain_runs") or []) > 1
               and r["mode"] != "drain"]
     if paired:   # results saved before --repeats applied to serve have no runs
-        lines.append("x drain per repeat (each run against drain's run of the same repeat):")
-        lines += [f"  {r['preset']} {r['arrival']} {r['load']:g} {r['mode']}: "
-                  + " ".join(f"{x:.3f}" for x in r["output_tok_per_s_to_drain_runs"]) for r in paired]
+        lines.append("x drain per repeat (each run against drain's run of the same repeat; "
+                     "TPOT and TTFT as drain's / this mode's, so > 1 is better too):")
+        lines += [f"  {r['preset']} {r['arrival']} {r['load']:g} {r['mode']}: tok/s "
+                  + _runs(r["output_tok_per_s_to_drain_runs"], invert=False)
+                  + "  TPOT p50 " + _runs(r.get("tpot_ms_p50_to_drain_runs"), invert=True)
+                  + "  TTFT p99 " + _runs(r.get("ttft_ms_p99_to_drain_runs"), invert=True)
+                  for r in paired]
     return "\n".join(lines)
+
+
+def _runs(ratios, *, invert: bool) -> str:
+    """Per-repeat ratios to drain ("-" where absent: results saved before they were kept)."""
+    if not ratios:
+        return "-"
+    return " ".join("-" if x is None else f"{(1 / x if invert and x else x):.3f}" for x in ratios)
 
 
 def _prefill_ms(r: dict) -> str:

@@ -125,11 +125,16 @@ def run_serve(args, progress_factory) -> dict:
                 tokens_compared=all(invariant), cells=cells)
 
 
+# The per-run values kept (KEY_runs, in repeat order) and paired with drain's run of the same
+# repeat (KEY_to_drain_runs): one run's tail latency is a handful of requests.
+PER_RUN = ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99")
+
+
 def median_run(rows: list[dict]) -> dict:
-    """The run with the median output tokens/s stands for the cell; every run's tokens/s is
-    kept (output_tok_per_s_runs, in repeat order)."""
+    """The run with the median output tokens/s stands for the cell; every run's tokens/s,
+    TPOT p50 and TTFT p99 are kept (PER_RUN)."""
     row = sorted(rows, key=lambda r: r["output_tok_per_s"])[(len(rows) - 1) // 2]
-    return dict(row, output_tok_per_s_runs=[r["output_tok_per_s"] for r in rows])
+    return dict(row, **{f"{k}_runs": [r[k] for r in rows] for k in PER_RUN})
 
 
 def _compare(cells: list[dict], compare_tokens: bool) -> None:
@@ -145,9 +150,11 @@ def _compare(cells: list[dict], compare_tokens: bool) -> None:
             row[f"{k}_to_drain"] = (row[k] / drain[k] if drain is not None and drain[k] and
                                     row[k] is not None else None)
         # Paired by repeat: run i of this mode against run i of drain, served side by side.
-        row["output_tok_per_s_to_drain_runs"] = (
-            None if drain is None else
-            [a / b for a, b in zip(row["output_tok_per_s_runs"], drain["output_tok_per_s_runs"])])
+        for k in PER_RUN:
+            row[f"{k}_to_drain_runs"] = (
+                None if drain is None else
+                [a / b if a is not None and b else None
+                 for a, b in zip(row[f"{k}_runs"], drain[f"{k}_runs"])])
     for row in cells:
         row.pop("token_ids")
 
