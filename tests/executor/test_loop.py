@@ -85,3 +85,34 @@ def test_the_loop_reports_progress_per_step(sim_backend):
         eng.generate([[1, 2]] * 4, max_new_tokens=12, progress=seen.append)
     assert [p.step for p in seen] == list(range(len(seen)))      # one call per step, in order
     assert seen[-1].tokens == 48 and seen[-1].finished == 4
+
+
+def test_the_split_weighs_each_timed_iteration_by_the_steps_it_stands_for(monkeypatch):
+    """The first iterations of a busy period are all timed and run slower; the later ones are
+    sampled one in EVERY. Each sample weighs the iterations it stands for, so the split per
+    step is the true mean (here the plan costs 10 in the first 16 iterations, 1 after)."""
+    from types import SimpleNamespace
+
+    import vt.engine.profile as profile
+    from vt.engine.progress import Phase
+    from vt.runner.plan import RunnerStats
+
+    clock = [0.0]
+    monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
+    runner = SimpleNamespace(stats=RunnerStats(), tracer=SimpleNamespace(enabled=False), timed=False)
+    prof, phase = profile.LoopProfile(runner), Phase()
+    prof.start_call((phase,))
+    n = 11 * profile.EVERY   # the last iteration is a timed one
+    for i in range(1, n + 1):
+        timed = prof.begin()
+        clock[0] += 10.0 if i <= profile.FIRST else 1.0   # the plan
+        if timed:
+            prof.planned()
+            prof.launched()
+        phase.steps += 1
+        if timed:
+            prof.end(phase)
+    assert phase.sampled_steps == profile.FIRST + n // profile.EVERY
+    assert phase.timed_steps == n
+    mean = (10.0 * profile.FIRST + (n - profile.FIRST)) / n
+    assert phase.plan_s / phase.timed_steps == pytest.approx(mean)

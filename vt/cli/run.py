@@ -168,7 +168,8 @@ def _report(results, stats: dict, trace: str | None) -> None:
     dec = stats["phases"]["decode"]
     timed, n = max(dec["timed_steps"], 1), max(dec["steps"], 1)
     us = {k: 1e6 * dec[k] / timed for k in ("plan_s", "acquire_s", "refresh_s", "launch_s", "collect_s")}
-    _log(f"  per decode step (µs; the split timed on {dec['timed_steps']} of {dec['steps']} steps): "
+    _log(f"  per decode step (µs; the split timed on {dec['sampled_steps']} of {dec['steps']} steps, "
+         f"each weighted by the steps it stands for): "
          f"plan {us['plan_s']:.1f}, acquire {us['acquire_s']:.1f}, refresh {us['refresh_s']:.1f}, "
          f"launch {us['launch_s']:.1f}, collect {us['collect_s']:.1f}; host busy "
          f"{1e6 * (dec['wall_s'] - dec['wait_s']) / n:.1f}, waits {1e6 * dec['wait_s'] / n:.1f}, "

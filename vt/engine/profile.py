@@ -1,16 +1,22 @@
 """LoopProfile: the timing hooks the engine loop calls when profile=True.
 
 The loop is the same with and without them (each hook is behind one `if`), so the profiled
-host split describes the path that serves. The first FIRST iterations of a call and then
+host split describes the path that serves. A busy period's first FIRST iterations and then
 one in EVERY are timed (every one with a trace): a timed iteration is split into plan (the
-scheduler), the runner's acquire / refresh / launch / drain (timed inside the runner while `runner.timed` is set), collect (the tokens,
-their bookkeeping, the progress callback) and the rest ("other" in vt bench), and its step
-gets device timing events (every step that prefills gets them too, timed or not: the runner's
-_launch_eager says why). Timing every step would cost the host several µs per step (clock
-reads, two event records and a query), making the profiled loop slower than the one it
-describes; a phase's split per step is its sums over `timed_steps`. One in 16 still cost the
-H200 loop about 12 % of its host time per step at 20 µs steps, one in 64 about 6 %
-(docs/benchmarks.md, section 2).
+scheduler), the runner's acquire / refresh / launch / drain (timed inside the runner while
+`runner.timed` is set), collect (the tokens, their bookkeeping, the progress callback) and
+the rest ("other" in vt bench), and its step gets device timing events (every step that
+prefills gets them too, timed or not: the runner's _launch_eager says why).
+
+The split is a stratified sample: a timed iteration stands for the iterations of its phase
+since that phase's previous timed one, and its times are weighted by their count, which
+`timed_steps` sums (`sampled_steps` counts the timed iterations). So a phase's split per step
+is its sums over `timed_steps`, whatever the iterations cost: the first iterations of a busy
+period, timed one by one so that a short call still gets a split, run slower than the rest
+(a batch that forms, caches that warm) and, counted once each like the later samples, had
+the split of a 3000-step run reading about twice its host time. Timing every step would cost
+the host several µs per step (clock reads, two event records and a query), making the
+profiled loop slower than the one it describes.
 """
 from __future__ import annotations
 
@@ -18,12 +24,12 @@ import time
 
 # The runner's own timed parts (vt/runner/plan.py RunnerStats) that a phase accumulates.
 RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
-FIRST = 16   # a call's first iterations, all timed: a short call still gets a split
+FIRST = 16   # a busy period's first iterations, all timed: a short call still gets a split
 EVERY = 64   # then one iteration in EVERY
 
 
 class LoopProfile:
-    __slots__ = ("_runner", "_rs", "_every", "_n", "_t0", "_t1", "_t2", "_before")
+    __slots__ = ("_runner", "_rs", "_every", "_n", "_t0", "_t1", "_t2", "_before", "_last")
 
     def __init__(self, runner):
         self._runner, self._rs = runner, runner.stats
@@ -31,16 +37,18 @@ class LoopProfile:
         self._n = 0
         self._t0 = self._t1 = self._t2 = 0.0
         self._before = (0.0,) * 4
+        self._last: dict[int, int] = {}   # id(phase) -> its steps when it was last timed
         runner.timed = False
 
-    def start_call(self) -> None:
-        """A generate() call's loop starts: its first FIRST iterations are timed."""
+    def start_call(self, phases) -> None:
+        """A busy period starts: its first FIRST iterations are timed, and the iterations of
+        the one before that no sample stands for are left out."""
         self._n = 0
+        self._last = {id(ph): ph.steps for ph in phases}
 
     def begin(self) -> bool:
         """An iteration starts; returns whether it is timed (the loop then calls planned,
-        launched and end): the call's first FIRST iterations, so that a short call still
-        gets a split, then one in EVERY."""
+        launched and end)."""
         self._n += 1
         if self._n > FIRST and self._n % self._every:
             return False
@@ -58,14 +66,20 @@ class LoopProfile:
         self._runner.timed = False   # the collect's waits count; nothing else launches
 
     def end(self, phase) -> None:
-        """Add a timed iteration's split to `phase` (a vt.engine.progress.Phase). Device time
-        is the runner's, per phase (RunnerStats.device_by_phase)."""
+        """Add a timed iteration's split to `phase` (a vt.engine.progress.Phase), weighted by
+        the phase's iterations it stands for. Device time is the runner's, per phase
+        (RunnerStats.device_by_phase)."""
         t3 = time.perf_counter()
+        w = phase.steps - self._last.get(id(phase), 0)
+        if w <= 0:   # launched nothing
+            return
+        self._last[id(phase)] = phase.steps
         rs, (acquire, refresh, launch, drain) = self._rs, self._before
-        phase.timed_steps += 1
-        phase.plan_s += self._t1 - self._t0
-        phase.collect_s += t3 - self._t2
-        phase.acquire_s += rs.acquire_s - acquire
-        phase.refresh_s += rs.refresh_s - refresh
-        phase.launch_s += rs.launch_s - launch
-        phase.drain_s += rs.drain_s - drain
+        phase.timed_steps += w
+        phase.sampled_steps += 1
+        phase.plan_s += w * (self._t1 - self._t0)
+        phase.collect_s += w * (t3 - self._t2)
+        phase.acquire_s += w * (rs.acquire_s - acquire)
+        phase.refresh_s += w * (rs.refresh_s - refresh)
+        phase.launch_s += w * (rs.launch_s - launch)
+        phase.drain_s += w * (rs.drain_s - drain)

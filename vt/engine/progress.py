@@ -32,4 +32,5 @@ class Phase:
     launch_s: float = 0.0
     collect_s: float = 0.0
     drain_s: float = 0.0
-    timed_steps: int = 0      # iterations whose split below was timed (vt/engine/profile.py)
+    timed_steps: int = 0      # the steps the split above stands for (vt/engine/profile.py)
+    sampled_steps: int = 0    # the iterations timed: a sample of those steps

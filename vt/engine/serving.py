@@ -64,7 +64,7 @@ class ServingLoop:
         t_busy = t0 = clock()
         waited = rs.drain_s + rs.token_wait_s
         if prof is not None:
-            prof.start_call()
+            prof.start_call((decode_ph, prefill_ph))
         while True:
             if arrivals:
                 take_arrivals(arrivals, pending, buf)

@@ -144,17 +144,18 @@ class Runner:
         if prof:
             t2 = time.perf_counter()
             timing = self._start_timing()
-            t2_launch = time.perf_counter()   # the profile's own event record stays out of the launch span
+            t2_launch = time.perf_counter()   # the profile's own event stays out of the launch span
         index, n = self._steps, plan.n
         logits = slot.launch(self.stream, n, index)
         st.steps += 1
         st.graph_steps += 1
         st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
         handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done, slot)
-        if self._record is not None or timing is not None:
-            self._finish_launch(handle, timing)
+        if self._record is not None:
+            self._record_logits(handle)
         if prof:
             t3 = time.perf_counter()
+            self._end_timing(handle, timing)   # the profile's own event: out of the span too
             st.acquire_s += t1 - t0
             st.refresh_s += t2 - t1
             st.launch_s += t3 - t2_launch
@@ -169,8 +170,7 @@ class Runner:
         """With profile, every eager step gets device timing events and its host launch time
         summed (eager_launch_s), sampled or not: they are few, long and unlike each other (the
         first wave's prefill is many times a refill's), so a sample would misstate them all."""
-        index, n, parity = self._steps, plan.n, self._steps % 2
-        t2 = time.perf_counter() if self.profile else 0.0
+        index, n, parity, t2 = self._steps, plan.n, self._steps % 2, time.perf_counter()
         slot = self._mixed_decode_slot(plan)
         timing = self._start_timing() if self.profile else None
         logits, kind = self.eager.launch(plan.decode, plan.prefill, parity, slot=slot, index=index,
@@ -178,7 +178,9 @@ class Runner:
         done = self.eager.done[parity]
         done.record(self.stream)
         handle = StepHandle(index, kind, n, n, logits, plan.tag, self.eager.out_host[parity], done)
-        self._finish_launch(handle, timing)
+        if self._record is not None:
+            self._record_logits(handle)
+        self._end_timing(handle, timing)
         self.stats.steps += 1
         setattr(self.stats, f"{kind}_steps", getattr(self.stats, f"{kind}_steps") + 1)
         if self.profile:
@@ -200,8 +202,7 @@ class Runner:
     def _acquire(self, ring):
         """The ring's next slot through its guard, and the seconds the guard blocked (counted)."""
         slot, waited = ring.acquire(self._poll_s)
-        if waited:
-            self.stats.ring_waits += 1
+        self.stats.ring_waits += waited > 0
         return slot, waited
 
     def _start_timing(self):
@@ -214,14 +215,14 @@ class Runner:
         timing[0].record(self.stream)
         return timing
 
-    def _finish_launch(self, handle: StepHandle, timing) -> None:
-        """Recorded logits (a test/debug option) and the profile's end event, after the step."""
-        if self._record is not None:
-            parity = handle.index % 2
-            handle.host_logits = self._record[0][parity][:handle.n]
-            self.be.copy_d2h(handle.host_logits, handle.logits.rows, self.stream)
-            handle.done = self._record[1][parity]
-            handle.done.record(self.stream)
+    def _record_logits(self, handle: StepHandle) -> None:   # a test/debug option
+        parity = handle.index % 2
+        handle.host_logits = self._record[0][parity][:handle.n]
+        self.be.copy_d2h(handle.host_logits, handle.logits.rows, self.stream)
+        handle.done = self._record[1][parity]
+        handle.done.record(self.stream)
+
+    def _end_timing(self, handle: StepHandle, timing) -> None:   # after all the step does
         if timing is not None:
             timing[1].record(self.stream)
             handle.timing = timing
@@ -229,8 +230,7 @@ class Runner:
     def _poison_next(self, slot, handle: StepHandle) -> None:
         """POISON: the ring poisons the slot the next step of this size will use (SlotRing)."""
         drain = None if self._skip_graph_drain else (lambda: self._wait(handle, drain=True))
-        if self.driver.rings[slot.size].poison_next(self.model.pad, self._poll_s, drain):
-            self.stats.ring_waits += 1
+        self.stats.ring_waits += self.driver.rings[slot.size].poison_next(self.model.pad, self._poll_s, drain)
 
     # -- collect ------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> np.ndarray:
