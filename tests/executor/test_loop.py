@@ -87,10 +87,9 @@ def test_the_loop_reports_progress_per_step(sim_backend):
     assert seen[-1].tokens == 48 and seen[-1].finished == 4
 
 
-def test_the_split_weighs_each_timed_iteration_by_the_steps_it_stands_for(monkeypatch):
-    """The first iterations of a busy period are all timed and run slower; the later ones are
-    sampled one in EVERY. Each sample weighs the iterations it stands for, so the split per
-    step is the true mean (here the plan costs 10 in the first 16 iterations, 1 after)."""
+
+def _profiled_plan(monkeypatch, costs):
+    """A LoopProfile over iterations whose plan costs `costs` (a fake clock); the phase."""
     from types import SimpleNamespace
 
     import vt.engine.profile as profile
@@ -102,17 +101,34 @@ def test_the_split_weighs_each_timed_iteration_by_the_steps_it_stands_for(monkey
     runner = SimpleNamespace(stats=RunnerStats(), tracer=SimpleNamespace(enabled=False), timed=False)
     prof, phase = profile.LoopProfile(runner), Phase()
     prof.start_call((phase,))
-    n = 11 * profile.EVERY   # the last iteration is a timed one
-    for i in range(1, n + 1):
+    for cost in costs:
         timed = prof.begin()
-        clock[0] += 10.0 if i <= profile.FIRST else 1.0   # the plan
+        clock[0] += cost
         if timed:
             prof.planned()
             prof.launched()
         phase.steps += 1
         if timed:
             prof.end(phase)
-    assert phase.sampled_steps == profile.FIRST + n // profile.EVERY
+    return phase
+
+
+def test_the_split_weighs_each_timed_iteration_by_the_steps_it_stands_for(monkeypatch):
+    """The first iterations of a busy period are all timed and run slower; the later ones are
+    sampled one in EVERY. Each sample weighs the iterations it stands for, so the split per
+    step is the true mean (here the plan costs 10 in the first 16 iterations, 1 after)."""
+    from vt.engine.profile import EVERY, FIRST
+    n = 11 * EVERY   # the last iteration is a timed one
+    phase = _profiled_plan(monkeypatch, [10.0 if i <= FIRST else 1.0 for i in range(1, n + 1)])
+    assert phase.sampled_steps == FIRST + n // EVERY
     assert phase.timed_steps == n
-    mean = (10.0 * profile.FIRST + (n - profile.FIRST)) / n
-    assert phase.plan_s / phase.timed_steps == pytest.approx(mean)
+    assert phase.plan_s / phase.timed_steps == pytest.approx((10.0 * FIRST + (n - FIRST)) / n)
+
+
+def test_the_sample_does_not_alias_with_block_crossings(monkeypatch):
+    """A lockstep batch crosses a KV block every block_size steps (a power of two) and plans
+    slower then; the sampled iterations must not all fall on those steps."""
+    from vt.engine.profile import EVERY
+    costs = [50.0 if i % 16 == 0 else 1.0 for i in range(1, 64 * EVERY + 1)]
+    phase = _profiled_plan(monkeypatch, costs)
+    assert phase.plan_s / phase.timed_steps == pytest.approx(sum(costs) / len(costs), rel=0.05)
