@@ -1,16 +1,17 @@
 """What the profile costs, against how much two identical runs differ: `vt bench --profile both`
 with parts of the profile switched off in the profiled runs.
 
-    python3 tools/profile_overhead.py VARIANT [--min-run] BENCH-ARGS...
-    python3 tools/profile_overhead.py control --min-run --workload synthetic --device-us 0 \
+    python3 tools/profile_overhead.py VARIANT BENCH-ARGS...
+    python3 tools/profile_overhead.py control --workload synthetic --device-us 0 \
         --conc 1 32 --modes drain ring --no-torch --repeats 9 --vocab 32000 --steps 3000
 
 VARIANT: default (the profile as it ships); control (the "profiled" runs stay unprofiled: its
 prof/b column is the noise floor of the comparison, identical runs of one engine); noevents
 (no device timing events); nosplit (no timed iterations); sample16 (the first 16 iterations
-of a call timed, then one in 16: the profile before it timed one in 64); sample64 (the first
-64, then one in 64). --min-run: each side keeps its fastest run instead of its median. The variants
-patch vt's internals in this process only; vt itself has no switch for them.
+of a busy period timed, then one in 16); sample64 (the first 64, then one in 64). prof/b is
+the median over repeats of a profiled run against the unprofiled run beside it
+(vt/cli/bench/measure.py). The variants patch vt's internals in this process only; vt itself
+has no switch for them.
 """
 import sys
 
@@ -34,23 +35,11 @@ def _patch(variant: str) -> None:
                  f"(default, control, noevents, nosplit, sample16, sample64)")
 
 
-def _fastest_run() -> None:
-    import vt.cli.bench.measure as measure
-
-    def min_run(runs, step_s):
-        times = [1e6 * step_s(r) for r in runs]
-        return runs[min(range(len(runs)), key=times.__getitem__)], times
-    measure.median_run = min_run
-
-
 def main(argv: list[str]) -> int:
     if not argv or argv[0].startswith("-"):
         sys.exit(__doc__)
     _patch(argv[0])
     rest = argv[1:]
-    if rest[:1] == ["--min-run"]:
-        _fastest_run()
-        rest = rest[1:]
     from vt.cli.main import main as vt_main
     return vt_main(["bench", "--profile", "both", *rest])
 
