@@ -1,6 +1,7 @@
 """`vt bench --workload serve` on the sim at a small size: every mode side by side on the same
 requests, the per-cell metrics and their formulas, the JSON, the PNG, the argument checks."""
 import json
+import re
 import types
 
 import numpy as np
@@ -104,14 +105,17 @@ def test_sim_serve_writes_the_png(tmp_path):
 
 
 def test_sim_serve_repeats_take_turns_and_report_the_median_run(tmp_path, capsys):
-    """--repeats 3: every cell runs three times, the modes taking turns on the same requests;
-    the row is the median run by tokens/s, every run is kept, and ring's runs are paired with
-    drain's of the same repeat (also printed)."""
+    """--repeats 3: every cell runs three times, the modes taking turns on the same requests in
+    an order that flips each repeat; the row is the median run by tokens/s, every run is kept,
+    and ring's runs are paired with drain's of the same repeat (also printed)."""
     out = tmp_path / "serve.json"
     assert main(["--backend", "sim", "--workload", "serve", "--modes", "drain", "ring",
                  "--clients", "2", "--requests", "3", "--repeats", "3", "--no-bar",
                  "--json", str(out)]) == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    order = re.findall(r"(drain|ring) +closed 2: ", captured.out + captured.err)
+    assert order == ["drain", "ring", "ring", "drain", "drain", "ring"], order
     res = json.loads(out.read_text())
     cells = {c["mode"]: c for c in res["cells"]}
     assert set(cells) == {"drain", "ring"}

@@ -1,7 +1,8 @@
 """The serve sweep: per preset one model; per mode one engine (profile=True, so the GPU busy
 fraction is measured the same way in every mode), all captured and warmed first, then every
-(arrival, load) cell on the same requests, --repeats times, the modes taking turns (engines
-over one model drive it one after the other); a cell reports its median run. Where the model's
+(arrival, load) cell on the same requests, --repeats times, the modes taking turns in an order
+that flips each repeat (engines over one model drive it one after the other); a cell reports
+its median run. Where the model's
 rows are batch-invariant (always on the sim; on cuda with VT_BATCH_INVARIANT=1) their tokens
 must agree (tokens_identical_to_drain). Elsewhere a request's batch depends on when requests
 arrive and steps end, which differs from mode to mode, and a row's logits bits depend on its
@@ -93,12 +94,15 @@ def run_serve(args, progress_factory) -> dict:
                         engines[mode] = Engine(be, model, config, profile=True)
                         serve_cell(engines[mode], warm, "closed", conc, args.seed)
                         progress.step(f"{preset} {mode}: captured and warmed")
-                    # Repeats interleave the modes (drain, ring, drain, ring, ...): a host
-                    # that slows down mid-call slows both sides of a ratio alike.
+                    # Repeats interleave the modes: a host that slows down mid-call slows both
+                    # sides of a ratio alike; and their order flips each repeat (drain, ring;
+                    # ring, drain; ...), so neither mode always runs right after the other
+                    # (after its garbage, its GPU clocks, its thread going idle).
                     runs = {}
-                    for _ in range(args.repeats):
+                    for rep in range(args.repeats):
                         for arrival, load in loads:
-                            for mode, eng in engines.items():
+                            order = list(engines.items())
+                            for mode, eng in (order[::-1] if rep % 2 else order):
                                 row, tokens = serve_cell(eng, work[arrival, load], arrival, load,
                                                          args.seed)
                                 row.update(preset=preset, mode=mode, arrival=arrival, load=load)
