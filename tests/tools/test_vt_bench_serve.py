@@ -132,14 +132,18 @@ def test_sim_serve_repeats_take_turns_and_report_the_median_run(tmp_path, capsys
     assert "TPOT p50 " in printed and "TTFT p99 " in printed
 
 
-def test_median_run_is_the_middle_run_by_tokens_per_s():
+def test_median_run_is_the_middle_run_by_tokens_per_s_and_latency_the_median_over_runs():
     from vt.cli.bench.serve_run import median_run
-    rows = [dict(output_tok_per_s=x, tpot_ms_p50=x / 10, ttft_ms_p99=x * 10, tag=i)
-            for i, x in enumerate([5.0, 1.0, 3.0, 4.0])]
+    ttft99 = [50.0, 10.0, 90.0, 40.0]     # the median tok/s run (tag 2) has the worst tail
+    rows = [dict(output_tok_per_s=x, tpot_ms_p50=x / 10, ttft_ms_p99=t, itl_ms_p99=None, tag=i)
+            for i, (x, t) in enumerate(zip([5.0, 1.0, 3.0, 4.0], ttft99))]
     row = median_run(rows)
     assert row["tag"] == 2 and row["output_tok_per_s_runs"] == [5.0, 1.0, 3.0, 4.0]
+    assert row["output_tok_per_s"] == 3.0    # the run's own, with its phases
     assert row["tpot_ms_p50_runs"] == [0.5, 0.1, 0.3, 0.4]
-    assert row["ttft_ms_p99_runs"] == [50.0, 10.0, 30.0, 40.0]
+    assert row["tpot_ms_p50"] == pytest.approx(0.35)
+    assert row["ttft_ms_p99_runs"] == ttft99 and row["ttft_ms_p99"] == 45.0
+    assert row["itl_ms_p99"] is None         # a run without the value: left as the run's
     assert median_run(rows[:1])["tag"] == 0
 
 

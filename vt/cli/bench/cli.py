@@ -65,7 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=None,
                    help=f"timed runs per cell, at most {lim.MAX_REPEATS}; the cell is the run with the median step time "
                         "(every run's step time is kept in step_us_runs; default: 3), for serve the median "
-                        "output tokens/s, the modes taking turns, their order flipped each repeat (default: 1)")
+                        "output tokens/s (latency percentiles: the median over the runs), the modes taking turns, "
+                        "their order flipped each repeat (default: 1)")
     p.add_argument("--ceiling-replays", type=int, default=None,
                    help=f"back-to-back replays per ceiling, at most {lim.MAX_CEILING_REPLAYS} (default: {_REPLAYS['cuda']} on cuda, "
                         f"{_REPLAYS['sim']} on sim)")
