@@ -74,8 +74,8 @@ for s in "${stages[@]}"; do
                   --arrival closed --clients 16 32 --output-len 128 256 --requests 384 --repeats 3 \
                   --no-bar --json "$OUT/serve-ab-$p.json"
               done ;;
-    torch) stage torch-tests python3 -m pytest -q -rs -m gpu tests/torch
-           stage torch-memcheck bash tools/sanitize.sh memcheck tests/torch
+    torch) stage torch-tests python3 -m pytest -q -rs -m gpu tests/vt_torch
+           stage torch-memcheck bash tools/sanitize.sh memcheck tests/vt_torch
            stage torch-bench python3 -m vt bench --workload torch --conc 1 32 --steps 100 --repeats 2 \
              --profile off --no-bar --json "$OUT/torch.json" ;;
     *) echo "unknown stage $s"; status=1 ;;
