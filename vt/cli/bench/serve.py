@@ -27,6 +27,8 @@ import time
 import numpy as np
 
 PCTS = (50, 90, 99)
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms")
+LATENCY_KEYS = tuple(f"{m}_p{p}" for m in LATENCY_METRICS for p in PCTS)   # a cell's percentiles
 
 
 def draw_requests(rng, n: int, vocab: int, prompt_len: tuple[int, int],
@@ -125,7 +127,7 @@ def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> di
                gpu_busy=busy_ms / 1e3 / wall if busy_ms else None,
                drained_fraction=d["drains"] / d["steps"] if d["steps"] else 0.0,
                drains_after=drains_after, phases=phases, **d)
-    for name, xs in (("ttft_ms", ttft), ("tpot_ms", tpot), ("itl_ms", itl)):
+    for name, xs in zip(LATENCY_METRICS, (ttft, tpot, itl)):
         for p in PCTS:
             out[f"{name}_p{p}"] = float(np.percentile(xs, p) * 1e3) if xs else None
     return out

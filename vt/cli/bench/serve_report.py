@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from vt.cli.bench.serve import LATENCY_METRICS
+
 
 def _f(v, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
@@ -77,12 +79,11 @@ def write_png(res: dict, path: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install 'vt[bench]')"
     groups = sorted({(r["preset"], r["arrival"]) for r in res["cells"]})
-    metrics = ("ttft_ms", "tpot_ms", "itl_ms")
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups)), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for row_axes, (preset, arrival) in zip(axes, groups):
         rows = [r for r in res["cells"] if (r["preset"], r["arrival"]) == (preset, arrival)]
-        for ax, metric in zip(row_axes, metrics):
+        for ax, metric in zip(row_axes, LATENCY_METRICS):
             for k, mode in enumerate(res["modes"]):
                 pts = sorted((r["load"], r) for r in rows if r["mode"] == mode)
                 for p, style in ((50, "-"), (99, "--")):

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from vt.cli.bench.serve import PCTS, draw_requests, serve_cell
+from vt.cli.bench.serve import LATENCY_KEYS, draw_requests, serve_cell
 
 SERVE_DEFAULTS = {   # backend -> (clients, rate, requests per cell, output len, prompt len)
     "cuda": ([16, 32], [40.0], 96, [128, 256], [16, 64]),
@@ -99,10 +99,9 @@ def run_serve(args, progress_factory) -> dict:
                     # sides of a ratio alike; and their order flips each repeat (drain, ring;
                     # ring, drain; ...), so neither mode always runs right after the other
                     # (after its garbage, its GPU clocks, its thread going idle).
-                    runs = {}
+                    runs, order = {}, list(engines.items())
                     for rep in range(args.repeats):
                         for arrival, load in loads:
-                            order = list(engines.items())
                             for mode, eng in (order[::-1] if rep % 2 else order):
                                 row, tokens = serve_cell(eng, work[arrival, load], arrival, load,
                                                          args.seed)
@@ -132,7 +131,6 @@ def run_serve(args, progress_factory) -> dict:
 
 # The per-run values paired with drain's run of the same repeat (KEY_to_drain_runs, printed).
 PER_RUN = ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99")
-LATENCY = tuple(f"{m}_ms_p{p}" for m in ("ttft", "tpot", "itl") for p in PCTS)
 
 
 def median_run(rows: list[dict]) -> dict:
@@ -142,10 +140,10 @@ def median_run(rows: list[dict]) -> dict:
     tokens/s need not be a typical run by its tail. Every run's tokens/s and latency
     percentiles are kept (KEY_runs, in repeat order)."""
     row = dict(sorted(rows, key=lambda r: r["output_tok_per_s"])[(len(rows) - 1) // 2])
-    for k in ("output_tok_per_s", *LATENCY):
+    for k in ("output_tok_per_s", *LATENCY_KEYS):
         runs = [r.get(k) for r in rows]
         row[f"{k}_runs"] = runs
-        if k in LATENCY and None not in runs:
+        if k in LATENCY_KEYS and None not in runs:
             row[k] = statistics.median(runs)
     return row
 
@@ -159,7 +157,7 @@ def _compare(cells: list[dict], compare_tokens: bool) -> None:
                       (row["preset"], row["arrival"], row["load"])), None)
         row["tokens_identical_to_drain"] = (None if drain is None or not compare_tokens else
                                             row["token_ids"] == drain["token_ids"])
-        for k in ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99"):
+        for k in PER_RUN:
             row[f"{k}_to_drain"] = (row[k] / drain[k] if drain is not None and drain[k] and
                                     row[k] is not None else None)
         # Paired by repeat: run i of this mode against run i of drain, served side by side.
