@@ -25,14 +25,14 @@ _VECTOR_FROM = 8
 
 
 class DecodeBatch:
-    def __init__(self, capacity: int, max_blocks: int, block_size: int):
+    def __init__(self, capacity: int, max_blocks: int, block_size: int, *, first_step: int = 0):
         self.capacity, self.block_size = capacity, block_size
         self.n = 0
-        self.t = 0                 # decode steps launched so far
+        self.t = first_step        # the batch step the next launch is (steps launched so far)
         # t again as 0-d arrays of each operand's dtype, for the per-step adds: numpy
         # converts a Python int (or casts a scalar of another dtype) on every call, which
         # costs more than the add itself (~0.7 µs)
-        self._t32, self._t64 = np.zeros((), np.int32), np.zeros((), np.int64)
+        self._t32, self._t64 = np.full((), first_step, np.int32), np.full((), first_step, np.int64)
         self.version = 0           # bumped whenever an entry joins, leaves or moves
         self.reqs: list = [None] * capacity
         self.rows = np.zeros(capacity, np.int32)        # token-table row = recurrent state slot

@@ -37,7 +37,7 @@ from vt.backend.errors import ClosedError
 from vt.forward.adapt import as_step_model
 from vt.knobs import ExecutorConfig
 from vt.engine.call import GenerateCall
-from vt.engine.handle import RequestHandle, StepNotifier
+from vt.engine.handle import RequestHandle, StepNotifier, TokenStream
 from vt.engine.outputs import TokenBuffer
 from vt.engine.requests import RequestResult
 from vt.runner.runner import Runner
@@ -45,7 +45,7 @@ from vt.engine.scheduler import Scheduler
 from vt.engine.serving import ServingLoop, close_dropped, serving_thread
 from vt.engine.profile import LoopProfile
 from vt.engine.progress import Phase, Progress
-from vt.engine.submit import make_requests
+from vt.engine.submit import check_one_request, make_requests
 from vt.engine.model_lease import driving, model_key
 from vt.engine.args import check_engine_args, check_generate_args
 
@@ -74,10 +74,13 @@ class Engine(ServingLoop):
                              f"max_seqs={geo.max_seqs}")
         # A step prefills at most this many prompt tokens. A step model that prefills from a
         # position (chunked_prefill) gets longer prompts in chunks; for any other, one prompt
-        # always fits (a prompt of up to max_context tokens is admitted alone).
+        # always fits (a prompt of up to max_context tokens is admitted alone). No step can
+        # hold more than every row's full context: a larger budget means that one (and the
+        # prefill shapes warmed stay within what the step model allocated for).
         self._chunked = bool(getattr(self.model, "chunked_prefill", False))
-        self.max_prefill_tokens = (max_prefill_tokens or geo.max_context if self._chunked else
-                                   max(geo.max_context, max_prefill_tokens or 0))
+        self.max_prefill_tokens = min(geo.max_seqs * geo.max_context,
+                                      max_prefill_tokens or geo.max_context if self._chunked else
+                                      max(geo.max_context, max_prefill_tokens or 0))
         self.record_logits = record_logits
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
                              profile=profile)
@@ -118,6 +121,7 @@ class Engine(ServingLoop):
         or a collection of ids (any of them ends the request). sampling: None (greedy) or a
         vt.SamplingParams. Thread-safe."""
         self._check_open()
+        check_one_request(max_new_tokens, sampling)
         (req,) = make_requests([prompt], max_new_tokens, stop_token, sampling,
                                self.model.geometry, self.model.vocab, self._sched.blocks.capacity)
         return self._enqueue([req], number=True)[0]
@@ -141,16 +145,13 @@ class Engine(ServingLoop):
         """Whether the engine times its loop now (profile=True, set_profile, or a trace)."""
         return self.runner.profile
 
-    async def stream_async(self, prompt, **kwargs):
-        """`async for tok in engine.stream_async(prompt, max_new_tokens=...)`: submit() and the
-        tokens as they arrive, without blocking the event loop. Leaving the loop early (break,
-        the task cancelled) cancels the request."""
-        handle = self.submit(prompt, **kwargs)
-        try:
-            async for tok in handle.stream_async():
-                yield tok
-        finally:
-            handle.cancel()
+    def stream_async(self, prompt, **kwargs) -> TokenStream:
+        """`async for tok in engine.stream_async(prompt, max_new_tokens=...)`: submit() now
+        (its errors raise here) and the tokens as they arrive, without blocking the event
+        loop. Leaving the loop early (break, the task cancelled) cancels the request, also
+        when the stream is held in a variable; `await stream.aclose()` cancels it outright
+        (vt/engine/handle.py: TokenStream)."""
+        return TokenStream(self.submit(prompt, **kwargs))
 
     def generate(self, prompts, *, max_new_tokens=16, stop_token=None,
                  sampling=None, progress: Callable[[Progress], None] | None = None

@@ -10,6 +10,8 @@ set once when it finishes.
 from __future__ import annotations
 
 import asyncio
+import math
+import numbers
 import threading
 import time
 
@@ -102,6 +104,7 @@ class RequestHandle:
             self._engine._request_cancel(req)
 
     def result(self, timeout: float | None = None) -> RequestResult:
+        timeout = wait_timeout(timeout, "result")
         req = self._req
         if not req.done_event.wait(timeout):
             raise TimeoutError(f"request {req.index} not finished after {timeout} s")
@@ -132,6 +135,9 @@ class RequestHandle:
 
     def stream(self, timeout: float | None = None):
         """Iterate the tokens as they arrive. timeout: the longest wait for the next one."""
+        return self._stream(wait_timeout(timeout, "stream"))
+
+    def _stream(self, timeout: float | None):
         sent = 0
         while True:
             new, sent, finished = self._take(sent)
@@ -142,23 +148,116 @@ class RequestHandle:
             if not self._notifier.wait_for(lambda: self._more(sent), timeout):
                 raise TimeoutError(f"request {self._req.index}: no token in {timeout} s")
 
-    async def stream_async(self):
-        """stream() for asyncio: the event loop is never blocked."""
-        sent = 0
-        while True:
-            new, sent, finished = self._take(sent)
-            for tok in new:
-                yield tok
-            if finished:
-                self._raise_failure()
-                return
-            fut = self._notifier.future(lambda: self._more(sent))
-            if fut is not None:
-                await fut
+    def stream_async(self):
+        """stream() for asyncio: the event loop is never blocked. Leaving the loop early does
+        not cancel the request (Engine.stream_async's stream does)."""
+        return AsyncTokens(self, cancel_on_exit=False)
 
     def _more(self, sent: int) -> bool:
         req = self._req
         return req.final is not None or self._buffer.available(req) > sent
+
+
+class AsyncTokens:
+    """An async iterator over a handle's tokens as they arrive. cancel_on_exit: the request
+    is cancelled when the iteration ends before the request did: an exception or task
+    cancellation inside, aclose(), or the iterator dropped (a `break` drops the one an
+    `async for` made). cancel() does nothing to a finished request, so a stream read to its
+    end cancels nothing."""
+
+    def __init__(self, handle: RequestHandle, *, cancel_on_exit: bool):
+        self._handle, self._cancel_on_exit = handle, cancel_on_exit
+        self._new: list = []        # taken from the buffer, not handed out yet
+        self._sent = 0              # tokens taken so far
+        self._finished = False      # the request finished: nothing more to take
+        self._closed = False        # everything handed out (or aclose): the iteration is over
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> int:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self._next()
+        except StopAsyncIteration:
+            raise
+        except BaseException:   # the request's own error, or the task cancelled
+            self._closed = True
+            self._exit()
+            raise
+
+    async def _next(self) -> int:
+        handle = self._handle
+        while not self._new:
+            if self._finished:
+                self._closed = True
+                handle._raise_failure()
+                raise StopAsyncIteration
+            self._new, self._sent, self._finished = handle._take(self._sent)
+            if not self._new and not self._finished:
+                sent = self._sent
+                fut = handle._notifier.future(lambda: handle._more(sent))
+                if fut is not None:
+                    await fut
+        return self._new.pop(0)
+
+    async def aclose(self) -> None:
+        """Stop reading (the request is cancelled when cancel_on_exit)."""
+        self._closed, self._new = True, []
+        self._exit()
+
+    def _exit(self) -> None:
+        if self._cancel_on_exit:
+            self._handle.cancel()
+
+    def __del__(self):
+        self._exit()
+
+
+class TokenStream:
+    """What Engine.stream_async returns: `async for tok in stream` iterates the request's
+    tokens, and leaving that loop early (break, an exception, the task cancelled) cancels the
+    request, whether the stream is written inline or held in a variable: each `async for`
+    reads through an iterator of its own, which cancels when the loop drops it unfinished.
+    aclose() cancels too; so does dropping a stream never iterated (nobody can read it).
+    One `async for` per stream."""
+
+    def __init__(self, handle: RequestHandle):
+        self._handle = handle
+        self._iterated = False
+
+    @property
+    def request_id(self) -> int:
+        return self._handle.request_id
+
+    def __aiter__(self) -> AsyncTokens:
+        if self._iterated:
+            raise RuntimeError(f"request {self.request_id}: its stream_async() stream is read "
+                               f"by one `async for` only")
+        self._iterated = True
+        return AsyncTokens(self._handle, cancel_on_exit=True)
+
+    async def aclose(self) -> None:
+        """Cancel the request (no effect once it finished)."""
+        self._iterated = True
+        self._handle.cancel()
+
+    def __del__(self):
+        if not self._iterated:
+            self._handle.cancel()
+
+
+def wait_timeout(timeout, call: str) -> float | None:
+    """A wait's timeout as threading takes it: None or inf wait forever; NaN, a non-number
+    or a bool is refused (a NaN deadline never passes and never blocks: a busy spin)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{call}: timeout must be a number of seconds or None, got {timeout!r}")
+    if math.isnan(timeout):
+        raise ValueError(f"{call}: timeout must be a number of seconds or None, got nan")
+    return None if math.isinf(timeout) and timeout > 0 else float(timeout)
 
 
 def _result(req: Request) -> RequestResult:

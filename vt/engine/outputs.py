@@ -66,8 +66,7 @@ class TokenBuffer:
         ended = []
         for i in np.flatnonzero(tokens < 0):
             d = int(tag.dest[i])
-            req = (tag.reqs[i] if tag.reqs is not None else
-                   next((r for r in self.live if r.base <= d < r.base + r.max_new_tokens), None))
+            req = tag.reqs[i] if tag.reqs is not None else self._owner(d, tag.t)
             if req is None or req.final is not None or d >= req.end:
                 continue            # a scratch row, or a token past the request's end
             req.end = d
@@ -75,6 +74,16 @@ class TokenBuffer:
                                  f"-inf: nothing to sample")
             ended.append(req)
         return ended
+
+    def _owner(self, d: int, t: int) -> Request | None:
+        """The request whose token of batch step t goes to entry d: the one that held the
+        row at that step. Not whichever live request's span holds d: a row's next request
+        may already be admitted (its span is the same) before the last token of the
+        previous one is stored, and it joined at a later step."""
+        for r in self.live:
+            if 0 <= r.t0 <= t and r.base + (t - r.t0) == d:
+                return r
+        return None
 
     def available(self, req: Request) -> int:
         """How many of a running request's tokens are stored."""

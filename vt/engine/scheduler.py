@@ -46,14 +46,20 @@ class Scheduler:
         self.chunked = chunked
         self.span = geo.max_context     # token-buffer entries per row
         self.scratch_dest = geo.max_seqs * self.span   # where a non-final chunk's token goes
+        self.batch: DecodeBatch | None = None
         self.reset()
 
     def reset(self) -> None:
-        """Every row and KV block free, nothing running (construction, and after a failure)."""
+        """Every row and KV block free, nothing running (construction, and after a failure).
+        The batch step counter goes on from where it was, never back: the token buffer
+        counts its stored steps by it, so a step numbered again would make a new request's
+        span read as already stored (another request's old tokens)."""
         geo = self.geo
+        first_step = self.batch.t if self.batch is not None else 0
         self.rows = RowAllocator(geo.max_seqs)
         self.blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
-        self.batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size)
+        self.batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size,
+                                 first_step=first_step)
         self.prefilling: list[Request] = []   # holding a row, prompt not yet fully prefilled
 
     def idle(self) -> bool:

@@ -144,7 +144,8 @@ class ServingLoop:
     def _fail(self, exc: BaseException, pending) -> None:
         """A step failed: wait for the stream, drop what is in flight, fail every request that
         holds a row (and, when nothing could be scheduled at all, the queued ones), free
-        every row and block. The loop then serves the rest."""
+        every row and block (the batch step counter goes on: Scheduler.reset). The loop then
+        serves the rest."""
         self._failed_steps += 1
         device_error = self.runner.abort()
         if device_error is not None and device_error is not exc:
@@ -155,7 +156,7 @@ class ServingLoop:
                 buf.finish(req, "error", exc)
         if pending:
             pending.clear()
-        self._reset_schedule()
+        self._sched.reset()
         self._notifier.notify()
 
 

@@ -40,9 +40,11 @@ def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry
 
 
 def stop_tokens(stop_token, vocab: int) -> tuple[int, ...]:
-    """None -> (); an id -> (id,); a collection of ids -> sorted unique ids."""
+    """None -> (); an id (a 0-d array too) -> (id,); a collection of ids -> sorted unique ids."""
     if stop_token is None:
         return ()
+    if isinstance(stop_token, np.ndarray) and stop_token.ndim == 0:
+        stop_token = stop_token[()]   # a 0-d array is its one value (an id, or refused below)
     many = not isinstance(stop_token, (int, np.integer))
     values = list(stop_token) if many and isinstance(stop_token, (list, tuple, set, frozenset,
                                                                   np.ndarray)) else [stop_token]
@@ -51,6 +53,17 @@ def stop_tokens(stop_token, vocab: int) -> tuple[int, ...]:
             raise ValueError(f"stop_token must be a token id in [0, {vocab}), a collection of "
                              f"them, or None, got {stop_token!r}")
     return tuple(sorted({int(v) for v in values}))
+
+
+def check_one_request(max_new_tokens, sampling) -> None:
+    """submit() serves one prompt: one budget and one SamplingParams or None, not generate()'s
+    per-prompt lists (a list of one would otherwise pass as "one per prompt")."""
+    if sampling is not None and not isinstance(sampling, SamplingParams):
+        raise TypeError(f"submit: sampling must be a vt.SamplingParams or None (one request; "
+                        f"generate() takes one per prompt), got {type(sampling).__name__}")
+    if isinstance(max_new_tokens, (list, tuple, np.ndarray)):
+        raise TypeError(f"submit: max_new_tokens must be an int (one request; generate() "
+                        f"takes one per prompt), got {type(max_new_tokens).__name__}")
 
 
 def _check_fits(i: int, prompt_len: int, max_new: int, geo: KVGeometry, kv_capacity: int) -> None:

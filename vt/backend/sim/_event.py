@@ -58,9 +58,15 @@ class Event(HandleOwner):
             self._stream.raise_pending_error()
 
     def query(self) -> bool:
+        """Whether the latest record completed. Like cudaEventQuery, it also reports the
+        failure of an earlier op on the record's stream (a kernel that raised), so a host
+        that polls instead of synchronizing learns of it at the same call as on CUDA."""
         self._require_open()
         self._refuse_in_capture("cudaEventQuery")
-        return self._completed >= self.issued
+        done = self._completed >= self.issued
+        if self._stream is not None:
+            self._stream.raise_pending_error()
+        return done
 
     def elapsed_ms(self, start: "Event") -> float:
         """Milliseconds from `start`'s latest record to this event's, timed when they ran."""

@@ -77,9 +77,13 @@ class Stream(HandleOwner):
         self.raise_pending_error()
 
     def query(self) -> bool:
+        """Whether every op issued so far ran; raises an op's failure as synchronize() does
+        (cudaStreamQuery returns the error of an earlier launch too)."""
         self._require_open()
         self._refuse_in_capture("cudaStreamQuery")
-        return self._worker.done >= self._worker.submitted
+        done = self._worker.done >= self._worker.submitted
+        self.raise_pending_error()
+        return done
 
     def raise_pending_error(self) -> None:
         failure = self._worker.take_error()
