@@ -15,6 +15,7 @@ cases and must show mismatches, or the harness is blind.
   python3 tools/fuzz.py --backend cuda --steps-per-mode 2000 --json fuzz.json   # H200, ~2 min
   python3 tools/fuzz.py --backend sim --seed 17 --cases 1 --models toy      # replay a case seed
   python3 tools/fuzz.py --backend sim --replay case.json                    # replay a printed case
+  python3 tools/fuzz.py --faults          # step faults and NaN rows, online (tools/fuzz_faults.py)
 
 Per model and mode it reports steps (all kinds), graph steps, requests, mismatches vs sync
 (request level: tokens, finish_reason, logits bytes; greedy ones with the top-2 logit gap at
@@ -411,8 +412,16 @@ def _count_mismatches(m: dict, mms: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--faults" in argv:   # the fault fuzz has its own options (tools/fuzz_faults.py)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import fuzz_faults
+        return fuzz_faults.main([a for a in argv if a != "--faults"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--faults", action="store_true",
+                    help="run the fault fuzz instead: random step faults and NaN rows on the sim "
+                         "(tools/fuzz_faults.py; its options: --faults --help)")
     ap.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     ap.add_argument("--models", default=None,
                     help="comma-separated: toy, tiny-dense, tiny-moe (default: toy on sim, all "

@@ -1,0 +1,424 @@
+"""Fault fuzz (`tools/fuzz.py --faults`): random step faults and NaN rows, on the sim, in drain,
+ring and staged; every request's streamed tokens and outcome checked against what it must be.
+
+A case is tools/fuzz.py's random workload (prompts, budgets, sampling, a stop token, KV geometry,
+capture sizes, concurrency, ring depth, sim device delay) served ONLINE: client threads submit
+its requests at random moments and read each through stream() as it runs (and snapshot() right
+after submit()). The forward is the toy forward with two fault hooks (FaultyToy):
+- step faults: a kernel in every forward (graph replays and eager steps alike) raises on its
+  k-th call, armed at random moments by a fault thread: on the sim that is a device-side error,
+  reported at the next query or sync of the stream, and the step fails with the requests that
+  hold a row;
+- NaN rows: the logits of every row whose input token is the case's NaN token are NaN, so that
+  request ends "error" with the tokens before that one.
+
+What each request must give comes from the same requests served by a clean engine (mode sync,
+plain toy forward): its tokens cut before the first one sampled from the NaN token (a request's
+tokens depend only on its prompt, sampling and the model). Counted, per mode:
+- stream mismatches: requests whose streamed tokens (or the snapshot after submit) differ from
+  their final tokens;
+- misattributed errors: a NaN-row error on a request or at a token whose logits were not NaN,
+  or a request whose logits were NaN that did not end there with that error;
+- wrong tokens: a finished request's tokens not its expected ones, or a failed one's not a
+  prefix of them; problems: a hang, an unexpected error or finish reason, an engine not idle.
+Exit 1 when any count is nonzero.
+
+  python3 tools/fuzz.py --faults                                   # sim, ~1-2 min
+  python3 tools/fuzz.py --faults --cases 4 --seed 7 --modes ring   # a few cases, one mode
+
+Step faults run on the sim only: on CUDA a graph replays without calling Python, so a kernel
+there cannot raise.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+sys.path.insert(0, str(Path(__file__).resolve().parent))      # tools/fuzz.py beside it
+import fuzz as base  # noqa: E402
+from vt.backend import get_backend  # noqa: E402
+from vt.engine.engine import Engine  # noqa: E402
+from vt.forward.toy import ToyForward  # noqa: E402
+from vt.forward.user import ForwardModel  # noqa: E402
+
+FAULT_MODES = ("drain", "ring", "staged")
+WAIT_S = 60.0   # the longest a client waits for one request: past it, a hang
+
+
+# -- the faulty forward -------------------------------------------------------------------
+class StepFault(Exception):
+    """What the fault kernel raises (numbered: fault #n)."""
+
+
+class FaultKernel:
+    """A kernel that raises StepFault on its k-th call after arm(k), once. Thread-safe: armed
+    from the fault thread while the stream's worker calls it."""
+
+    name = "step_fault"
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._left: int | None = None
+        self.fired = 0
+
+    def arm(self, k: int | None) -> None:
+        """Raise on the k-th call from now (None: disarm)."""
+        with self._lock:
+            self._left = k
+
+    def _tick(self) -> None:
+        with self._lock:
+            if self._left is None:
+                return
+            self._left -= 1
+            if self._left > 0:
+                return
+            self._left = None
+            self.fired += 1
+            n = self.fired
+        raise StepFault(f"step fault #{n}")
+
+    def run_numpy(self) -> None:
+        self._tick()
+
+    def run_cupy(self, stream_handle) -> None:   # on cuda: at launch, eager steps only
+        self._tick()
+
+
+class _NaNRows:
+    """logits[r] = NaN for every row r whose input token is `token`."""
+
+    name = "nan_rows"
+
+    def run_numpy(self, table, rows, logits, *, token):
+        logits[table[rows] == token] = np.nan
+
+    def run_cupy(self, stream_handle, table, rows, logits, *, token):
+        import cupy as cp
+        logits[...] = cp.where((table[rows] == token)[:, None], cp.float32(cp.nan), logits)
+
+
+_NAN_ROWS = _NaNRows()
+
+
+class FaultyToy:
+    """The toy forward (vt.forward.toy) plus the fault kernel (launched first in every
+    forward, captured or eager) and, when nan_token is set, NaN logits for the rows whose
+    input token it is. hold_next_eager(gate): the next eager forward (a prefill substep, an
+    eager or mixed step) waits on the host for the threading.Event `gate` first."""
+
+    def __init__(self, be, *, vocab: int, geometry, nan_token: int | None = None):
+        self.be, self.nan_token = be, nan_token
+        self.toy = ToyForward(be, vocab=vocab, geometry=geometry)
+        self.fault = FaultKernel()
+        self._gate: threading.Event | None = None
+
+    def hold_next_eager(self, gate: threading.Event) -> None:
+        self._gate = gate
+
+    def __call__(self, stream, inputs, logits_out) -> None:
+        if self._gate is not None and not self.be.is_capturing(stream):
+            gate, self._gate = self._gate, None
+            gate.wait(WAIT_S)
+        self.be.launch(stream, self.fault)
+        self.toy(stream, inputs, logits_out)
+        if self.nan_token is not None:
+            self.be.launch(stream, _NAN_ROWS, self.toy.token_table, inputs.token_rows,
+                           logits_out, token=self.nan_token)
+
+    def step_model(self) -> ForwardModel:
+        return ForwardModel(self.be, self, vocab=self.toy.vocab, token_table=self.toy.token_table,
+                            geometry=self.toy.geometry)
+
+
+# -- what a request must give ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Expected:
+    tokens: tuple            # the reference's tokens, cut before the NaN one
+    nan_at: int | None       # index of the first token sampled from NaN logits, if any
+
+    @classmethod
+    def of(cls, prompt, ref_tokens, nan_token):
+        inputs = [prompt[-1]] + list(ref_tokens[:-1])   # token i is sampled after input i
+        at = next((i for i, tok in enumerate(inputs) if tok == nan_token), None)
+        return cls(tuple(ref_tokens[:at] if at is not None else ref_tokens), at)
+
+
+def pick_nan_token(prompts, ref_tokens, vocab: int, rng: random.Random) -> int:
+    """The token whose logits go NaN: the one that ends the most requests on their LAST
+    token (the case where a row's next request is admitted before the error row is
+    stored), a random one when none does."""
+    at_last = np.zeros(vocab, np.int64)
+    for prompt, toks in zip(prompts, ref_tokens):
+        inputs = [prompt[-1]] + list(toks[:-1])
+        if toks and inputs[-1] not in inputs[:-1]:
+            at_last[inputs[-1]] += 1
+    if not at_last.any():
+        return rng.randrange(vocab)
+    best = np.flatnonzero(at_last == at_last.max())
+    return int(best[rng.randrange(len(best))])
+
+
+@dataclass
+class Outcome:
+    """One request as its client saw it."""
+    index: int
+    early: list = field(default_factory=list)     # snapshot() right after submit()
+    streamed: list = field(default_factory=list)
+    final: list = field(default_factory=list)
+    finish: str | None = None   # None: result() raised (the step failed)
+    message: str | None = None  # RequestResult.error (an error row)
+    error: BaseException | None = None
+    hung: bool = False
+
+
+def judge(exp: Expected, out: Outcome) -> dict:
+    """The counts this request adds (each 0 or 1) and a line saying what went wrong."""
+    got, want = tuple(out.final), exp.tokens
+    c = dict(stream_mismatch=0, misattributed=0, wrong_tokens=0, problem=0)
+    why = []
+    if out.hung:
+        c["problem"], why = 1, ["hung"]
+        return dict(c, why=why)
+    if out.streamed != out.final or out.early != out.final[:len(out.early)]:
+        c["stream_mismatch"] = 1
+        why.append(f"streamed {out.streamed} (early {out.early}) but final {out.final}")
+    if out.finish is None:                           # a step failed while it held a row
+        if not _is_step_fault(out.error):
+            c["problem"] = 1
+            why.append(f"failed with {type(out.error).__name__}: {out.error}")
+        if got != want[:len(got)]:
+            c["wrong_tokens"] = 1
+            why.append(f"failed with {list(got)}, not a prefix of {list(want)}")
+    elif out.finish == "error":                      # an error row: must be its NaN one
+        if exp.nan_at is None or got != want:
+            c["misattributed"] = 1
+            why.append(f"error row {out.message!r} with {list(got)}; expected "
+                       f"{list(want)} (NaN at {exp.nan_at})")
+    elif out.finish in ("length", "stop"):
+        if exp.nan_at is not None:
+            c["misattributed"] = 1
+            why.append(f"{out.finish} with {list(got)}; its logits were NaN at {exp.nan_at}")
+        elif got != want:
+            c["wrong_tokens"] = 1
+            why.append(f"{out.finish} with {list(got)}; expected {list(want)}")
+    else:
+        c["problem"] = 1
+        why.append(f"finish_reason {out.finish!r}")
+    return dict(c, why=why)
+
+
+def _is_step_fault(exc) -> bool:
+    while exc is not None:
+        if isinstance(exc, StepFault):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+# -- serving a case online -----------------------------------------------------------------
+def _client(eng, items, stop, seed: int, max_gap_s: float, outcomes: dict) -> None:
+    rng = random.Random(seed)
+    for index, req in items:
+        time.sleep(rng.uniform(0, max_gap_s))
+        out = outcomes[index] = Outcome(index)
+        h = eng.submit(np.asarray(req.prompt, np.int32), max_new_tokens=req.budget,
+                       stop_token=stop, sampling=req.sampling)
+        out.early = h.snapshot()[0].tolist()
+        try:
+            for tok in h.stream(timeout=WAIT_S):
+                out.streamed.append(tok)
+        except TimeoutError:
+            out.hung = True
+            continue
+        except Exception as exc:  # noqa: BLE001 (judged: a step fault is expected)
+            out.error = exc
+        out.final = h.snapshot()[0].tolist()
+        try:
+            res = h.result(timeout=WAIT_S)
+            out.finish, out.message = res.finish_reason, res.error
+        except TimeoutError:
+            out.hung = True
+        except Exception as exc:  # noqa: BLE001
+            out.error = out.error or exc
+
+
+def _fault_thread(kernel: FaultKernel, done: threading.Event, seed: int, gap_s: float) -> None:
+    rng = random.Random(seed)
+    while not done.wait(rng.uniform(0, 2 * gap_s)):
+        kernel.arm(rng.randint(1, 24))
+    kernel.arm(None)
+
+
+@dataclass
+class ModeReport:
+    mode: str
+    requests: int
+    counts: dict
+    faults: int
+    failed_steps: int
+    outcomes: dict              # finish kind -> requests
+    failures: list              # (request index, why)
+
+
+def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
+                 fault_gap_s: float, max_gap_s: float) -> tuple[dict, FaultKernel, dict]:
+    """The case's requests served online in `mode` on a FaultyToy under random step faults:
+    each request's Outcome, the fault kernel, the engine's stats."""
+    be = get_backend("sim", device_delay_s=case.sim_delay_s)
+    fwd = FaultyToy(be, vocab=case.vocab, geometry=case.geometry, nan_token=nan_token)
+    outcomes, done = {}, threading.Event()
+    try:
+        with Engine(be, fwd.step_model(), base.mode_config(case, mode),
+                    max_prefill_tokens=case.max_prefill_tokens) as eng:
+            n_clients = max(1, min(len(reqs), case.serving_conc + 1, 8))
+            shares = [[(i, r) for i, r in enumerate(reqs) if i % n_clients == c]
+                      for c in range(n_clients)]
+            clients = [threading.Thread(target=_client, args=(eng, share, stop, seed * 31 + c,
+                                                              max_gap_s, outcomes))
+                       for c, share in enumerate(shares)]
+            faults = threading.Thread(target=_fault_thread, args=(fwd.fault, done, seed, fault_gap_s))
+            faults.start()
+            for t in clients:
+                t.start()
+            for t in clients:
+                t.join()
+            done.set()
+            faults.join()
+            deadline = time.monotonic() + WAIT_S
+            while not eng.idle() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            stats = dict(eng.stats(), idle=eng.idle())
+    finally:
+        done.set()
+        be.close()
+    return outcomes, fwd.fault, stats
+
+
+def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float = 0.15,
+                   max_gap_s: float = 0.003) -> list[ModeReport]:
+    """The reference (sync, clean toy), then each mode under faults; judged per request."""
+    reqs, stop = case.rounds[0], case.stops[0]
+    ref_be = get_backend("sim")
+    models = base.Models()
+    try:
+        ref = base.run_mode(ref_be, models, case, "sync", reference=True).rounds[0]
+    finally:
+        models.close()
+        ref_be.close()
+    nan_token = pick_nan_token([r.prompt for r in reqs], [res.tokens for res in ref],
+                               case.vocab, random.Random(seed))
+    expected = [Expected.of(r.prompt, res.tokens, nan_token) for r, res in zip(reqs, ref)]
+    reports = []
+    for mode in modes:
+        outcomes, kernel, stats = serve_faulty(case, mode, reqs, stop, nan_token, seed=seed,
+                                               fault_gap_s=fault_gap_s, max_gap_s=max_gap_s)
+        counts = dict(stream_mismatch=0, misattributed=0, wrong_tokens=0, problem=0)
+        kinds, failures = {}, []
+        for i, exp in enumerate(expected):
+            out = outcomes.get(i)
+            if out is None:
+                counts["problem"] += 1
+                failures.append((i, ["never submitted (a client thread died)"]))
+                continue
+            verdict = judge(exp, out)
+            for k in counts:
+                counts[k] += verdict[k]
+            if verdict["why"]:
+                failures.append((i, verdict["why"]))
+            kind = "fault" if out.finish is None else out.finish
+            kinds[kind] = kinds.get(kind, 0) + 1
+        if not stats["idle"]:
+            counts["problem"] += 1
+            failures.append((-1, ["the engine was not idle after every request finished"]))
+        reports.append(ModeReport(mode, len(reqs), counts, kernel.fired, stats["failed_steps"],
+                                  kinds, failures))
+    return reports
+
+
+# -- the command line -------------------------------------------------------------------------
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="tools/fuzz.py --faults",
+                                 description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=12, help="random cases (each in every mode)")
+    ap.add_argument("--seed", type=int, default=0, help="case i uses seed + i")
+    ap.add_argument("--modes", nargs="+", default=list(FAULT_MODES), choices=FAULT_MODES)
+    ap.add_argument("--max-requests", type=int, default=32, help="requests per case, at most")
+    ap.add_argument("--fault-gap-ms", type=float, default=150.0,
+                    help="mean time between two armings of the fault kernel")
+    ap.add_argument("--time-budget-s", type=float, default=300.0,
+                    help="stop drawing new cases after this long (the report says so)")
+    ap.add_argument("--json", default=None, help="write the totals here")
+    args = ap.parse_args(argv)
+    if args.cases < 1 or args.max_requests < 1 or not args.fault_gap_ms > 0:
+        ap.error("--cases and --max-requests must be positive, --fault-gap-ms > 0")
+
+    totals = {m: dict(requests=0, faults=0, failed_steps=0, stream_mismatch=0,
+                      misattributed=0, wrong_tokens=0, problem=0, kinds={}) for m in args.modes}
+    t0, ran, out_of_time = time.perf_counter(), 0, False
+    for i in range(args.cases):
+        if time.perf_counter() - t0 > args.time_budget_s:
+            out_of_time = True
+            break
+        seed = args.seed + i
+        case = base.numpy_case(seed, max_requests=args.max_requests, max_rounds=1,
+                               sim_delays=(0.0, 1e-4, 3e-4))
+        tc = time.perf_counter()
+        reports = run_fault_case(case, modes=args.modes, seed=seed,
+                                 fault_gap_s=args.fault_gap_ms / 1e3)
+        ran += 1
+        bad = [r for r in reports if any(r.counts.values())]
+        print(f"case seed={seed} requests={case.requests} conc={case.serving_conc} "
+              f"sizes={list(case.capture_sizes)} delay={case.sim_delay_s}: "
+              + ", ".join(f"{r.mode} {r.faults} faults/{sum(v for k, v in r.outcomes.items() if k != 'fault')}"
+                          f" served" for r in reports)
+              + f" in {time.perf_counter() - tc:.1f}s{'  FAILED' if bad else ''}", flush=True)
+        for r in reports:
+            t = totals[r.mode]
+            t["requests"] += r.requests
+            t["faults"] += r.faults
+            t["failed_steps"] += r.failed_steps
+            for k, v in r.counts.items():
+                t[k] += v
+            for k, v in r.outcomes.items():
+                t["kinds"][k] = t["kinds"].get(k, 0) + v
+            for index, why in r.failures[:5]:
+                print(f"  {r.mode} request {index}: {'; '.join(why)}", flush=True)
+        if bad:
+            print(f"  replay: python3 tools/fuzz.py --faults --seed {seed} --cases 1", flush=True)
+
+    print(f"\nfault fuzz on the sim: {ran} cases in {time.perf_counter() - t0:.1f}s"
+          f"{' (time budget reached)' if out_of_time else ''}")
+    print(f"{'mode':<7} {'requests':>8} {'faults':>6} {'failed':>6} {'length':>6} {'stop':>5} "
+          f"{'nan':>4} {'fault':>5} {'stream-mismatch':>15} {'misattributed':>13} "
+          f"{'wrong-tokens':>12} {'problems':>8}")
+    for mode, t in totals.items():
+        k = t["kinds"]
+        print(f"{mode:<7} {t['requests']:>8} {t['faults']:>6} {t['failed_steps']:>6} "
+              f"{k.get('length', 0):>6} {k.get('stop', 0):>5} {k.get('error', 0):>4} "
+              f"{k.get('fault', 0):>5} {t['stream_mismatch']:>15} {t['misattributed']:>13} "
+              f"{t['wrong_tokens']:>12} {t['problem']:>8}")
+    sums = {k: sum(t[k] for t in totals.values())
+            for k in ("stream_mismatch", "misattributed", "wrong_tokens", "problem")}
+    print(f"requests whose streamed tokens differ from their result: {sums['stream_mismatch']}; "
+          f"errors attributed to the wrong request: {sums['misattributed']}; wrong tokens: "
+          f"{sums['wrong_tokens']}; problems: {sums['problem']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(dict(cases=ran, seed=args.seed, totals=totals,
+                                                   **sums), indent=1))
+        print(f"wrote {args.json}")
+    return 1 if any(sums.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
