@@ -120,14 +120,18 @@ class FaultyToy:
         self.be, self.nan_token = be, nan_token
         self.toy = ToyForward(be, vocab=vocab, geometry=geometry)
         self.fault = FaultKernel()
-        self._gate: threading.Event | None = None
+        self._hold: tuple[threading.Event, threading.Event] | None = None
 
-    def hold_next_eager(self, gate: threading.Event) -> None:
-        self._gate = gate
+    def hold_next_eager(self, gate: threading.Event) -> threading.Event:
+        """Hold the next eager forward until `gate` is set; returns an event set once it waits."""
+        held = threading.Event()
+        self._hold = (gate, held)
+        return held
 
     def __call__(self, stream, inputs, logits_out) -> None:
-        if self._gate is not None and not self.be.is_capturing(stream):
-            gate, self._gate = self._gate, None
+        if self._hold is not None and not self.be.is_capturing(stream):
+            (gate, held), self._hold = self._hold, None
+            held.set()
             gate.wait(WAIT_S)
         self.be.launch(stream, self.fault)
         self.toy(stream, inputs, logits_out)
