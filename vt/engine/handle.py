@@ -5,7 +5,8 @@ The loop does no work per request per step for readers: it publishes one counter
 token buffer's stored_t) and, only when some stream waits, wakes every waiter once per step
 (one notify_all, and one call_soon_threadsafe per asyncio waiter). A reader then copies its
 new tokens out of the shared buffer by cursor. result() waits on the request's own event,
-set once when it finishes.
+set once when it finishes. AsyncTokens is the asyncio reader; TokenStream, what
+Engine.stream_async returns, is one whose early exit cancels the request.
 """
 from __future__ import annotations
 
@@ -80,6 +81,7 @@ class RequestHandle:
     stream(): the tokens as their steps reach the host (an iterator; it raises the step's
     error if the request failed). result(timeout=None): the RequestResult, blocking until the
     request finishes (TimeoutError after `timeout` seconds; the step's error if it failed).
+    A timeout of None or inf waits forever; NaN is refused (wait_timeout).
     cancel(): the request stops at the next step boundary, its row and KV blocks freed, with
     finish_reason "cancelled" and the tokens collected until then. done(): finished (any
     reason) or failed.
