@@ -153,6 +153,11 @@ class LlamaDecoder(nn.Module):
         T = geometry.max_blocks * geometry.block_size
         self.register_buffer("context", torch.arange(T, device=device), persistent=False)   # [T]
 
+    @property
+    def vocab(self) -> int:
+        """The logits' width (TorchForwardModel takes it, and `geometry`, from the module)."""
+        return self.cfg.vocab
+
     @torch.inference_mode()
     def forward(self, inputs: TorchInputs, logits_out: torch.Tensor) -> None:
         bs = self.geometry.block_size
