@@ -12,7 +12,7 @@ import torch
 from vt.step import KVGeometry
 
 _WRITE_INTO = ("write the logits into logits_out in place (logits_out.copy_(...)) and return "
-               "None")
+               "None or logits_out")
 
 
 def resolve_shape(forward, vocab, geometry) -> tuple[int, KVGeometry]:
@@ -44,9 +44,10 @@ def resolve_shape(forward, vocab, geometry) -> tuple[int, KVGeometry]:
     return vocab, geometry
 
 
-def check_returned(result) -> None:
-    """Refuse a forward that returned something: vt reads only logits_out."""
-    if result is not None:
+def check_returned(result, logits_out) -> None:
+    """Refuse a forward that returned something other than None or logits_out itself (an
+    in-place op's result, e.g. `return logits_out.copy_(x)`): vt reads only logits_out."""
+    if result is not None and result is not logits_out:
         what = (f"a Tensor of shape {list(result.shape)}" if isinstance(result, torch.Tensor)
                 else f"a {type(result).__name__}")
         raise ValueError(f"vt.torch: the forward returned {what}, which vt never reads: "

@@ -16,7 +16,7 @@ step's graph like any forward, and around it:
   runs it on vt's stream before capturing that size;
 - a call that cannot be captured (host sync, .item(), a copy from host memory) is refused with
   TorchCaptureError naming the call; any other exception propagates as it is;
-- the forward must write logits_out in place: one that returns a value is refused at every
+- the forward must write logits_out in place: one that returns another value is refused at every
   call, and the first eager call of each batch size fills logits_out with NaN first and
   refuses a forward that left it so (vt/torch/checks.py).
 
@@ -105,12 +105,12 @@ class TorchStep:
                 if st.pool is None:
                     st.pool = torch.cuda.MemPool()
                 with capturing_into(st.pool, stream):
-                    check_returned(self.fn(t_in, t_out))
+                    check_returned(self.fn(t_in, t_out), t_out)
                 return
             if t_in.batch not in st.warmed:
                 self._warm_up_on_side_stream(st.external, t_in, t_out)
                 st.warmed.add(t_in.batch)
-            check_returned(self.fn(t_in, t_out))
+            check_returned(self.fn(t_in, t_out), t_out)
 
     def _warm_up_on_side_stream(self, external, t_in, t_out) -> None:
         """The forward once on a side stream (torch's advice before a capture), into a
@@ -119,7 +119,7 @@ class TorchStep:
         side.wait_stream(external)
         with torch.cuda.stream(side):
             poison(t_out)
-            check_returned(self.fn(t_in, t_out))
+            check_returned(self.fn(t_in, t_out), t_out)
             check_written(t_out)   # a host read, eager: once per batch size
         external.wait_stream(side)
 
@@ -168,7 +168,7 @@ class _SimTorchKernel:
         with torch.inference_mode():
             if first:
                 poison(logits)
-            check_returned(self.fn(TorchInputs(fields[0], *fields[1:]), logits))
+            check_returned(self.fn(TorchInputs(fields[0], *fields[1:]), logits), logits)
             if first:
                 check_written(logits)
                 self.checked.add(logits.shape[0])

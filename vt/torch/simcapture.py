@@ -78,7 +78,7 @@ def record(fn, table, arrays) -> Recording:
             raise TorchCaptureError(refusal(
                 calls.name, CUDA_REFUSAL + f" ({getattr(exc, 'func', 'an op')}'s output depends "
                 f"on tensor values)")) from None
-    check_returned(result)
+    check_returned(result, fakes[-1])
     return Recording(recorder.steps, len(real))
 
 
