@@ -28,7 +28,7 @@ from vt.engine import Engine  # noqa: E402
 from vt.knobs import ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.torch import TorchCaptureError, TorchForwardModel, hf, torch_device  # noqa: E402
-from vt.torch.hfconfig import config_from_hf  # noqa: E402
+
 from vt.torch.llama import rope_table  # noqa: E402
 
 from vt_torch._torch_util import GEO, generate, prompts, tiny_llama  # noqa: E402
@@ -37,7 +37,8 @@ pytestmark = pytest.mark.torch_allocator
 
 SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, initializer_range=0.2,
-             max_position_embeddings=64, eos_token_id=None, bos_token_id=None, pad_token_id=0)
+             max_position_embeddings=64, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+             hidden_act="silu")
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
 
 
@@ -117,7 +118,7 @@ def test_rope_frequencies_equal_transformers(case):
     rotary = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(ref_cfg)
     positions = torch.arange(48)[None]
     cos_ref, sin_ref = rotary(torch.zeros(1, 48, 16), positions)
-    cos, sin = rope_table(config_from_hf(data), 48)
+    cos, sin = rope_table(hf.config_from_hf(data), 48)
     assert torch.equal(cos, cos_ref[0]) and torch.equal(sin, sin_ref[0]), case
 
 
@@ -147,7 +148,7 @@ def test_greedy_tokens_follow_rope_scaling_when_both_fields_are_set(sim_backend,
 ])
 def test_an_unimplemented_rope_type_or_field_is_refused(rope, match):
     with pytest.raises(ValueError, match=r"config.json: " + match):
-        config_from_hf(dict(SMALL, model_type="llama", rope_parameters=rope))
+        hf.config_from_hf(dict(SMALL, model_type="llama", rope_parameters=rope))
 
 
 # -- tied embeddings --------------------------------------------------------------------------
