@@ -195,12 +195,12 @@ def test_pool_and_torch_memory_stay_flat_over_many_generate_calls(backend):
 
 def test_the_refusal_names_the_call_the_way_a_user_wrote_it():
     """The name a refusal gives (CPU: the tracking alone, the GPU tests above refuse for real)."""
-    from vt.torch.capture import _LastCall
+    from vt.torch.capture import LastCall
     calls = {"torch.Tensor.item": lambda: torch.ones(1).item(),
              "torch.tensor": lambda: torch.tensor([1.0]),
              "torch.Tensor.tolist": lambda: torch.ones(2).tolist()}
     for name, call in calls.items():
-        tracker = _LastCall()
+        tracker = LastCall()
         with tracker:
             call()
         assert tracker.name == name

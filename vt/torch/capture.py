@@ -27,23 +27,27 @@ def capturing_into(pool: "torch.cuda.MemPool", stream):
     """Run a torch forward inside vt's capture on `stream`: its allocations go to `pool`, and a
     capture-breaking call is reported as TorchCaptureError naming that call. Any other
     exception of the forward propagates as it is."""
-    tracker = _LastCall()
+    tracker = LastCall()
     with torch.cuda.use_mem_pool(pool), tracker:
         try:
             yield
         except Exception as exc:
             if not _breaks_capture(exc, stream):
                 raise
-            raise TorchCaptureError(
-                f"vt.torch: the torch forward cannot be captured into a CUDA graph: "
-                f"{tracker.name} failed with {type(exc).__name__}: {_first_line(exc)}. A captured "
-                f"forward may only queue work on its stream: no .item(), .tolist(), .cpu() or "
-                f"print of a tensor, no torch.cuda.synchronize(), no tensor made from host data "
-                f"(torch.tensor(...) or a CPU tensor moved to the GPU), no data-dependent shape "
-                f"(nonzero, masked_select), no random op (docs/torch.md)") from exc
+            raise TorchCaptureError(refusal(
+                tracker.name, f"{type(exc).__name__}: {_first_line(exc)}")) from exc
 
 
-class _LastCall(TorchFunctionMode):
+def refusal(call: str, failure: str) -> str:
+    """The one-line message of a TorchCaptureError: the call, how it failed, what is allowed."""
+    return (f"vt.torch: the torch forward cannot be captured into a CUDA graph: {call} failed "
+            f"with {failure}. A captured forward may only queue work on its stream: no .item(), "
+            f".tolist(), .cpu() or print of a tensor, no torch.cuda.synchronize(), no tensor made "
+            f"from host data (torch.tensor(...) or a CPU tensor moved to the GPU), no "
+            f"data-dependent shape (nonzero, masked_select), no random op (docs/torch.md)")
+
+
+class LastCall(TorchFunctionMode):
     """Records the last torch function or tensor method the forward called (user level: the
     calls torch makes inside it are not seen), to name it when the capture breaks."""
 

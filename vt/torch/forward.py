@@ -15,11 +15,15 @@ step's graph like any forward, and around it:
   torch asks before a capture (lazy initialisation, workspaces); vt's own warm-up step then
   runs it on vt's stream before capturing that size;
 - a call that cannot be captured (host sync, .item(), a copy from host memory) is refused with
-  TorchCaptureError naming the call; any other exception propagates as it is.
+  TorchCaptureError naming the call; any other exception propagates as it is;
+- the forward must write logits_out in place: one that returns another value is refused at every
+  call, and the first eager call of each batch size fills logits_out with NaN first and
+  refuses a forward that left it so (vt/torch/checks.py).
 
 On the sim backend the forward runs on CPU tensors (views of the sim's numpy buffers) inside a
-sim kernel, so the sim's stream order and capture semantics apply to it (no memory pool: the
-sim's graphs hold no torch memory).
+sim kernel, so the sim's stream order applies to it. A sim capture records the forward once
+and refuses what a CUDA capture refuses; its graph replays the record (vt/torch/simcapture.py).
+No memory pool there: the sim's graphs hold no torch memory.
 """
 from __future__ import annotations
 
@@ -31,7 +35,9 @@ import torch
 from vt.backend.zeros import zeros
 from vt.forward.user import ForwardModel, KVGeometry
 from vt.step import FORWARD_FIELDS
-from vt.torch.capture import capturing_into
+from vt.torch.capture import TorchCaptureError, capturing_into
+from vt.torch.checks import check_returned, check_written, poison, resolve_shape
+from vt.torch.simcapture import SimCapturedTorchKernel, record
 from vt.torch.views import TorchInputs, ViewCache
 
 
@@ -43,12 +49,16 @@ def torch_device(be) -> torch.device:
 class TorchForwardModel(ForwardModel):
     """ForwardModel of a torch forward(inputs, logits_out) (module docstring). token_table: the
     backend's [max_seqs + 1] int32 array the sampler writes the tokens into; one is made when
-    None. The model's tensors (weights, KV cache) must be on torch_device(be)."""
+    None. The model's tensors (weights, KV cache) must be on torch_device(be). vocab and
+    geometry may be left out for a forward that has them as attributes (LlamaDecoder), and
+    must equal them where it does."""
 
-    def __init__(self, be, forward, *, vocab: int, geometry: KVGeometry, token_table=None):
+    def __init__(self, be, forward, *, vocab: int | None = None, geometry: KVGeometry | None = None,
+                 token_table=None):
         if not callable(forward):
             raise TypeError(f"forward must be a callable forward(inputs, logits_out) or an "
                             f"nn.Module, got {type(forward).__name__}")
+        vocab, geometry = resolve_shape(forward, vocab, geometry)
         if isinstance(forward, torch.nn.Module):
             forward.eval()
         if token_table is None:
@@ -81,11 +91,11 @@ class TorchStep:
         self.be, self.fn, self.token_table = be, fn, token_table
         self.device = torch_device(be)
         self.streams: dict[int, _StreamState] = {}
+        self.sim_checked: set = set()   # batch sizes whose logits_out writing the sim checked
 
     def __call__(self, stream, inputs, logits_out) -> None:
         if self.be.name != "cuda":
-            self.be.launch(stream, _SimTorchKernel(self.fn), self.token_table,
-                           *(getattr(inputs, f) for f in FORWARD_FIELDS), logits_out)
+            self._sim_call(stream, inputs, logits_out)
             return
         st = self._state(stream)
         t_in = st.views.inputs(self.token_table, inputs)
@@ -95,19 +105,38 @@ class TorchStep:
                 if st.pool is None:
                     st.pool = torch.cuda.MemPool()
                 with capturing_into(st.pool, stream):
-                    self.fn(t_in, t_out)
+                    check_returned(self.fn(t_in, t_out), t_out)
                 return
             if t_in.batch not in st.warmed:
                 self._warm_up_on_side_stream(st.external, t_in, t_out)
                 st.warmed.add(t_in.batch)
-            self.fn(t_in, t_out)
+            check_returned(self.fn(t_in, t_out), t_out)
 
     def _warm_up_on_side_stream(self, external, t_in, t_out) -> None:
+        """The forward once on a side stream (torch's advice before a capture), into a
+        poisoned logits_out: refused if it wrote nothing there."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(external)
         with torch.cuda.stream(side):
-            self.fn(t_in, t_out)
+            poison(t_out)
+            check_returned(self.fn(t_in, t_out), t_out)
+            check_written(t_out)   # a host read, eager: once per batch size
         external.wait_stream(side)
+
+    def _sim_call(self, stream, inputs, logits_out) -> None:
+        arrays = (*(getattr(inputs, f) for f in FORWARD_FIELDS), logits_out)
+        if not self.be.is_capturing(stream):
+            self.be.launch(stream, _SimTorchKernel(self.fn, self.sim_checked), self.token_table,
+                           *arrays)
+            return
+        try:
+            recording = record(self.fn, self.token_table, arrays)
+        except TorchCaptureError as exc:
+            # As on cuda, the refused call invalidates the capture: the capture then fails
+            # with a CaptureError caused by this one.
+            stream.capture.invalidate(exc)
+            raise
+        self.be.launch(stream, SimCapturedTorchKernel(recording), self.token_table, *arrays)
 
     def _state(self, stream) -> _StreamState:
         st = self.streams.get(stream.handle)
@@ -124,15 +153,22 @@ class TorchStep:
 
 
 class _SimTorchKernel:
-    """The sim's kernel around a torch forward: runs it on CPU views of the sim's buffers when
-    the sim's stream reaches it (so a captured step runs it at every replay)."""
+    """The sim's kernel around an eager torch forward: runs it on CPU views of the sim's
+    buffers when the sim's stream reaches it. The first run of each batch size goes into a
+    poisoned logits_out, as on cuda (`checked`: the sizes done, shared by the model's kernels)."""
 
     name = "torch_forward"
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, checked: set):
+        self.fn, self.checked = fn, checked
 
     def run_numpy(self, table, *arrays):
         *fields, logits = [torch.from_numpy(np.asarray(a)) for a in (table, *arrays)]
+        first = logits.shape[0] not in self.checked
         with torch.inference_mode():
-            self.fn(TorchInputs(fields[0], *fields[1:]), logits)
+            if first:
+                poison(logits)
+            check_returned(self.fn(TorchInputs(fields[0], *fields[1:]), logits), logits)
+            if first:
+                check_written(logits)
+                self.checked.add(logits.shape[0])

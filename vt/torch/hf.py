@@ -1,136 +1,156 @@
 """Load a Hugging Face checkpoint directory (config.json + safetensors) of the Llama, Qwen2 or
-Qwen3 family into vt.torch.llama.LlamaDecoder. Anything the decoder does not implement is
-refused with a ValueError naming the config field, before any weight is read."""
+Qwen3 family into vt.torch.llama.LlamaDecoder.
+
+vt.torch.hfconfig reads config.json (refusing what the decoder does not implement). Every
+tensor the config implies must be in the safetensors files with the shape the config gives
+it; a broken checkpoint (an unreadable file, a missing tensor, a bias the config asks for and
+the files lack, a wrong shape, a tensor the decoder does not use) is a one-line ValueError
+naming the file and the tensor. Tied embeddings follow transformers: with
+`tie_word_embeddings` true and an `lm_head.weight` in the files, the files' head is used
+(transformers ties only what is missing, and keeps both when both are present).
+"""
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from vt.step import KVGeometry
+from vt.torch.hfconfig import FAMILIES, config_from_hf, read_config  # noqa: F401 (re-exported)
 from vt.torch.llama import LlamaConfig, LlamaDecoder
 
-FAMILIES = ("llama", "qwen2", "qwen3")
+EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def read_config(path) -> LlamaConfig:
-    """The LlamaConfig of a checkpoint directory's config.json (refusing what it cannot run)."""
-    path = Path(path)
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"checkpoint path {str(path)!r} has no config.json")
-    hf = json.loads(cfg_file.read_text())
-    return config_from_hf(hf)
-
-
-def config_from_hf(hf: dict) -> LlamaConfig:
-    family = hf.get("model_type")
-    if family not in FAMILIES:
-        raise ValueError(f"config.json: model_type={family!r} is not supported; vt.torch.hf loads "
-                         f"{', '.join(FAMILIES)}")
-    _require(hf, "hidden_act", ("silu",))
-    if hf.get("pretraining_tp", 1) != 1:
-        _refuse("pretraining_tp", hf["pretraining_tp"], "1")
-    if hf.get("use_sliding_window", False):
-        _refuse("use_sliding_window", True, "false (every layer full attention)")
-    layer_types = hf.get("layer_types")
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        _refuse("layer_types", sorted(set(layer_types)), "full_attention only")
-    heads = hf["num_attention_heads"]
-    theta, llama3 = _rope(hf)
-    bias = bool(hf.get("attention_bias", False))
-    return LlamaConfig(
-        vocab=hf["vocab_size"], hidden=hf["hidden_size"], intermediate=hf["intermediate_size"],
-        layers=hf["num_hidden_layers"], heads=heads, kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_llama3=llama3,
-        # Qwen2 always has q/k/v biases (and no flag); Llama has attention_bias on all four.
-        qkv_bias=True if family == "qwen2" else bias, o_bias=bias if family != "qwen2" else False,
-        mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=family == "qwen3",
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device="cuda") -> LlamaDecoder:
-    """A LlamaDecoder with the checkpoint's weights, its KV cache sized for `geometry`."""
+def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None) -> LlamaDecoder:
+    """A LlamaDecoder with the checkpoint's weights, its KV cache sized for `geometry`.
+    device: where its tensors go; by default the device of the backend vt.backend.get_backend()
+    picks here (cuda when a GPU is usable, else cpu: the sim's)."""
     path = Path(path)
     cfg = read_config(path)
-    model = LlamaDecoder(cfg, geometry, dtype=dtype, device=device)
-    tensors = _read_safetensors(path)
-    model.load_state_dict(_to_vt_names(cfg, tensors), strict=True)
+    files = _read_safetensors(path)
+    if cfg.tie_embeddings and HEAD in files:
+        cfg = replace(cfg, tie_embeddings=False)
+        if EMBED not in files:   # transformers ties the missing one to the one present
+            files[EMBED] = files[HEAD]
+    model = LlamaDecoder(cfg, geometry, dtype=dtype, device=default_device() if device is None
+                         else device)
+    model.load_state_dict(_to_vt_names(cfg, files, path), strict=True)
     return model
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def default_device() -> torch.device:
+    """cuda when the cuda backend can run here, else cpu (get_backend()'s choice, no backend made)."""
+    from vt.backend import available_backends
+    return torch.device("cuda" if "cuda" in available_backends() else "cpu")
+
+
+def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of `cfg` must have, by its Hugging Face name, with its shape."""
+    h, q, kv = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    out = {EMBED: (cfg.vocab, h), "model.norm.weight": (h,)}
+    if not cfg.tie_embeddings:
+        out[HEAD] = (cfg.vocab, h)
+    for i in range(cfg.layers):
+        att, mlp = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for name, rows in (("q", q), ("k", kv), ("v", kv)):
+            out[att + f"{name}_proj.weight"] = (rows, h)
+            if cfg.qkv_bias:
+                out[att + f"{name}_proj.bias"] = (rows,)
+        out[att + "o_proj.weight"] = (h, q)
+        if cfg.o_bias:
+            out[att + "o_proj.bias"] = (h,)
+        if cfg.qk_norm:
+            out[att + "q_norm.weight"] = out[att + "k_norm.weight"] = (cfg.head_dim,)
+        for name, shape in (("gate", (cfg.intermediate, h)), ("up", (cfg.intermediate, h)),
+                            ("down", (h, cfg.intermediate))):
+            out[mlp + f"{name}_proj.weight"] = shape
+            if cfg.mlp_bias:
+                out[mlp + f"{name}_proj.bias"] = shape[:1]
+        out[f"model.layers.{i}.input_layernorm.weight"] = (h,)
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = (h,)
+    return out
+
+
+class _Tensor:
+    """A checkpoint tensor and the file it came from (for the errors)."""
+
+    def __init__(self, tensor: torch.Tensor, file: Path):
+        self.tensor, self.file = tensor, file
+
+
+def _read_safetensors(path: Path) -> dict[str, _Tensor]:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"checkpoint path {str(path)!r} has no *.safetensors file")
-    out = {}
+    out: dict[str, _Tensor] = {}
     for f in files:
-        out.update(load_file(str(f)))
+        try:
+            tensors = load_file(str(f))
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{f}: not a readable safetensors file ({type(exc).__name__}: "
+                             f"{_first_line(exc)})") from None
+        for name, t in tensors.items():
+            if name in out:
+                raise ValueError(f"{f}: tensor {name!r} is also in {out[name].file.name}")
+            out[name] = _Tensor(t, f)
     return out
 
 
-def _to_vt_names(cfg: LlamaConfig, hf: dict) -> dict[str, torch.Tensor]:
-    """Hugging Face's parameter names to LlamaDecoder's: q, k, v and gate, up concatenated into
-    the fused projections."""
-    hf = {k.removeprefix("model."): v for k, v in hf.items()}
-    out = {"embed.weight": hf.pop("embed_tokens.weight"), "norm.weight": hf.pop("norm.weight")}
-    head = hf.pop("lm_head.weight", None)
-    if not cfg.tie_embeddings:
-        if head is None:
-            raise ValueError("checkpoint: lm_head.weight is missing and tie_word_embeddings is false")
-        out["lm_head.weight"] = head
-    for i in range(cfg.layers):
-        p = q = f"layers.{i}."   # the same prefix in both namings
-        att = p + "self_attn."
-        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            out[q + f"attn.qkv.{kind}"] = torch.cat([hf.pop(att + f"{n}_proj.{kind}")
-                                                     for n in ("q", "k", "v")])
-        out[q + "attn.o.weight"] = hf.pop(att + "o_proj.weight")
-        if cfg.o_bias:
-            out[q + "attn.o.bias"] = hf.pop(att + "o_proj.bias")
-        if cfg.qk_norm:
-            out[q + "attn.q_norm.weight"] = hf.pop(att + "q_norm.weight")
-            out[q + "attn.k_norm.weight"] = hf.pop(att + "k_norm.weight")
-        mlp = p + "mlp."
-        for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-            out[q + f"mlp.gate_up.{kind}"] = torch.cat([hf.pop(mlp + f"gate_proj.{kind}"),
-                                                        hf.pop(mlp + f"up_proj.{kind}")])
-            out[q + f"mlp.down.{kind}"] = hf.pop(mlp + f"down_proj.{kind}")
-        out[q + "attn_norm.weight"] = hf.pop(p + "input_layernorm.weight")
-        out[q + "mlp_norm.weight"] = hf.pop(p + "post_attention_layernorm.weight")
+def _to_vt_names(cfg: LlamaConfig, files: dict[str, _Tensor], path: Path) -> dict[str, torch.Tensor]:
+    """Hugging Face's parameter names to LlamaDecoder's, each tensor checked against the config's
+    shape: q, k, v and gate, up concatenated into the fused projections."""
+    shapes = hf_shapes(cfg)
+    for name, shape in shapes.items():
+        if name not in files:
+            raise ValueError(f"{path}: tensor {name!r} is missing from the safetensors files"
+                             f"{_why(cfg, name)}")
+        got = tuple(files[name].tensor.shape)
+        if got != shape:
+            raise ValueError(f"{files[name].file}: tensor {name!r} has shape {list(got)}; "
+                             f"config.json implies {list(shape)}")
     # Rotary tables some exports keep as buffers carry nothing the config does not say.
-    left = [k for k in hf if not k.endswith("rotary_emb.inv_freq")]
+    left = sorted(k for k in files if k not in shapes and not k.endswith("rotary_emb.inv_freq"))
     if left:
-        raise ValueError(f"checkpoint has tensors the decoder does not use: {left[:5]}")
+        raise ValueError(f"{files[left[0]].file}: tensor {left[0]!r} is not used by the decoder "
+                         f"(config.json does not imply it; {len(left)} such tensors)")
+    hf = {k.removeprefix("model."): v.tensor for k, v in files.items()}
+    out = {"embed.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = hf[HEAD]
+    for i in range(cfg.layers):
+        p = f"layers.{i}."   # the same prefix in both namings
+        att, mlp = p + "self_attn.", p + "mlp."
+        for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+            out[p + f"attn.qkv.{kind}"] = torch.cat([hf[att + f"{n}_proj.{kind}"] for n in "qkv"])
+        out[p + "attn.o.weight"] = hf[att + "o_proj.weight"]
+        if cfg.o_bias:
+            out[p + "attn.o.bias"] = hf[att + "o_proj.bias"]
+        if cfg.qk_norm:
+            out[p + "attn.q_norm.weight"] = hf[att + "q_norm.weight"]
+            out[p + "attn.k_norm.weight"] = hf[att + "k_norm.weight"]
+        for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+            out[p + f"mlp.gate_up.{kind}"] = torch.cat([hf[mlp + f"gate_proj.{kind}"],
+                                                        hf[mlp + f"up_proj.{kind}"]])
+            out[p + f"mlp.down.{kind}"] = hf[mlp + f"down_proj.{kind}"]
+        out[p + "attn_norm.weight"] = hf[p + "input_layernorm.weight"]
+        out[p + "mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
     return out
 
 
-def _rope(hf: dict) -> tuple[float, tuple | None]:
-    """(rope_theta, llama3 scaling or None) from `rope_parameters` (transformers 5) or
-    `rope_theta` + `rope_scaling` (earlier exports)."""
-    params = hf.get("rope_parameters")
-    field = "rope_parameters"
-    if params is None:
-        params = dict(hf.get("rope_scaling") or {}, rope_theta=hf.get("rope_theta", 10000.0))
-        field = "rope_scaling"
-    kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if kind == "default":
-        return theta, None
-    if kind == "llama3":
-        return theta, (float(params["factor"]), float(params["low_freq_factor"]),
-                       float(params["high_freq_factor"]),
-                       float(params["original_max_position_embeddings"]))
-    raise ValueError(f"config.json: {field}.rope_type={kind!r} is not supported (default, llama3)")
+def _why(cfg: LlamaConfig, name: str) -> str:
+    if name == HEAD:
+        return " (config.json: tie_word_embeddings is false)"
+    if name.endswith("_proj.bias"):
+        return " (config.json asks for biases: attention_bias / mlp_bias, or model_type qwen2)"
+    if name.endswith("_norm.weight") and "self_attn" in name:
+        return " (model_type qwen3 has q_norm and k_norm)"
+    return ""
 
 
-def _require(hf: dict, field: str, allowed: tuple) -> None:
-    if hf.get(field) not in allowed:
-        _refuse(field, hf.get(field), " or ".join(map(str, allowed)))
-
-
-def _refuse(field: str, value, supported: str) -> None:
-    raise ValueError(f"config.json: {field}={value!r} is not supported (supported: {supported})")
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""

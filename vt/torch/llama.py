@@ -39,6 +39,7 @@ class LlamaConfig:
     head_dim: int
     rms_eps: float = 1e-6
     rope_theta: float = 10000.0
+    rope_linear_factor: float = 1.0    # linear RoPE scaling: frequencies divided by it
     rope_llama3: tuple | None = None   # (factor, low_freq_factor, high_freq_factor, original_max)
     qkv_bias: bool = False
     o_bias: bool = False
@@ -152,6 +153,11 @@ class LlamaDecoder(nn.Module):
         T = geometry.max_blocks * geometry.block_size
         self.register_buffer("context", torch.arange(T, device=device), persistent=False)   # [T]
 
+    @property
+    def vocab(self) -> int:
+        """The logits' width (TorchForwardModel takes it, and `geometry`, from the module)."""
+        return self.cfg.vocab
+
     @torch.inference_mode()
     def forward(self, inputs: TorchInputs, logits_out: torch.Tensor) -> None:
         bs = self.geometry.block_size
@@ -181,10 +187,11 @@ def rope(x, cos, sin):
 
 
 def rope_table(cfg: LlamaConfig, max_context: int):
-    """cos, sin [max_context, head_dim] f32 (Llama 3's frequency scaling when rope_llama3).
+    """cos, sin [max_context, head_dim] f32 (linear or Llama 3's frequency scaling if set).
     In float32 throughout, as Hugging Face computes them, so that the tables are the same."""
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float()
                                     / cfg.head_dim))
+    inv = inv / cfg.rope_linear_factor
     if cfg.rope_llama3 is not None:
         inv = _llama3_frequencies(inv, *cfg.rope_llama3)
     freqs = torch.outer(torch.arange(max_context, dtype=torch.float32), inv)

@@ -129,9 +129,12 @@ class SimBackend(HandleOwner):
             self._captures.append(cap)
             try:
                 yield cap
-            except CudaError as exc:
-                # A CUDA error inside the block ends the capture as a failed one (as on cuda);
-                # other exceptions (CaptureAllocationError, the caller's own) propagate as they are.
+            except Exception as exc:
+                # A CUDA error inside the block, or any exception once a call has invalidated
+                # the capture, ends it as a failed one (as on cuda); other exceptions
+                # (CaptureAllocationError, the caller's own) propagate as they are.
+                if not isinstance(exc, CudaError) and cap.first_error is None:
+                    raise
                 raise CaptureError(name, cap.first_error or exc) from exc
             finally:
                 cap.active = False
