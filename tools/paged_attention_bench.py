@@ -91,9 +91,17 @@ def vt_cupy_runner(q, k, v, tables, lens, bs=16):
             cp.from_dlpack(tables), cp.from_dlpack(lens), cp.from_dlpack(rows),
             view(out, (S, heads * D)))
     kernel = PagedAttention()
+    # The kernel's one temporary (its split partials) comes from a torch buffer made here:
+    # CuPy's own pool would allocate on the capturing stream.
+    scratch = torch.empty(S * heads * 64 * (D + 2), dtype=torch.float32, device=q.device)
+
+    def scratch_alloc(size):
+        assert size <= scratch.numel() * 4, size
+        return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(scratch.data_ptr(), size, scratch), 0)
 
     def run():
-        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+        stream = cp.cuda.Stream.from_external(torch.cuda.current_stream())
+        with stream, cp.cuda.using_allocator(scratch_alloc):
             kernel.run_cupy(None, *args, q_heads=heads, kv_heads=kvh, head_dim=D)
         return out
     return run
