@@ -1,0 +1,227 @@
+"""How far a decode step of a Llama-3-8B-shaped layer stack is from its memory floor, in one
+run on one GPU: a captured torch.cuda.CUDAGraph of the step (random bf16 weights and cache),
+dense vs paged attention, unfused vs fused layer ops.
+
+    python tools/decode_floor.py [--layers 32] [--cases 1:192 1:2048 32:2048] [--gemms]
+
+floor = (weight bytes + live KV bytes) / the device-to-device copy rate measured here (bytes
+read + written over time). Variants:
+  dense-unfused   what vt.torch.llama does: gather max_context slots, masked SDPA, norms in
+                  float32 and back, RoPE halves, index_copy KV write, silu(gate) * up
+  paged-unfused   the same, attention by vt.torch.paged_attention (live tokens only)
+  paged-fused     plus vt.torch.fused: add_rms_norm, rope_and_cache, silu_mul
+--gemms: each linear's achieved weight bytes/s at S = 1, 8, 32 (a graph of 20 calls over
+copies of the weight that L2 cannot hold), as a fraction of the copy rate.
+This is evidence for wiring the kernels into vt.torch.llama; it does not go through vt.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vt.torch import fused
+from vt.torch.paged_attention import paged_decode_attention
+
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EPS = 4096, 14336, 32, 8, 128, 128256, 1e-5
+BS = 16
+
+
+@dataclass
+class Step:
+    """The static inputs of a captured step of S rows."""
+    ids: torch.Tensor          # [S]
+    positions: torch.Tensor    # [S]
+    seq_lens: torch.Tensor     # [S] int32
+    slots: torch.Tensor        # [S]: the new token's cache slot
+    tables: torch.Tensor       # [S, max_blocks] int32
+    logits: torch.Tensor       # [S, vocab] f32
+
+
+def make_weights(layers):
+    def w(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16) * shape[-1] ** -0.5
+
+    L = [dict(attn_norm=1 + 0.1 * w(HIDDEN), qkv=w((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN),
+              o=w(HIDDEN, HEADS * HEAD_DIM), mlp_norm=1 + 0.1 * w(HIDDEN),
+              gate_up=w(2 * INTER, HIDDEN), down=w(HIDDEN, INTER)) for _ in range(layers)]
+    return dict(layers=L, embed=w(VOCAB, HIDDEN), norm=1 + 0.1 * w(HIDDEN), head=w(VOCAB, HIDDEN))
+
+
+def weight_bytes(W):
+    n = sum(t.numel() for layer in W["layers"] for t in layer.values())
+    # the embedding reads S rows, not the table
+    return 2 * (n + W["norm"].numel() + W["head"].numel())
+
+
+def rms(x, w):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+
+
+def dense_attention(q, kc, vc, st, mask, slots_all):
+    S = q.shape[0]
+    keys, vals = kc[slots_all].transpose(1, 2), vc[slots_all].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.view(S, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM), keys,
+                                         vals, attn_mask=mask)
+    return out.reshape(S, HEADS * HEAD_DIM)
+
+
+def forward_unfused(W, kc, vc, cos, sin, st: Step, paged: bool):
+    S = st.ids.shape[0]
+    t = torch.arange(st.tables.shape[1] * BS, device="cuda")
+    slots_all = st.tables.long()[:, t // BS] * BS + t % BS
+    mask = (t < st.seq_lens.unsqueeze(1))[:, None, None, :]
+    c, s = cos[st.positions].unsqueeze(1), sin[st.positions].unsqueeze(1)
+    x = W["embed"][st.ids]
+    for i, L in enumerate(W["layers"]):
+        qkv = F.linear(rms(x, L["attn_norm"]), L["qkv"])
+        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+        q = fused.rope_torch(q.reshape(S, HEADS, HEAD_DIM), c, s)
+        k = fused.rope_torch(k.reshape(S, KV_HEADS, HEAD_DIM), c, s)
+        kc[i].index_copy_(0, st.slots, k)
+        vc[i].index_copy_(0, st.slots, v.reshape(S, KV_HEADS, HEAD_DIM))
+        if paged:
+            a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens,
+                                       block_size=BS).view(S, -1)
+        else:
+            a = dense_attention(q, kc[i], vc[i], st, mask, slots_all)
+        x = x + F.linear(a, L["o"])
+        gate, up = F.linear(rms(x, L["mlp_norm"]), L["gate_up"]).chunk(2, -1)
+        x = x + F.linear(F.silu(gate) * up, L["down"])
+    st.logits.copy_(F.linear(rms(x, W["norm"]), W["head"]))
+
+
+def forward_fused(W, kc, vc, cos, sin, st: Step):
+    S = st.ids.shape[0]
+    x = W["embed"][st.ids]
+    layers = W["layers"]
+    h = fused.rms_norm(x, layers[0]["attn_norm"], EPS)
+    for i, L in enumerate(layers):
+        q = fused.rope_and_cache(F.linear(h, L["qkv"]), st.positions, cos, sin, kc[i], vc[i],
+                                 st.slots, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+        a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
+        x, h = fused.add_rms_norm(x, F.linear(a.view(S, -1), L["o"]), L["mlp_norm"], EPS)
+        d = F.linear(fused.silu_mul(F.linear(h, L["gate_up"])), L["down"])
+        nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else W["norm"]
+        x, h = fused.add_rms_norm(x, d, nxt, EPS)
+    st.logits.copy_(F.linear(h, W["head"]))
+
+
+def make_step(S, live, max_context):
+    max_blocks = max_context // BS
+    perm = 1 + torch.randperm(S * max_blocks, device="cuda")      # block 0: scratch
+    tables = perm.view(S, max_blocks).int()
+    pos = torch.full((S,), live - 1, device="cuda", dtype=torch.long)
+    slots = tables.long()[:, (live - 1) // BS] * BS + (live - 1) % BS
+    return Step(ids=torch.randint(0, VOCAB, (S,), device="cuda"), positions=pos,
+                seq_lens=torch.full((S,), live, device="cuda", dtype=torch.int32), slots=slots,
+                tables=tables, logits=torch.empty(S, VOCAB, device="cuda"))
+
+
+def replay_ms(fn, replays=20):
+    """Median ms of a captured graph of fn (warmed up on a side stream first)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def copy_rate():
+    """Device-to-device copy, bytes read + written per second (2 GiB buffers)."""
+    a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    ms = replay_ms(lambda: b.copy_(a))
+    del a, b
+    return 2 * 2**31 / (ms / 1e3)
+
+
+def gemm_table(W, rate):
+    L = W["layers"][0]
+    print(f"\nGEMM weight bytes/s (copy rate {rate / 1e12:.2f} TB/s)")
+    print(f"{'linear':>8} {'shape':>12} " + " ".join(f"{'S=' + str(s):>14}" for s in (1, 8, 32)))
+    for name, w in (("qkv", L["qkv"]), ("o", L["o"]), ("gate_up", L["gate_up"]),
+                    ("down", L["down"]), ("lm_head", W["head"])):
+        cells = []
+        # rotate over copies of the weight worth >= 256 MB so that L2 (50-60 MB) serves none
+        copies = [w] + [w.clone() for _ in range(-(-2**28 // (w.numel() * 2)) - 1)]
+        for S in (1, 8, 32):
+            x = torch.randn(S, w.shape[1], device="cuda", dtype=torch.bfloat16)
+            us = replay_ms(lambda: [F.linear(x, copies[i % len(copies)])
+                                    for i in range(20)]) * 1e3 / 20
+            bw = w.numel() * 2 / (us / 1e6)
+            cells.append(f"{us:6.1f}us {bw / rate:4.0%}")
+        del copies
+        print(f"{name:>8} {str(tuple(w.shape)):>12} " + " ".join(f"{c:>14}" for c in cells))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--max-context", type=int, default=4096)
+    ap.add_argument("--cases", nargs="+", default=["1:192", "1:2048", "32:2048"],
+                    help="S:live_tokens pairs")
+    ap.add_argument("--gemms", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"layers {args.layers}, max_context {args.max_context}")
+    rate = copy_rate()
+    W = make_weights(args.layers)
+    wb = weight_bytes(W)
+    cases = [tuple(int(v) for v in c.split(":")) for c in args.cases]
+    max_rows = max(S for S, _ in cases)
+    slots = (max_rows * args.max_context // BS + 1) * BS
+    kc = torch.randn(args.layers, slots, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    ang = torch.rand(args.max_context, HEAD_DIM // 2, device="cuda") * 6.28
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    print(f"weights {wb / 1e9:.2f} GB, copy rate {rate / 1e12:.2f} TB/s, "
+          f"weight floor {wb / rate * 1e3:.2f} ms")
+    print(f"{'S':>3} {'live':>5} {'variant':>14} {'ms':>8} {'floor ms':>9} {'/floor':>7} "
+          f"{'logits rel diff':>16}")
+    with torch.inference_mode():
+        for S, live in cases:
+            st = make_step(S, live, args.max_context)
+            kv_read = args.layers * S * live * KV_HEADS * HEAD_DIM * 2 * 2
+            floor_ms = (wb + kv_read) / rate * 1e3
+            outs = {}
+            variants = {
+                "dense-unfused": lambda: forward_unfused(W, kc, vc, cos, sin, st, paged=False),
+                "paged-unfused": lambda: forward_unfused(W, kc, vc, cos, sin, st, paged=True),
+                "paged-fused": lambda: forward_fused(W, kc, vc, cos, sin, st)}
+            for name, fn in variants.items():
+                ms = replay_ms(fn)
+                fn()
+                outs[name] = st.logits.clone()
+                # each variant against the one it changes: paged vs dense, fused vs unfused
+                base = "paged-unfused" if name == "paged-fused" else "dense-unfused"
+                err = ((outs[name] - outs[base]).norm() / outs[base].norm()).item()
+                print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
+                      f"{ms / floor_ms:>7.2f} {err:>9.1e} vs {base}", flush=True)
+    if args.gemms:
+        gemm_table(W, rate)
+
+
+if __name__ == "__main__":
+    main()

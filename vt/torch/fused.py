@@ -1,0 +1,124 @@
+"""Fused layer ops for vt.torch models: each is one kernel on CUDA (Triton, in
+vt.torch.triton_fused) where the plain-torch form is several, and that plain-torch form on
+the CPU. Both compute the same function as the unfused code of a Hugging Face Llama, with
+the same roundings to the storage dtype (where torch rounds an intermediate to bf16, the
+kernel rounds it there too), so a fused step stays within float32 rounding of the unfused.
+
+    rms_norm(x, weight, eps)              weight * (x / rms(x) in float32).to(x.dtype)
+    add_rms_norm(x, delta, weight, eps)   h = x + delta; (h, rms_norm(h, weight, eps))
+    rope_and_cache(qkv, ...)              q rotated; k rotated and v written to their slots
+    silu_mul(gate_up)                     silu(gate) * up of the fused [gate | up] rows
+
+Every shape is fixed by the inputs' shapes and nothing is read on the host, so each call
+captures in a CUDA graph as it is. Triton is imported only when a CUDA tensor arrives.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [S, hidden] -> [S, hidden] in x's dtype; weight [hidden]."""
+    _check_norm(x, x, weight)
+    if x.is_cuda:
+        return _triton().rms_norm(x, None, weight, eps)[1]
+    return _rms_norm_torch(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and the next norm in one pass: h = x + delta (in x's dtype), and
+    rms_norm(h). x, delta [S, hidden]; returns (h, normed), both new [S, hidden] tensors."""
+    _check_norm(x, delta, weight)
+    if x.is_cuda:
+        return _triton().rms_norm(x, delta, weight, eps)
+    h = x + delta
+    return h, _rms_norm_torch(h, weight, eps)
+
+
+def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, *, heads: int, kv_heads: int,
+                   head_dim: int) -> torch.Tensor:
+    """Rotary embedding of q and k (Hugging Face's layout: the two halves of head_dim rotate
+    together) and the paged KV write, in one pass over the fused projection.
+
+    qkv [S, (heads + 2 * kv_heads) * head_dim] (q, then k, then v); positions [S] int;
+    cos, sin [max_context, head_dim] float32 tables (rows picked by positions here);
+    k_cache, v_cache [slots, kv_heads, head_dim]; slot_mapping [S] int: row r's rotated key
+    and its value go to slot slot_mapping[r]. Returns the rotated q [S, heads, head_dim].
+    """
+    _check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
+    if qkv.is_cuda:
+        return _triton().rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache,
+                                        slot_mapping, heads=heads, kv_heads=kv_heads,
+                                        head_dim=head_dim)
+    S = qkv.shape[0]
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    c, s = cos[positions.long()].unsqueeze(1), sin[positions.long()].unsqueeze(1)  # [S, 1, hd]
+    q = rope_torch(q.reshape(S, heads, head_dim), c, s)
+    k = rope_torch(k.reshape(S, kv_heads, head_dim), c, s)
+    k_cache.index_copy_(0, slot_mapping.long(), k)
+    v_cache.index_copy_(0, slot_mapping.long(), v.reshape(S, kv_heads, head_dim))
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [S, 2 * intermediate] ([gate | up]) -> silu(gate) * up [S, intermediate]."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"silu_mul: gate_up [S, 2 * intermediate] expected, got "
+                         f"{tuple(gate_up.shape)}")
+    if gate_up.is_cuda:
+        return _triton().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding in float32, back to x's dtype; cos, sin broadcast against x."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def _rms_norm_torch(x, weight, eps):
+    # In float32, as Hugging Face's Llama does, then back to the storage dtype.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def _check_norm(x, delta, weight):
+    if x.dim() != 2 or delta.shape != x.shape or tuple(weight.shape) != (x.shape[1],):
+        raise ValueError(f"rms_norm: x and delta [S, hidden], weight [hidden] expected, got "
+                         f"{tuple(x.shape)}, {tuple(delta.shape)}, {tuple(weight.shape)}")
+    if delta.dtype != x.dtype or weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm: x, delta and weight must share a dtype, got {x.dtype}, "
+                         f"{delta.dtype}, {weight.dtype}")
+
+
+def _check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim):
+    width = (heads + 2 * kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width or head_dim % 2:
+        raise ValueError(f"rope_and_cache: qkv [S, {width}] (heads={heads}, kv_heads="
+                         f"{kv_heads}, head_dim={head_dim} even) expected, got "
+                         f"{tuple(qkv.shape)}")
+    if k_cache.shape != v_cache.shape or tuple(k_cache.shape[1:]) != (kv_heads, head_dim):
+        raise ValueError(f"rope_and_cache: caches [slots, {kv_heads}, {head_dim}] expected, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    S = qkv.shape[0]
+    if tuple(positions.shape) != (S,) or tuple(slot_mapping.shape) != (S,):
+        raise ValueError(f"rope_and_cache: positions and slot_mapping [S={S}] expected, got "
+                         f"{tuple(positions.shape)} and {tuple(slot_mapping.shape)}")
+    if k_cache.dtype != qkv.dtype:
+        raise ValueError(f"rope_and_cache: qkv is {qkv.dtype}, the cache {k_cache.dtype}")
+
+
+def _triton():
+    try:
+        from vt.torch import triton_fused
+    except ImportError as e:
+        raise RuntimeError(f"vt.torch.fused on CUDA needs Triton (it ships with CUDA builds "
+                           f"of PyTorch): {e}") from e
+    return triton_fused

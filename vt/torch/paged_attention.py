@@ -1,0 +1,139 @@
+"""Paged decode attention over each row's live KV tokens only (grouped-query, one query token
+per row), for vt.torch models.
+
+    out[n, h] = softmax(q[n, h] . K[n]^T / sqrt(head_dim)) V[n]
+
+where K[n], V[n] are the cache rows of row n's first seq_lens[n] positions, found through its
+block table: position t lives in cache slot block_tables[n, t // block_size] * block_size +
+t % block_size (vt.step.kv_slot). The cost follows the tokens that exist, not max_context.
+
+On CUDA the work runs as two Triton kernels (vt.torch.triton_attention): split-K over the
+context (each (row, KV head) is cut into `splits` spans so that one row still fills the GPU),
+then a merge of the spans. Every shape is fixed by the call's tensor shapes and `splits`, the
+split bounds are read from seq_lens on the device, so the call has no host sync and captures
+in a CUDA graph as it is. On the CPU the same function is computed in plain torch, one row at
+a time over its live tokens, so CI tests the same semantics. Triton is imported only when a
+CUDA tensor arrives: the module imports without it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# The GPU's resident programs per SM that the split count aims to fill (one wave).
+PROGRAMS_PER_SM = 4
+MAX_SPLITS = 64
+# Below this many tokens per split the merge costs more than the parallelism gains.
+MIN_SPLIT_TOKENS = 64
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
+                           block_size: int, splits: int | None = None) -> torch.Tensor:
+    """Attention of each row's query over its live cache tokens.
+
+    q [S, heads, head_dim]; k_cache, v_cache [num_blocks * block_size, kv_heads, head_dim]
+    (one layer's cache, llama.py's layout); block_tables [S, max_blocks] int32; seq_lens [S]
+    int32. Returns [S, heads, head_dim] in q's dtype. A row with seq_lens 0 gets zeros.
+    splits: context spans per (row, KV head) on CUDA; None picks decode_splits() from the
+    shapes (fixed per S, so a captured graph keeps it).
+    """
+    _check(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+    if not q.is_cuda:
+        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
+                                            block_size=block_size)
+    triton_attention = _triton_module()
+    if splits is None:
+        splits = decode_splits(q.shape[0], k_cache.shape[1], block_tables.shape[1] * block_size,
+                               _sm_count(q.device))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"paged_decode_attention: splits={splits} must be in 1..{MAX_SPLITS}")
+    return triton_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
+                                         block_size=block_size, splits=splits)
+
+
+def decode_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
+    """Context spans per (row, KV head): enough programs for one wave of PROGRAMS_PER_SM per
+    SM, no more spans than max_context has MIN_SPLIT_TOKENS-token pieces, at most MAX_SPLITS."""
+    want = math.ceil(PROGRAMS_PER_SM * sm_count / max(1, rows * kv_heads))
+    return max(1, min(MAX_SPLITS, want, max_context // MIN_SPLIT_TOKENS))
+
+
+def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, *,
+                                 block_size: int) -> torch.Tensor:
+    """The plain-torch path: per row, gather its live slots only and attend in float32.
+    It reads seq_lens on the host, so it is for the CPU (and as the GPU kernel's reference)."""
+    S, heads, head_dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros_like(q)
+    for n, length in enumerate(seq_lens.tolist()):
+        if length <= 0:
+            continue
+        slots = live_slots(block_tables[n], length, block_size)
+        keys = k_cache[slots].float().repeat_interleave(group, dim=1)      # [L, heads, hd]
+        vals = v_cache[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[n].float(), keys) / math.sqrt(head_dim)
+        out[n] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals).to(q.dtype)
+    return out
+
+
+def dense_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *,
+                           block_size: int) -> torch.Tensor:
+    """The dense reference: every row gathers all max_blocks * block_size slots of its table
+    and masks those at or beyond seq_lens (what a fixed-shape step does without a paged kernel).
+    Rows with seq_lens 0 get zeros."""
+    S, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    t = torch.arange(block_tables.shape[1] * block_size, device=q.device)
+    slots = block_tables.long()[:, t // block_size] * block_size + t % block_size   # [S, T]
+    keys = k_cache[slots].float().transpose(1, 2)       # [S, kv_heads, T, hd]
+    vals = v_cache[slots].float().transpose(1, 2)
+    qg = q.float().view(S, kv_heads, heads // kv_heads, head_dim)
+    scores = qg @ keys.transpose(-1, -2) / math.sqrt(head_dim)    # [S, kv_heads, group, T]
+    live = t < seq_lens.unsqueeze(1)
+    scores = scores.masked_fill(~live[:, None, None, :], float("-inf"))
+    probs = torch.nan_to_num(scores.softmax(-1))        # all-masked rows: zeros, not NaN
+    return (probs @ vals).reshape(S, heads, head_dim).to(q.dtype)
+
+
+def live_slots(table_row: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The cache slots of positions 0..length-1 of one row's block table."""
+    t = torch.arange(length, device=table_row.device)
+    return table_row.long()[t // block_size] * block_size + t % block_size
+
+
+def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size):
+    if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged_decode_attention: q [S, heads, head_dim] and caches [slots, "
+                         f"kv_heads, head_dim] expected, got q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
+    S, heads, head_dim = q.shape
+    slots, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim or heads % kv_heads:
+        raise ValueError(f"paged_decode_attention: q has {heads} heads of {head_dim}, the cache "
+                         f"{kv_heads} KV heads of {cache_dim}: heads must be a multiple of "
+                         f"kv_heads and head_dim equal")
+    if block_size < 1 or slots % block_size:
+        raise ValueError(f"paged_decode_attention: block_size={block_size} must divide the "
+                         f"cache's {slots} slots")
+    if block_tables.dim() != 2 or block_tables.shape[0] != S or tuple(seq_lens.shape) != (S,):
+        raise ValueError(f"paged_decode_attention: block_tables [S={S}, max_blocks] and seq_lens "
+                         f"[S] expected, got {tuple(block_tables.shape)} and "
+                         f"{tuple(seq_lens.shape)}")
+    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
+        raise ValueError(f"paged_decode_attention: q, k_cache, v_cache must share a dtype, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+
+
+def _triton_module():
+    try:
+        from vt.torch import triton_attention
+    except ImportError as e:
+        raise RuntimeError(f"paged_decode_attention on CUDA needs Triton (it ships with CUDA "
+                           f"builds of PyTorch): {e}") from e
+    return triton_attention
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count

@@ -1,0 +1,113 @@
+"""The Triton kernels behind vt.torch.paged_attention on CUDA (imported only there: this
+module needs Triton).
+
+_split: grid (rows, kv_heads, splits). Program (n, g, p) takes the p-th span of row n's live
+tokens (spans of whole BLOCK_N tiles, bounds from seq_lens on the device) for the `group`
+query heads of KV head g, so each K/V row is read once for all its heads (no per-head copy):
+the group's queries are the rows of one [BLOCK_H, head_dim] tile, padded to the 16 rows a
+tensor-core dot needs. It keeps an online softmax and writes the span's unnormalized
+accumulator, running max and sum (float32) to the workspace; an empty span writes max -inf.
+_merge: grid (rows, heads): rescales the spans to their common max and divides by the sum.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32   # keys per tile: two vt blocks of 16
+NUM_WARPS = 4
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int, splits: int):
+    """vt.torch.paged_attention.paged_decode_attention's CUDA path (arguments checked there)."""
+    S, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_decode_attention: q and the caches need a contiguous last dim")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"paged_decode_attention: the Triton kernel needs a power-of-two "
+                         f"head_dim, got {head_dim}")
+    acc = torch.empty(S, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    stats = torch.empty(S, heads, splits, 2, dtype=torch.float32, device=q.device)
+    out = torch.empty(S, heads, head_dim, dtype=q.dtype, device=q.device)
+    if S == 0:
+        return out
+    _split[(S, kv_heads, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        1.0 / head_dim ** 0.5,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits, num_warps=NUM_WARPS)
+    _merge[(S, heads)](acc, stats, out, out.stride(0), out.stride(1),
+                       HEAD_DIM=head_dim, SPLITS=splits,
+                       BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS)
+    return out
+
+
+@triton.jit
+def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, stride_kh,
+           stride_vt, stride_vh, stride_bt, scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+           HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+           SPLITS: tl.constexpr):
+    n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    p = tl.program_id(2)
+    length = tl.load(LENS + n)
+    per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N    # whole tiles per span
+    lo = p * per
+    hi = tl.minimum(length, lo + per)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    hmask = h < GROUP
+    head = kvh * GROUP + h
+    q = tl.load(Q + n * stride_qs + head[:, None] * stride_qh + d[None, :],
+                mask=hmask[:, None], other=0.0)                         # [BLOCK_H, HEAD_DIM]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    table = BT + n.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        t = start + tl.arange(0, BLOCK_N)
+        tmask = t < hi
+        block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+        slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                    mask=tmask[:, None], other=0.0)                     # [BLOCK_N, HEAD_DIM]
+        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                    mask=tmask[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale                              # [BLOCK_H, BLOCK_N]
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))     # finite: every tile holds a live key
+        alpha = tl.exp(m - m_new)
+        prob = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        m = m_new
+    row = (n * (GROUP * tl.num_programs(1)) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
+    tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=hmask[:, None])
+    tl.store(STATS + row * 2, m, mask=hmask)
+    tl.store(STATS + row * 2 + 1, l, mask=hmask)
+
+
+@triton.jit
+def _merge(ACC, STATS, OUT, stride_os, stride_oh, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+           BLOCK_P: tl.constexpr):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, HEAD_DIM)
+    pmask = p < SPLITS
+    row = (n * heads + h).to(tl.int64) * SPLITS + p
+    m = tl.load(STATS + row * 2, mask=pmask, other=float("-inf"))
+    l = tl.load(STATS + row * 2 + 1, mask=pmask, other=0.0)
+    big = tl.max(m, 0)
+    # Spans without keys (max -inf) weigh 0; a row without any keys gets zeros.
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(big == float("-inf"), 0.0, big)))
+    acc = tl.load(ACC + row[:, None] * HEAD_DIM + d[None, :], mask=pmask[:, None], other=0.0)
+    total = tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + n * stride_os + h * stride_oh + d, o.to(OUT.dtype.element_ty))

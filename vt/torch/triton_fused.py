@@ -1,0 +1,127 @@
+"""The Triton kernels behind vt.torch.fused on CUDA (imported only there: this module needs
+Triton). Arguments are checked by vt.torch.fused; each kernel keeps torch's intermediate
+roundings to the storage dtype so that it computes what the plain-torch form computes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SILU_BLOCK = 1024
+
+
+def rms_norm(x, delta, weight, eps: float):
+    """(x + delta, rms_norm(x + delta)) when delta is given, else (None, rms_norm(x))."""
+    S, hidden = x.shape
+    out = torch.empty_like(x)
+    h = torch.empty_like(x) if delta is not None else None
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
+        raise ValueError("rms_norm: x, delta and weight need a contiguous last dim")
+    if S:
+        block = triton.next_power_of_2(hidden)
+        _rms_norm[(S,)](x, x if delta is None else delta, weight, out if h is None else h, out,
+                        x.stride(0), 0 if delta is None else delta.stride(0),
+                        0 if h is None else h.stride(0), out.stride(0), hidden, eps,
+                        HAS_DELTA=delta is not None, BLOCK=block,
+                        num_warps=max(1, min(16, block // 256)))
+    return h, out
+
+
+def rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, *, heads: int,
+                   kv_heads: int, head_dim: int):
+    half = head_dim // 2
+    if half & (half - 1) or qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"rope_and_cache: the Triton kernel needs head_dim / 2 a power of two "
+                         f"(got {head_dim}) and a contiguous last dim")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1 or cos.stride(0) != sin.stride(0):
+        raise ValueError("rope_and_cache: caches need a contiguous last dim; cos and sin one "
+                         "row stride")
+    S = qkv.shape[0]
+    q = torch.empty(S, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if S:
+        _rope_and_cache[(S, heads + kv_heads)](
+            qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q,
+            qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+            v_cache.stride(0), v_cache.stride(1), q.stride(0), q.stride(1),
+            HEADS=heads, KV_HEADS=kv_heads, HALF=half, num_warps=1)
+    return q
+
+
+def silu_mul(gate_up):
+    S, width = gate_up.shape
+    inter = width // 2
+    if gate_up.stride(-1) != 1:
+        raise ValueError("silu_mul: gate_up needs a contiguous last dim")
+    out = torch.empty(S, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if S:
+        _silu_mul[(S, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, gate_up.stride(0),
+                                                       out.stride(0), inter, BLOCK=SILU_BLOCK,
+                                                       num_warps=4)
+    return out
+
+
+@triton.jit
+def _rms_norm(X, DELTA, W, H, OUT, stride_x, stride_d, stride_h, stride_o, N, eps,
+              HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < N
+    x = tl.load(X + r * stride_x + c, mask=mask, other=0.0)
+    if HAS_DELTA:
+        # torch adds in the storage dtype: round the sum before the norm reads it
+        x = (x.to(tl.float32) + tl.load(DELTA + r * stride_d + c, mask=mask, other=0.0)
+             .to(tl.float32)).to(X.dtype.element_ty)
+        tl.store(H + r * stride_h + c, x, mask=mask)
+    xf = x.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
+    normed = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + r * stride_o + c, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_and_cache(QKV, POS, COS, SIN, KC, VC, SLOT, QOUT, stride_qkv, stride_cos, stride_kt,
+                    stride_kh, stride_vt, stride_vh, stride_qs, stride_qh, HEADS: tl.constexpr,
+                    KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+    # Program (r, h): q head h of row r for h < HEADS, else KV head h - HEADS (key and value).
+    r = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)
+    pos = tl.load(POS + r).to(tl.int64)
+    c1 = tl.load(COS + pos * stride_cos + d)
+    c2 = tl.load(COS + pos * stride_cos + HALF + d)
+    s1 = tl.load(SIN + pos * stride_cos + d)
+    s2 = tl.load(SIN + pos * stride_cos + HALF + d)
+    src = QKV + r * stride_qkv + h * (2 * HALF)    # q heads, then k heads, then v heads
+    x1 = tl.load(src + d).to(tl.float32)
+    x2 = tl.load(src + HALF + d).to(tl.float32)
+    o1 = (x1 * c1 - x2 * s1).to(QKV.dtype.element_ty)
+    o2 = (x2 * c2 + x1 * s2).to(QKV.dtype.element_ty)
+    if h < HEADS:
+        dst = QOUT + r * stride_qs + h * stride_qh
+        tl.store(dst + d, o1)
+        tl.store(dst + HALF + d, o2)
+    else:
+        kvh = h - HEADS
+        slot = tl.load(SLOT + r).to(tl.int64)
+        kdst = KC + slot * stride_kt + kvh * stride_kh
+        tl.store(kdst + d, o1)
+        tl.store(kdst + HALF + d, o2)
+        vsrc = QKV + r * stride_qkv + (HEADS + KV_HEADS + kvh) * (2 * HALF)
+        vdst = VC + slot * stride_vt + kvh * stride_vh
+        tl.store(vdst + d, tl.load(vsrc + d))
+        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d))
+
+
+@triton.jit
+def _silu_mul(GU, OUT, stride_g, stride_o, I, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = c < I
+    gate = tl.load(GU + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GU + r * stride_g + I + c, mask=mask, other=0.0)
+    # torch's silu returns the storage dtype: round it before the product, as torch does
+    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
+    tl.store(OUT + r * stride_o + c, (act * up.to(tl.float32)).to(OUT.dtype.element_ty),
+             mask=mask)
