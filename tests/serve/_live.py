@@ -1,5 +1,5 @@
 """Live servers for the tests: `vt serve` as a subprocess (what a user runs), and the same app
-in a thread of the test process over a model whose forward the test controls (a gate that
+in a thread of the test process over a model whose forward the test controls (a valve that
 stalls the device, a token that makes the step fail). Every wait is bounded."""
 from __future__ import annotations
 
@@ -50,18 +50,30 @@ def stop_server(proc: subprocess.Popen, sig, timeout_s: float = 30.0) -> int:
 
 
 class Valve:
-    """Wraps a torch forward: every call first waits for `gate` (set: open), then raises when
-    the step's input ids hold `fail_token`."""
+    """Wraps a torch forward: stall_after(n) lets n more forward calls run, then each waits
+    until open(); a call whose input ids hold `fail_token` raises."""
 
     def __init__(self):
-        self.gate = threading.Event()
-        self.gate.set()
+        self._cv = threading.Condition()
+        self._budget: int | None = None    # None: open
         self.fail_token: int | None = None
+
+    def stall_after(self, calls: int) -> None:
+        with self._cv:
+            self._budget = calls
+
+    def open(self) -> None:
+        with self._cv:
+            self._budget = None
+            self._cv.notify_all()
 
     def wrap(self, module):
         def forward(inputs, logits_out):
-            if not self.gate.wait(30):
-                raise TimeoutError("the test's gate stayed shut")
+            with self._cv:
+                if not self._cv.wait_for(lambda: self._budget is None or self._budget > 0, 30):
+                    raise TimeoutError("the test's valve stayed shut")
+                if self._budget is not None:
+                    self._budget -= 1
             if self.fail_token is not None and bool((inputs.input_ids == self.fail_token).any()):
                 raise RuntimeError(f"injected failure at token {self.fail_token}")
             module(inputs, logits_out)

@@ -76,6 +76,11 @@ class TokenBuffer:
             ended.append(req)
         return ended
 
+    def restart_steps(self) -> None:
+        """The schedule starts again at batch step 0 (after a failed step): no step of the new
+        schedule is stored yet. Every request that had a row is finished by then."""
+        self.stored_t = 0
+
     def available(self, req: Request) -> int:
         """How many of a running request's tokens are stored."""
         if req.t0 < 0:

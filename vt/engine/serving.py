@@ -156,6 +156,7 @@ class ServingLoop:
         if pending:
             pending.clear()
         self._reset_schedule()
+        buf.restart_steps()
         self._notifier.notify()
 
 
