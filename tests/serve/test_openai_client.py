@@ -113,3 +113,16 @@ def test_models_health_and_metrics(client, served_url):
     assert m["vt_time_to_first_token_seconds_count"] > 0
     assert m["vt_kv_blocks"] > 0 and "vt_drained_steps_total" in m
     assert m["vt_requests_total{finish_reason=length}"] + m["vt_requests_total{finish_reason=stop}"] > 0
+
+
+def test_the_readme_curl_body_is_served(served_url):
+    """The README's first-screen curl: its JSON body (model renamed to this server's) works."""
+    import json
+    import pathlib
+    import re
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+    line = next(l for l in readme.splitlines() if l.startswith("curl ") and "/v1/completions" in l)
+    body = json.loads(re.search(r"-d '(\{.*\})'", line).group(1))
+    assert "localhost:8000/v1/completions" in line
+    r = httpx.post(served_url + "/v1/completions", json={**body, "model": "tiny"}, timeout=30)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"]
