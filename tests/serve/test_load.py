@@ -72,9 +72,9 @@ def test_a_client_gone_mid_stream_is_cancelled_and_its_blocks_freed(live):
     before = metrics(server.url)
     prompt = [0, 50, 60]
     # Prefill runs the forward once per prompt position (its last one samples the first
-    # token), then one call per decode step: stall after the first decode step, so the engine
-    # is stuck while the client reads its first token and leaves.
-    valve.stall_after(len(prompt) + 1)
+    # token): stall right after it, so the request cannot run to its end by itself while the
+    # client reads its first token and leaves.
+    valve.stall_after(len(prompt))
     with httpx.Client(timeout=30) as client:
         with client.stream("POST", server.url + "/v1/completions",
                            json={**BODY, "prompt": prompt, "max_tokens": 50}) as r:
@@ -85,7 +85,6 @@ def test_a_client_gone_mid_stream_is_cancelled_and_its_blocks_freed(live):
     try:
         wait_for(lambda: metrics(server.url)["vt_requests_total{finish_reason=abort}"] ==
                  before["vt_requests_total{finish_reason=abort}"] + 1, what="the request cancelled")
-        assert metrics(server.url)["vt_kv_blocks_in_use"] > 0   # held until the next step
     finally:
         valve.open()
     after = wait_for(lambda: (lambda m: m if m["vt_kv_blocks_in_use"] == 0 and
