@@ -489,3 +489,21 @@ def test_sigint_at_random_moments(mode):
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "interrupted at:" in proc.stdout
+
+
+def test_a_stream_after_a_failed_step_reads_only_its_own_tokens(sim_backend):
+    """After a failure the schedule restarts its step count: a request submitted then must
+    stream exactly its own tokens (those of a fresh engine), not what an earlier request left
+    in the token buffer at the step numbers it reuses."""
+    config = _config("ring")
+    eng, fwd = _engine(sim_backend, config)
+    with eng:
+        eng.generate([[3, 4]], max_new_tokens=20)     # many steps: the buffer's counter runs ahead
+        fwd.graph_bomb.arm(1)
+        with pytest.raises(RuntimeError, match="graph_bomb raised"):
+            eng.generate([[5, 6]], max_new_tokens=8)
+        handle = eng.submit([7, 8, 9], max_new_tokens=12)
+        streamed = list(handle.stream(timeout=30))
+        assert streamed == handle.result().tokens
+    with _engine(sim_backend, config)[0] as fresh:
+        assert streamed == fresh.generate([[7, 8, 9]], max_new_tokens=12)[0].tokens

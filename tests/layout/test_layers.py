@@ -21,6 +21,7 @@ RANK = {
     "torch": 4.5,             # vt.torch adapts torch forwards through ForwardModel
     "runner": 5,
     "engine": 6,
+    "serve": 6.5,             # vt serve's HTTP front end over the engine (and vt.torch models)
     "cli": 7,
 }
 MAX_TOP_LEVEL_FILES = 8

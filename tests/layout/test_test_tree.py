@@ -8,7 +8,9 @@ import pathlib
 TESTS = pathlib.Path(__file__).resolve().parents[1]
 # Third-party packages vt or its tests import (pyproject.toml's dependencies and extras).
 THIRD_PARTY = {"torch", "transformers", "numpy", "cupy", "cuda", "nvmath", "matplotlib",
-               "hypothesis", "pytest", "safetensors", "huggingface_hub", "tqdm"}
+               "hypothesis", "pytest", "safetensors", "huggingface_hub", "tqdm", "fastapi",
+               "uvicorn", "starlette", "pydantic", "openai", "httpx", "tokenizers",
+               "prometheus_client"}
 
 
 def _holds_files(folder: pathlib.Path) -> bool:

@@ -1,4 +1,5 @@
-"""The `vt` command line: `vt info` (what a user runs first) and `vt run` (the demo decode loop)."""
+"""The `vt` command line: `vt info` (what a user runs first), `vt run` (the demo decode loop),
+`vt bench`, `vt serve` (an OpenAI-compatible server) and `vt generate` (one completion)."""
 from __future__ import annotations
 
 import argparse
@@ -105,6 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     from vt.cli.bench.cli import add_parser as add_bench_parser
     add_bench_parser(sub)
+    from vt.cli.serve import add_parser as add_serve_parser
+    from vt.cli.generate import add_parser as add_generate_parser
+    add_serve_parser(sub)
+    add_generate_parser(sub)
     return parser
 
 

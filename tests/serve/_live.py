@@ -1,0 +1,137 @@
+"""Live servers for the tests: `vt serve` as a subprocess (what a user runs), and the same app
+in a thread of the test process over a model whose forward the test controls (a valve that
+stalls the device, a token that makes the step fail). Every wait is bounded."""
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+START_TIMEOUT_S = 120.0
+
+
+def spawn_server(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """`python -m vt serve ARGS --host 127.0.0.1 --port 0`; (process, base URL) once it listens."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "vt", "serve", *args, "--host", "127.0.0.1",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=ROOT)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                raise RuntimeError(f"vt serve exited {proc.returncode}: {proc.stderr.read()}")
+            continue
+        if "listening on " in line:
+            return proc, line.rsplit("listening on ", 1)[1].strip()
+    proc.kill()
+    raise RuntimeError(f"vt serve did not listen within {START_TIMEOUT_S} s")
+
+
+def stop_server(proc: subprocess.Popen, sig, timeout_s: float = 30.0) -> int:
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        raise
+
+
+class Valve:
+    """Wraps a torch forward: stall_after(n) lets n more forward calls run, then each waits
+    until open(); a call whose input ids hold `fail_token` raises."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self._budget: int | None = None    # None: open
+        self.fail_token: int | None = None
+
+    def stall_after(self, calls: int) -> None:
+        with self._cv:
+            self._budget = calls
+
+    def open(self) -> None:
+        with self._cv:
+            self._budget = None
+            self._cv.notify_all()
+
+    def wrap(self, module):
+        def forward(inputs, logits_out):
+            with self._cv:
+                if not self._cv.wait_for(lambda: self._budget is None or self._budget > 0, 30):
+                    raise TimeoutError("the test's valve stayed shut")
+                if self._budget is not None:
+                    self._budget -= 1
+            if self.fail_token is not None and bool((inputs.input_ids == self.fail_token).any()):
+                raise RuntimeError(f"injected failure at token {self.fail_token}")
+            module(inputs, logits_out)
+        return forward
+
+
+class InProcessServer:
+    """The vt serve app over `served` on a uvicorn thread; .url, .engine; close() stops all."""
+
+    def __init__(self, be, served, *, conc: int, max_queued: int):
+        from vt.engine.engine import Engine
+        from vt.knobs import ExecutorConfig
+        from vt.serve.app import create_app
+        from vt.serve.generation import GenerationService
+        from vt.serve.metrics import ServeMetrics
+        from vt.serve.server import address, bind, make_server
+
+        self.engine = Engine(be, served.step_model, ExecutorConfig.for_mode(
+            "ring", serving_conc=conc, capture_sizes=tuple(s for s in (1, 2, 4, 8) if s <= conc)))
+        service = GenerationService(self.engine, served, ServeMetrics(served.name),
+                                    serving_conc=conc, max_queued=max_queued)
+        self._sock = bind("127.0.0.1", 0)
+        self.url = address(self._sock)
+        self._server = make_server(create_app(service), shutdown_timeout_s=5.0)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError("the in-process server did not start")
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
+        self.engine.close()
+        self._sock.close()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """GET /metrics parsed by prometheus_client: {sample name + labels: value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
+    return out
+
+
+def wait_for(cond, timeout_s: float = 10.0, what: str = "condition"):
+    """Poll cond() every 20 ms until truthy (its value) or fail after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} not reached within {timeout_s} s")

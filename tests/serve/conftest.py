@@ -1,0 +1,54 @@
+"""Fixtures of the vt serve tests: a tiny Llama checkpoint built offline (tools/tiny_checkpoint.py),
+transformers' greedy reference over it, and `vt serve` running on it on the sim backend."""
+import signal
+
+import pytest
+
+for _mod, _why in (("fastapi", "vt serve needs FastAPI (pip install 'vt[serve]')"),
+                   ("uvicorn", "vt serve needs uvicorn (pip install 'vt[serve]')"),
+                   ("torch", "a checkpoint needs PyTorch"),
+                   ("transformers", "the tokenizer and the reference need transformers"),
+                   ("openai", "the client tests use the openai package (pip install 'vt[serve-test]')"),
+                   ("prometheus_client", "/metrics is parsed with prometheus_client")):
+    pytest.importorskip(_mod, reason=_why)
+
+from tool_loader import load_tool  # noqa: E402
+
+from ._live import spawn_server, stop_server  # noqa: E402
+
+CONTEXT, BLOCK, CONC = 64, 4, 4
+SERVER_FLAGS = ["--backend", "sim", "--max-context", str(CONTEXT), "--block-size", str(BLOCK),
+                "--max-concurrency", str(CONC)]
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory):
+    return load_tool("tiny_checkpoint").build(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoint):
+    """(tokenizer, greedy(prompt_ids, n) -> generated ids) of transformers itself."""
+    import torch
+    import transformers
+    tok = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint),
+                                                              dtype=torch.float32).eval()
+
+    def greedy(ids, n, ignore_eos=False):
+        x = torch.tensor([ids])
+        extra = dict(eos_token_id=None, min_new_tokens=n) if ignore_eos else {}
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=n, **extra)
+        return out[0, len(ids):].tolist()
+    return tok, greedy
+
+
+@pytest.fixture(scope="session")
+def served_url(checkpoint):
+    """`vt serve --model DIR` on the sim, for the whole session; stopped with SIGTERM."""
+    proc, url = spawn_server(["--model", str(checkpoint), "--served-model-name", "tiny",
+                              "--max-queued", "8", *SERVER_FLAGS])
+    yield url
+    if proc.poll() is None:
+        stop_server(proc, signal.SIGTERM)

@@ -1,0 +1,70 @@
+"""The text path on its own: incremental detokenization never sends a character that decoding
+the whole output would not have at that place (a split UTF-8 sequence waits for its last
+byte), and ends with exactly the whole decode; stop strings are found across pieces and cut;
+EOS ids come from generation_config.json, else config.json."""
+import json
+
+import numpy as np
+import pytest
+
+from vt.serve.detok import IncrementalDetokenizer, StopStrings, TextStream
+from vt.serve.text import TextCodec, eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def codec(checkpoint):
+    return TextCodec.from_dir(checkpoint)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_incremental_text_is_always_a_prefix_of_the_whole_decode(codec, seed):
+    """Random ids (bytes of multi-byte characters among them), fed one or a few at a time."""
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(0, len(codec.tokenizer), 60).tolist()
+    whole = codec.decode(ids)
+    detok, sent, i = IncrementalDetokenizer(codec.decode), "", 0
+    while i < len(ids):
+        k = int(rng.integers(1, 4))
+        sent += detok.push(ids[i:i + k])
+        i += k
+        assert whole.startswith(sent)
+    assert sent + detok.flush() == whole
+
+
+def test_a_character_split_over_tokens_waits_for_its_last_byte(codec):
+    """An emoji whose four UTF-8 bytes are four tokens: nothing until the fourth."""
+    tok = codec.tokenizer
+    ids = tok("\U0001f680", add_special_tokens=False).input_ids
+    pieces = [tok.convert_ids_to_tokens(i) for i in ids]
+    assert len(ids) > 1, pieces         # the corpus' BPE leaves it split
+    detok = IncrementalDetokenizer(codec.decode)
+    out = [detok.push([i]) for i in ids]
+    assert out[:-1] == [""] * (len(ids) - 1) and out[-1] == "\U0001f680"
+
+
+@pytest.mark.parametrize("pieces,stops,expect", [
+    (["Hel", "lo wo", "rld"], ("o w",), "Hell"),           # across pieces
+    (["abc", "d"], ("cd", "b"), "a"),                      # the earliest match wins
+    (["ab", "c"], ("abx",), "abc"),                        # a held tail that did not match
+    (["x", "STO", "P", "more"], ("STOP",), "x"),
+])
+def test_stop_strings_cut_before_the_first_match(pieces, stops, expect):
+    s = StopStrings(stops)
+    out = "".join(s.push(p) for p in pieces) + s.flush()
+    assert out == expect and s.stopped == (expect != "".join(pieces))
+
+
+def test_text_stream_counts_tokens_up_to_the_stop(codec):
+    ids = codec.encode("The quick brown fox jumps over the lazy dog.")[1:]
+    stream = TextStream(codec.decode, ("brown",))
+    out = stream.push(ids) + stream.finish()
+    assert out == "The quick " and stream.stopped
+    assert "brown" in codec.decode(ids[:stream.tokens])
+    assert "brown" not in codec.decode(ids[:stream.tokens - 1])
+
+
+def test_eos_ids_come_from_generation_config_then_config(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert eos_token_ids(tmp_path) == (2,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 3, 7]}))
+    assert eos_token_ids(tmp_path) == (3, 7)

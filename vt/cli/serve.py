@@ -1,0 +1,146 @@
+"""`vt serve`: an OpenAI-compatible HTTP server on vt's engine (vt/serve), for a Hugging Face
+checkpoint directory (--model) or a bundled preset (--preset, token ids only).
+
+Every flag is checked before the model is loaded; a bad one is a one-line UsageError (exit
+2). The server prints the address it listens on once the engine is captured and warmed, and
+exits 0 after SIGINT or SIGTERM (vt/serve/server.py says how in-flight requests end)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from vt.cli.common import UsageError, backend_name, pick_backend
+
+SIM_DEFAULT_CONC, CUDA_DEFAULT_CONC = 8, 32
+
+
+def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
+    """The flags of the served model (vt serve and vt generate)."""
+    if preset:
+        src = p.add_mutually_exclusive_group(required=True)
+        src.add_argument("--model", help="a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3)")
+        src.add_argument("--preset", help="a bundled model with random weights (token ids only)")
+    else:
+        p.add_argument("--model", required=True,
+                       help="a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--mode", default="ring", choices=["sync", "drain", "ring", "staged"],
+                   help="executor mode (default: ring)")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help=f"requests decoded together, the rows of the batch (default: "
+                        f"{CUDA_DEFAULT_CONC} on cuda, {SIM_DEFAULT_CONC} on sim)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens per sequence, prompt and output (default: the config's "
+                        "max_position_embeddings, at most 4096)")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV cache blocks (default: a whole context for every row)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV cache (auto: bfloat16 on cuda, float32 on sim)")
+    p.add_argument("--seed", type=int, default=0, help="--preset: seed of the random weights")
+
+
+def check_model_arguments(args, who: str) -> None:
+    for flag in ("max_concurrency", "max_context", "kv_blocks", "block_size"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            raise UsageError(f"{who}: --{flag.replace('_', '-')} must be a positive integer, got {v}")
+    if args.max_concurrency is not None and args.max_concurrency > 1024:
+        raise UsageError(f"{who}: --max-concurrency must be at most 1024, got {args.max_concurrency}")
+
+
+def open_served(args, who: str, log):
+    """(backend, ServedModel, Engine) for the parsed flags; the caller closes them in reverse."""
+    from vt.engine.engine import Engine
+    from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig
+    from vt.serve.model_source import load_checkpoint, load_preset
+
+    name = backend_name(args.backend)
+    conc = args.max_concurrency or (CUDA_DEFAULT_CONC if name == "cuda" else SIM_DEFAULT_CONC)
+    be = pick_backend(args.backend, who=who)
+    try:
+        if getattr(args, "preset", None):
+            log(f"{who}: preset {args.preset} (random weights, token ids only) on {be.name}")
+            served = load_preset(be, args.preset, max_seqs=conc, max_context=args.max_context,
+                                 seed=args.seed)
+        else:
+            log(f"{who}: loading {args.model} on {be.name} ...")
+            served = load_checkpoint(be, args.model, max_seqs=conc, max_context=args.max_context,
+                                     block_size=args.block_size, kv_blocks=args.kv_blocks,
+                                     dtype=args.dtype,
+                                     name=getattr(args, "served_model_name", None) or args.model)
+    except ValueError as e:
+        be.close()
+        raise UsageError(f"{who}: {e}") from None
+    except BaseException:
+        be.close()
+        raise
+    sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s < conc) + (conc,)
+    try:
+        log(f"{who}: capturing the decode graphs ({args.mode}, sizes {', '.join(map(str, sizes))}) ...")
+        engine = Engine(be, served.step_model, ExecutorConfig.for_mode(
+            args.mode, serving_conc=conc, capture_sizes=sizes))
+    except BaseException:
+        served.close()
+        be.close()
+        raise
+    return be, served, engine, conc
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server for a checkpoint or preset")
+    add_model_arguments(p, preset=True)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: --model as given, or the preset)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one; default 8000)")
+    p.add_argument("--max-queued", type=int, default=256,
+                   help="requests waiting for a row beyond --max-concurrency; more are answered "
+                        "429 with Retry-After (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight responses get to finish after SIGINT/SIGTERM before "
+                        "they are cancelled (default 30)")
+    p.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    check_model_arguments(args, "vt serve")
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"vt serve: --port must be in [0, 65535], got {args.port}")
+    if args.max_queued < 0 or not 0 <= args.shutdown_timeout <= 3600:
+        raise UsageError("vt serve: --max-queued must be >= 0 and --shutdown-timeout in [0, 3600]")
+    try:
+        from vt.serve.app import create_app
+        from vt.serve.server import address, bind, make_server
+    except ImportError as e:
+        raise UsageError(f"vt serve needs the serve extra ({e.name} is missing): "
+                         f"pip install 'vt[serve]'") from None
+    from vt.serve.generation import GenerationService
+    from vt.serve.metrics import ServeMetrics
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    try:
+        sock = bind(args.host, args.port)
+    except ValueError as e:
+        raise UsageError(f"vt serve: {e}") from None
+    with sock:
+        be, served, engine, conc = open_served(args, "vt serve", log)
+        if args.served_model_name and getattr(args, "preset", None):
+            served.name = args.served_model_name
+        try:
+            service = GenerationService(engine, served, ServeMetrics(served.name),
+                                        serving_conc=conc, max_queued=args.max_queued)
+            server = make_server(create_app(service), shutdown_timeout_s=args.shutdown_timeout,
+                                 log_level=args.log_level)
+            print(f"vt serve: {served.name!r} listening on {address(sock)}", flush=True)
+            server.run(sockets=[sock])
+        finally:
+            engine.close()
+            served.close()
+            be.close()
+    log("vt serve: stopped")
+    return 0

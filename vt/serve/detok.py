@@ -1,0 +1,108 @@
+"""Generated ids to text as they arrive: never a broken UTF-8 character, stop strings found
+across token boundaries.
+
+IncrementalDetokenizer is the prefix-window method of Hugging Face's text-generation-inference
+and vLLM: decode the tokens from `prefix` on, subtract the text of the ones already emitted
+(`prefix`..`read`), and emit the rest only when it does not end in U+FFFD (a character whose
+bytes have not all arrived). Decoding a window rather than one token at a time keeps the
+tokenizer's context (spaces merged across tokens) and costs a few tokens per step, not the
+whole output. What is emitted is always a prefix of decoding every token at once.
+
+StopStrings holds back the longest tail that could still begin a stop string, and cuts the
+text before the first stop string found, as OpenAI does (the stop string is not returned).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self._decode = decode
+        self.tokens: list[int] = []
+        self._prefix = self._read = 0
+
+    def push(self, ids) -> str:
+        """Add tokens; the new complete text (possibly "")."""
+        self.tokens.extend(ids)
+        done = self._decode(self.tokens[self._prefix:self._read])
+        text = self._decode(self.tokens[self._prefix:])
+        if len(text) > len(done) and not text.endswith(_REPLACEMENT):
+            self._prefix, self._read = self._read, len(self.tokens)
+            return text[len(done):]
+        return ""
+
+    def flush(self) -> str:
+        """The text held back at the end of the request (its replacement characters included,
+        as a whole-sequence decode has them)."""
+        done = self._decode(self.tokens[self._prefix:self._read])
+        text = self._decode(self.tokens[self._prefix:])
+        self._prefix = self._read = len(self.tokens)
+        return text[len(done):]
+
+
+class StopStrings:
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(stops)
+        self._pending = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        """The text that can be emitted now; sets `stopped` at the first stop string."""
+        if self.stopped or not text:
+            return ""
+        if not self.stops:
+            return text
+        buf = self._pending + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self._pending = True, ""
+            return buf[:cut]
+        hold = self._held_tail(buf)
+        self._pending = buf[len(buf) - hold:]
+        return buf[:len(buf) - hold]
+
+    def flush(self) -> str:
+        out, self._pending = ("" if self.stopped else self._pending), ""
+        return out
+
+    def _held_tail(self, buf: str) -> int:
+        """The length of the longest tail of buf that is the start of a stop string."""
+        for k in range(min(len(buf), max(len(s) for s in self.stops) - 1), 0, -1):
+            tail = buf[-k:]
+            if any(s.startswith(tail) for s in self.stops):
+                return k
+        return 0
+
+
+class TextStream:
+    """One request's text: tokens in, text deltas out, until a stop string (`stopped`).
+    `tokens` counts the tokens consumed up to and including the one that completed it."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
+        self._detok = IncrementalDetokenizer(decode)
+        self._stops = StopStrings(stop)
+        self.tokens = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self._stops.stopped
+
+    def push(self, ids) -> str:
+        if self.stopped:
+            return ""
+        out = []
+        for tok in ids:            # one at a time: the stop is known at the token that made it
+            self.tokens += 1
+            out.append(self._stops.push(self._detok.push([tok])))
+            if self.stopped:
+                break
+        return "".join(out)
+
+    def finish(self) -> str:
+        """The rest, when the request has ended by itself (length, a stop token)."""
+        if self.stopped:
+            return ""
+        return self._stops.push(self._detok.flush()) + self._stops.flush()

@@ -1,0 +1,166 @@
+"""The bridge between HTTP requests and the engine: admission (at most `serving_conc +
+max_queued` requests in the server, the rest refused with a retry hint), one Generation per
+request (submit, tokens and text as they arrive, the outcome), cancellation when the client
+goes away, and the metrics of every request.
+
+Everything here runs on the server's event loop; the engine serves from its own thread, and a
+Generation awaits its tokens through RequestHandle.stream_async, which never blocks the loop.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from vt.backend.errors import ClosedError
+from vt.engine.requests import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
+from vt.serve.metrics import ServeMetrics
+from vt.serve.model_source import ServedModel
+from vt.serve.protocol import GenerationSpec, RequestError
+
+
+class Overloaded(Exception):
+    """More requests than the server takes: answered 429 with Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class ServiceClosed(Exception):
+    """The server is shutting down: answered 503."""
+
+
+class GenerationFailed(Exception):
+    """The request's step failed on the engine (or its logits could not be sampled): 500."""
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Outcome:
+    finish_reason: str           # "stop", "length", or "abort" (the server closed it)
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+class GenerationService:
+    def __init__(self, engine, model: ServedModel, metrics: ServeMetrics, *, serving_conc: int,
+                 max_queued: int):
+        self.engine, self.model, self.metrics = engine, model, metrics
+        self.capacity = serving_conc + max_queued
+        self.in_flight = 0
+        self.closing = False
+
+    def start(self, prompt_ids: list[int], spec: GenerationSpec, prompt_param: str) -> "Generation":
+        """Admit and submit one request (RequestError, Overloaded or ServiceClosed if not)."""
+        if self.closing:
+            raise ServiceClosed("the server is shutting down")
+        if self.in_flight >= self.capacity:
+            self.metrics.rejected("overloaded")
+            raise Overloaded(f"the server holds {self.in_flight} requests, its limit "
+                             f"(--max-concurrency + --max-queued); retry later")
+        gen = Generation(self, prompt_ids, spec, prompt_param)
+        self.in_flight += 1
+        return gen
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+
+class Generation:
+    """One request on the engine. Iterate deltas() once; `outcome` is set when it ends."""
+
+    def __init__(self, service: GenerationService, prompt_ids: list[int], spec: GenerationSpec,
+                 prompt_param: str):
+        self._service = service
+        model, geo = service.model, service.model.geometry
+        n = len(prompt_ids)
+        if n > geo.max_context:
+            raise RequestError(f"the prompt has {n} tokens; the model's context holds "
+                               f"{geo.max_context}", param=prompt_param)
+        max_new = spec.max_tokens if spec.max_tokens is not None else geo.max_context - n + 1
+        stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(model.eos_ids))
+        self.spec, self.prompt_tokens = spec, n
+        self.outcome: Outcome | None = None
+        self._text = model.text.stream(spec.stop) if model.text is not None else None
+        self._submitted = self._first_at = self._last_at = time.perf_counter()
+        try:
+            self._handle = service.engine.submit(prompt_ids, max_new_tokens=max_new,
+                                                 stop_token=sorted(stops) or None,
+                                                 sampling=spec.sampling)
+        except PromptTooLongError:
+            raise RequestError(f"the prompt has {n} tokens; the model's context holds "
+                               f"{geo.max_context}", param=prompt_param) from None
+        except KVCacheExhaustedError as e:
+            raise RequestError(str(e), param="max_tokens") from None
+        except RequestTooLargeError:
+            raise RequestError(f"the prompt's {n} tokens + max_tokens {max_new} - 1 exceed the "
+                               f"context of {geo.max_context}: max_tokens may be at most "
+                               f"{geo.max_context - n + 1}", param="max_tokens") from None
+        except ClosedError:
+            raise ServiceClosed("the server is shutting down") from None
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e), param=prompt_param) from None
+        self._released = False
+
+    async def deltas(self):
+        """Text (and ids) as the tokens arrive; stops at a stop string by cancelling the
+        request. GenerationFailed if its step failed. Leaving early cancels it."""
+        tokens, text = [], self._text
+        agen = self._handle.stream_async()
+        try:
+            async for tok in agen:
+                self._last_at = time.perf_counter()
+                if not tokens:
+                    self._first_at = self._last_at
+                tokens.append(tok)
+                piece = text.push([tok]) if text is not None else ""
+                if text is not None and text.stopped:
+                    self._handle.cancel()
+                    if piece:
+                        yield Delta(piece, [tok])
+                    self._finish("stop", tokens[:text.tokens])
+                    return
+                if piece or text is None:
+                    yield Delta(piece, [tok])
+            result = self._handle.result(timeout=5.0)
+            if result.finish_reason == "error":
+                raise GenerationFailed(result.error or "the model's logits could not be sampled")
+            tail = text.finish() if text is not None else ""
+            if tail:
+                yield Delta(tail, [])
+            reason = {"stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
+            self._finish(reason, tokens)
+        except GenerationFailed:
+            self._fail()
+            raise
+        except Exception as e:   # noqa: BLE001 (the step's error, reported to this request's client)
+            self._fail()
+            raise GenerationFailed(f"the engine step failed: {type(e).__name__}: {e}") from e
+        finally:
+            await agen.aclose()
+            self.cancel()
+
+    def cancel(self) -> None:
+        """Stop the request at the next step (a no-op once it ended) and leave the server."""
+        self._handle.cancel()
+        if not self._released:
+            self._released = True
+            self._service.in_flight -= 1
+            if self.outcome is None:
+                self._service.metrics.finished("abort", self.prompt_tokens, 0, None)
+
+    def _finish(self, reason: str, tokens: list[int]) -> None:
+        self.outcome = Outcome(reason, self.prompt_tokens, len(tokens), tokens)
+        times = ((self._first_at - self._submitted, self._last_at - self._first_at, len(tokens))
+                 if tokens else None)
+        self._service.metrics.finished(reason, self.prompt_tokens, len(tokens), times)
+
+    def _fail(self) -> None:
+        self.outcome = Outcome("error", self.prompt_tokens, 0)
+        self._service.metrics.finished("error", self.prompt_tokens, 0, None)

@@ -1,0 +1,99 @@
+"""`GET /metrics`: the server's counters and histograms in Prometheus' text format (0.0.4),
+with the engine's own gauges read at scrape time. Written by hand: a few dozen lines of a
+stable format, not worth a dependency."""
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+# Seconds: time to first token (prefill under load) and time per output token (decode).
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25,
+                0.5, 1.0)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]):
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)    # the last one: +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def lines(self, name: str) -> list[str]:
+        out, total = [], 0
+        for bound, n in zip((*map(repr, self.buckets), "+Inf"), self.counts):
+            total += n
+            out.append(f'{name}_bucket{{le="{bound}"}} {total}')
+        return out + [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
+
+
+class ServeMetrics:
+    """What the server counts per request; render() adds the engine's state."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.requests = Counter({r: 0 for r in FINISH_REASONS})
+        self.rejections = Counter({"overloaded": 0, "invalid": 0})
+        self.prompt_tokens = self.generation_tokens = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.tpot = Histogram(TPOT_BUCKETS)
+
+    def finished(self, reason: str, prompt_tokens: int, completion_tokens: int, times) -> None:
+        """times: (time to first token, first to last token, tokens) in seconds, or None."""
+        self.requests[reason] += 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += completion_tokens
+        if times is not None:
+            ttft, span, n = times
+            self.ttft.observe(ttft)
+            if n > 1:
+                self.tpot.observe(span / (n - 1))
+
+    def rejected(self, why: str) -> None:
+        self.rejections[why] += 1
+
+    def render(self, engine: dict, in_flight: int) -> str:
+        """The exposition text; `engine` is Engine.stats(), `in_flight` the server's requests."""
+        running = engine["requests_running"]
+        blocks_in_use = engine["kv_blocks_total"] - engine["kv_blocks_free"]
+        out = []
+
+        def family(name, kind, help_text, samples):
+            out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
+
+        family("vt_requests", "counter", "Requests finished, by finish reason.",
+               [f'vt_requests_total{{finish_reason="{r}"}} {n}' for r, n in self.requests.items()])
+        family("vt_requests_rejected", "counter", "Requests refused before running, by reason.",
+               [f'vt_requests_rejected_total{{reason="{r}"}} {n}' for r, n in self.rejections.items()])
+        family("vt_prompt_tokens", "counter", "Prompt tokens of finished requests.",
+               [f"vt_prompt_tokens_total {self.prompt_tokens}"])
+        family("vt_generation_tokens", "counter", "Tokens generated and returned.",
+               [f"vt_generation_tokens_total {self.generation_tokens}"])
+        family("vt_time_to_first_token_seconds", "histogram",
+               "From the request's arrival to its first token.",
+               self.ttft.lines("vt_time_to_first_token_seconds"))
+        family("vt_time_per_output_token_seconds", "histogram",
+               "Per request, from the first to the last token over the tokens after the first.",
+               self.tpot.lines("vt_time_per_output_token_seconds"))
+        family("vt_requests_running", "gauge", "Requests holding a row of the batch.",
+               [f"vt_requests_running {running}"])
+        family("vt_requests_waiting", "gauge", "Requests in the server waiting for a row.",
+               [f"vt_requests_waiting {max(0, in_flight - running)}"])
+        family("vt_kv_blocks_in_use", "gauge", "KV cache blocks held by requests.",
+               [f"vt_kv_blocks_in_use {blocks_in_use}"])
+        family("vt_kv_blocks", "gauge", "KV cache blocks in all.",
+               [f"vt_kv_blocks {engine['kv_blocks_total']}"])
+        family("vt_engine_steps", "counter", "Engine steps run.",
+               [f"vt_engine_steps_total {engine['steps']}"])
+        family("vt_drained_steps", "counter",
+               "Steps whose host waited for the previous step before preparing the next.",
+               [f"vt_drained_steps_total {engine['drains']}"])
+        family("vt_failed_steps", "counter", "Steps that failed (their requests got an error).",
+               [f"vt_failed_steps_total {engine['failed_steps']}"])
+        return "\n".join(out) + "\n"

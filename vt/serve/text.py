@@ -1,0 +1,59 @@
+"""A checkpoint's text side: its tokenizer (transformers' AutoTokenizer), its chat template,
+and its end-of-sequence ids (generation_config.json, else config.json)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from vt.serve.detok import TextStream
+
+
+class TextCodec:
+    """Text to prompt ids and generated ids back to text, with one tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_dir(cls, path) -> "TextCodec":
+        from transformers import AutoTokenizer
+        try:
+            return cls(AutoTokenizer.from_pretrained(str(path)))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"checkpoint {str(path)!r}: its tokenizer does not load: {e}") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """A completion prompt: the tokenizer's own special tokens added (a BOS, usually)."""
+        return list(self.tokenizer(text).input_ids)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """Messages through the chat template, the assistant's turn opened. The template
+        writes the special tokens itself, so encoding adds none (as transformers does)."""
+        if not self.has_chat_template:
+            raise ValueError("this checkpoint's tokenizer has no chat template; use /v1/completions")
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def stream(self, stop: tuple[str, ...] = ()) -> TextStream:
+        """An incremental decoder of one request's tokens, cutting at the first stop string."""
+        return TextStream(self.decode, stop)
+
+
+def eos_token_ids(path) -> tuple[int, ...]:
+    """The ids that end generation: generation_config.json's eos_token_id, else config.json's
+    (an int or a list; () when neither names one)."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(path) / name
+        if f.is_file():
+            value = json.loads(f.read_text()).get("eos_token_id")
+            if value is not None:
+                return tuple(sorted({int(v) for v in (value if isinstance(value, list) else [value])}))
+    return ()
