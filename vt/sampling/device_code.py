@@ -6,6 +6,27 @@ Order: elements are ranked by the 64-bit key skey = (ordered float bits of the l
 read as +0.0). A kept set is always a prefix of that order, so "kept" is skey >= a threshold.
 """
 
+# A row's 64-bit random key, in plain C++ behind ROW_KEY_FN so that a host compiler builds the
+# very text the kernel runs (a test compiles it with g++ and compares it with reference.row_key).
+ROW_KEY = r"""
+// Philox4x32-10 (Salmon et al., SC'11) with the seed as its key and the position as its counter:
+// a keyed bijection of the counter, so no two seeds' streams are shifts of each other (as they
+// are when the key hashes seed * c + position: seed s + c^-1 mod 2^64 then draws seed s's
+// tokens one position later). Once per thread: 20 32-bit multiplies, in a loop (unrolled, the
+// scalar build of the kernel spilled more).
+ROW_KEY_FN u64 row_key(u64 seed, u32 position) {
+  u32 c0 = position, c1 = 0u, c2 = 0u, c3 = 0u, k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll 1
+  for (int r = 0; r < 10; ++r) {
+    const u64 p0 = (u64)0xD2511F53u * c0, p2 = (u64)0xCD9E8D57u * c2;
+    c0 = (u32)(p2 >> 32) ^ c1 ^ k0; c1 = (u32)p2;
+    c2 = (u32)(p0 >> 32) ^ c3 ^ k1; c3 = (u32)p0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  return ((u64)c1 << 32) | c0;
+}
+"""
+
 PRELUDE = r"""
 #ifndef INFINITY
 #define INFINITY __int_as_float(0x7f800000)
@@ -14,14 +35,8 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 #define NT 256
 #define NB 2048
-#define GAMMA 0x9e3779b97f4a7c15ull
-
-__device__ __forceinline__ u64 mix64(u64 z) {
-  z += GAMMA;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+#define ROW_KEY_FN __device__ __forceinline__
+""" + ROW_KEY + r"""
 __device__ __forceinline__ u32 okey(float x) {
   u32 b = __float_as_uint(x == 0.f ? 0.f : x);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);

@@ -237,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   const int k = topk[row];
   const bool k_on = !greedy && k > 0 && k < V, p_on = !greedy && topp[row] < 1.f, m_on = !greedy && minp[row] > 0.f;
   const bool plain = !greedy && !k_on && !p_on && !m_on;
-  const u64 base = mix64(seed[row] * GAMMA + (u64)(u32)pos[row]);
+  const u64 base = row_key(seed[row], (u32)pos[row]);
   __shared__ u32 hc[NB];
   __shared__ u64 hm[NB];
   if (k_on || p_on) zero_hist(layout(cnt, wsp, S, B), row, 0, b, B);
@@ -275,8 +275,11 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     const int won = plain ? merge_partials(w.pk + row * B, w.pi + row * B, B).i : 0;
     if (threadIdx.x != 0) return;
     const u64 m = __ldcg(&w.maxk[row]);
-    const float zmax = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
-    const int tok = __ldcg(&w.bad[row]) || !isfinite(zmax) ? -1 : plain ? won : (int)(0xffffffffu - (u32)m);
+    const float xmax = unokey((u32)(m >> 32));
+    // A finite largest logit whose scaled value overflows (a tiny temperature) takes the limit
+    // as temperature -> 0: the argmax, lowest token id on ties, as the race gives once z dwarfs g.
+    const bool raced = plain && isfinite(__fmul_rn(xmax, R.inv_t));
+    const int tok = __ldcg(&w.bad[row]) || xmax == -INFINITY ? -1 : raced ? won : (int)(0xffffffffu - (u32)m);
     finish(row, tok, out, rows, table);
     reset_row(w, row);
     return;
@@ -285,9 +288,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   const u64 m = __ldcg(&w.maxk[row]);
   const int imax = (int)(0xffffffffu - (u32)m);
   const float zm = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
-  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // also all -inf: zmax = -inf (every block sees it)
+  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // an error row (also all -inf), or an overflow (above)
     if (last_block(&w.tick[row], B) && threadIdx.x == 0) {
-      finish(row, -1, out, rows, table);
+      const bool error = __ldcg(&w.bad[row]) || unokey((u32)(m >> 32)) == -INFINITY;
+      finish(row, error ? -1 : imax, out, rows, table);
       reset_row(w, row);
     }
     return;
