@@ -90,11 +90,15 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p={m!r} must be in [0, 1)")
         if not 0 <= _int("seed", self.seed) < _SEED_END:
             raise ValueError(f"SamplingParams.seed={_shown(self.seed)} must be in [0, 2**63)")
+        # Plain Python numbers from here on: numpy scalars compare, hash and serialize the same.
+        for name, v in (("temperature", t), ("top_p", p), ("min_p", m), ("seed", int(self.seed)),
+                        ("top_k", None if self.top_k is None else int(self.top_k))):
+            object.__setattr__(self, name, v)
 
     @property
     def greedy(self) -> bool:
         """The sampler takes the argmax: temperature 0, or one that rounds to 0 in float32."""
-        return np.float32(self.temperature) == 0
+        return bool(np.float32(self.temperature) == 0)
 
     def check_vocab(self, vocab: int) -> None:
         """Raise if top_k exceeds the vocabulary (known only where the model is)."""
