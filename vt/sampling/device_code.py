@@ -1,5 +1,6 @@
-"""CUDA side of the sampler, part 1: the keys, the keyed random draws, the exponential race and
-the workspace layout that every sampler kernel shares (kernels.py holds the kernels).
+"""CUDA side of the sampler, part 1: the keys, the row's random key and the keyed draws, the
+exponential race, the block reductions and scans, and the workspace layout that every sampler
+kernel shares (kernels.py holds the kernels).
 
 Order: elements are ranked by the 64-bit key skey = (ordered float bits of the logit) << 32 |
 (0xffffffff - token id): larger logit first, lower token id first among equal logits (-0.0 is
@@ -159,6 +160,22 @@ __device__ u32 block_sum_u32(u32 v) {
   v = 0;
   for (int j = 0; j < NT / 32; ++j) v += sm[j];
   return v;
+}
+
+// Exclusive prefix sums of two u64 per thread over the block, in thread order; totals too.
+__device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
+  __shared__ u64 sa[NT], sc[NT];
+  sa[threadIdx.x] = a; sc[threadIdx.x] = c;
+  __syncthreads();
+  for (int o = 1; o < NT; o <<= 1) {
+    u64 va = threadIdx.x >= o ? sa[threadIdx.x - o] : 0, vc = threadIdx.x >= o ? sc[threadIdx.x - o] : 0;
+    __syncthreads();
+    sa[threadIdx.x] += va; sc[threadIdx.x] += vc;
+    __syncthreads();
+  }
+  ta = sa[NT - 1]; tc = sc[NT - 1];
+  a = sa[threadIdx.x] - a; c = sc[threadIdx.x] - c;
+  __syncthreads();
 }
 
 // Counters (cnt): ctr, tick, ncand, maxk, bad. All zero at launch, and the row's last block

@@ -42,22 +42,6 @@ __device__ void zero_hist(const Work& w, int row, int buf, int b, int B) {
   for (int d = b * NT + threadIdx.x; d < NB; d += B * NT) { w.hcnt[o + d] = 0; w.hmass[o + d] = 0; }
 }
 
-// Exclusive prefix sums of two u64 per thread over the block, in thread order; totals too.
-__device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
-  __shared__ u64 sa[NT], sc[NT];
-  sa[threadIdx.x] = a; sc[threadIdx.x] = c;
-  __syncthreads();
-  for (int o = 1; o < NT; o <<= 1) {
-    u64 va = threadIdx.x >= o ? sa[threadIdx.x - o] : 0, vc = threadIdx.x >= o ? sc[threadIdx.x - o] : 0;
-    __syncthreads();
-    sa[threadIdx.x] += va; sc[threadIdx.x] += vc;
-    __syncthreads();
-  }
-  ta = sa[NT - 1]; tc = sc[NT - 1];
-  a = sa[threadIdx.x] - a; c = sc[threadIdx.x] - c;
-  __syncthreads();
-}
-
 // A plain-temperature row's race over its chunk, the row's largest logit first (that key and
 // share_lo prune the rest). Out of line (inline, the kernel spilled); not unrolled (faster).
 __device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t, u64 best, u64 base) {
@@ -276,8 +260,7 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     if (threadIdx.x != 0) return;
     const u64 m = __ldcg(&w.maxk[row]);
     const float xmax = unokey((u32)(m >> 32));
-    // A finite largest logit whose scaled value overflows (a tiny temperature) takes the limit
-    // as temperature -> 0: the argmax, lowest token id on ties, as the race gives once z dwarfs g.
+    // A finite max whose scaled value overflows (a tiny temperature): the T -> 0 limit, the argmax.
     const bool raced = plain && isfinite(__fmul_rn(xmax, R.inv_t));
     const int tok = __ldcg(&w.bad[row]) || xmax == -INFINITY ? -1 : raced ? won : (int)(0xffffffffu - (u32)m);
     finish(row, tok, out, rows, table);
