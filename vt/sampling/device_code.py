@@ -1,9 +1,31 @@
-"""CUDA side of the sampler, part 1: the keys, the keyed random draws, the exponential race and
-the workspace layout that every sampler kernel shares (kernels.py holds the kernels).
+"""CUDA side of the sampler, part 1: the keys, the row's random key and the keyed draws, the
+exponential race, the block reductions and scans, and the workspace layout that every sampler
+kernel shares (kernels.py holds the kernels).
 
 Order: elements are ranked by the 64-bit key skey = (ordered float bits of the logit) << 32 |
 (0xffffffff - token id): larger logit first, lower token id first among equal logits (-0.0 is
 read as +0.0). A kept set is always a prefix of that order, so "kept" is skey >= a threshold.
+"""
+
+# A row's 64-bit random key, in plain C++ behind ROW_KEY_FN so that a host compiler builds the
+# very text the kernel runs (a test compiles it with g++ and compares it with reference.row_key).
+ROW_KEY = r"""
+// Philox4x32-10 (Salmon et al., SC'11) with the seed as its key and the position as its counter:
+// a keyed bijection of the counter, so no two seeds' streams are shifts of each other (as they
+// are when the key hashes seed * c + position: seed s + c^-1 mod 2^64 then draws seed s's
+// tokens one position later). Once per thread: 20 32-bit multiplies, in a loop (unrolled, the
+// scalar build of the kernel spilled more).
+ROW_KEY_FN u64 row_key(u64 seed, u32 position) {
+  u32 c0 = position, c1 = 0u, c2 = 0u, c3 = 0u, k0 = (u32)seed, k1 = (u32)(seed >> 32);
+#pragma unroll 1
+  for (int r = 0; r < 10; ++r) {
+    const u64 p0 = (u64)0xD2511F53u * c0, p2 = (u64)0xCD9E8D57u * c2;
+    c0 = (u32)(p2 >> 32) ^ c1 ^ k0; c1 = (u32)p2;
+    c2 = (u32)(p0 >> 32) ^ c3 ^ k1; c3 = (u32)p0;
+    k0 += 0x9E3779B9u; k1 += 0xBB67AE85u;
+  }
+  return ((u64)c1 << 32) | c0;
+}
 """
 
 PRELUDE = r"""
@@ -14,14 +36,8 @@ typedef unsigned long long u64;
 typedef unsigned int u32;
 #define NT 256
 #define NB 2048
-#define GAMMA 0x9e3779b97f4a7c15ull
-
-__device__ __forceinline__ u64 mix64(u64 z) {
-  z += GAMMA;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
+#define ROW_KEY_FN __device__ __forceinline__
+""" + ROW_KEY + r"""
 __device__ __forceinline__ u32 okey(float x) {
   u32 b = __float_as_uint(x == 0.f ? 0.f : x);
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
@@ -144,6 +160,22 @@ __device__ u32 block_sum_u32(u32 v) {
   v = 0;
   for (int j = 0; j < NT / 32; ++j) v += sm[j];
   return v;
+}
+
+// Exclusive prefix sums of two u64 per thread over the block, in thread order; totals too.
+__device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
+  __shared__ u64 sa[NT], sc[NT];
+  sa[threadIdx.x] = a; sc[threadIdx.x] = c;
+  __syncthreads();
+  for (int o = 1; o < NT; o <<= 1) {
+    u64 va = threadIdx.x >= o ? sa[threadIdx.x - o] : 0, vc = threadIdx.x >= o ? sc[threadIdx.x - o] : 0;
+    __syncthreads();
+    sa[threadIdx.x] += va; sc[threadIdx.x] += vc;
+    __syncthreads();
+  }
+  ta = sa[NT - 1]; tc = sc[NT - 1];
+  a = sa[threadIdx.x] - a; c = sc[threadIdx.x] - c;
+  __syncthreads();
 }
 
 // Counters (cnt): ctr, tick, ncand, maxk, bad. All zero at launch, and the row's last block

@@ -42,22 +42,6 @@ __device__ void zero_hist(const Work& w, int row, int buf, int b, int B) {
   for (int d = b * NT + threadIdx.x; d < NB; d += B * NT) { w.hcnt[o + d] = 0; w.hmass[o + d] = 0; }
 }
 
-// Exclusive prefix sums of two u64 per thread over the block, in thread order; totals too.
-__device__ void block_exscan2(u64& a, u64& c, u64& ta, u64& tc) {
-  __shared__ u64 sa[NT], sc[NT];
-  sa[threadIdx.x] = a; sc[threadIdx.x] = c;
-  __syncthreads();
-  for (int o = 1; o < NT; o <<= 1) {
-    u64 va = threadIdx.x >= o ? sa[threadIdx.x - o] : 0, vc = threadIdx.x >= o ? sc[threadIdx.x - o] : 0;
-    __syncthreads();
-    sa[threadIdx.x] += va; sc[threadIdx.x] += vc;
-    __syncthreads();
-  }
-  ta = sa[NT - 1]; tc = sc[NT - 1];
-  a = sa[threadIdx.x] - a; c = sc[threadIdx.x] - c;
-  __syncthreads();
-}
-
 // A plain-temperature row's race over its chunk, the row's largest logit first (that key and
 // share_lo prune the rest). Out of line (inline, the kernel spilled); not unrolled (faster).
 __device__ __noinline__ Race plain_race(const float* __restrict__ x, int c0, int c1, float inv_t, u64 best, u64 base) {
@@ -237,7 +221,7 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   const int k = topk[row];
   const bool k_on = !greedy && k > 0 && k < V, p_on = !greedy && topp[row] < 1.f, m_on = !greedy && minp[row] > 0.f;
   const bool plain = !greedy && !k_on && !p_on && !m_on;
-  const u64 base = mix64(seed[row] * GAMMA + (u64)(u32)pos[row]);
+  const u64 base = row_key(seed[row], (u32)pos[row]);
   __shared__ u32 hc[NB];
   __shared__ u64 hm[NB];
   if (k_on || p_on) zero_hist(layout(cnt, wsp, S, B), row, 0, b, B);
@@ -275,8 +259,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
     const int won = plain ? merge_partials(w.pk + row * B, w.pi + row * B, B).i : 0;
     if (threadIdx.x != 0) return;
     const u64 m = __ldcg(&w.maxk[row]);
-    const float zmax = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
-    const int tok = __ldcg(&w.bad[row]) || !isfinite(zmax) ? -1 : plain ? won : (int)(0xffffffffu - (u32)m);
+    const float xmax = unokey((u32)(m >> 32));
+    // A finite max whose scaled value overflows (a tiny temperature): the T -> 0 limit, the argmax.
+    const bool raced = plain && isfinite(__fmul_rn(xmax, R.inv_t));
+    const int tok = __ldcg(&w.bad[row]) || xmax == -INFINITY ? -1 : raced ? won : (int)(0xffffffffu - (u32)m);
     finish(row, tok, out, rows, table);
     reset_row(w, row);
     return;
@@ -285,9 +271,10 @@ extern "C" __global__ void __launch_bounds__(NT, 4) sample(
   const u64 m = __ldcg(&w.maxk[row]);
   const int imax = (int)(0xffffffffu - (u32)m);
   const float zm = __fmul_rn(unokey((u32)(m >> 32)), R.inv_t);
-  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // also all -inf: zmax = -inf (every block sees it)
+  if (__ldcg(&w.bad[row]) || !isfinite(zm)) {  // an error row (also all -inf), or an overflow (above)
     if (last_block(&w.tick[row], B) && threadIdx.x == 0) {
-      finish(row, -1, out, rows, table);
+      const bool error = __ldcg(&w.bad[row]) || unokey((u32)(m >> 32)) == -INFINITY;
+      finish(row, error ? -1 : imax, out, rows, table);
       reset_row(w, row);
     }
     return;

@@ -19,20 +19,35 @@ ROW_VECTORS: dict[str, np.dtype] = {
 }
 
 _SEED_END = 2**63
+_TOP_K_END = 2**31              # the sampler reads top_k as int32
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def _real(name: str, v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise TypeError(f"SamplingParams.{name} must be a real number, got {type(v).__name__} {v!r}")
-    if not math.isfinite(v):
-        raise ValueError(f"SamplingParams.{name}={v!r} must be finite")
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:   # a Python int past a float's range
+        f = math.inf
+    if not math.isfinite(f):
+        beyond = isinstance(v, (int, np.integer)) or bool(np.isfinite(v))   # e.g. a longdouble
+        raise ValueError(f"SamplingParams.{name}={_shown(v)} "
+                         + ("is beyond a float's range" if beyond else "must be finite"))
+    return f
 
 
 def _int(name: str, v) -> int:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
         raise TypeError(f"SamplingParams.{name} must be an int, got {type(v).__name__} {v!r}")
     return int(v)
+
+
+def _shown(v) -> str:
+    """v for a one-line message: a huge int by its size, not its hundreds of digits."""
+    if isinstance(v, (int, np.integer)) and abs(int(v)) >= 10**20:
+        return f"<an int of {len(str(abs(int(v))))} digits>"
+    return repr(v)
 
 
 @dataclass(frozen=True)
@@ -42,6 +57,9 @@ class SamplingParams:
     (None or 0: all), the smallest most-likely prefix whose probability reaches top_p, and the
     tokens with probability >= min_p * the largest. The draws are keyed on (seed, position,
     token id) only, so a request's tokens never depend on its row, its batch or the padded size.
+
+    The sampler reads the knobs as float32: a temperature that rounds to 0 there is greedy, and
+    one so small that the largest logit / temperature overflows takes the limit, the argmax.
     """
     temperature: float = 0.0
     # The rest by name only: a positional SamplingParams(0.8, 8, seed) of an older order would
@@ -56,8 +74,14 @@ class SamplingParams:
         t = _real("temperature", self.temperature)
         if t < 0:
             raise ValueError(f"SamplingParams.temperature={t!r} must be >= 0 (0 = greedy)")
-        if self.top_k is not None and _int("top_k", self.top_k) < 0:
-            raise ValueError(f"SamplingParams.top_k={self.top_k!r} must be None, 0 (all) or a positive int")
+        with np.errstate(over="ignore"):
+            t32 = np.float32(t)
+        if np.isinf(t32):   # the sampler's 1 / t would be 0, and a masked token's -inf * 0 NaN
+            raise ValueError(f"SamplingParams.temperature={t!r} exceeds float32's largest value "
+                             f"{_FLOAT32_MAX:.7g} (the sampler reads float32)")
+        if self.top_k is not None and not 0 <= _int("top_k", self.top_k) < _TOP_K_END:
+            raise ValueError(f"SamplingParams.top_k={_shown(self.top_k)} must be None, 0 (all) or a "
+                             f"positive int below 2**31")
         p = _real("top_p", self.top_p)
         if not 0 < p <= 1:
             raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")
@@ -65,11 +89,16 @@ class SamplingParams:
         if not 0 <= m < 1:
             raise ValueError(f"SamplingParams.min_p={m!r} must be in [0, 1)")
         if not 0 <= _int("seed", self.seed) < _SEED_END:
-            raise ValueError(f"SamplingParams.seed={self.seed!r} must be in [0, 2**63)")
+            raise ValueError(f"SamplingParams.seed={_shown(self.seed)} must be in [0, 2**63)")
+        # Plain Python numbers from here on: numpy scalars compare, hash and serialize the same.
+        for name, v in (("temperature", t), ("top_p", p), ("min_p", m), ("seed", int(self.seed)),
+                        ("top_k", None if self.top_k is None else int(self.top_k))):
+            object.__setattr__(self, name, v)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """The sampler takes the argmax: temperature 0, or one that rounds to 0 in float32."""
+        return bool(np.float32(self.temperature) == 0)
 
     def check_vocab(self, vocab: int) -> None:
         """Raise if top_k exceeds the vocabulary (known only where the model is)."""

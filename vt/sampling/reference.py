@@ -13,15 +13,35 @@ from __future__ import annotations
 
 import numpy as np
 
-GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MASS_ONE = 2.0**40  # fixed-point scale of a probability weight (kernels: weight())
+_PHILOX_M = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+_PHILOX_W = (np.uint32(0x9E3779B9), np.uint32(0xBB67AE85))
 
 
-def mix64(z: np.ndarray) -> np.ndarray:
-    z = np.asarray(z, np.uint64) + GAMMA
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+def philox4x32_10(counter, key) -> tuple[np.ndarray, ...]:
+    """Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC'11):
+    four u32 counter words and two u32 key words (arrays of one shape) -> four u32 words."""
+    c0, c1, c2, c3 = (np.atleast_1d(np.asarray(c, np.uint32)) for c in counter)
+    k0, k1 = (np.atleast_1d(np.asarray(k, np.uint32)).copy() for k in key)
+    u32, hi = np.uint32, np.uint64(32)
+    for _ in range(10):
+        p0, p2 = c0.astype(np.uint64) * _PHILOX_M[0], c2.astype(np.uint64) * _PHILOX_M[1]
+        c0, c1, c2, c3 = ((p2 >> hi).astype(u32) ^ c1 ^ k0, p2.astype(u32),
+                          (p0 >> hi).astype(u32) ^ c3 ^ k1, p0.astype(u32))
+        k0 += _PHILOX_W[0]
+        k1 += _PHILOX_W[1]
+    return c0, c1, c2, c3
+
+
+def row_key(seed, positions) -> np.ndarray:
+    """Each row's 64-bit key [S] u64 (the kernels' row_key, device_code.ROW_KEY): Philox4x32-10
+    keyed on the seed, the position as its counter."""
+    seed, pos = np.broadcast_arrays(np.atleast_1d(np.asarray(seed, np.uint64)),
+                                    np.atleast_1d(np.asarray(positions)).astype(np.uint32))
+    zero = np.zeros_like(pos)
+    x0, x1, _, _ = philox4x32_10((pos, zero, zero, zero),
+                                 ((seed & np.uint64(0xFFFFFFFF)).astype(np.uint32), (seed >> np.uint64(32)).astype(np.uint32)))
+    return (x1.astype(np.uint64) << np.uint64(32)) | x0.astype(np.uint64)
 
 
 def lowbias32(x: np.ndarray) -> np.ndarray:
@@ -35,7 +55,7 @@ def lowbias32(x: np.ndarray) -> np.ndarray:
 
 def gumbel(seed, positions, tokens) -> np.ndarray:
     """The race noise g = -log(-log(u)) of each (row, token): u keyed on (seed, position, token)."""
-    key = mix64(np.asarray(seed, np.uint64) * GAMMA + np.asarray(positions).astype(np.uint32).astype(np.uint64))
+    key = row_key(seed, positions)
     k1 = (key & np.uint64(0xFFFFFFFF)).astype(np.uint32)[:, None]
     k2 = (key >> np.uint64(32)).astype(np.uint32)[:, None]
     h1 = lowbias32(lowbias32(np.asarray(tokens).astype(np.uint32)[None, :] ^ k1) + k2)
@@ -67,8 +87,9 @@ def sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed) -> 
         inv_t = np.where(greedy, np.float32(1), np.float32(1) / np.where(greedy, np.float32(1), t))
         z = x * inv_t[:, None]
         zmax = finite_x.max(axis=1) * inv_t
-        err = np.isnan(x).any(1) | np.isposinf(x).any(1) | (finite_x.max(axis=1) == -np.inf) | ~np.isfinite(zmax)
-    rows = np.flatnonzero(~greedy & ~err)
+        err = np.isnan(x).any(1) | np.isposinf(x).any(1) | (finite_x.max(axis=1) == -np.inf)
+    # A finite max whose scaled value overflows (a tiny temperature) keeps the argmax: the limit.
+    rows = np.flatnonzero(~greedy & ~err & np.isfinite(zmax))
     if rows.size:
         toks[rows] = _race(x[rows], z[rows], zmax[rows], k[rows], p[rows], mp[rows],
                            np.asarray(seed, np.uint64).reshape(S)[rows], np.asarray(positions).reshape(S)[rows])

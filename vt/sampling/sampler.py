@@ -21,10 +21,11 @@ Arguments (S rows, vocabulary V):
   out_tokens [S] i32, token_table [*] i32
 Writes out_tokens[r] and token_table[token_rows[r]] (the next step's input token).
 
-Error rows: a row with a NaN or +inf logit, or only -inf logits, or whose largest scaled logit
-overflows (logit / temperature = inf), gets out_tokens[r] = -1 (the engine finishes that
-request with an error) and token_table[token_rows[r]] = 0, so the next embedding stays in range.
--inf logits are otherwise legal: masked tokens, never drawn.
+Error rows: a row with a NaN or +inf logit, or only -inf logits, gets out_tokens[r] = -1 (the
+engine finishes that request with an error) and token_table[token_rows[r]] = 0, so the next
+embedding stays in range. -inf logits are otherwise legal: masked tokens, never drawn. A row
+whose finite largest logit / temperature overflows float32 (a tiny temperature) gets the argmax,
+the limit as temperature -> 0.
 """
 from __future__ import annotations
 
