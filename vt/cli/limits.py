@@ -64,5 +64,5 @@ def png_problem(path: str) -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return "--png needs matplotlib, which is not installed: pip install 'vt[bench]', or drop --png"
+        return "--png needs matplotlib, which is not installed: pip install matplotlib, or drop --png"
     return None

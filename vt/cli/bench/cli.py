@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the results (every column of every cell) to this path (checked before "
                         "the run, written whole or not at all)")
     p.add_argument("--png", help="write the plot to this path, a name ending in .png (needs matplotlib: "
-                        "vt[bench]; both checked before the run)")
+                        "the bench extra; both checked before the run)")
     from vt.cli.bench.serve_run import add_serve_arguments
     add_serve_arguments(p)
 

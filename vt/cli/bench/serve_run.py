@@ -74,7 +74,7 @@ def resolve_serve(args, backend: str, error) -> None:
               f"{args.requests / min(args.rate):g} s, more than half a cell's {CELL_TIMEOUT_S:g} s "
               f"deadline; raise the rate or lower the requests")
     if args.png and importlib.util.find_spec("matplotlib") is None:
-        error("--png needs matplotlib, which is not installed (pip install 'vt[bench]')")
+        error("--png needs matplotlib, which is not installed (pip install matplotlib)")
 
 
 def run_serve(args, progress_factory) -> dict:
