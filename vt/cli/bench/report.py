@@ -1,4 +1,4 @@
-"""The bench's outputs: the printed tables, the JSON and the PNG (matplotlib: the vt[bench] extra)."""
+"""The bench's outputs: the printed tables, the JSON and the PNG (matplotlib: the bench extra)."""
 from __future__ import annotations
 
 import json
