@@ -1,9 +1,9 @@
 """Shared fixtures: the same test functions run on every available backend; and a suite-wide
 check that no pool, on any backend, ever called the driver's malloc while a graph was captured."""
-import os
 
 import pytest
 
+from vt import env
 from vt.backend import available_backends, get_backend
 from vt.backend.pool import DevicePool
 
@@ -49,7 +49,7 @@ def pytest_addoption(parser):
 def pytest_collection_modifyitems(config, items):
     """Tests marked slow skip with a reason unless --run-slow or VT_SLOW=1; tests marked gpu
     skip with a reason on a machine without a CUDA GPU."""
-    if not (config.getoption("--run-slow") or os.environ.get("VT_SLOW") == "1"):
+    if not (config.getoption("--run-slow") or env.get("VT_SLOW")):
         slow = pytest.mark.skip(reason="slow: run with --run-slow or VT_SLOW=1")
         for item in items:
             if "slow" in item.keywords:

@@ -24,9 +24,15 @@ _LAZY = {
     "RequestHandle": "vt.engine.handle",
     "RequestTooLargeError": "vt.engine.requests",
     "EngineBusyError": "vt.engine.requests",
+    "ClosedError": "vt.backend.errors",
 }
 
 __all__ = ["__version__", *_LAZY]
+
+
+def __dir__():
+    """The public names (lazy ones included), so that dir(vt) and completion list them."""
+    return sorted(set(globals()) | set(__all__))
 
 
 def __getattr__(name):

@@ -1,17 +1,18 @@
 """ExecutorConfig: every executor knob, as a validated dataclass and as an environment variable.
 
-The environment is read only by `ExecutorConfig.from_env`; everything below it receives the
-config object explicitly, so a test can run two modes side by side in one process.
+The knobs' variables are read (through vt/env.py's parser) only by `ExecutorConfig.from_env`;
+everything below it receives the config object explicitly, so a test can run two modes side by
+side in one process.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
+from vt import env
+from vt.env import DEFAULT_TRACE_PATH, H2D_MODES  # noqa: F401 (re-exported)
+
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-H2D_MODES = ("graph", "staged")
-DEFAULT_TRACE_PATH = "vt_trace.json"
 
 # Upper bounds, refused up front by ExecutorConfig (and so by `vt run` and `vt bench`): past
 # them a typo builds gigabytes of buffers or hundreds of graphs before anything fails.
@@ -31,8 +32,8 @@ MODES = {
 }
 SAFE_MODES = tuple(m for m in MODES if m != "no_dbuf")
 
-# field -> environment variable. The first five are the design's own knobs (docs/design.md); the rest make
-# every field settable the same way for the bench and the CLI.
+# field -> environment variable (vt/env.py parses it). The first five are the design's own knobs
+# (docs/design.md); the rest make every field settable the same way for the bench and the CLI.
 ENV_VARS = {
     "async_executor": "VT_ASYNC_EXECUTOR",
     "no_dbuf": "VT_ASYNC_EXECUTOR_NO_DBUF",
@@ -156,22 +157,20 @@ class ExecutorConfig:
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "ExecutorConfig":
         """Config from VT_* environment variables; keyword overrides win over the environment."""
-        environ = os.environ if environ is None else environ
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(overrides) - fields
         if unknown:
             raise TypeError(f"ExecutorConfig has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
         values = {}
         for field, var in ENV_VARS.items():
-            raw = environ.get(var)
-            if raw is not None and field not in overrides:
-                values[field] = _PARSERS[field](var, raw.strip())
+            if field not in overrides and env.is_set(var, environ):
+                values[field] = env.get(var, environ)
         values.update(overrides)
         try:
             return cls(**values)
         except ValueError as e:
-            from_vars = [ENV_VARS[f] + "=" + environ[ENV_VARS[f]] for f in values
-                         if f in ENV_VARS and f not in overrides and ENV_VARS[f] in environ]
+            from_vars = [ENV_VARS[f] + "=" + env.raw(ENV_VARS[f], environ) for f in values
+                         if f in ENV_VARS and f not in overrides]
             raise ValueError(f"{e} (environment: {', '.join(from_vars) or 'none set'})") from None
 
 
@@ -180,66 +179,3 @@ def _positive_int(name, v, hi):
         raise TypeError(f"ExecutorConfig.{name} must be an int, got {v!r}")
     if not 1 <= v <= hi:
         raise ValueError(f"ExecutorConfig.{name} must be a positive int of at most {hi}, got {v!r}")
-
-
-def _parse_bool(var, raw):
-    if raw not in ("0", "1"):
-        raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
-    return raw == "1"
-
-
-def _parse_int(var, raw):
-    try:
-        v = int(raw)
-    except ValueError:
-        raise ValueError(f"{var} must be a positive integer, got {raw!r}") from None
-    if v < 1:
-        raise ValueError(f"{var} must be a positive integer, got {raw!r}")
-    return v
-
-
-def _parse_trace(var, raw):
-    # 0/1 like the other switches, or a path; a path must end in .json so that a boolean
-    # spelled another way (yes, true, on) is rejected instead of becoming a file of that name.
-    if raw in ("", "0"):
-        return None
-    if raw == "1":
-        return DEFAULT_TRACE_PATH
-    if not raw.lower().endswith(".json"):
-        raise ValueError(f"{var} must be 0, 1 (writes {DEFAULT_TRACE_PATH}) or a path ending in "
-                         f".json, got {raw!r}")
-    return raw
-
-
-def _parse_h2d(var, raw):
-    if raw not in H2D_MODES:
-        raise ValueError(f"{var} must be one of {H2D_MODES}, got {raw!r}")
-    return raw
-
-
-def _parse_sizes(var, raw):
-    try:
-        sizes = tuple(int(x) for x in raw.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"{var} must be comma-separated positive integers, got {raw!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"{var} must be comma-separated positive integers, got {raw!r}")
-    return sizes
-
-
-def _parse_poll(var, raw):
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{var} must be a number of microseconds >= 0, got {raw!r}") from None
-    if not 0 <= v < 1e6:
-        raise ValueError(f"{var} must be a number of microseconds in [0, 1e6), got {raw!r}")
-    return v
-
-
-_PARSERS = {
-    "async_executor": _parse_bool, "no_dbuf": _parse_bool, "poison": _parse_bool,
-    "trace": _parse_trace, "serving_conc": _parse_int,
-    "ring_depth": _parse_int, "h2d": _parse_h2d, "capture_sizes": _parse_sizes,
-    "wait_poll_us": _parse_poll,
-}

@@ -2,13 +2,13 @@
 pool inside a capture, the inputs-read event firing before a long replay ends, graph upload,
 and the pool's debug mode. Run on a GPU (marked gpu; skipped with a reason elsewhere)."""
 import gc
-import os
 import time
 import weakref
 
 import numpy as np
 import pytest
 
+from vt import env
 from vt.backend import ClosedError
 
 from ._kernels import Axpb
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def be():
     """A CudaBackend; VT_POOL_DEBUG=1 (tools/memcheck.sh) gives every buffer its own cudaMalloc."""
     from vt.backend.cuda import CudaBackend
-    backend = CudaBackend(pool_debug=os.environ.get("VT_POOL_DEBUG") == "1")
+    backend = CudaBackend(pool_debug=env.get("VT_POOL_DEBUG"))
     yield backend
     backend.close()
 

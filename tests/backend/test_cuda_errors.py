@@ -2,11 +2,11 @@
 
 Marked api_errors: tools/memcheck.sh runs these with --report-api-errors no, because
 compute-sanitizer counts every failing CUDA call, deliberate ones included."""
-import os
 
 import numpy as np
 import pytest
 
+from vt import env
 from vt.backend import CaptureError, CudaError
 
 from ._kernels import Axpb
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.api_errors]
 @pytest.fixture
 def be():
     from vt.backend.cuda import CudaBackend
-    backend = CudaBackend(pool_debug=os.environ.get("VT_POOL_DEBUG") == "1")
+    backend = CudaBackend(pool_debug=env.get("VT_POOL_DEBUG"))
     yield backend
     backend.close()
 

@@ -169,7 +169,8 @@ def test_contradicting_variables_are_named(capsys, monkeypatch, nothing_started)
 
 def test_bad_pool_debug_variable(capsys, monkeypatch, stop_before_model):
     monkeypatch.setenv("VT_POOL_DEBUG", "on")
-    refused(capsys, ["run", "--backend", "sim"], "VT_POOL_DEBUG='on'", "fix or unset")
+    refused(capsys, ["run", "--backend", "sim"], "VT_POOL_DEBUG must be 0 or 1, got 'on'",
+            "fix or unset")
 
 
 def test_mode_flag_replaces_the_mode_variables(capsys, monkeypatch, stop_before_model):

@@ -1,11 +1,11 @@
 """The fuzz harness for the tests: tools/fuzz.py (shared with the GPU runner), plus a drawer
 backed by hypothesis, so hypothesis draws (and shrinks) the same distribution of cases."""
-import os
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from tool_loader import load_tool
+from vt import env
 
 harness = load_tool("fuzz")
 
@@ -40,7 +40,7 @@ def fuzz_settings(max_examples):
     @reproduce_failure blob, and the test prints the case's JSON and replay command. No
     shrinking unless VT_FUZZ_SHRINK=1: each example runs several engines, and shrinking one
     can take hypothesis' full five minutes; the failing case is printed whole anyway."""
-    phases = tuple(Phase) if os.environ.get("VT_FUZZ_SHRINK") == "1" else tuple(
+    phases = tuple(Phase) if env.get("VT_FUZZ_SHRINK") else tuple(
         p for p in Phase if p not in (Phase.shrink, Phase.explain))
     return settings(max_examples=max_examples, deadline=None, database=None, print_blob=True,
                     phases=phases,

@@ -53,5 +53,5 @@ def test_vt_prefill_graphs_is_0_or_1(monkeypatch):
     monkeypatch.setenv("VT_PREFILL_GRAPHS", "0")
     assert prefill_graphs_default() is False
     monkeypatch.setenv("VT_PREFILL_GRAPHS", "yes")
-    with pytest.raises(ValueError, match="VT_PREFILL_GRAPHS='yes': expected 0 or 1"):
+    with pytest.raises(ValueError, match="VT_PREFILL_GRAPHS must be 0 or 1, got 'yes'"):
         prefill_graphs_default()

@@ -13,6 +13,7 @@ import pytest
 VT = pathlib.Path(__file__).resolve().parents[2] / "vt"
 
 RANK = {
+    "env": -1,                # the VT_* variables' registry and parser: below everything
     "backend": 0, "knobs": 0,
     "step": 1,
     "sampling": 0.5,          # pure: the step contract holds its SamplingParams
@@ -55,7 +56,9 @@ def _imports(path: pathlib.Path, module: str) -> set[str]:
                 name = ".".join(base + ([node.module] if node.module else []))
             else:
                 name = node.module or ""
-            if name.startswith("vt."):
+            if name == "vt":   # `from vt import env`: an arrow to the module vt.env
+                out |= {f"vt.{a.name}" for a in node.names if not a.name.startswith("__")}
+            elif name.startswith("vt."):
                 # `from pkg import sub` is an arrow to pkg.sub when that is a module (the
                 # cycle check keeps only names that are); `from . import sub` only that
                 if node.module:

@@ -61,7 +61,7 @@ def test_sim_serve_metrics_are_consistent(sim_serve):
 def test_cell_metrics_formulas_on_known_token_times():
     """Two requests with hand-made token times: TTFT, TPOT, ITL and throughput by formula."""
     def handle(submitted):
-        return types.SimpleNamespace(_req=types.SimpleNamespace(submitted_at=submitted))
+        return types.SimpleNamespace(submitted_at=submitted)   # RequestHandle.submitted_at
 
     res = [types.SimpleNamespace(tokens=[1, 2, 3], token_times=np.array([1.0, 1.5, 2.5])),
            types.SimpleNamespace(tokens=[4, 5], token_times=np.array([2.0, 2.2]))]
@@ -150,7 +150,7 @@ def test_median_run_is_the_middle_run_by_tokens_per_s_and_latency_the_median_ove
 @pytest.mark.parametrize("argv,needle", [
     (["--output-len", "5", "2"], "--output-len must be N or MIN MAX with 1 <= MIN <= MAX"),
     (["--prompt-range", "0"], "--prompt-range must be N or MIN MAX"),
-    (["--clients", "0"], "--clients and --requests must be positive"),
+    (["--clients", "0"], "--clients must be an integer in [1, 1024], got 0"),
 ])
 def test_bad_serve_arguments_are_refused_before_any_work(argv, needle, capsys):
     assert main(["--backend", "sim", "--workload", "serve", *argv]) == 2

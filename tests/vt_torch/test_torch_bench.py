@@ -2,7 +2,7 @@
 peer around the same module samples the tokens vt's engines sample."""
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
 from vt.backend import get_backend  # noqa: E402
 from vt.cli.bench import torch_workload  # noqa: E402

@@ -5,7 +5,7 @@ close, and flat memory over many generate() calls."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
 from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402

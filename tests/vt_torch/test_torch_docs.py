@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
 ROOT = pathlib.Path(__file__).parents[2]
 

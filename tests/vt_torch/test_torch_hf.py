@@ -3,7 +3,7 @@
 transformers' own generate(do_sample=False), prompt by prompt; and the loader's refusals."""
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 transformers = pytest.importorskip("transformers", reason="the comparison needs transformers")
 
 from vt.torch import hf, torch_device  # noqa: E402

@@ -3,7 +3,7 @@ too, and the same sampled tokens as sync with sampling and seeds; on every backe
 runs the adapter on CPU tensors)."""
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
 from vt.knobs import SAFE_MODES  # noqa: E402
 from vt.step import SamplingParams  # noqa: E402

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
 from vt.torch import torch_device  # noqa: E402
 from vt.torch.views import ViewCache  # noqa: E402

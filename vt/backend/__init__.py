@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import functools
 import importlib
-import os
+
+from vt import env
 
 from .errors import CaptureAllocationError, CaptureError, ClosedError, CudaError
 from .pool import DeviceBuffer, DevicePool, PoolStats
@@ -64,7 +65,4 @@ def _cuda_unavailable_reason() -> str | None:
 
 
 def _pool_debug_from_env() -> bool:
-    value = os.environ.get("VT_POOL_DEBUG", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"VT_POOL_DEBUG={value!r}: expected 0 or 1")
-    return value == "1"
+    return env.get("VT_POOL_DEBUG")

@@ -23,6 +23,8 @@ MAX_DEVICE_US = 1e6           # vt bench --device-us: one second of device work 
 MAX_WARMUP_S = 600.0          # vt bench --warmup-s
 MAX_SIM_DELAY_MS = 1000.0     # --sim-delay-ms: the sim backend's delay per device op
 MAX_WAIT_POLL_US = 1e6        # --wait-poll-us, exclusive (ExecutorConfig.wait_poll_us's bound)
+MIN_RATE = 0.01               # vt bench --rate (open loop): one arrival per 100 s
+MAX_RATE = 1e6                # vt bench --rate: a million arrivals per second
 MAX_SEED = 2**63 - 1          # --seed: numpy's generators take any int; JSON readers do not
 
 
@@ -62,5 +64,5 @@ def png_problem(path: str) -> str | None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        return "--png needs matplotlib, which is not installed: pip install 'vt[bench]', or drop --png"
+        return "--png needs matplotlib, which is not installed: pip install matplotlib, or drop --png"
     return None

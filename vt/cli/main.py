@@ -12,6 +12,7 @@ from vt.knobs import MODES
 
 # The name `vt run --mode` used for the drain mode before MODES gave it one spelling.
 _MODE_ALIASES = {"off": "drain"}
+DISTRIBUTION = "vt-graphs"   # pyproject.toml's name; the import name is vt
 
 
 def _mode(value: str) -> str:
@@ -31,7 +32,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from vt.backend.selfcheck import run_selfcheck
     from vt.cli.common import pick_backend
 
-    print(f"vt {importlib.metadata.version('vt') if _installed() else 'source tree'}"
+    print(f"vt {_package_version(DISTRIBUTION) if _installed() else 'source tree'}"
           f"  python {platform.python_version()}")
     print(f"backends available: {', '.join(available_backends())}")
     for pkg in ("numpy", "cuda-bindings", "cupy-cuda13x", "nvmath-python", "safetensors"):
@@ -50,7 +51,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 def _installed() -> bool:
     try:
-        importlib.metadata.version("vt")
+        importlib.metadata.version(DISTRIBUTION)
         return True
     except importlib.metadata.PackageNotFoundError:
         return False
@@ -114,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 1 a failed self-check (or wrong tokens in vt bench), 2 a usage error
-    (bad flag, VT_* variable, preset or output path, missing GPU), 130 interrupted."""
+    """Exit codes: 0 done; 1 a failed self-check, wrong tokens in vt bench, an output that
+    could not be written after the work, or a wait past its deadline; 2 a usage error (bad
+    flag, VT_* variable, preset or output path, missing GPU); 130 interrupted (Ctrl-C); 141
+    stdout closed by its reader (`vt info | head -1`); 143 terminated (SIGTERM)."""
     return run_command(build_parser(), argv)

@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from vt.cli.common import (UsageError, _what_to_do, backend_name, build_model, check_output_path,  # noqa: F401
+from vt.cli.common import (OutputError, UsageError, _what_to_do, backend_name, build_model, check_output_path,  # noqa: F401
                            pick_backend, pick_preset, random_prompts)
 
 # Printed to stderr by every run in the no_dbuf mode (it needs --unsafe-no-dbuf to start).
@@ -140,12 +140,24 @@ def run_demo(args: argparse.Namespace) -> int:
                                      args.prompt_len)
             results = engine.generate(prompts, max_new_tokens=args.steps, progress=_progress_printer())
             stats = engine.stats()
-            trace = engine.close()
+            trace, trace_error = _close_writing_trace(engine, config.trace)
         model.close()
     finally:
         be.close()
     _report(results, stats, trace)
+    if trace_error is not None:   # after the report: the run's numbers are not lost with it
+        raise trace_error
     return 0
+
+
+def _close_writing_trace(engine, path):
+    """engine.close(), which writes the trace: (the path written, None), or (None, the
+    OutputError) when the trace could not be written (a full disk); the engine is closed
+    either way."""
+    try:
+        return engine.close(), None
+    except OSError as e:
+        return None, OutputError(f"vt run: could not write the trace {path!r}: {e.strerror or e}")
 
 
 def _progress_printer():

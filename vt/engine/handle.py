@@ -95,6 +95,11 @@ class RequestHandle:
     def request_id(self) -> int:
         return self._req.index
 
+    @property
+    def submitted_at(self) -> float:
+        """When submit() queued the request (time.perf_counter, the clock of token_times)."""
+        return self._req.submitted_at
+
     def done(self) -> bool:
         return self._req.final is not None
 
@@ -104,6 +109,18 @@ class RequestHandle:
         if req.final is None and not req.cancel_requested:
             req.cancel_requested = True
             self._engine._request_cancel(req)
+
+    def add_done_callback(self, fn) -> None:
+        """fn(handle) once the request has finished (any reason) or failed: on the serving
+        thread, or at once in this thread if it has finished already. It runs exactly once
+        however the two race; it must be quick and must not call Engine.close()."""
+        once = _Once(fn, self)
+        self._req.on_done.append(lambda req: once())
+        # The loop sets `final` before it runs on_done: if it is still unset here, the loop
+        # will see the callback appended above; if it is set, the loop may have run on_done
+        # already, so call it here too (_Once keeps the second call out).
+        if self.done():
+            once()
 
     def result(self, timeout: float | None = None) -> RequestResult:
         timeout = wait_timeout(timeout, "result")
@@ -260,6 +277,18 @@ def wait_timeout(timeout, call: str) -> float | None:
     if math.isnan(timeout):
         raise ValueError(f"{call}: timeout must be a number of seconds or None, got nan")
     return None if math.isinf(timeout) and timeout > 0 else float(timeout)
+
+
+class _Once:
+    def __init__(self, fn, handle):
+        self._fn, self._handle, self._lock, self._called = fn, handle, threading.Lock(), False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if self._called:
+                return
+            self._called = True
+        self._fn(self._handle)
 
 
 def _result(req: Request) -> RequestResult:

@@ -30,10 +30,9 @@ launches bound it (docs/benchmarks.md, section 7).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from vt import env
 from vt.graphs import capture_warmed
 from vt.step.contract import KVGeometry, PrefillSeq, kv_slot
 
@@ -210,7 +209,4 @@ class HybridStepModel:
 def prefill_graphs_default() -> bool:
     """VT_PREFILL_GRAPHS: "1" (the default) captures the bundled model's prefill buckets, "0"
     runs them eagerly."""
-    raw = os.environ.get("VT_PREFILL_GRAPHS", "1")
-    if raw not in ("0", "1"):
-        raise ValueError(f"VT_PREFILL_GRAPHS={raw!r}: expected 0 or 1")
-    return raw == "1"
+    return env.get("VT_PREFILL_GRAPHS")

@@ -15,8 +15,6 @@ docs/data/invariance-h200.json). The sim's numpy kernels are row-invariant eithe
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from . import kernels as K
@@ -25,6 +23,7 @@ from .inputs import DecodeInputs, PrefillInputs
 from .kernels.attention import invariant_splits
 from .kernels.gemm import WORKSPACE_BYTES
 from .weights import check_weights
+from vt import env
 from vt.sampling import Sampler
 
 _EMBED, _GATHER, _NORM, _ROPE, _KVW = K.EmbedTokens(), K.GatherRows(), K.RMSNorm(), K.RoPE(), K.KVWrite()
@@ -46,7 +45,7 @@ class HybridModel:
                 raise ValueError(f"HybridModel: {name} must be a positive int, or None for the "
                                  f"default, got {v!r}")
         if batch_invariant is None:
-            batch_invariant = os.environ.get("VT_BATCH_INVARIANT", "0") == "1"
+            batch_invariant = env.get("VT_BATCH_INVARIANT")
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"HybridModel: batch_invariant must be a bool or None, got {batch_invariant!r}")
         self.batch_invariant = batch_invariant

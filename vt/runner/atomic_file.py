@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import tempfile
 
 
@@ -21,20 +22,33 @@ def atomic_open(path: str, mode: str = "w"):
     if mode not in ("w", "wb"):
         raise ValueError(f"atomic_open: mode must be 'w' or 'wb', got {mode!r}")
     directory, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    tmp = None
     try:
+        # The name is known before the file exists (mkstemp returns it only after it made
+        # the file), so an exception at any point below, SIGTERM turned into one included,
+        # removes what was made.
+        for _ in range(100):
+            tmp = os.path.join(directory, f".{name}.{secrets.token_hex(8)}.tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                break
+            except FileExistsError:   # another writer's: not ours to remove
+                tmp = None
+        else:
+            raise FileExistsError(f"atomic_open: no free temporary name beside {path!r}")
         with os.fdopen(fd, mode) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp makes the file 0600; give it the mode a plain open() would have.
+        # Made 0600 (as mkstemp does); give it the mode a plain open() would have.
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         raise
 
 

@@ -1,4 +1,4 @@
-"""vt.torch: PyTorch forwards on vt's step contract (the optional extra vt[torch]).
+"""vt.torch: PyTorch forwards on vt's step contract (the optional extra: pip install ".[torch]").
 
 TorchForwardModel runs a torch forward(inputs, logits_out) as a vt step model; vt.torch.llama
 is a Llama-family decoder written on that contract, loading Hugging Face checkpoints

@@ -93,7 +93,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", help="write the results (every column of every cell) to this path (checked before "
                         "the run, written whole or not at all)")
     p.add_argument("--png", help="write the plot to this path, a name ending in .png (needs matplotlib: "
-                        "vt[bench]; both checked before the run)")
+                        "the bench extra; both checked before the run)")
     from vt.cli.bench.serve_run import add_serve_arguments
     add_serve_arguments(p)
 
@@ -264,13 +264,13 @@ def cmd_bench(args: argparse.Namespace, error=None) -> int:
 def _print_and_write(res: dict, text: str, args: argparse.Namespace, out) -> None:
     """The table, then the JSON and the PNG when asked for, written by `out` (the workload's
     report module: write_json, and write_png returning None or why it could not)."""
-    print()
-    print(text)
+    from vt.cli.common import write_output   # an OSError (a full disk): one line, after the table
+    print(f"\n{text}", flush=True)
     if args.json:
-        out.write_json(res, args.json)
+        write_output("vt bench", "--json", args.json, lambda: out.write_json(res, args.json))
         print(f"vt bench: wrote {args.json}")
     if args.png:
-        why = out.write_png(res, args.png)
+        why = write_output("vt bench", "--png", args.png, lambda: out.write_png(res, args.png))
         print(f"vt bench: {'wrote ' + args.png if why is None else 'no PNG: ' + why}")
 
 

@@ -1,4 +1,4 @@
-"""The bench's outputs: the printed tables, the JSON and the PNG (matplotlib: the vt[bench] extra)."""
+"""The bench's outputs: the printed tables, the JSON and the PNG (matplotlib: the bench extra)."""
 from __future__ import annotations
 
 import json
@@ -159,7 +159,7 @@ def write_png(res: dict, path: str) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'vt[bench]')"
+        return "matplotlib is not installed (pip install matplotlib)"
     groups = _groups(res)
     synthetic = res["workload"] == "synthetic"
     fig, axes = plt.subplots(1, len(groups), figsize=(6.5 * len(groups), 4.6), squeeze=False)

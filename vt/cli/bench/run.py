@@ -182,11 +182,12 @@ def warm_up_device(be, seconds: float) -> None:
 
 def _commit() -> str | None:
     """VT_COMMIT when set (a copied tree's .git can lag its files), else git's HEAD."""
-    import os
     import subprocess
     from pathlib import Path
-    if os.environ.get("VT_COMMIT"):
-        return os.environ["VT_COMMIT"]
+
+    from vt import env
+    if env.get("VT_COMMIT"):
+        return env.get("VT_COMMIT")
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, timeout=5, cwd=Path(__file__).resolve().parent)

@@ -10,9 +10,10 @@ Every mode of a (preset, arrival, load) serves the SAME requests (prompts and le
 once, seeded: fixed, or uniform in [min, max]), so their tokens must agree (checked).
 
 Clients are one driver thread per cell: a finished request's done callback (on the serving
-thread) only puts it on a queue; the driver submits. Token times are the engine's (when a
-step's tokens reached the host: RequestResult.token_times), so no client thread has to wake
-per token for them. Per cell: TTFT (submit -> first token), TPOT (per request, (last - first)
+thread) only puts it on a queue; the driver submits. Every wait of a cell has one deadline
+(CELL_TIMEOUT_S): past it the bench fails with a line that says how many requests finished.
+Token times are the engine's (when a step's tokens reached the host:
+RequestResult.token_times), so no client thread has to wake per token for them. Per cell: TTFT (submit -> first token), TPOT (per request, (last - first)
 / (n - 1)), ITL (every gap between consecutive tokens) at p50/p90/p99; requests/s and output
 tokens/s over the cell's wall time; the GPU busy fraction (device time of the steps, from
 timing events: the engines run with profile=True, both modes alike); the fraction of steps
@@ -21,7 +22,6 @@ that drained and why (the kind of step each drain waited for), and the steps by 
 from __future__ import annotations
 
 import queue
-import threading
 import time
 
 import numpy as np
@@ -42,6 +42,9 @@ def draw_requests(rng, n: int, vocab: int, prompt_len: tuple[int, int],
     return out
 
 
+CELL_TIMEOUT_S = 600.0   # the longest a cell may take; every wait in it has this deadline
+
+
 def closed_loop(engine, requests, clients: int, timeout_s: float):
     """Serve `requests` with `clients` concurrent clients; (handles in request order, wall)."""
     done_q: queue.Queue = queue.Queue()
@@ -49,16 +52,21 @@ def closed_loop(engine, requests, clients: int, timeout_s: float):
 
     def submit(i):
         prompt, new = requests[i]
-        h = engine.submit(prompt, max_new_tokens=new)
-        h._req.on_done.append(lambda req, i=i: done_q.put(i))
-        handles[i] = h
+        handles[i] = engine.submit(prompt, max_new_tokens=new)
+        # Runs at once when the request finished before this line: none is missed.
+        handles[i].add_done_callback(lambda h, i=i: done_q.put(i))
 
     t0 = time.perf_counter()
+    deadline = t0 + timeout_s
     nxt = min(clients, len(requests))
     for i in range(nxt):
         submit(i)
-    for _ in range(len(requests)):
-        done_q.get(timeout=timeout_s)
+    for finished in range(len(requests)):
+        try:
+            done_q.get(timeout=max(deadline - time.perf_counter(), 0.0))
+        except queue.Empty:
+            raise _late(f"closed loop of {clients} clients", finished, len(requests),
+                        timeout_s) from None
         if nxt < len(requests):
             submit(nxt)
             nxt += 1
@@ -70,29 +78,43 @@ def open_loop(engine, requests, rate: float, rng, timeout_s: float):
     gaps = rng.exponential(1.0 / rate, len(requests))
     handles = []
     t0 = time.perf_counter()
-    at = t0
+    at, deadline = t0, t0 + timeout_s
     for (prompt, new), gap in zip(requests, gaps):
         at += gap
         delay = at - time.perf_counter()
         if delay > 0:
             time.sleep(delay)
         handles.append(engine.submit(prompt, max_new_tokens=new))
-    for h in handles:
-        h.result(timeout=timeout_s)
+    _wait_all(handles, deadline, f"open loop at {rate:g}/s", timeout_s)
     return handles, time.perf_counter() - t0
 
 
 def serve_cell(engine, requests, arrival: str, load: float, seed: int,
-               timeout_s: float = 600.0) -> tuple[dict, list]:
-    """One cell on a warm engine: its metrics and every request's tokens."""
+               timeout_s: float = CELL_TIMEOUT_S) -> tuple[dict, list]:
+    """One cell on a warm engine: its metrics and every request's tokens. CommandFailed if
+    the cell's requests are not all served within timeout_s."""
     before = engine.stats()
     if arrival == "closed":
         handles, wall = closed_loop(engine, requests, int(load), timeout_s)
     else:
         handles, wall = open_loop(engine, requests, load, np.random.default_rng(seed), timeout_s)
-    results = [h.result(timeout=timeout_s) for h in handles]
+    results = [h.result(timeout=0) for h in handles]   # each has finished: the loops waited
     after = engine.stats()
     return cell_metrics(handles, results, wall, before, after), [r.tokens for r in results]
+
+
+def _wait_all(handles, deadline: float, what: str, timeout_s: float) -> None:
+    for h in handles:
+        try:
+            h.result(timeout=max(deadline - time.perf_counter(), 0.0))
+        except TimeoutError:
+            raise _late(what, sum(h.done() for h in handles), len(handles), timeout_s) from None
+
+
+def _late(what: str, finished: int, total: int, timeout_s: float):
+    from vt.cli.common import CommandFailed
+    return CommandFailed(f"vt bench: serve cell ({what}) not served within its {timeout_s:g} s "
+                         f"deadline: {finished} of {total} requests finished")
 
 
 def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> dict:
@@ -101,7 +123,7 @@ def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> di
         times = r.token_times
         if times is None or not len(times):
             continue
-        ttft.append(times[0] - h._req.submitted_at)
+        ttft.append(times[0] - h.submitted_at)
         if len(times) > 1:
             tpot.append((times[-1] - times[0]) / (len(times) - 1))
             itl.extend(np.diff(times).tolist())

@@ -77,7 +77,7 @@ def write_png(res: dict, path: str) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed (pip install 'vt[bench]')"
+        return "matplotlib is not installed (pip install matplotlib)"
     groups = sorted({(r["preset"], r["arrival"]) for r in res["cells"]})
     fig, axes = plt.subplots(len(groups), 3, figsize=(15, 4 * len(groups)), squeeze=False)
     colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]

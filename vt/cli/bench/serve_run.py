@@ -48,7 +48,7 @@ def resolve_serve(args, backend: str, error) -> None:
     clients, rate, requests, out_len, prompt_len = SERVE_DEFAULTS[backend]
     args.clients = args.clients or clients
     args.rate = args.rate or rate
-    args.requests = args.requests or requests
+    args.requests = requests if args.requests is None else args.requests   # 0 is refused below
     args.output_len = args.output_len or out_len
     args.prompt_range = args.prompt_range or prompt_len
     for flag in ("output_len", "prompt_range"):
@@ -58,10 +58,23 @@ def resolve_serve(args, backend: str, error) -> None:
         if len(v) != 2 or not 1 <= v[0] <= v[1]:
             error(f"--{flag.replace('_', '-')} must be N or MIN MAX with 1 <= MIN <= MAX, got {v}")
         setattr(args, flag, tuple(v))
-    if min(args.clients) < 1 or args.requests < 1 or min(args.rate) <= 0:
-        error("--clients and --requests must be positive integers and --rate positive")
+    from vt.cli import limits as lim
+    from vt.cli.bench.serve import CELL_TIMEOUT_S
+    problems = [lim.list_problem("--clients", args.clients), lim.list_problem("--rate", args.rate),
+                lim.int_problem("--requests", args.requests, 1, lim.MAX_REQUESTS)]
+    problems += [lim.int_problem("--clients", c, 1, lim.MAX_SERVING_CONC) for c in args.clients]
+    problems += [lim.float_problem("--rate", r, lim.MIN_RATE, lim.MAX_RATE) for r in args.rate]
+    problems += [lim.int_problem(f"--{flag.replace('_', '-')}", v, 1, lim.MAX_PROMPT_LEN)
+                 for flag in ("output_len", "prompt_range") for v in getattr(args, flag)]
+    why = next((p for p in problems if p), None)
+    if why:
+        error(why)
+    if "poisson" in args.arrival and args.requests / min(args.rate) > CELL_TIMEOUT_S / 2:
+        error(f"--requests {args.requests} at --rate {min(args.rate):g} arrive over "
+              f"{args.requests / min(args.rate):g} s, more than half a cell's {CELL_TIMEOUT_S:g} s "
+              f"deadline; raise the rate or lower the requests")
     if args.png and importlib.util.find_spec("matplotlib") is None:
-        error("--png needs matplotlib, which is not installed (pip install 'vt[bench]')")
+        error("--png needs matplotlib, which is not installed (pip install matplotlib)")
 
 
 def run_serve(args, progress_factory) -> dict:

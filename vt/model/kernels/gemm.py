@@ -28,10 +28,12 @@ Batch invariance (a row's result independent of M and of the other rows):
 """
 from __future__ import annotations
 
-import os
+import functools
 import weakref
 
 import numpy as np
+
+from vt import env
 
 from ._common import cuda_function, f32, f64, i32, store
 
@@ -46,13 +48,15 @@ _CUDA_TYPE = {np.dtype(np.float16): 2, np.dtype(np.uint16): 14, np.dtype(np.floa
 # initcheck) a CuPy fill writes zeros over the output first, a write initcheck sees, standing in
 # for the one cuBLAS makes; vt's kernels are then checked on what they really read. Off
 # otherwise (one more kernel per GEMM).
-_INITCHECK = os.environ.get("VT_INITCHECK", "0") == "1"
+@functools.cache
+def _initcheck() -> bool:
+    return env.get("VT_INITCHECK")
 
 
 def _mark_written(out, accumulate=False) -> None:
-    """Under initcheck: write the GEMM output before cuBLAS does (see _INITCHECK). An
+    """Under initcheck: write the GEMM output before cuBLAS does (see _initcheck). An
     accumulating GEMM reads its output, so that was written already."""
-    if _INITCHECK and not accumulate:
+    if not accumulate and _initcheck():
         out.fill(0)  # a CuPy kernel on the current (= launch) stream; capturable
 
 
