@@ -75,7 +75,7 @@ class Engine(ServingLoop):
         # A step prefills at most this many prompt tokens. A step model that prefills from a
         # position (chunked_prefill) gets longer prompts in chunks; for any other, one prompt
         # always fits (a prompt of up to max_context tokens is admitted alone).
-        self._chunked = bool(getattr(self.model, "chunked_prefill", False))
+        self._chunked = bool(self.model.chunked_prefill)
         self.max_prefill_tokens = (max_prefill_tokens or geo.max_context if self._chunked else
                                    max(geo.max_context, max_prefill_tokens or 0))
         self.record_logits = record_logits

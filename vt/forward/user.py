@@ -12,7 +12,7 @@ from vt.step.contract import (LOGITS_DTYPE, DecodeInputs, DecodeRows, KVGeometry
                      PrefillSeq, SamplingParams, StepModel, kv_slot)
 
 
-class ForwardModel:
+class ForwardModel(StepModel):
     """forward(stream, inputs, logits_out) reads the input token of row r from
     token_table[inputs.token_rows[r]] and writes logits_out [S, vocab] f32. Prefill steps the
     same forward over the prompt one position at a time (eager), which is correct for any
