@@ -30,9 +30,8 @@ import torch
 
 from vt.backend.zeros import zeros
 from vt.forward.user import ForwardModel, KVGeometry
-from vt.step import FORWARD_FIELDS
 from vt.torch.capture import capturing_into
-from vt.torch.views import TorchInputs, ViewCache
+from vt.torch.views import ViewCache, flat_fields, torch_inputs
 
 
 def torch_device(be) -> torch.device:
@@ -43,9 +42,12 @@ def torch_device(be) -> torch.device:
 class TorchForwardModel(ForwardModel):
     """ForwardModel of a torch forward(inputs, logits_out) (module docstring). token_table: the
     backend's [max_seqs + 1] int32 array the sampler writes the tokens into; one is made when
-    None. The model's tensors (weights, KV cache) must be on torch_device(be)."""
+    None. The model's tensors (weights, KV cache) must be on torch_device(be). prefill:
+    "positions" (a decode-only forward: prompts one position per call) or "flat" (the forward
+    takes the flattened batch: a prompt chunk, or a whole mixed step, in one call)."""
 
-    def __init__(self, be, forward, *, vocab: int, geometry: KVGeometry, token_table=None):
+    def __init__(self, be, forward, *, vocab: int, geometry: KVGeometry, token_table=None,
+                 prefill: str = "positions"):
         if not callable(forward):
             raise TypeError(f"forward must be a callable forward(inputs, logits_out) or an "
                             f"nn.Module, got {type(forward).__name__}")
@@ -54,7 +56,7 @@ class TorchForwardModel(ForwardModel):
         if token_table is None:
             token_table = zeros(be, (geometry.max_seqs + 1,), np.int32)
         super().__init__(be, TorchStep(be, forward, token_table), vocab=vocab,
-                         token_table=token_table, geometry=geometry)
+                         token_table=token_table, geometry=geometry, prefill=prefill)
 
     def release_stream(self, stream) -> None:
         """Drop the stream's torch memory pool and views (the runner's graphs are gone)."""
@@ -84,20 +86,22 @@ class TorchStep:
 
     def __call__(self, stream, inputs, logits_out) -> None:
         if self.be.name != "cuda":
-            self.be.launch(stream, _SimTorchKernel(self.fn), self.token_table,
-                           *(getattr(inputs, f) for f in FORWARD_FIELDS), logits_out)
+            self.be.launch(stream, _SimTorchKernel(self.fn, inputs), self.token_table,
+                           *(getattr(inputs, f) for f in flat_fields(inputs)), logits_out)
             return
         st = self._state(stream)
-        t_in = st.views.inputs(self.token_table, inputs)
         t_out = st.views.view(logits_out)
+        # The inputs are made on vt's stream (a decode step's input_ids is a gather): inside
+        # the capture too, so that the gather is part of the graph.
         with torch.cuda.stream(st.external), torch.inference_mode():
             if stream.is_capturing():
                 if st.pool is None:
                     st.pool = torch.cuda.MemPool()
                 with capturing_into(st.pool, stream):
-                    self.fn(t_in, t_out)
+                    self.fn(st.views.inputs(self.token_table, inputs), t_out)
                 return
-            if t_in.batch not in st.warmed:
+            t_in = st.views.inputs(self.token_table, inputs)
+            if t_in.is_decode and t_in.batch not in st.warmed:   # the sizes vt captures
                 self._warm_up_on_side_stream(st.external, t_in, t_out)
                 st.warmed.add(t_in.batch)
             self.fn(t_in, t_out)
@@ -129,10 +133,10 @@ class _SimTorchKernel:
 
     name = "torch_forward"
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, inputs):
+        self.fn, self.inputs = fn, inputs   # inputs: the step's kind and host copies
 
     def run_numpy(self, table, *arrays):
-        *fields, logits = [torch.from_numpy(np.asarray(a)) for a in (table, *arrays)]
+        table, *fields, logits = [torch.from_numpy(np.asarray(a)) for a in (table, *arrays)]
         with torch.inference_mode():
-            self.fn(TorchInputs(fields[0], *fields[1:]), logits)
+            self.fn(torch_inputs(table, self.inputs, fields), logits)

@@ -108,8 +108,8 @@ class TorchLlamaPeer(GraphLoop):
         from vt.torch.views import TorchInputs
         self.inputs.copy_(self.pinned_in[b], non_blocking=True)
         rows, pos, lens, slots = self.inputs
-        self.module(TorchInputs(self.table, rows, pos, lens, slots, self.block_tables,
-                                self.state_idx), self.logits)
+        self.module(TorchInputs.decode(self.table, rows, pos, lens, slots, self.block_tables,
+                                       self.state_idx), self.logits)
         self.tokens.copy_(self.torch.argmax(self.logits, dim=1))
         self.table.index_put_((rows,), self.tokens)
         self.pinned_tok[b].copy_(self.tokens, non_blocking=True)
