@@ -59,7 +59,7 @@ def eager_greedy(module: LlamaDecoder, prompt, new: int) -> list[int]:
         table[0] = prompt[p] if p < len(prompt) else tok
         i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)   # noqa: E731
         slot = int(blocks[0, p // g.block_size]) * g.block_size + p % g.block_size
-        module(TorchInputs(table, i32(0), i32(p), i32(p + 1), i32(slot), blocks, i32(0)), logits)
+        module(TorchInputs.decode(table, i32(0), i32(p), i32(p + 1), i32(slot), blocks, i32(0)), logits)
         if p >= len(prompt) - 1:
             tok = int(logits[0].argmax())
             out.append(tok)

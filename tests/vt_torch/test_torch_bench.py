@@ -38,3 +38,31 @@ def test_the_graph_loop_peer_samples_vts_tokens(variant):
     finally:
         torch.cuda.synchronize()
         be.close()
+
+
+def test_the_torch_workload_refuses_an_unknown_preset_listing_each(capsys):
+    """Each preset is listed with what it is, in one line."""
+    assert main(["--workload", "torch", "--preset", "torch-nope"]) == 2
+    err = capsys.readouterr().err
+    assert "torch-nope" in err and "torch-llama3-8b: Llama-3-8B's shape" in err
+    assert torch_workload.model_config("torch-llama3-8b").vocab == 128256
+
+
+def test_the_ttft_tool_prints_its_table_on_the_sim(capsys, tmp_path):
+    """The tiny preset, vt against transformers on the CPU: every row of the table, and the
+    JSON's times positive."""
+    import json
+
+    from vt.cli.bench import torch_ttft
+    pytest.importorskip("transformers", reason="the peer is transformers")
+    out = tmp_path / "ttft.json"
+    assert torch_ttft.main(["--preset", "tiny", "--backend", "sim", "--conc", "3", "--prompt-len",
+                            "6", "--context", "16", "--repeats", "1", "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    for row in ("TTFT, 1 request of 6 tokens", "TTFT, 3 requests of 6 tokens (last)",
+                "TPOT, 3 requests, context 16", "transformers"):
+        assert row in table
+    result = json.loads(out.read_text())
+    assert all(result[side][k] > 0 for side in ("vt", "peer")
+               for k in ("ttft_1_s", "ttft_n_last_s", "tpot_s"))
+    assert result["vt"]["steps"]["prefill"] >= 3

@@ -55,9 +55,9 @@ def _plain_forward(table, emb, w):
 
     def forward(stream, inputs, logits_out):
         dev = torch.device("cuda")
-        t = TorchInputs(as_tensor(table, dev),
-                        *(as_tensor(getattr(inputs, f), dev) for f in FORWARD_FIELDS))
         with torch.cuda.stream(torch.cuda.ExternalStream(stream.handle)):
+            t = TorchInputs.decode(as_tensor(table, dev),   # its input_ids: a gather on vt's stream
+                                   *(as_tensor(getattr(inputs, f), dev) for f in FORWARD_FIELDS))
             fwd(t, as_tensor(logits_out, dev))
     return forward
 

@@ -6,7 +6,12 @@ import pytest
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 transformers = pytest.importorskip("transformers", reason="the comparison needs transformers")
 
-from vt.torch import hf, torch_device  # noqa: E402
+import numpy as np  # noqa: E402
+
+from vt.engine import Engine  # noqa: E402
+from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.step import KVGeometry  # noqa: E402
+from vt.torch import TorchForwardModel, hf, torch_device  # noqa: E402
 
 from _torch_util import GEO, generate, prompts, step_model  # noqa: E402
 
@@ -73,3 +78,34 @@ def test_loader_refuses_an_unsupported_config_naming_the_field(field, value, mat
 def test_loader_refuses_a_directory_without_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="no config.json"):
         hf.read_config(tmp_path)
+
+
+LONG_GEO = KVGeometry(max_seqs=4, num_kv_blocks=4 * 20 + 1, block_size=16, max_context=320)
+LONG = dict(SMALL, max_position_embeddings=512)
+LONG_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**LONG, rope_theta=500000.0),
+    "qwen2-tied": lambda: transformers.Qwen2Config(**LONG, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**LONG, head_dim=32),
+}
+
+
+@pytest.mark.parametrize("family", list(LONG_CONFIGS))
+def test_flat_prefill_equals_transformers_generate_for_prompts_of_1_to_300_tokens(
+        backend, tmp_path, family):
+    """prefill="flat": prompts of 1 to 300 tokens, whole and in chunks of 48 that split them
+    (mixed steps as later prompts join), greedy tokens == transformers' generate."""
+    device = torch_device(backend)
+    reference = _save(tmp_path, LONG_CONFIGS[family], device)
+    module = hf.load(tmp_path, LONG_GEO, dtype=torch.float32, device=device)
+    rng = np.random.default_rng(5)
+    ps = [rng.integers(0, SMALL["vocab_size"], size=n).tolist() for n in (1, 300, 45, 170, 9, 2)]
+    new = 6
+    expect = [_hf_greedy(reference, p, new, device) for p in ps]
+    model = TorchForwardModel(backend, module, vocab=module.cfg.vocab, geometry=LONG_GEO,
+                              prefill="flat")
+    for mpt in (None, 48):
+        cfg = ExecutorConfig.for_mode("ring", serving_conc=3, capture_sizes=(1, 2, 4))
+        with Engine(backend, model, cfg, max_prefill_tokens=mpt) as eng:
+            got = [list(map(int, r.tokens)) for r in eng.generate(ps, max_new_tokens=new)]
+            assert eng.stats()["mixed_steps"] > 0
+        assert got == expect, f"max_prefill_tokens={mpt}"

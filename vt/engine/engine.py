@@ -77,7 +77,7 @@ class Engine(ServingLoop):
         # always fits (a prompt of up to max_context tokens is admitted alone). No step can
         # hold more than every row's full context: a larger budget means that one (and the
         # prefill shapes warmed stay within what the step model allocated for).
-        self._chunked = bool(getattr(self.model, "chunked_prefill", False))
+        self._chunked = bool(self.model.chunked_prefill)
         self.max_prefill_tokens = min(geo.max_seqs * geo.max_context,
                                       max_prefill_tokens or geo.max_context if self._chunked else
                                       max(geo.max_context, max_prefill_tokens or 0))

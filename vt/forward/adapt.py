@@ -2,13 +2,16 @@
 both the user-forward adapter and the bundled model's)."""
 from __future__ import annotations
 
+from vt.step.contract import StepModel
+
 
 def as_step_model(be, model_or_forward):
-    """The step model the runner drives: one already (ForwardModel, an adapter) as is, a
-    vt.model.HybridModel adapted."""
-    if all(hasattr(model_or_forward, a) for a in ("geometry", "pad", "vocab", "decode", "prefill", "sample")):
+    """The step model the runner drives: a vt.step.StepModel (ForwardModel, an adapter) as
+    is, a vt.model.HybridModel adapted."""
+    from vt.model import HybridModel
+    if isinstance(model_or_forward, StepModel):
         return model_or_forward
-    if all(hasattr(model_or_forward, a) for a in ("decode", "prefill", "sample", "token_table")):
+    if isinstance(model_or_forward, HybridModel):
         from vt.forward.hybrid import HybridStepModel
         return HybridStepModel(be, model_or_forward)
     raise TypeError(f"Engine needs a vt.model.HybridModel or a vt.ForwardModel wrapping a "

@@ -34,7 +34,7 @@ import numpy as np
 
 from vt import env
 from vt.graphs import capture_warmed
-from vt.step.contract import KVGeometry, PrefillSeq, kv_slot
+from vt.step.contract import KVGeometry, PrefillSeq, StepModel, kv_slot
 
 _PER_TOKEN = ("token_ids", "positions", "slot_mapping", "ctx_lens", "token_seq")
 _PER_SEQ = ("last_idx", "last_positions", "token_rows", "state_idx")
@@ -55,7 +55,7 @@ def padded_lengths(chunk_lens: list[int], seqs: int, total: int) -> np.ndarray:
     return np.concatenate([np.asarray(chunk_lens, np.int64), scratch])
 
 
-class HybridStepModel:
+class HybridStepModel(StepModel):
     """device_work_s (hazard tests and tools): queue that much device time before each decode,
     so the host runs ahead of the device on any backend (as the toy forward's option does)."""
 

@@ -6,42 +6,81 @@ from __future__ import annotations
 
 import numpy as np
 
+from vt.forward.flat import FlatStaging
+from vt.step.flat import flatten
 from vt.step.inputblock import InputBlock
 from vt.sampling import Sampler
 from vt.step.contract import (LOGITS_DTYPE, DecodeInputs, DecodeRows, KVGeometry, PadRow,  # noqa: F401
                      PrefillSeq, SamplingParams, StepModel, kv_slot)
 
 
-class ForwardModel:
+PREFILL_MODES = ("positions", "flat")
+
+
+class ForwardModel(StepModel):
     """forward(stream, inputs, logits_out) reads the input token of row r from
-    token_table[inputs.token_rows[r]] and writes logits_out [S, vocab] f32. Prefill steps the
-    same forward over the prompt one position at a time (eager), which is correct for any
-    causal forward; sampling is vt's per-row greedy / temperature + top-k kernel.
+    token_table[inputs.token_rows[r]] and writes logits_out [S, vocab] f32; sampling is vt's
+    per-row greedy / temperature + top-k kernel. How prompts run, by `prefill`:
+
+    - "positions" (the default): the same forward over the prompt one position at a time
+      (eager), which is correct for any causal forward: a prompt of P tokens costs P calls;
+    - "flat": one call per step over the flattened batch (vt/step/flat.py): `inputs` is then
+      a vt.step.FlatInputs of every token the step runs (prompt chunks, and in a mixed step
+      the decode rows, first) and logits_out [B, vocab] one row per sequence. The forward
+      must then attend causally within each sequence over its cached prefix.
     """
 
     chunked_prefill = True   # prefill() starts at PrefillSeq.start: a prompt may come in chunks
 
-    def __init__(self, be, forward, *, vocab: int, token_table, geometry: KVGeometry):
+    def __init__(self, be, forward, *, vocab: int, token_table, geometry: KVGeometry,
+                 prefill: str = "positions"):
         _check_args(forward, vocab, token_table, geometry)
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"ForwardModel: prefill={prefill!r}; expected one of {PREFILL_MODES}")
         if len(token_table) < geometry.max_seqs + 1:
             raise ValueError(f"token_table has {len(token_table)} rows; it needs max_seqs + 1 = "
                              f"{geometry.max_seqs + 1} (the last one is the scratch row)")
         self.be, self.forward, self.vocab = be, forward, vocab
         self.token_table, self.geometry, self.pad = token_table, geometry, geometry.pad
+        self.prefill_mode = prefill
+        self.mixed_in_one_call = prefill == "flat"
         # Prefill staging for every prompt position of a full batch, allocated once so that
         # serving never grows memory. Safe to reuse: prefill steps own their logits and drain.
         cap = geometry.max_seqs * geometry.max_context
-        self._host = InputBlock(be.pinned_empty, cap, geometry.max_blocks)
-        self._dev = InputBlock(be.empty, cap, geometry.max_blocks)
-        self._host_tokens = be.pinned_empty((cap,), np.int32)
-        self._dev_tokens = be.empty((cap,), np.int32)
-        self._tmp_logits = be.empty((geometry.max_seqs, vocab), LOGITS_DTYPE)
+        if prefill == "flat":
+            self._flat = FlatStaging(be, geometry)
+        else:
+            self._host = InputBlock(be.pinned_empty, cap, geometry.max_blocks)
+            self._dev = InputBlock(be.empty, cap, geometry.max_blocks)
+            self._host_tokens = be.pinned_empty((cap,), np.int32)
+            self._dev_tokens = be.empty((cap,), np.int32)
+            self._tmp_logits = be.empty((geometry.max_seqs, vocab), LOGITS_DTYPE)
         self._sample = Sampler()
 
     def decode(self, stream, inputs, logits_out) -> None:
         self.forward(stream, inputs, logits_out)
 
     def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:
+        self.prepare_prefill(seqs)(stream, logits_out)
+
+    def prepare_prefill(self, seqs: list[PrefillSeq]):
+        if self.prefill_mode == "flat":
+            return self.prepare_mixed(None, seqs)
+        return lambda stream, logits_out: self._prefill_by_position(stream, seqs, logits_out)
+
+    def prepare_mixed(self, decode, seqs: list[PrefillSeq]):
+        """The flattened batch of `decode`'s rows (host arrays; None: none) and `seqs`'
+        chunks, staged now; launch(stream, logits_out) uploads it and runs the forward once."""
+        if self.prefill_mode != "flat":
+            return super().prepare_mixed(decode, seqs)
+        staged = self._flat.stage(flatten(decode, seqs, self.geometry.block_size))
+
+        def launch(stream, logits_out) -> None:
+            self._flat.upload(stream, staged, self.token_table)
+            self.forward(stream, staged, logits_out[:staged.batch])
+        return launch
+
+    def _prefill_by_position(self, stream, seqs: list[PrefillSeq], logits_out) -> None:
         """Substep p runs the forward over every sequence with a token at position p, padded
         to row_bucket rows (scratch rows), so the forward only ever sees those few shapes."""
         bs = self.geometry.block_size
@@ -74,14 +113,24 @@ class ForwardModel:
         return min(1 << max(0, n - 1).bit_length(), self.geometry.max_seqs)
 
     def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out) -> None:
-        """One prefill substep at every row bucket, on scratch rows only (the eager warm-up).
-        A substep's shape depends on its live rows only, not on the prompt lengths."""
+        """Prefill shapes once each, on scratch sequences only (the eager warm-up). "positions":
+        one substep at every row bucket (a substep's shape depends on its live rows only).
+        "flat": a step of every power of two tokens up to max_prefill_tokens, in sequences of
+        at most max_context tokens."""
         g = self.geometry
-        sizes = sorted({self.row_bucket(n) for n in range(1, g.max_seqs + 1)})
-        scratch = PrefillSeq(g.max_seqs, np.zeros(1, np.int32),
-                             np.full(g.max_blocks, g.scratch_block, np.int32), g.max_seqs)
-        for size in sizes:
-            self.prefill(stream, [scratch] * size, logits_out[:size])
+        scratch = lambda n: PrefillSeq(g.max_seqs, np.zeros(n, np.int32),   # noqa: E731
+                                       np.full(g.max_blocks, g.scratch_block, np.int32), g.max_seqs)
+        if self.prefill_mode == "flat":
+            steps, T = [], 1
+            while T <= min(max_prefill_tokens, self._flat.max_tokens):
+                full, rest = divmod(T, g.max_context)
+                steps.append([scratch(g.max_context)] * full + [scratch(rest)] * bool(rest))
+                T *= 2
+        else:
+            sizes = sorted({self.row_bucket(n) for n in range(1, g.max_seqs + 1)})
+            steps = [[scratch(1)] * size for size in sizes]
+        for seqs in steps:
+            self.prefill(stream, seqs, logits_out[:len(seqs)])
             stream.synchronize()   # the staging area is reused by the next bucket
 
     def release_stream(self, stream) -> None:

@@ -1,6 +1,7 @@
 """The eager path: prefill, mixed (prefill + decode) and oversize decode steps, launched
-directly into logits the step owns (a mixed step's decode rows replay their captured graph
-when one fits: see launch). Such steps always drain, so one staging block
+directly into logits the step owns (a mixed step is one forward over the flattened batch when
+the model runs it in one call, else its decode rows replay their captured graph when one fits:
+see launch). Such steps always drain, so one staging block
 per purpose is enough: the next eager refresh comes after the drain that waited for this one.
 
 Shapes are bucketed so that warming each bucket once (warm_up) covers every later eager
@@ -45,38 +46,49 @@ class EagerPath:
     def launch(self, decode, prefill: list, parity: int, *, slot=None, index: int = -1,
                keep_logits: bool = False):
         """Launch the step; returns (ForwardLogits [n rows], kind). `decode`: step rows
-        (DecodeRows, or the engine's BatchStep), run first and sampled. `slot`: a captured
-        graph slot that fits them (a mixed step's decode rows then replay its graph, one launch
-        instead of one per kernel per layer; `index` is the runner's step count for it). The
-        prefill writes its logits after the decode rows (rows [n_dec, n)). With a slot, the
-        decode rows' logits stay in the graph's block and are copied into the step's only when
-        `keep_logits` (recorded logits): nothing else reads an owning step's logits."""
+        (DecodeRows, or the engine's BatchStep), sampled first. The prefill writes its logits
+        after the decode rows (rows [n_dec, n)). A mixed step of a model with
+        mixed_in_one_call is one forward over the flattened batch; otherwise its decode rows
+        run first: `slot`, a captured graph slot that fits them, replays its graph (one launch
+        instead of one per kernel per layer; `index` is the runner's step count for it). With
+        a slot, the decode rows' logits stay in the graph's block and are copied into the
+        step's only when `keep_logits` (recorded logits): nothing else reads an owning step's
+        logits."""
         n_dec = len(decode) if decode is not None else 0
         n = n_dec + len(prefill)
         block = self._logits[self._turn % 3]   # [capacity, vocab]
         self._turn += 1
+        model, out = self.model, self.out_device
+        one_call = bool(prefill) and n_dec > 0 and model.mixed_in_one_call
         if prefill:   # the host's part first: the device runs the decode rows meanwhile
-            rows = prefill_last_rows(prefill, self.model.geometry.block_size)
-            self._fill(self._prefill, rows, len(prefill))
-            prepare = getattr(self.model, "prepare_prefill", None)
-            launch_prefill = (prepare(prefill) if prepare is not None else
-                              lambda stream, out: self.model.prefill(stream, prefill, out))
-        if n_dec and slot is not None:
-            decode.write_into(slot.host, self.model.pad)
+            self._fill(self._prefill, prefill_last_rows(prefill, model.geometry.block_size),
+                       len(prefill))
+            if one_call:
+                self._fill(self._decode, decode, n_dec)
+                launch_prefill = model.prepare_mixed(self._decode[0].inputs.rows(0, n_dec), prefill)
+            else:
+                launch_prefill = model.prepare_prefill(prefill)
+        if one_call:
+            launch_prefill(self.stream, block[:n])
+            inputs = self._upload(self._decode, n_dec)
+            model.sample(self.stream, block[:n_dec], inputs, out[:n_dec])
+        elif n_dec and slot is not None:
+            decode.write_into(slot.host, model.pad)
             view = slot.launch(self.stream, n_dec, index)
-            self.be.copy_d2d(self.out_device[:n_dec], slot.out_device[:n_dec], self.stream)
+            self.be.copy_d2d(out[:n_dec], slot.out_device[:n_dec], self.stream)
             if keep_logits:
                 self.be.copy_d2d(block[:n_dec], view.rows, self.stream)
         elif n_dec:
             size = self.bucket(n_dec)
             inputs = self._stage(self._decode, decode, size)
-            self.model.decode(self.stream, inputs, block[:size])
-            self.model.sample(self.stream, block[:size], inputs, self.out_device[:size])
+            model.decode(self.stream, inputs, block[:size])
+            model.sample(self.stream, block[:size], inputs, out[:size])
         if prefill:
             inputs = self._upload(self._prefill, len(prefill))
-            launch_prefill(self.stream, block[n_dec:n])
-            self.model.sample(self.stream, block[n_dec:n], inputs, self.out_device[n_dec:n])
-        self.be.copy_d2h(self.out_host[parity][:n], self.out_device[:n], self.stream)
+            if not one_call:
+                launch_prefill(self.stream, block[n_dec:n])
+            model.sample(self.stream, block[n_dec:n], inputs, out[n_dec:n])
+        self.be.copy_d2h(self.out_host[parity][:n], out[:n], self.stream)
         kind = "eager" if not prefill else ("mixed" if n_dec else "prefill")
         return ForwardLogits(block[:n], n), kind
 
@@ -93,17 +105,9 @@ class EagerPath:
             self.model.decode(self.stream, inputs, block[:size])
             self.model.sample(self.stream, block[:size], inputs, self.out_device[:size])
             self.stream.synchronize()   # the staging block is reused by the next bucket
-        if self.be.name == "cuda":
-            # The sampler allocates a workspace per call whose size follows the row count, and
-            # a prefill step samples as many rows as it admits: pre-grow one block of every
-            # size it can ask for (vt/sampling/sampler.py workspace_sizes).
-            from vt.backend.nvrtc import sm_count
-            from vt.sampling import workspace_sizes
-            for nbytes in workspace_sizes(self.capacity, self.model.vocab, sm_count()):
-                self.be.pool.reserve(nbytes)
-        warm = getattr(self.model, "warm_up_prefill", None)
-        if warm is not None:
-            warm(self.stream, max_prefill_tokens, block)
+        for nbytes in self.model.sampler_workspaces(self.be, self.capacity):
+            self.be.pool.reserve(nbytes)
+        self.model.warm_up_prefill(self.stream, max_prefill_tokens, block)
         self.stream.synchronize()
 
     def close(self) -> None:

@@ -192,11 +192,11 @@ class Runner:
         return handle
 
     def _mixed_decode_slot(self, plan: StepPlan):
-        """The graph slot for a mixed step's decode rows, through its ring's guard (None: no
-        decode rows, or no captured size fits): its graph replaces the eager decode's launches
-        (one per kernel per layer), which made a mixed step launch-bound."""
+        """The graph slot for a mixed step's decode rows, through its ring's guard (None: none,
+        no size fits, or one call runs the whole step): its graph replaces the eager decode's
+        launches (one per kernel per layer), which made a mixed step launch-bound."""
         n_dec = len(plan.decode) if plan.decode is not None and plan.prefill else 0
-        ring = self._ring_for(n_dec) if n_dec else None
+        ring = self._ring_for(n_dec) if n_dec and not self.model.mixed_in_one_call else None
         return None if ring is None else self._acquire(ring)[0]
 
     def _acquire(self, ring):

@@ -7,8 +7,8 @@ at `PadRow`'s scratch locations. `StepModel` is what the runner drives.
 """
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -166,19 +166,71 @@ def prefill_last_rows(seqs: list[PrefillSeq], block_size: int) -> DecodeRows:
         **row_vectors([s.sampling for s in seqs]))
 
 
-class StepModel(Protocol):
-    """What the runner drives. `decode` must be capturable (launches only, no host sync, no
-    allocation outside the backend's pool); `prefill` runs eagerly; `sample` reads each row's
-    sampling from `inputs` and writes out_tokens and the device token table (the next step's
-    input); `release_stream` frees per-stream resources once the runner's graphs are gone.
-    Optional: `prepare_prefill(seqs)` does prefill's host work at once and returns its device
-    half, launch(stream, logits_out): the runner then prepares a mixed step's prefill before
-    it launches the step's decode rows (vt.forward.hybrid has one)."""
+class StepModel(abc.ABC):
+    """What the runner and the engine drive: the whole step contract, in one class. Every step
+    model derives from it (vt.ForwardModel, vt.torch.TorchForwardModel, the bundled model's
+    adapter); the members with a body are defaults a model may override.
+
+    Required: `vocab`, `geometry`, `pad` (geometry.pad unless the model's scratch differs),
+    `token_table` (device [max_seqs + 1] int32: each row's last sampled token, the next decode
+    step's input; its address names the model's device state, vt/engine/model_lease.py), and
+    - `decode(stream, inputs, logits_out)`: one token per row, [S, vocab]; capturable (launches
+      only: no host sync, no allocation outside the backend's pool);
+    - `prefill(stream, seqs, logits_out)`: the prompts (or chunks) of `seqs`, eagerly; each
+      sequence's last-token logits into logits_out [len(seqs), vocab];
+    - `sample(stream, logits, inputs, out_tokens)`: each row's sampling read from `inputs`;
+      writes out_tokens and the token table.
+    """
     vocab: int
     geometry: KVGeometry
     pad: PadRow
+    token_table: object
 
+    # prefill() starts at PrefillSeq.start: the engine may split a prompt over steps
+    chunked_prefill: bool = False
+    # prepare_mixed() runs a step's decode rows and prompt chunks in ONE call (a flattened
+    # batch); otherwise the runner runs the decode rows (their graph when one fits) and then
+    # the prefill
+    mixed_in_one_call: bool = False
+
+    @abc.abstractmethod
     def decode(self, stream, inputs: DecodeInputs, logits_out) -> None: ...
+
+    @abc.abstractmethod
     def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None: ...
+
+    @abc.abstractmethod
     def sample(self, stream, logits, inputs: DecodeInputs, out_tokens) -> None: ...
-    def release_stream(self, stream) -> None: ...
+
+    def prepare_prefill(self, seqs: list[PrefillSeq]):
+        """Prefill's host work, done now; returns its device half, launch(stream, logits_out).
+        The runner prepares a mixed step's prefill before it launches the step's decode rows,
+        so that the device does not wait for the host's part. Default: all of it at launch."""
+        return lambda stream, logits_out: self.prefill(stream, seqs, logits_out)
+
+    def prepare_mixed(self, decode: DecodeInputs, seqs: list[PrefillSeq]):
+        """With mixed_in_one_call: the host work of one forward over `decode`'s rows (host
+        arrays, one token each) and the prompt chunks of `seqs`; returns launch(stream,
+        logits_out [len(decode) + len(seqs), vocab]), the decode rows' logits first."""
+        raise NotImplementedError(f"{type(self).__name__} runs a mixed step's decode rows and "
+                                  f"prompts apart (mixed_in_one_call is False)")
+
+    def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out) -> None:
+        """Run every prefill shape a step of up to max_prefill_tokens prompt tokens can hit, on
+        scratch sequences only, so that serving makes no new allocation (Runner.warm_up).
+        Default: nothing to warm."""
+
+    def sampler_workspaces(self, be, rows: int) -> list[int]:
+        """Bytes of each pool block `sample` may ask for with up to `rows` rows: the runner
+        reserves them before serving, since a prefill step samples as many rows as it admits.
+        Default: vt's sampler's (vt/sampling/sampler.py workspace_sizes) on cuda; none on the
+        sim, whose pool does not count."""
+        if be.name != "cuda":
+            return []
+        from vt.backend.nvrtc import sm_count
+        from vt.sampling.sampler import workspace_sizes
+        return workspace_sizes(rows, self.vocab, sm_count())
+
+    def release_stream(self, stream) -> None:
+        """Free what the model holds for `stream`, once the runner's graphs are gone.
+        Default: nothing."""

@@ -34,11 +34,10 @@ import torch
 
 from vt.backend.zeros import zeros
 from vt.forward.user import ForwardModel, KVGeometry
-from vt.step import FORWARD_FIELDS
 from vt.torch.capture import TorchCaptureError, capturing_into
 from vt.torch.checks import check_returned, check_written, poison, resolve_shape
 from vt.torch.simcapture import SimCapturedTorchKernel, record
-from vt.torch.views import TorchInputs, ViewCache
+from vt.torch.views import ViewCache, flat_fields, torch_inputs
 
 
 def torch_device(be) -> torch.device:
@@ -51,10 +50,12 @@ class TorchForwardModel(ForwardModel):
     backend's [max_seqs + 1] int32 array the sampler writes the tokens into; one is made when
     None. The model's tensors (weights, KV cache) must be on torch_device(be). vocab and
     geometry may be left out for a forward that has them as attributes (LlamaDecoder), and
-    must equal them where it does."""
+    must equal them where it does. prefill: "positions" (a decode-only forward: prompts one
+    position per call) or "flat" (the forward takes the flattened batch: a prompt chunk, or a
+    whole mixed step, in one call)."""
 
     def __init__(self, be, forward, *, vocab: int | None = None, geometry: KVGeometry | None = None,
-                 token_table=None):
+                 token_table=None, prefill: str = "positions"):
         if not callable(forward):
             raise TypeError(f"forward must be a callable forward(inputs, logits_out) or an "
                             f"nn.Module, got {type(forward).__name__}")
@@ -64,7 +65,7 @@ class TorchForwardModel(ForwardModel):
         if token_table is None:
             token_table = zeros(be, (geometry.max_seqs + 1,), np.int32)
         super().__init__(be, TorchStep(be, forward, token_table), vocab=vocab,
-                         token_table=token_table, geometry=geometry)
+                         token_table=token_table, geometry=geometry, prefill=prefill)
 
     def release_stream(self, stream) -> None:
         """Drop the stream's torch memory pool and views (the runner's graphs are gone)."""
@@ -98,16 +99,18 @@ class TorchStep:
             self._sim_call(stream, inputs, logits_out)
             return
         st = self._state(stream)
-        t_in = st.views.inputs(self.token_table, inputs)
         t_out = st.views.view(logits_out)
+        # The inputs are made on vt's stream (a decode step's input_ids is a gather): inside
+        # the capture too, so that the gather is part of the graph.
         with torch.cuda.stream(st.external), torch.inference_mode():
             if stream.is_capturing():
                 if st.pool is None:
                     st.pool = torch.cuda.MemPool()
                 with capturing_into(st.pool, stream):
-                    check_returned(self.fn(t_in, t_out), t_out)
+                    check_returned(self.fn(st.views.inputs(self.token_table, inputs), t_out), t_out)
                 return
-            if t_in.batch not in st.warmed:
+            t_in = st.views.inputs(self.token_table, inputs)
+            if t_in.is_decode and t_in.batch not in st.warmed:   # the sizes vt captures
                 self._warm_up_on_side_stream(st.external, t_in, t_out)
                 st.warmed.add(t_in.batch)
             check_returned(self.fn(t_in, t_out), t_out)
@@ -124,10 +127,10 @@ class TorchStep:
         external.wait_stream(side)
 
     def _sim_call(self, stream, inputs, logits_out) -> None:
-        arrays = (*(getattr(inputs, f) for f in FORWARD_FIELDS), logits_out)
+        arrays = (*(getattr(inputs, f) for f in flat_fields(inputs)), logits_out)
         if not self.be.is_capturing(stream):
-            self.be.launch(stream, _SimTorchKernel(self.fn, self.sim_checked), self.token_table,
-                           *arrays)
+            self.be.launch(stream, _SimTorchKernel(self.fn, inputs, self.sim_checked),
+                           self.token_table, *arrays)
             return
         try:
             recording = record(self.fn, self.token_table, arrays)
@@ -159,16 +162,17 @@ class _SimTorchKernel:
 
     name = "torch_forward"
 
-    def __init__(self, fn, checked: set):
+    def __init__(self, fn, inputs, checked: set):
         self.fn, self.checked = fn, checked
+        self.inputs = inputs   # the step's kind and host copies
 
     def run_numpy(self, table, *arrays):
-        *fields, logits = [torch.from_numpy(np.asarray(a)) for a in (table, *arrays)]
+        table, *fields, logits = [torch.from_numpy(np.asarray(a)) for a in (table, *arrays)]
         first = logits.shape[0] not in self.checked
         with torch.inference_mode():
             if first:
                 poison(logits)
-            check_returned(self.fn(TorchInputs(fields[0], *fields[1:]), logits), logits)
+            check_returned(self.fn(torch_inputs(table, self.inputs, fields), logits), logits)
             if first:
                 check_written(logits)
                 self.checked.add(logits.shape[0])

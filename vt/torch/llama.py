@@ -1,18 +1,23 @@
 """A Llama-family decoder in PyTorch on vt's step contract: the template to copy for your model.
 
-One decode step of S rows (one token per row, vt.torch.TorchInputs) per call:
+One call runs every token of a step, as a flattened batch (vt.torch.TorchInputs: T tokens of
+B sequences; a decode step is one token per sequence):
 
-    x = embed(token_table[token_rows])                                  # [S, hidden]
-    per layer:  q, k, v = qkv(rms_norm(x))        (+ bias: Qwen2; q/k RMSNorm: Qwen3)
+    x = embed(input_ids)                                                # [T, hidden]
+    ctx = build_context(inputs)        # once per step: RoPE rows, the KV slots, the masks
+    per layer (Layer.forward(x, ctx)):
+                q, k, v = qkv(rms_norm(x))        (+ bias: Qwen2; q/k RMSNorm: Qwen3)
                 q, k = rope(q, k, positions)
                 k_cache[slot_mapping], v_cache[slot_mapping] = k, v     # the paged KV write
-                x += o(attention(q, the cache's first seq_lens slots via block_tables))
+                x += o(attend(q, ...))           (vt/torch/attention.py: causal per sequence)
                 x += down(silu(gate(h)) * up(h)),  h = rms_norm(x)
-    logits_out = lm_head(rms_norm(x))                                   # [S, vocab] f32
+    logits_out = lm_head(rms_norm(x[logits_indices]))                   # [B, vocab] f32
 
-Every shape is fixed by S and the geometry (attention reads max_context slots per row and
-masks those at or beyond seq_lens), so the step has no host sync and captures as it is.
-vt.torch.hf loads Hugging Face checkpoints into it.
+A decode step's shapes are fixed by B and the geometry (attention reads max_context slots per
+row and masks those at or beyond seq_lens), so it has no host sync and vt captures it as it
+is. A step with prompt tokens runs eagerly: serve the decoder with
+TorchForwardModel(..., prefill="flat") so that a prompt chunk, or a whole mixed step, is one
+call. vt.torch.hf loads Hugging Face checkpoints into it.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vt.step import KVGeometry
+from vt.torch.attention import AttentionContext, attend, build_context
 from vt.torch.views import TorchInputs
 
 
@@ -82,30 +88,22 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
-    def forward(self, x, cos, sin, k_cache, v_cache, inputs: TorchInputs, slots, mask):
+    def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
         c = self.cfg
-        S = x.shape[0]
+        T = x.shape[0]
         q, k, v = self.qkv(x).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
                                      c.kv_heads * c.head_dim], dim=-1)
-        q = q.view(S, c.heads, c.head_dim)
-        k = k.view(S, c.kv_heads, c.head_dim)
-        v = v.view(S, c.kv_heads, c.head_dim)
+        q = q.view(T, c.heads, c.head_dim)
+        k = k.view(T, c.kv_heads, c.head_dim)
+        v = v.view(T, c.kv_heads, c.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
-        # The paged KV write: row r's key and value go to its slot (a pad row: the scratch block).
-        k_cache.index_copy_(0, inputs.slot_mapping.long(), k)
-        v_cache.index_copy_(0, inputs.slot_mapping.long(), v)
-        # Every row attends over max_context slots, gathered through its block table; `mask`
-        # hides the slots at or beyond its seq_lens. Grouped-query attention without copying
-        # K and V per head: head h uses KV head h // group, so the group's heads are that KV
-        # head's `group` queries.
-        keys = k_cache[slots].transpose(1, 2)     # [S, kv_heads, T, head_dim]
-        vals = v_cache[slots].transpose(1, 2)
-        group = c.heads // c.kv_heads
-        out = F.scaled_dot_product_attention(q.view(S, c.kv_heads, group, c.head_dim), keys, vals,
-                                             attn_mask=mask)   # [S, kv_heads, group, head_dim]
-        return self.o(out.reshape(S, c.heads * c.head_dim))
+        q, k = rope(q, ctx.cos, ctx.sin), rope(k, ctx.cos, ctx.sin)
+        # The paged KV write: each token's key and value go to its slot (a pad row's: the
+        # scratch block), before attention, which reads the cache.
+        k_cache.index_copy_(0, ctx.slot_mapping, k)
+        v_cache.index_copy_(0, ctx.slot_mapping, v)
+        return self.o(attend(q, k, v, k_cache, v_cache, ctx).reshape(T, c.heads * c.head_dim))
 
 
 class MLP(nn.Module):
@@ -126,6 +124,10 @@ class Layer(nn.Module):
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.mlp = MLP(cfg)
+
+    def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
+        x = x + self.attn(self.attn_norm(x), ctx, k_cache, v_cache)
+        return x + self.mlp(self.mlp_norm(x))
 
 
 class LlamaDecoder(nn.Module):
@@ -160,19 +162,14 @@ class LlamaDecoder(nn.Module):
 
     @torch.inference_mode()
     def forward(self, inputs: TorchInputs, logits_out: torch.Tensor) -> None:
-        bs = self.geometry.block_size
-        pos = inputs.positions.long()
-        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)   # [S, 1, hd]
-        t = self.context
-        # [S, T]: the cache slot of each of the row's positions (vt.step.kv_slot), and which
-        # of them it may see
-        slots = inputs.block_tables.long()[:, t // bs] * bs + t % bs
-        mask = (t < inputs.seq_lens.unsqueeze(1))[:, None, None, :]        # [S, 1, 1, T]
+        """Every token of the step through the layers; logits_out [B, vocab] of each
+        sequence's logits_indices token (a decode step's are all of its tokens)."""
+        ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context)
         x = self.embed(inputs.input_ids.long())
         for i, layer in enumerate(self.layers):
-            x = x + layer.attn(layer.attn_norm(x), cos, sin, self.k_cache[i], self.v_cache[i],
-                               inputs, slots, mask)
-            x = x + layer.mlp(layer.mlp_norm(x))
+            x = layer(x, ctx, self.k_cache[i], self.v_cache[i])
+        if not inputs.is_decode:   # a decode step's tokens are its sequences
+            x = x[inputs.logits_indices.long()]
         x = self.norm(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits_out.copy_(F.linear(x, head))

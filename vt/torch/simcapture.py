@@ -71,7 +71,7 @@ def record(fn, table, arrays) -> Recording:
     calls = _HostCalls()
     with torch.inference_mode(), fake_mode, recorder, calls:
         try:
-            result = fn(TorchInputs(fakes[0], *fakes[1:-1]), fakes[-1])
+            result = fn(TorchInputs.decode(fakes[0], *fakes[1:-1]), fakes[-1])
         except _Refused as exc:
             raise TorchCaptureError(refusal(calls.name, CUDA_REFUSAL + f" ({exc})")) from None
         except (DataDependentOutputException, DynamicOutputShapeException) as exc:

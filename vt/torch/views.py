@@ -13,32 +13,73 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from vt.step import FORWARD_FIELDS
+from vt.step import FORWARD_FIELDS, FlatInputs
 
 
 @dataclass
 class TorchInputs:
-    """One decode step of S rows as torch tensors (views of vt's device buffers, int32).
+    """One step as a flattened batch of torch tensors (int32; views of vt's device buffers):
+    T tokens of B sequences, the fields of vt.step.FlatInputs (vt/step/flat.py draws a mixed
+    step). A decode step is the case of one token per sequence (T = B), built by `decode`.
 
-    token_table[max_seqs + 1]: the last sampled token of each row; the input token of row r is
-    token_table[token_rows[r]] (`input_ids`). The other fields are vt.DecodeInputs's.
+    query_start_loc_cpu / seq_lens_cpu: host copies (tuples) on eager steps with prompt
+    tokens, so that the forward sizes its per-sequence work without reading the device; None
+    on decode steps, whose shapes are fixed by B alone and which vt captures into a graph.
     """
-    token_table: torch.Tensor
-    token_rows: torch.Tensor      # [S]
-    positions: torch.Tensor       # [S]
-    seq_lens: torch.Tensor        # [S]: position + 1, the tokens in the cache after this step
-    slot_mapping: torch.Tensor    # [S]: the KV-cache slot this step writes
-    block_tables: torch.Tensor    # [S, max_blocks]
-    state_idx: torch.Tensor       # [S]
+    input_ids: torch.Tensor        # [T]
+    positions: torch.Tensor        # [T]
+    slot_mapping: torch.Tensor     # [T]: the KV-cache slot each token writes
+    query_start_loc: torch.Tensor  # [B + 1]: sequence i's tokens are [qsl[i], qsl[i + 1])
+    seq_lens: torch.Tensor         # [B]: tokens in the cache after this step
+    block_tables: torch.Tensor     # [B, max_blocks]
+    logits_indices: torch.Tensor   # [B]: the token whose logits sequence i wants
+    token_rows: torch.Tensor       # [B]: each sequence's row of the token table
+    state_idx: torch.Tensor        # [B]: each sequence's recurrent-state slot
+    token_table: torch.Tensor      # [max_seqs + 1]: the last sampled token of each row
+    query_start_loc_cpu: tuple | None = None
+    seq_lens_cpu: tuple | None = None
+
+    @classmethod
+    def decode(cls, token_table, token_rows, positions, seq_lens, slot_mapping, block_tables,
+               state_idx) -> "TorchInputs":
+        """A decode step of S rows (vt.DecodeInputs's fields): input_ids =
+        token_table[token_rows], one token per sequence. Only queues work (capturable)."""
+        S = token_rows.shape[0]
+        steps = torch.arange(S + 1, dtype=torch.int32, device=token_rows.device)
+        return cls(token_table[token_rows], positions, slot_mapping, steps, seq_lens,
+                   block_tables, steps[:S], token_rows, state_idx, token_table)
 
     @property
-    def input_ids(self) -> torch.Tensor:
-        """[S] the input token of each row (a gather from the token table)."""
-        return self.token_table[self.token_rows]
+    def is_decode(self) -> bool:
+        """One token per sequence, shapes fixed by B (no host copies): the captured case."""
+        return self.query_start_loc_cpu is None
 
     @property
     def batch(self) -> int:
-        return int(self.token_rows.shape[0])
+        """B, the sequences (rows of logits_out)."""
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the tokens of the step."""
+        return int(self.input_ids.shape[0])
+
+
+def flat_fields(inputs) -> tuple[str, ...]:
+    """The array fields of a vt.DecodeInputs or vt.step.FlatInputs a torch forward reads."""
+    return FLAT_ARRAYS if isinstance(inputs, FlatInputs) else FORWARD_FIELDS
+
+
+FLAT_ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+               "block_tables", "logits_indices", "token_rows", "state_idx")
+
+
+def torch_inputs(table: torch.Tensor, inputs, arrays) -> TorchInputs:
+    """TorchInputs of the token table's tensor and `arrays`, the tensors of flat_fields(inputs)
+    in that order (`inputs` gives the kind and a flat step's host copies)."""
+    if isinstance(inputs, FlatInputs):
+        return TorchInputs(*arrays, table, inputs.query_start_loc_cpu, inputs.seq_lens_cpu)
+    return TorchInputs.decode(table, *arrays)
 
 
 class _CudaArray:
@@ -85,9 +126,10 @@ class ViewCache:
         return t
 
     def inputs(self, token_table, inputs) -> TorchInputs:
-        """TorchInputs of a vt.DecodeInputs (device arrays) and the token table."""
-        return TorchInputs(self.view(token_table),
-                           *(self.view(getattr(inputs, f)) for f in FORWARD_FIELDS))
+        """TorchInputs of a vt.DecodeInputs or vt.step.FlatInputs (device arrays) and the
+        token table."""
+        return torch_inputs(self.view(token_table), inputs,
+                            [self.view(getattr(inputs, f)) for f in flat_fields(inputs)])
 
     def clear(self) -> None:
         self._views.clear()

@@ -49,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="run bench-* presets on the sim backend anyway (slow, gigabytes)")
     p.add_argument("--preset", nargs="+", default=None,
-                   help="model: preset(s) (default: bench-small on cuda, tiny-dense on sim)")
+                   help="model: preset(s) (default: bench-small on cuda, tiny-dense on sim; torch: torch-llama-10x2048, torch-llama3-8b)")
     p.add_argument("--conc", type=int, nargs="+", default=None,
                    help=f"rows per decode step, S, each 1 to {lim.MAX_SERVING_CONC} (default: 1 32; "
                         f"model: 1 32 64)")
@@ -131,7 +131,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
             error(f"{given[0]} applies to --workload serve only")
     if args.workload == "torch":
         from vt.cli.bench import torch_workload
-        args.preset = [torch_workload.PRESET]
+        args.preset = torch_workload.checked_presets(args.preset, error)
         if backend != "cuda":
             error("--workload torch needs a CUDA GPU (a bf16 Llama decoder of 0.6B parameters)")
     if args.modes is None:

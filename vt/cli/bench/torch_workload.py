@@ -22,14 +22,42 @@ PRESET = "torch-llama-10x2048"
 DEFAULT_MODES = ("sync", "drain", "ring")
 
 
-def model_config():
-    """TinyLlama's layer shape (hidden 2048, GQA 32/4 heads, SwiGLU 5632, vocab 32000) with 10
-    of its 22 layers (0.6B parameters). The step is launch-bound (~60 small kernels a layer):
-    all 22 layers measured 2.9 ms (S=1) and 3.7 ms (S=32) per step on an H200
-    (docs/data/torch-h200-bench.json); 10 layers bring it into 1-2 ms."""
+def model_config(preset: str = PRESET):
+    """The LlamaConfig of a torch preset (PRESETS)."""
     from vt.torch.llama import LlamaConfig
-    return LlamaConfig(vocab=32000, hidden=2048, intermediate=5632, layers=10, heads=32,
-                       kv_heads=4, head_dim=64)
+    if preset not in PRESETS:
+        raise ValueError(f"unknown torch preset {preset!r}; choose from {', '.join(PRESETS)}")
+    return LlamaConfig(**PRESETS[preset][1])
+
+
+# name -> (what it is, in one line; its LlamaConfig's fields)
+PRESETS = {
+    # TinyLlama's layer shape with 10 of its 22 layers. The step is launch-bound (~60 small
+    # kernels a layer): all 22 layers measured 2.9 ms (S=1) and 3.7 ms (S=32) per step on an
+    # H200 (docs/data/torch-h200-bench.json); 10 layers bring it into 1-2 ms.
+    "torch-llama-10x2048": (
+        "TinyLlama's layers, 10 of 22: hidden 2048, GQA 32/4, SwiGLU 5632, vocab 32000 (0.6B)",
+        dict(vocab=32000, hidden=2048, intermediate=5632, layers=10, heads=32, kv_heads=4,
+             head_dim=64)),
+    "torch-llama3-8b": (
+        "Llama-3-8B's shape: 32 layers, hidden 4096, GQA 32/8, SwiGLU 14336, vocab 128256 (8.0B)",
+        dict(vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+             head_dim=128, rope_theta=500000.0)),
+}
+
+
+def describe() -> list[str]:
+    """Each preset and what it is, one line each."""
+    return [f"{name}: {what}" for name, (what, _) in PRESETS.items()]
+
+
+def checked_presets(given, error) -> list[str]:
+    """--preset of the torch workload: the default one when none is given; error(...) for an
+    unknown name, listing each preset with what it is."""
+    unknown = [p for p in given or () if p not in PRESETS]
+    if unknown:
+        error(f"--workload torch: unknown preset(s) {unknown}; choose from: " + "; ".join(describe()))
+    return list(given or [PRESET])
 
 
 def unavailable_reason(be) -> str | None:
@@ -38,9 +66,10 @@ def unavailable_reason(be) -> str | None:
     return _peer_reason()
 
 
-def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=None):
+def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=None,
+          prefill: str = "flat"):
     """(the LlamaDecoder with seeded random weights, its TorchForwardModel); cfg: default
-    model_config()."""
+    model_config(). prefill: TorchForwardModel's (the decoder takes the flattened batch)."""
     import torch
 
     from vt.step import KVGeometry
@@ -52,7 +81,7 @@ def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=
                      block_size=block_size, max_context=blocks * block_size)
     torch.manual_seed(seed)
     module = LlamaDecoder(cfg, geo, dtype=torch.bfloat16, device=torch_device(be))
-    return module, TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo)
+    return module, TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill=prefill)
 
 
 class TorchLlamaPeer(GraphLoop):
@@ -108,8 +137,8 @@ class TorchLlamaPeer(GraphLoop):
         from vt.torch.views import TorchInputs
         self.inputs.copy_(self.pinned_in[b], non_blocking=True)
         rows, pos, lens, slots = self.inputs
-        self.module(TorchInputs(self.table, rows, pos, lens, slots, self.block_tables,
-                                self.state_idx), self.logits)
+        self.module(TorchInputs.decode(self.table, rows, pos, lens, slots, self.block_tables,
+                                       self.state_idx), self.logits)
         self.tokens.copy_(self.torch.argmax(self.logits, dim=1))
         self.table.index_put_((rows,), self.tokens)
         self.pinned_tok[b].copy_(self.tokens, non_blocking=True)
@@ -144,20 +173,25 @@ class TorchLlamaPeer(GraphLoop):
 
 
 def run_torch(be, args, progress, reason: str | None) -> list[dict]:
-    """Per conc: vt's engines of every mode on the module, then the peer on the same module."""
+    """Per preset and conc: vt's engines of every mode on the module, then the peer on the
+    same module."""
+    import gc
     from vt.cli.bench.measure import mode_cell
     rows = []
     ctx = args.prompt_len + args.steps + 2
-    t0 = time.perf_counter()
-    module, model = build(be, max(args.conc), ctx, args.seed)
-    progress.step(f"{PRESET}: model set up in {time.perf_counter() - t0:.1f} s")
-    for conc in args.conc:
-        rng = np.random.default_rng(args.seed + conc)
-        prompts = rng.integers(0, module.cfg.vocab, size=(conc, args.prompt_len)).tolist()
-        ident = dict(workload="torch", preset=PRESET, conc=conc)
-        for mode in args.modes:
-            rows.append(mode_cell(be, model, mode, conc, ident, prompts, args, progress, ""))
-        rows += _peer_rows(module, conc, prompts, args, ident, progress, reason)
+    for preset in args.preset:
+        t0 = time.perf_counter()
+        module, model = build(be, max(args.conc), ctx, args.seed, cfg=model_config(preset))
+        progress.step(f"{preset}: model set up in {time.perf_counter() - t0:.1f} s")
+        for conc in args.conc:
+            rng = np.random.default_rng(args.seed + conc)
+            prompts = rng.integers(0, module.cfg.vocab, size=(conc, args.prompt_len)).tolist()
+            ident = dict(workload="torch", preset=preset, conc=conc)
+            for mode in args.modes:
+                rows.append(mode_cell(be, model, mode, conc, ident, prompts, args, progress, ""))
+            rows += _peer_rows(module, conc, prompts, args, ident, progress, reason)
+        del module, model
+        gc.collect()   # the next preset's weights need the memory
     return rows
 
 

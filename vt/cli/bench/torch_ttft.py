@@ -1,0 +1,231 @@
+"""`python -m vt.cli.bench.torch_ttft`: time to first token and time per output token of a torch
+Llama decoder (vt.torch.llama, random weights) served by vt, against transformers' own
+`generate` on the same shape, in one run, printed as one table.
+
+What is measured (each the median of --repeats runs, on a warm engine and a warm peer):
+- TTFT, 1 request: a --prompt-len prompt submitted alone, to its first token on the host;
+- TTFT, --conc requests submitted together: the last request's first token (and the median);
+- TPOT at --conc requests, context --context: each request's (last token - first token) /
+  (tokens - 1), the median over the requests;
+- the peer: transformers `generate(do_sample=False)`, eager (its default attention, dynamic
+  cache, no compile): TTFT = a generate of one new token, batch 1 and batch --conc;
+  TPOT = (generate of N new tokens - generate of 1) / (N - 1), batch --conc;
+- on cuda, the bf16 GEMM throughput of one large matmul, the compute ceiling of a prefill:
+  vt's prefill FLOP/s counts 2 x non-embedding parameters x prompt tokens over its TTFT.
+
+vt serves the decoder with TorchForwardModel(prefill="flat"): a step's prompt tokens (and a
+mixed step's decode rows) run in one forward call; decode steps are captured graphs.
+`--preset tiny` is a small fp32 decoder that runs anywhere (the sim too): the tool's own test.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+TINY = dict(vocab=256, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vt.cli.bench.torch_ttft", description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="torch-llama3-8b",
+                   help="torch-llama3-8b (default), torch-llama-10x2048, or tiny (a test size)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
+    p.add_argument("--conc", type=int, default=32, help="requests arriving together (default 32)")
+    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--context", type=int, default=512,
+                   help="prompt + output tokens of the TPOT run (default 512)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-peer", action="store_true", help="leave transformers out")
+    p.add_argument("--json", default=None, help="also write the results here")
+    args = p.parse_args(argv)
+    if not 1 <= args.prompt_len < args.context:
+        p.error(f"--prompt-len {args.prompt_len} must be in [1, --context {args.context})")
+    if args.conc < 1 or args.repeats < 1:
+        p.error("--conc and --repeats must be positive")
+    result = run(args)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def run(args) -> dict:
+    import torch
+
+    from vt.backend import get_backend
+    from vt.cli.bench import torch_workload
+    from vt.torch.llama import LlamaConfig
+    be = get_backend(None if args.backend == "auto" else args.backend)
+    cuda = be.name == "cuda"
+    cfg = LlamaConfig(**TINY) if args.preset == "tiny" else torch_workload.model_config(args.preset)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    out = dict(preset=args.preset, backend=be.name, mode=args.mode, conc=args.conc,
+               prompt_len=args.prompt_len, context=args.context, dtype=str(dtype).split(".")[-1],
+               device=torch.cuda.get_device_name() if cuda else "cpu")
+    try:
+        out["vt"] = _run_vt(be, cfg, dtype, args)
+        out["params"] = out["vt"].pop("params")
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()   # the peer's weights need the memory
+        out["peer"] = None if args.no_peer else _run_peer(cfg, dtype, torch.device(
+            "cuda" if cuda else "cpu"), args)
+        out["gemm_tflops"] = _gemm_tflops() if cuda else None
+    finally:
+        be.close()
+    return out
+
+
+def _run_vt(be, cfg, dtype, args) -> dict:
+    import torch
+
+    from vt.engine import Engine
+    from vt.knobs import ExecutorConfig
+    from vt.step import KVGeometry
+    from vt.torch import TorchForwardModel, torch_device
+    from vt.torch.llama import LlamaDecoder
+    bs = 16
+    blocks = -(-args.context // bs)
+    geo = KVGeometry(max_seqs=args.conc, num_kv_blocks=args.conc * blocks + 1, block_size=bs,
+                     max_context=blocks * bs)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be))
+    params = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embed."))
+    if module.lm_head is None:
+        params += module.embed.weight.numel()
+    model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
+    sizes = tuple(s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < args.conc) + (args.conc,)
+    config = ExecutorConfig.for_mode(args.mode, serving_conc=args.conc, capture_sizes=sizes)
+    prompts = _prompts(cfg.vocab, args.conc, args.prompt_len)
+    new = args.context - args.prompt_len
+    with Engine(be, model, config, max_prefill_tokens=args.conc * args.prompt_len) as eng:
+        setup_s = time.perf_counter() - t0
+        _first_tokens(eng, prompts)   # warm: every prompt shape once more, outside the timing
+        one = [_first_tokens(eng, prompts[:1])[0] for _ in range(args.repeats)]
+        many = [_first_tokens(eng, prompts) for _ in range(args.repeats)]
+        tpot = []
+        for _ in range(args.repeats):
+            res = [h.result() for h in [eng.submit(p, max_new_tokens=new) for p in prompts]]
+            tpot.append(statistics.median((r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
+                                          for r in res))
+        stats = eng.stats()
+    return dict(params=params, setup_s=setup_s, ttft_1_s=statistics.median(one),
+                ttft_n_last_s=statistics.median(max(m) for m in many),
+                ttft_n_median_s=statistics.median(statistics.median(m) for m in many),
+                tpot_s=statistics.median(tpot),
+                steps=dict(graph=stats["graph_steps"], prefill=stats["prefill_steps"],
+                           mixed=stats["mixed_steps"], eager=stats["eager_steps"]))
+
+
+def _first_tokens(eng, prompts) -> list[float]:
+    """Seconds from submitting `prompts` together to each one's first token on the host."""
+    t0 = time.perf_counter()
+    handles = [eng.submit(p, max_new_tokens=1) for p in prompts]
+    return [h.result().token_times[0] - t0 for h in handles]
+
+
+def _run_peer(cfg, dtype, device, args) -> dict | str:
+    """transformers generate on the same shape (random weights of its own), eager."""
+    try:
+        import torch
+        import transformers
+    except Exception as exc:   # the peer is optional
+        return f"transformers does not import ({type(exc).__name__}: {exc})"
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps,
+        rope_theta=cfg.rope_theta, max_position_embeddings=max(args.context, 2048),
+        tie_word_embeddings=cfg.tie_embeddings, eos_token_id=None, bos_token_id=None,
+        pad_token_id=0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)   # made in its dtype: an fp32 8B model would not fit beside
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    ids = torch.tensor(_prompts(cfg.vocab, args.conc, args.prompt_len), device=device)
+    new = args.context - args.prompt_len
+
+    def generate_s(batch, tokens) -> float:
+        x = ids[:batch]
+        _sync(device)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                           max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+        _sync(device)
+        return time.perf_counter() - t0
+    generate_s(1, 2), generate_s(args.conc, 2)   # warm-up
+    one = statistics.median(generate_s(1, 1) for _ in range(args.repeats))
+    many = statistics.median(generate_s(args.conc, 1) for _ in range(args.repeats))
+    full = statistics.median(generate_s(args.conc, new) for _ in range(args.repeats))
+    out = dict(impl=f"transformers {transformers.__version__} generate, eager "
+                    f"({model.config._attn_implementation} attention)",
+               ttft_1_s=one, ttft_n_last_s=many, tpot_s=(full - many) / max(1, new - 1))
+    del model
+    return out
+
+
+def _gemm_tflops(m: int = 8192, k: int = 4096, n: int = 14336, reps: int = 20) -> float:
+    """bf16 dense GEMM throughput of one [m, k] @ [k, n] matmul (cuBLAS through torch)."""
+    import torch
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * m * k * n * reps / (start.elapsed_time(end) * 1e-3) / 1e12
+
+
+def _prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+    import numpy as np
+    return np.random.default_rng(1).integers(0, vocab, size=(n, length)).tolist()
+
+
+def _sync(device) -> None:
+    import torch
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def format_table(r: dict) -> str:
+    vt, peer = r["vt"], r["peer"]
+    n, P = r["conc"], r["prompt_len"]
+    rows = [(f"TTFT, 1 request of {P} tokens", "ttft_1_s"),
+            (f"TTFT, {n} requests of {P} tokens (last)", "ttft_n_last_s"),
+            (f"TPOT, {n} requests, context {r['context']}", "tpot_s")]
+    peer_ok = isinstance(peer, dict)
+    lines = [f"{r['preset']}: {r['params'] / 1e9:.2f} B parameters (non-embedding), {r['dtype']}, "
+             f"on {r['device']} ({r['backend']}); vt mode {r['mode']}, prefill=flat",
+             f"{'':44s} {'vt':>10s} {'peer':>10s} {'vt/peer':>8s}"]
+    for label, key in rows:
+        p = f"{peer[key] * 1e3:8.1f} ms" if peer_ok else f"{'-':>10s}"
+        ratio = f"{vt[key] / peer[key]:8.2f}" if peer_ok else f"{'-':>8s}"
+        lines.append(f"{label:44s} {vt[key] * 1e3:7.1f} ms {p} {ratio}")
+    lines.append(f"{'TTFT, ' + str(n) + ' requests (median)':44s} {vt['ttft_n_median_s'] * 1e3:7.1f} ms")
+    flops = 2 * r["params"] * n * P / vt["ttft_n_last_s"] / 1e12
+    gemm = r.get("gemm_tflops")
+    ceiling = f" = {100 * flops / gemm:.0f} % of the bf16 GEMM's {gemm:.0f} TFLOP/s" if gemm else ""
+    lines.append(f"vt prefill of {n} x {P} tokens: {flops:.1f} TFLOP/s{ceiling}")
+    lines.append(f"peer: {peer['impl'] if peer_ok else peer or 'left out (--no-peer)'}")
+    lines.append(f"vt steps: {vt['steps']}; engine set up in {vt['setup_s']:.1f} s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Attention over vt's paged KV cache for a flattened step (vt.torch.TorchInputs): the per-step
+context every layer shares, and the two kernels it picks between. The place a paged or flash
+attention kernel plugs in: replace `decode_attention` (one query per sequence, captured) or
+`prefill_attention` (a prompt chunk, eager).
+
+A step's tokens are decode rows (one token per sequence, leading the batch) and prompt chunks:
+- a decode step (inputs.is_decode: captured, shapes fixed by B) is all decode rows; each row
+  attends over the first max_context slots of its block table, those at or past its seq_len
+  masked. A decode row of an eager (mixed) step reads only as many slots as its longest row;
+- a prompt chunk of n new tokens in a context of L (its cached prefix, then the chunk) attends
+  causally, bottom-right aligned: new token j sees positions 0 .. L - n + j. A chunk that is
+  its whole context (the prompt's first) uses this step's K and V as they are; a later chunk
+  gathers its context from the cache, which this step's write has already filled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One sequence's prompt chunk: tokens [start, stop) of the step, in a context of
+    `context` positions; `slots` [context] its context's cache slots, or None when the chunk
+    is its whole context."""
+    start: int
+    stop: int
+    context: int
+    slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionContext:
+    """What attention needs of one step, built once (build_context) and passed to every layer."""
+    slot_mapping: torch.Tensor        # [T] long: where each token's K and V are written
+    cos: torch.Tensor                 # [T, 1, head_dim] f32
+    sin: torch.Tensor
+    decode_rows: int                  # the step's first decode_rows tokens are decode rows
+    decode_slots: torch.Tensor | None   # [R, C] long: the cache slot of each row's first C positions
+    decode_mask: torch.Tensor | None    # [R, 1, 1, C] bool: the positions each row sees
+    chunks: tuple[Chunk, ...] = ()
+
+
+def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor
+                  ) -> AttentionContext:
+    """The step's AttentionContext; `context`: arange(max_blocks * block_size) on the device."""
+    pos = inputs.positions.long()
+    cos, sin = cos_table[pos].unsqueeze(1), sin_table[pos].unsqueeze(1)
+    tables = inputs.block_tables.long()
+
+    def row_slots(rows: slice, t):
+        slots = tables[rows][:, t // block_size] * block_size + t % block_size   # vt.step.kv_slot
+        mask = (t < inputs.seq_lens[rows].unsqueeze(1))[:, None, None, :]
+        return slots, mask
+    if inputs.is_decode:
+        slots, mask = row_slots(slice(None), context)
+        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask)
+    qsl, lens = inputs.query_start_loc_cpu, inputs.seq_lens_cpu
+    rows = 0
+    while rows < len(lens) and qsl[rows + 1] - qsl[rows] == 1:
+        rows += 1
+    slots = mask = None
+    if rows:
+        longest = -(-max(lens[:rows]) // block_size) * block_size
+        slots, mask = row_slots(slice(0, rows), context[:longest])
+    chunks = []
+    for i in range(rows, len(lens)):
+        n, L = qsl[i + 1] - qsl[i], lens[i]
+        t = context[:L]
+        chunks.append(Chunk(qsl[i], qsl[i + 1], L, None if n == L else
+                            tables[i, t // block_size] * block_size + t % block_size))
+    return AttentionContext(inputs.slot_mapping.long(), cos, sin, rows, slots, mask, tuple(chunks))
+
+
+def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+    """[T, heads, head_dim]: every token's attention, this step's K and V already written to
+    the cache (k, v [T, kv_heads, head_dim] are those same values)."""
+    if not ctx.chunks:
+        return decode_attention(q, k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
+    out = torch.empty_like(q)
+    R = ctx.decode_rows
+    if R:
+        out[:R] = decode_attention(q[:R], k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
+    for c in ctx.chunks:
+        if c.slots is None:
+            keys, vals = k[c.start:c.stop], v[c.start:c.stop]
+        else:
+            keys, vals = k_cache[c.slots], v_cache[c.slots]
+        out[c.start:c.stop] = prefill_attention(q[c.start:c.stop], keys, vals)
+    return out
+
+
+def decode_attention(q, k_cache, v_cache, slots, mask) -> torch.Tensor:
+    """One query per row over its gathered context: q [R, heads, hd], slots [R, C], mask
+    [R, 1, 1, C] -> [R, heads, hd]. Grouped-query attention without copying K and V per head:
+    head h uses KV head h // group, so a group's heads are that KV head's `group` queries."""
+    R, heads, hd = q.shape
+    kv_heads = k_cache.shape[1]
+    keys = k_cache[slots].transpose(1, 2)     # [R, kv_heads, C, hd]
+    vals = v_cache[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.view(R, kv_heads, heads // kv_heads, hd), keys, vals,
+                                         attn_mask=mask)   # [R, kv_heads, group, hd]
+    return out.reshape(R, heads, hd)
+
+
+def prefill_attention(q, keys, vals) -> torch.Tensor:
+    """A chunk's n queries over its context of L: q [n, heads, hd], keys and values
+    [L, kv_heads, hd] -> [n, heads, hd], causal with the diagonal at the bottom right. On
+    tensor cores through torch's SDPA (flash for the whole-context case, is_causal); K and V
+    expanded per head (head h: KV head h // group) so that every SDPA backend accepts them."""
+    n, heads, _ = q.shape
+    L, kv_heads, _ = keys.shape
+    group = heads // kv_heads
+    qh = q.transpose(0, 1).unsqueeze(0)                                   # [1, heads, n, hd]
+    kh = keys.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)   # [1, heads, L, hd]
+    vh = vals.transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+    if n == L:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
+    return out[0].transpose(0, 1)
