@@ -17,10 +17,10 @@ def test_generate_prints_the_greedy_completion(checkpoint, reference, capsys):
 
 
 @pytest.mark.parametrize("argv,words", [
-    (["serve", "--model", "/no/such/dir", *FLAGS, "--port", "0"], "has no config.json"),
+    (["serve", "--model", "/no/such/dir", *FLAGS, "--port", "0"], "does not exist"),
     (["serve", "--preset", "nope", "--backend", "sim", "--port", "0"], "unknown preset"),
     (["serve", "--preset", "tiny-dense", "--port", "70000"], "--port must be in"),
-    (["generate", "--model", "/no/such/dir", "--prompt", "x", *FLAGS], "has no config.json"),
+    (["generate", "--model", "/no/such/dir", "--prompt", "x", *FLAGS], "does not exist"),
     (["generate", "--model", "x", "--prompt", "x", "--max-tokens", "0"], "--max-tokens"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, words, capsys):
