@@ -16,11 +16,12 @@ TINY = LlamaConfig(vocab=96, hidden=64, intermediate=128, layers=2, heads=4, kv_
                    head_dim=16, qk_norm=True)
 
 
-def tiny_llama(be, cfg=TINY, geometry=GEO, seed=0, dtype=torch.float32) -> LlamaDecoder:
+def tiny_llama(be, cfg=TINY, geometry=GEO, seed=0, dtype=torch.float32,
+               kernels="auto") -> LlamaDecoder:
     """Seeded random weights; embeddings and projections scaled so logits are well spread
     (greedy tokens then have clear winners: no near-ties for rounding to flip)."""
     torch.manual_seed(seed)
-    model = LlamaDecoder(cfg, geometry, dtype=dtype, device=torch_device(be))
+    model = LlamaDecoder(cfg, geometry, dtype=dtype, device=torch_device(be), kernels=kernels)
     with torch.no_grad():
         for p in model.parameters():
             if p.ndim == 2:

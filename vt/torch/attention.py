@@ -1,7 +1,10 @@
 """Attention over vt's paged KV cache for a flattened step (vt.torch.TorchInputs): the per-step
 context every layer shares, and the two kernels it picks between. The place a paged or flash
 attention kernel plugs in: replace `decode_attention` (one query per sequence, captured) or
-`prefill_attention` (a prompt chunk, eager).
+`prefill_attention` (a prompt chunk, eager). With `paged=True` (LlamaDecoder's `kernels`),
+a decode step's rows go through vt.torch.paged_attention.paged_decode_attention instead, which
+reads each row's live tokens only (on CUDA: Triton, capturable; the same function as the dense
+masked path).
 
 A step's tokens are decode rows (one token per sequence, leading the batch) and prompt chunks:
 - a decode step (inputs.is_decode: captured, shapes fixed by B) is all decode rows; each row
@@ -18,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from vt.torch.paged_attention import paged_decode_attention
 
 
 @dataclass(frozen=True)
@@ -41,11 +46,26 @@ class AttentionContext:
     decode_slots: torch.Tensor | None   # [R, C] long: the cache slot of each row's first C positions
     decode_mask: torch.Tensor | None    # [R, 1, 1, C] bool: the positions each row sees
     chunks: tuple[Chunk, ...] = ()
+    paged: "PagedDecode | None" = None   # set: a decode step's rows use the paged kernel
 
 
-def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor
-                  ) -> AttentionContext:
-    """The step's AttentionContext; `context`: arange(max_blocks * block_size) on the device."""
+@dataclass(frozen=True)
+class PagedDecode:
+    """What paged_decode_attention reads of a decode step (int32 views of the step's fields),
+    and what the fused RoPE kernel (vt.torch.fused.rope_and_cache) reads: positions and the
+    whole cos, sin tables."""
+    block_tables: torch.Tensor   # [B, max_blocks]
+    seq_lens: torch.Tensor       # [B]
+    positions: torch.Tensor      # [B]
+    cos_table: torch.Tensor      # [max_context, head_dim] f32
+    sin_table: torch.Tensor
+    block_size: int
+
+
+def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor,
+                  paged: bool = False) -> AttentionContext:
+    """The step's AttentionContext; `context`: arange(max_blocks * block_size) on the device.
+    paged: a decode step's attention runs paged_decode_attention (no dense slots or mask)."""
     pos = inputs.positions.long()
     cos, sin = cos_table[pos].unsqueeze(1), sin_table[pos].unsqueeze(1)
     tables = inputs.block_tables.long()
@@ -54,6 +74,11 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         slots = tables[rows][:, t // block_size] * block_size + t % block_size   # vt.step.kv_slot
         mask = (t < inputs.seq_lens[rows].unsqueeze(1))[:, None, None, :]
         return slots, mask
+    if inputs.is_decode and paged:
+        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, None, None,
+                                paged=PagedDecode(inputs.block_tables, inputs.seq_lens,
+                                                  inputs.positions, cos_table, sin_table,
+                                                  block_size))
     if inputs.is_decode:
         slots, mask = row_slots(slice(None), context)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask)
@@ -77,6 +102,10 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
 def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
     """[T, heads, head_dim]: every token's attention, this step's K and V already written to
     the cache (k, v [T, kv_heads, head_dim] are those same values)."""
+    if ctx.paged is not None:
+        p = ctx.paged
+        return paged_decode_attention(q, k_cache, v_cache, p.block_tables, p.seq_lens,
+                                      block_size=p.block_size)
     if not ctx.chunks:
         return decode_attention(q, k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
     out = torch.empty_like(q)

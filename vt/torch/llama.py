@@ -13,9 +13,15 @@ B sequences; a decode step is one token per sequence):
                 x += down(silu(gate(h)) * up(h)),  h = rms_norm(x)
     logits_out = lm_head(rms_norm(x[logits_indices]))                   # [B, vocab] f32
 
-A decode step's shapes are fixed by B and the geometry (attention reads max_context slots per
-row and masks those at or beyond seq_lens), so it has no host sync and vt captures it as it
-is. A step with prompt tokens runs eagerly: serve the decoder with
+A decode step's shapes are fixed by B and the geometry, so it has no host sync and vt captures
+it as it is. `kernels` picks its attention and layer ops: "torch" reads max_context slots per
+row and masks those at or beyond seq_lens (plain torch); "vt" runs
+vt.torch.paged_attention.paged_decode_attention (each row's live tokens only) and the fused
+ops of vt.torch.fused (rms_norm, add_rms_norm for the residual and the MLP's norm, silu_mul,
+and rope_and_cache unless qk_norm, whose norm sits between the projection and RoPE); "auto"
+(the default) is "vt" on CUDA with a power-of-two head_dim (the Triton kernels' shape), else
+"torch". On the CPU "vt" computes the same in plain torch but reads seq_lens on the host, so
+a captured (fake-tensor) step refuses it. Steps with prompt tokens use the torch ops always. A step with prompt tokens runs eagerly: serve the decoder with
 TorchForwardModel(..., prefill="flat") so that a prompt chunk, or a whole mixed step, is one
 call. vt.torch.hf loads Hugging Face checkpoints into it.
 """
@@ -29,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vt.step import KVGeometry
+from vt.torch import fused
 from vt.torch.attention import AttentionContext, attend, build_context
 from vt.torch.views import TorchInputs
 
@@ -91,6 +98,13 @@ class Attention(nn.Module):
     def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
         c = self.cfg
         T = x.shape[0]
+        p = ctx.paged
+        if p is not None and self.q_norm is None:
+            # RoPE and the paged KV write in one pass over the fused projection.
+            q = fused.rope_and_cache(self.qkv(x), p.positions, p.cos_table, p.sin_table,
+                                     k_cache, v_cache, ctx.slot_mapping, heads=c.heads,
+                                     kv_heads=c.kv_heads, head_dim=c.head_dim)
+            return self.o(attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1))
         q, k, v = self.qkv(x).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
                                      c.kv_heads * c.head_dim], dim=-1)
         q = q.view(T, c.heads, c.head_dim)
@@ -112,7 +126,9 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=cfg.mlp_bias)   # fused
         self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=cfg.mlp_bias)
 
-    def forward(self, x):
+    def forward(self, x, fused_ops: bool = False):
+        if fused_ops:
+            return self.down(fused.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.down(F.silu(gate) * up)
 
@@ -126,6 +142,11 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
+        if ctx.paged is not None:   # a decode step on vt's kernels
+            a, m = self.attn_norm, self.mlp_norm
+            attn_out = self.attn(fused.rms_norm(x, a.weight, a.eps), ctx, k_cache, v_cache)
+            x, h = fused.add_rms_norm(x, attn_out, m.weight, m.eps)
+            return x + self.mlp(h, fused_ops=True)
         x = x + self.attn(self.attn_norm(x), ctx, k_cache, v_cache)
         return x + self.mlp(self.mlp_norm(x))
 
@@ -135,9 +156,10 @@ class LlamaDecoder(nn.Module):
     layer, K and V) for a vt geometry. Call it as vt's forward(inputs, logits_out)."""
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
-                 device="cuda"):
+                 device="cuda", kernels: str = "auto"):
         super().__init__()
         self.cfg, self.geometry = cfg, geometry
+        self.kernels = decode_kernels(kernels, torch.device(device), cfg.head_dim)
         factory = dict(dtype=dtype, device=device)
         self.embed = nn.Embedding(cfg.vocab, cfg.hidden, **factory)
         with torch.device(device):
@@ -164,7 +186,8 @@ class LlamaDecoder(nn.Module):
     def forward(self, inputs: TorchInputs, logits_out: torch.Tensor) -> None:
         """Every token of the step through the layers; logits_out [B, vocab] of each
         sequence's logits_indices token (a decode step's are all of its tokens)."""
-        ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context)
+        ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context,
+                            paged=self.kernels == "vt")
         x = self.embed(inputs.input_ids.long())
         for i, layer in enumerate(self.layers):
             x = layer(x, ctx, self.k_cache[i], self.v_cache[i])
@@ -173,6 +196,16 @@ class LlamaDecoder(nn.Module):
         x = self.norm(x)
         head = self.embed.weight if self.lm_head is None else self.lm_head.weight
         logits_out.copy_(F.linear(x, head))
+
+
+def decode_kernels(kernels: str, device: torch.device, head_dim: int) -> str:
+    """"vt" or "torch": what a decode step runs (the module docstring); "auto" resolved."""
+    if kernels not in ("auto", "vt", "torch"):
+        raise ValueError(f"LlamaDecoder: kernels={kernels!r} must be 'auto', 'vt' or 'torch'")
+    if kernels == "auto":
+        pow2 = head_dim & (head_dim - 1) == 0
+        return "vt" if device.type == "cuda" and pow2 else "torch"
+    return kernels
 
 
 def rope(x, cos, sin):

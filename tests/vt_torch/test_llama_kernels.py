@@ -1,0 +1,135 @@
+"""LlamaDecoder's `kernels`: a decode step on vt's kernels ("vt": paged decode attention over
+the live tokens, the fused norm / SiLU / RoPE-and-cache ops) computes what the plain torch
+step ("torch": dense attention over max_context, masked) computes. On the CPU both run plain
+torch (the CI twin of the wiring); on CUDA "vt" runs the Triton kernels. Tolerances (relative
+Frobenius error of the logits): float32 1e-5; bf16 on CUDA 3e-2 (bf16 storage rounds each
+layer's activations; the paged kernel sums in float32, SDPA in its own order)."""
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+
+from vt.backend import get_backend  # noqa: E402
+from vt.torch import TorchInputs  # noqa: E402
+from vt.torch.llama import LlamaDecoder, decode_kernels  # noqa: E402
+
+from _torch_util import (GEO, TINY, eager_greedy, generate, prompts, step_model,  # noqa: E402
+                         tiny_llama)
+
+CONFIGS = {"llama": dataclasses.replace(TINY, qk_norm=False), "qwen3": TINY}
+
+
+def twin(module: LlamaDecoder, kernels: str) -> LlamaDecoder:
+    """The same weights and KV cache on the other kernels."""
+    other = LlamaDecoder(module.cfg, module.geometry, dtype=module.embed.weight.dtype,
+                         device=module.k_cache.device, kernels=kernels)
+    other.load_state_dict(module.state_dict())
+    with torch.no_grad():
+        other.k_cache.copy_(module.k_cache)
+        other.v_cache.copy_(module.v_cache)
+    return other
+
+
+def random_decode_step(module: LlamaDecoder, lens, seed: int) -> TorchInputs:
+    """A decode step of len(lens) rows over a cache of random K and V: row n is at position
+    lens[n] - 1 of a table of distinct blocks (block 0, the scratch, unused)."""
+    g = torch.Generator().manual_seed(seed)
+    geo, dev = module.geometry, module.k_cache.device
+    with torch.no_grad():
+        module.k_cache.copy_(torch.randn(module.k_cache.shape, generator=g))
+        module.v_cache.copy_(torch.randn(module.v_cache.shape, generator=g))
+    S = len(lens)
+    blocks = 1 + torch.randperm(geo.num_kv_blocks - 1, generator=g)[:S * geo.max_blocks]
+    tables = blocks.view(S, geo.max_blocks).int()
+    pos = torch.tensor(lens, dtype=torch.int32) - 1
+    slots = tables[torch.arange(S), pos // geo.block_size] * geo.block_size + pos % geo.block_size
+    table = torch.randint(0, module.cfg.vocab, (geo.max_seqs + 1,), generator=g).int()
+    i32 = lambda t: t.int().to(dev)   # noqa: E731
+    return TorchInputs.decode(i32(table), i32(torch.arange(S)), i32(pos), i32(pos + 1),
+                              i32(slots), i32(tables), i32(torch.zeros(S)))
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def decode_both(ref: LlamaDecoder, lens, seed):
+    """(vt's logits, torch's logits, the twin) of one random decode step; both caches after."""
+    inputs = random_decode_step(ref, lens, seed)
+    fast = twin(ref, "vt")
+    outs = [torch.empty(len(lens), ref.cfg.vocab, device=ref.k_cache.device) for _ in range(2)]
+    fast(inputs, outs[0])
+    ref(inputs, outs[1])
+    return outs[0], outs[1], fast
+
+
+def test_kernels_choice():
+    """auto: vt's kernels on CUDA with a power-of-two head_dim, plain torch otherwise."""
+    assert decode_kernels("auto", torch.device("cpu"), 64) == "torch"
+    assert decode_kernels("auto", torch.device("cuda"), 64) == "vt"
+    assert decode_kernels("auto", torch.device("cuda"), 96) == "torch"
+    assert decode_kernels("vt", torch.device("cpu"), 96) == "vt"
+    with pytest.raises(ValueError, match="kernels='triton' must be"):
+        decode_kernels("triton", torch.device("cpu"), 64)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_vt_kernels_decode_step_equals_torch_on_cpu(sim_backend, arch):
+    """float32 on the CPU: logits within 1e-5, and the K and V written to the cache within
+    1e-5 (layer 0 writes the same; later layers see attention summed in another order)."""
+    ref = tiny_llama(sim_backend, cfg=CONFIGS[arch], kernels="torch")
+    got, want, fast = decode_both(ref, [5, 17, 1, GEO.max_context], seed=1)
+    assert rel_err(got, want) < 1e-5
+    torch.testing.assert_close(fast.k_cache, ref.k_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.v_cache, ref.v_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.k_cache[0], ref.k_cache[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_vt_kernels_greedy_tokens_equal_torch_on_cpu(sim_backend, arch):
+    ref = tiny_llama(sim_backend, cfg=CONFIGS[arch], kernels="torch")
+    fast = twin(ref, "vt")
+    for p in prompts(3, seed=4):
+        assert eager_greedy(fast, p, 6) == eager_greedy(ref, p, 6)
+
+
+def _cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    return get_backend("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_triton_decode_step_equals_dense_bf16_on_cuda(arch):
+    """bf16 on CUDA: the Triton step's logits within 3e-2 of the dense torch step's, on fresh
+    random caches and weights."""
+    be = _cuda()
+    try:
+        ref = tiny_llama(be, cfg=CONFIGS[arch], dtype=torch.bfloat16, kernels="torch",
+                         seed=int(torch.seed()) % 2**31)
+        got, want, _ = decode_both(ref, [5, 17, 1, GEO.max_context, 2], seed=2)
+        assert torch.isfinite(got).all()
+        assert rel_err(got, want) < 3e-2
+    finally:
+        be.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.torch_allocator
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_greedy_tokens_equal_dense_on_cuda(dtype):
+    """float32 and float16 on CUDA: vt serving the Triton decoder (captured decode steps) gives
+    the dense torch decoder's eager greedy tokens."""
+    be = _cuda()
+    try:
+        ref = tiny_llama(be, cfg=CONFIGS["llama"], dtype=dtype, kernels="torch")
+        fast = twin(ref, "vt")
+        ps = prompts(4, seed=5)
+        expect = [eager_greedy(ref, p, 8) for p in ps]
+        assert [eager_greedy(fast, p, 8) for p in ps] == expect
+        assert generate(be, step_model(be, fast), "ring", ps, 8) == expect
+    finally:
+        be.close()
