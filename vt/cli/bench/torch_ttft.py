@@ -35,6 +35,8 @@ def main(argv=None) -> int:
                    help="torch-llama3-8b (default), torch-llama-10x2048, or tiny (a test size)")
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
+                   help="LlamaDecoder's attention and layer ops (default auto: vt's on CUDA)")
     p.add_argument("--conc", type=int, default=32, help="requests arriving together (default 32)")
     p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
     p.add_argument("--context", type=int, default=512,
@@ -65,7 +67,7 @@ def run(args) -> dict:
     cuda = be.name == "cuda"
     cfg = LlamaConfig(**TINY) if args.preset == "tiny" else torch_workload.model_config(args.preset)
     dtype = torch.bfloat16 if cuda else torch.float32
-    out = dict(preset=args.preset, backend=be.name, mode=args.mode, conc=args.conc,
+    out = dict(preset=args.preset, backend=be.name, mode=args.mode, kernels=args.kernels, conc=args.conc,
                prompt_len=args.prompt_len, context=args.context, dtype=str(dtype).split(".")[-1],
                device=torch.cuda.get_device_name() if cuda else "cpu")
     try:
@@ -96,7 +98,7 @@ def _run_vt(be, cfg, dtype, args) -> dict:
                      max_context=blocks * bs)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be))
+    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels)
     params = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embed."))
     if module.lm_head is None:
         params += module.embed.weight.numel()
