@@ -345,12 +345,12 @@ def test_chunked_prefill_keeps_every_step_within_the_budget_and_the_tokens(sim_b
     fwd = ToyForward(sim_backend, vocab=VOCAB, geometry=GEO)
     model = fwd.step_model()
     chunks = []
-    real = model.prefill
+    real = model.prepare_prefill     # the runner's entry to a step's prompt chunks
 
-    def recording(stream, seqs, logits_out):
+    def recording(seqs):
         chunks.append(sum(len(s.tokens) - s.start for s in seqs))
-        real(stream, seqs, logits_out)
-    model.prefill = recording
+        return real(seqs)
+    model.prepare_prefill = recording
     with Engine(sim_backend, model, _config(mode), max_prefill_tokens=3) as eng:
         chunks.clear()                                  # (the warm-up's prefills)
         handles = [eng.submit(**r) for r in reqs]
