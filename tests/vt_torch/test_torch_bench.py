@@ -49,20 +49,65 @@ def test_the_torch_workload_refuses_an_unknown_preset_listing_each(capsys):
 
 
 def test_the_ttft_tool_prints_its_table_on_the_sim(capsys, tmp_path):
-    """The tiny preset, vt against transformers on the CPU: every row of the table, and the
-    JSON's times positive."""
+    """The tiny preset, vt against transformers on the CPU: every row of the table (a 1-request
+    TTFT per --single length, one longer than --context), and the JSON's times positive."""
     import json
 
     from vt.cli.bench import torch_ttft
     pytest.importorskip("transformers", reason="the peer is transformers")
     out = tmp_path / "ttft.json"
     assert torch_ttft.main(["--preset", "tiny", "--backend", "sim", "--conc", "3", "--prompt-len",
-                            "6", "--context", "16", "--repeats", "1", "--json", str(out)]) == 0
+                            "6", "--single", "6", "20", "--context", "16", "--repeats", "1",
+                            "--json", str(out)]) == 0
     table = capsys.readouterr().out
-    for row in ("TTFT, 1 request of 6 tokens", "TTFT, 3 requests of 6 tokens (last)",
-                "TPOT, 3 requests, context 16", "transformers"):
+    for row in ("TTFT, 1 request of 6 tokens", "TTFT, 1 request of 20 tokens",
+                "TTFT, 3 requests of 6 tokens (last)", "TPOT, 3 requests, context 16",
+                "vt prefill of 1 x 20 tokens", "transformers"):
         assert row in table
     result = json.loads(out.read_text())
-    assert all(result[side][k] > 0 for side in ("vt", "peer")
-               for k in ("ttft_1_s", "ttft_n_last_s", "tpot_s"))
+    assert all(result[side][k] > 0 for side in ("vt", "peer") for k in ("ttft_n_last_s", "tpot_s"))
+    assert all(result[side]["ttft_single_s"][n] > 0 for side in ("vt", "peer") for n in ("6", "20"))
     assert result["vt"]["steps"]["prefill"] >= 3
+
+
+def test_the_decode_floor_tool_prints_its_table_on_the_sim(capsys, tmp_path):
+    """The tiny preset on the sim (no floor, no graph loop there): a row per (rows, live) with
+    vt's TPOT and its graph's ceiling, transformers at the rows asked, the JSON and the PNG."""
+    import json
+
+    from vt.cli.bench import torch_decode
+    pytest.importorskip("transformers", reason="the peer is transformers")
+    out, png = tmp_path / "decode.json", tmp_path / "decode.png"
+    argv = ["--preset", "tiny", "--backend", "sim", "--rows", "1", "3", "--live", "8", "20",
+            "--max-context", "48", "--steps", "6", "--repeats", "1", "--json", str(out)]
+    try:
+        import matplotlib  # noqa: F401
+        argv += ["--png", str(png)]
+    except ImportError:
+        png = None
+    assert torch_decode.main(argv) == 0
+    table = capsys.readouterr().out
+    assert "no floor on this backend" in table and "transformers" in table
+    result = json.loads(out.read_text())
+    cells = {(c["rows"], c["live"]): c for c in result["cells"]}
+    assert set(cells) == {(1, 8), (3, 8), (1, 20), (3, 20)}
+    assert all(c["tpot_s"] > 0 and c["ceiling_s"] > 0 for c in cells.values())
+    assert {(c["rows"], c["live"]) for c in result["hf"]["cells"]} == {(1, 8), (1, 20)}
+    assert png is None or png.stat().st_size > 0
+
+
+def test_the_decode_floor_counts_weights_live_kv_and_the_rows_embeddings():
+    """floor = (weights but the embedding + S x (an embedding row + live x KV per token)) /
+    (copy rate / 2): numbers worked by hand."""
+    from vt.cli.bench.torch_decode import floor_s
+    r = dict(copy_rate_Bps=2e12, weight_bytes=16e9, kv_bytes_per_token=131072, embed_row_bytes=8192)
+    assert floor_s(r, 1, 256) == pytest.approx((16e9 + 8192 + 256 * 131072) / 1e12)
+    assert floor_s(r, 32, 2048) == pytest.approx((16e9 + 32 * (8192 + 2048 * 131072)) / 1e12)
+    assert floor_s(dict(r, copy_rate_Bps=None), 1, 256) is None
+
+
+def test_the_decode_floor_tool_refuses_a_live_context_past_max_context(capsys):
+    from vt.cli.bench import torch_decode
+    with pytest.raises(SystemExit):
+        torch_decode.main(["--preset", "tiny", "--live", "4090", "--max-context", "4096"])
+    assert "--live 4090" in capsys.readouterr().err

@@ -3,7 +3,8 @@ Llama decoder (vt.torch.llama, random weights) served by vt, against transformer
 `generate` on the same shape, in one run, printed as one table.
 
 What is measured (each the median of --repeats runs, on a warm engine and a warm peer):
-- TTFT, 1 request: a --prompt-len prompt submitted alone, to its first token on the host;
+- TTFT, 1 request: a prompt of each --single length (default --prompt-len) submitted alone,
+  to its first token on the host (the geometry's max_context fits the longest);
 - TTFT, --conc requests submitted together: the last request's first token (and the median);
 - TPOT at --conc requests, context --context: each request's (last token - first token) /
   (tokens - 1), the median over the requests;
@@ -11,7 +12,8 @@ What is measured (each the median of --repeats runs, on a warm engine and a warm
   cache, no compile): TTFT = a generate of one new token, batch 1 and batch --conc;
   TPOT = (generate of N new tokens - generate of 1) / (N - 1), batch --conc;
 - on cuda, the bf16 GEMM throughput of one large matmul, the compute ceiling of a prefill:
-  vt's prefill FLOP/s counts 2 x non-embedding parameters x prompt tokens over its TTFT.
+  vt's prefill FLOP/s counts 2 x non-embedding parameters x prompt tokens over its TTFT (for
+  the --conc requests, and for each --single prompt).
 
 vt serves the decoder with TorchForwardModel(prefill="flat"): a step's prompt tokens (and a
 mixed step's decode rows) run in one forward call; decode steps are captured graphs.
@@ -38,15 +40,21 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
                    help="LlamaDecoder's attention and layer ops (default auto: vt's on CUDA)")
     p.add_argument("--conc", type=int, default=32, help="requests arriving together (default 32)")
-    p.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    p.add_argument("--prompt-len", type=int, default=128,
+                   help="prompt tokens of the --conc requests (default 128)")
+    p.add_argument("--single", type=int, nargs="+", default=None,
+                   help="prompt lengths of the 1-request TTFT (default: --prompt-len)")
     p.add_argument("--context", type=int, default=512,
                    help="prompt + output tokens of the TPOT run (default 512)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-peer", action="store_true", help="leave transformers out")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
+    args.single = args.single or [args.prompt_len]
     if not 1 <= args.prompt_len < args.context:
         p.error(f"--prompt-len {args.prompt_len} must be in [1, --context {args.context})")
+    if min(args.single) < 1:
+        p.error(f"--single {args.single}: prompt lengths must be positive")
     if args.conc < 1 or args.repeats < 1:
         p.error("--conc and --repeats must be positive")
     result = run(args)
@@ -93,7 +101,7 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     from vt.torch import TorchForwardModel, torch_device
     from vt.torch.llama import LlamaDecoder
     bs = 16
-    blocks = -(-args.context // bs)
+    blocks = -(-max(args.context, max(args.single) + 1) // bs)   # a single prompt may be longer
     geo = KVGeometry(max_seqs=args.conc, num_kv_blocks=args.conc * blocks + 1, block_size=bs,
                      max_context=blocks * bs)
     torch.manual_seed(0)
@@ -110,7 +118,12 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     with Engine(be, model, config, max_prefill_tokens=args.conc * args.prompt_len) as eng:
         setup_s = time.perf_counter() - t0
         _first_tokens(eng, prompts)   # warm: every prompt shape once more, outside the timing
-        one = [_first_tokens(eng, prompts[:1])[0] for _ in range(args.repeats)]
+        single = {}
+        for P in args.single:
+            one_prompt = _prompts(cfg.vocab, 1, P)
+            _first_tokens(eng, one_prompt)   # warm: this prompt's shape
+            single[str(P)] = statistics.median(_first_tokens(eng, one_prompt)[0]
+                                               for _ in range(args.repeats))
         many = [_first_tokens(eng, prompts) for _ in range(args.repeats)]
         tpot = []
         for _ in range(args.repeats):
@@ -118,7 +131,7 @@ def _run_vt(be, cfg, dtype, args) -> dict:
             tpot.append(statistics.median((r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
                                           for r in res))
         stats = eng.stats()
-    return dict(params=params, setup_s=setup_s, ttft_1_s=statistics.median(one),
+    return dict(params=params, setup_s=setup_s, ttft_single_s=single,
                 ttft_n_last_s=statistics.median(max(m) for m in many),
                 ttft_n_median_s=statistics.median(statistics.median(m) for m in many),
                 tpot_s=statistics.median(tpot),
@@ -133,18 +146,19 @@ def _first_tokens(eng, prompts) -> list[float]:
     return [h.result().token_times[0] - t0 for h in handles]
 
 
-def _run_peer(cfg, dtype, device, args) -> dict | str:
-    """transformers generate on the same shape (random weights of its own), eager."""
+def hf_llama(cfg, dtype, device, max_context: int):
+    """transformers' LlamaForCausalLM of cfg's shape (random weights of its own, made in
+    `dtype` on `device`), eval mode, and a one-line label; ImportError without transformers."""
+    import torch
     try:
-        import torch
         import transformers
     except Exception as exc:   # the peer is optional
-        return f"transformers does not import ({type(exc).__name__}: {exc})"
+        raise ImportError(f"{type(exc).__name__}: {exc}") from exc
     hf_cfg = transformers.LlamaConfig(
         vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
         num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads,
         num_key_value_heads=cfg.kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_eps,
-        rope_theta=cfg.rope_theta, max_position_embeddings=max(args.context, 2048),
+        rope_theta=cfg.rope_theta, max_position_embeddings=max(max_context, 2048),
         tie_word_embeddings=cfg.tie_embeddings, eos_token_id=None, bos_token_id=None,
         pad_token_id=0)
     default = torch.get_default_dtype()
@@ -155,25 +169,38 @@ def _run_peer(cfg, dtype, device, args) -> dict | str:
             model = transformers.LlamaForCausalLM(hf_cfg).eval()
     finally:
         torch.set_default_dtype(default)
-    ids = torch.tensor(_prompts(cfg.vocab, args.conc, args.prompt_len), device=device)
+    return model, (f"transformers {transformers.__version__} generate, eager "
+                   f"({model.config._attn_implementation} attention)")
+
+
+def _run_peer(cfg, dtype, device, args) -> dict | str:
+    """transformers generate on the same shape (random weights of its own), eager."""
+    import torch
+    try:
+        model, label = hf_llama(cfg, dtype, device, args.context)
+    except ImportError as exc:
+        return f"transformers does not import ({exc})"
     new = args.context - args.prompt_len
 
-    def generate_s(batch, tokens) -> float:
-        x = ids[:batch]
+    def generate_s(ids, tokens) -> float:
         _sync(device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                            max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
         _sync(device)
         return time.perf_counter() - t0
-    generate_s(1, 2), generate_s(args.conc, 2)   # warm-up
-    one = statistics.median(generate_s(1, 1) for _ in range(args.repeats))
-    many = statistics.median(generate_s(args.conc, 1) for _ in range(args.repeats))
-    full = statistics.median(generate_s(args.conc, new) for _ in range(args.repeats))
-    out = dict(impl=f"transformers {transformers.__version__} generate, eager "
-                    f"({model.config._attn_implementation} attention)",
-               ttft_1_s=one, ttft_n_last_s=many, tpot_s=(full - many) / max(1, new - 1))
+    ids = torch.tensor(_prompts(cfg.vocab, args.conc, args.prompt_len), device=device)
+    generate_s(ids[:1], 2), generate_s(ids, 2)   # warm-up
+    single = {}
+    for P in args.single:
+        one_ids = torch.tensor(_prompts(cfg.vocab, 1, P), device=device)
+        generate_s(one_ids, 1)
+        single[str(P)] = statistics.median(generate_s(one_ids, 1) for _ in range(args.repeats))
+    many = statistics.median(generate_s(ids, 1) for _ in range(args.repeats))
+    full = statistics.median(generate_s(ids, new) for _ in range(args.repeats))
+    out = dict(impl=label, ttft_single_s=single, ttft_n_last_s=many,
+               tpot_s=(full - many) / max(1, new - 1))
     del model
     return out
 
@@ -208,22 +235,29 @@ def _sync(device) -> None:
 def format_table(r: dict) -> str:
     vt, peer = r["vt"], r["peer"]
     n, P = r["conc"], r["prompt_len"]
-    rows = [(f"TTFT, 1 request of {P} tokens", "ttft_1_s"),
-            (f"TTFT, {n} requests of {P} tokens (last)", "ttft_n_last_s"),
-            (f"TPOT, {n} requests, context {r['context']}", "tpot_s")]
     peer_ok = isinstance(peer, dict)
+    rows = [(f"TTFT, 1 request of {L} tokens", vt["ttft_single_s"][L],
+             peer["ttft_single_s"][L] if peer_ok else None) for L in vt["ttft_single_s"]]
+    rows += [(f"TTFT, {n} requests of {P} tokens (last)", vt["ttft_n_last_s"],
+              peer["ttft_n_last_s"] if peer_ok else None),
+             (f"TPOT, {n} requests, context {r['context']}", vt["tpot_s"],
+              peer["tpot_s"] if peer_ok else None)]
     lines = [f"{r['preset']}: {r['params'] / 1e9:.2f} B parameters (non-embedding), {r['dtype']}, "
              f"on {r['device']} ({r['backend']}); vt mode {r['mode']}, prefill=flat",
              f"{'':44s} {'vt':>10s} {'peer':>10s} {'vt/peer':>8s}"]
-    for label, key in rows:
-        p = f"{peer[key] * 1e3:8.1f} ms" if peer_ok else f"{'-':>10s}"
-        ratio = f"{vt[key] / peer[key]:8.2f}" if peer_ok else f"{'-':>8s}"
-        lines.append(f"{label:44s} {vt[key] * 1e3:7.1f} ms {p} {ratio}")
+    for label, mine, theirs in rows:
+        p = f"{theirs * 1e3:8.1f} ms" if theirs else f"{'-':>10s}"
+        ratio = f"{mine / theirs:8.2f}" if theirs else f"{'-':>8s}"
+        lines.append(f"{label:44s} {mine * 1e3:7.1f} ms {p} {ratio}")
     lines.append(f"{'TTFT, ' + str(n) + ' requests (median)':44s} {vt['ttft_n_median_s'] * 1e3:7.1f} ms")
     flops = 2 * r["params"] * n * P / vt["ttft_n_last_s"] / 1e12
     gemm = r.get("gemm_tflops")
     ceiling = f" = {100 * flops / gemm:.0f} % of the bf16 GEMM's {gemm:.0f} TFLOP/s" if gemm else ""
     lines.append(f"vt prefill of {n} x {P} tokens: {flops:.1f} TFLOP/s{ceiling}")
+    for L, t in vt["ttft_single_s"].items():
+        one = 2 * r["params"] * int(L) / t / 1e12
+        share = f" = {100 * one / gemm:.0f} %" if gemm else ""
+        lines.append(f"vt prefill of 1 x {L} tokens: {one:.1f} TFLOP/s{share}")
     lines.append(f"peer: {peer['impl'] if peer_ok else peer or 'left out (--no-peer)'}")
     lines.append(f"vt steps: {vt['steps']}; engine set up in {vt['setup_s']:.1f} s")
     return "\n".join(lines)

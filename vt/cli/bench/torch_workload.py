@@ -170,6 +170,22 @@ class TorchLlamaPeer(GraphLoop):
             wall_s = time.perf_counter() - t0
         return dict(wall_s=wall_s, wait_s=wait_s, tokens=out.T.tolist())
 
+    def time_decode(self, variant: str, start: int, steps: int) -> float:
+        """Seconds per step of `steps` decode steps of every row from position `start`, with
+        no prefill: the cache holds whatever it holds (a step's cost does not depend on the
+        cached values), so only the timing means anything."""
+        torch = self.torch
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown torch variant {variant!r}; choose from {VARIANTS}")
+        out = np.zeros((steps + 1, self.S), np.int32)
+        first = np.full(self.S, start, np.int32)
+        loop = self._sync_steps if variant == "torch_sync" else self._async_steps
+        with torch.cuda.stream(self.stream):
+            loop(first, out, 0, 2)               # warm: both graphs once
+            t0 = time.perf_counter()
+            loop(first, out, 0, steps)
+            return (time.perf_counter() - t0) / steps
+
 
 
 def run_torch(be, args, progress, reason: str | None) -> list[dict]:

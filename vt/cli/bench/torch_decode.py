@@ -1,0 +1,318 @@
+"""`python -m vt.cli.bench.torch_decode`: a torch Llama decoder's decode step served by vt,
+against its memory-bandwidth floor, in one run, printed as one table.
+
+A decode step of S rows must read every weight once and each row's live KV once, so
+
+    floor = (weight bytes + S x live KV bytes) / the device-to-device copy rate
+
+with the copy rate (bytes read + written per second, a captured copy of 2 GiB) measured in the
+same run. The weight bytes are every parameter but the embedding (of which a step reads S
+rows), the head included; a tied head counts the embedding once.
+
+Per rows S (--rows) and live context L (--live), one engine (--mode, default ring) on one
+decoder of geometry max_context --max-context:
+- vt TPOT: S requests with prompts of L - steps/2 tokens submitted together, --steps + 1 new
+  tokens each, so that the mean live context of the timed steps is L. Prompts are prefilled
+  in chunks of --prefill-chunk tokens while the first rows decode; the time per output token
+  counts only the steps after the last request's first token (pure decode steps of S rows):
+  for each request (last token - its first token after that moment) / tokens between, the
+  median over the requests, then the median over --repeats;
+- ceiling: the same captured graph of S rows replayed back to back (Engine.device_ceiling_us);
+- graph loop: the same module in the hand-written depth-2 torch.cuda.CUDAGraph loop of
+  `vt bench --workload torch` (torch_workload.TorchLlamaPeer, argmax as its sampler), timed
+  over the same positions. Its cache holds no prompt (a decode step's cost does not depend on
+  the cached values), so it runs no prefill;
+- transformers `generate`, eager, where it imports and --hf-rows has S: (generate of
+  --steps + 1 new tokens - generate of 1) / steps after an L - steps/2 token prompt.
+
+`--preset tiny` runs a small fp32 decoder anywhere (the sim too, with no floor): the tool's own
+test. `--png` draws TPOT against rows with the floor for each live context.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+
+TINY = dict(vocab=256, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m vt.cli.bench.torch_decode",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="torch-llama3-8b",
+                   help="torch-llama3-8b (default), torch-llama-10x2048, or tiny (a test size)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
+                   help="LlamaDecoder's decode attention and layer ops (default auto: vt's on CUDA)")
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="rows per step")
+    p.add_argument("--live", type=int, nargs="+", default=[256, 2048],
+                   help="mean live context of the timed steps, tokens per row")
+    p.add_argument("--max-context", type=int, default=4096, help="the geometry's max_context")
+    p.add_argument("--steps", type=int, default=64, help="timed decode steps per run (even)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--prefill-chunk", type=int, default=16384,
+                   help="max_prefill_tokens of the engine (default 16384)")
+    p.add_argument("--hf-rows", type=int, nargs="*", default=[1],
+                   help="rows at which transformers' eager generate is timed (default 1; none: skip)")
+    p.add_argument("--no-peer", action="store_true", help="leave the torch graph loop out")
+    p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--png", default=None, help="also draw TPOT against rows here (matplotlib)")
+    args = p.parse_args(argv)
+    bad = [f"--rows {s}" for s in args.rows if s < 1] + [f"--live {n}" for n in args.live if n < 1]
+    if bad:
+        p.error(f"{', '.join(bad)}: rows and live context must be positive")
+    if args.steps < 2 or args.steps % 2 or args.repeats < 1 or args.prefill_chunk < 1:
+        p.error("--steps must be even and >= 2, --repeats and --prefill-chunk positive")
+    for n in args.live:
+        if n - args.steps // 2 < 1 or n + args.steps // 2 + 1 > args.max_context:
+            p.error(f"--live {n} with --steps {args.steps} needs prompts of {n - args.steps // 2} "
+                    f"tokens and contexts up to {n + args.steps // 2 + 1} within "
+                    f"--max-context {args.max_context}")
+    if args.png and not args.png.endswith(".png"):
+        p.error(f"--png {args.png!r}: the name must end in .png")
+    result = run(args)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    if args.png:
+        write_png(result, args.png)
+    return 0
+
+
+def run(args) -> dict:
+    import torch
+
+    from vt.backend import get_backend
+    from vt.cli.bench import torch_workload
+    from vt.torch.llama import LlamaConfig
+    be = get_backend(None if args.backend == "auto" else args.backend)
+    cuda = be.name == "cuda"
+    cfg = LlamaConfig(**TINY) if args.preset == "tiny" else torch_workload.model_config(args.preset)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    out = dict(preset=args.preset, backend=be.name, mode=args.mode, max_context=args.max_context,
+               steps=args.steps, repeats=args.repeats, dtype=str(dtype).split(".")[-1],
+               device=torch.cuda.get_device_name() if cuda else "cpu", cells=[])
+    try:
+        out["copy_rate_Bps"] = copy_rate() if cuda else None
+        _run_vt(be, cfg, dtype, args, out)
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()   # the peer's weights need the memory
+        out["hf"] = _run_hf(cfg, dtype, cuda, args) if args.hf_rows else {}
+    finally:
+        be.close()
+    return out
+
+
+def _run_vt(be, cfg, dtype, args, out) -> None:
+    import torch
+
+    from vt.cli.bench.torch_workload import TorchLlamaPeer
+    from vt.engine import Engine
+    from vt.knobs import ExecutorConfig
+    from vt.step import KVGeometry
+    from vt.torch import TorchForwardModel, torch_device
+    from vt.torch.llama import LlamaDecoder
+    bs, rows = 16, sorted(set(args.rows))
+    blocks = -(-args.max_context // bs)
+    geo = KVGeometry(max_seqs=rows[-1], num_kv_blocks=rows[-1] * blocks + 1, block_size=bs,
+                     max_context=blocks * bs)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels)
+    out["kernels"] = module.kernels
+    out["weight_bytes"] = weight_bytes(module)
+    out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * _itemsize(dtype)
+    out["embed_row_bytes"] = cfg.hidden * _itemsize(dtype)
+    model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
+    config = ExecutorConfig.for_mode(args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
+    peer_ok = be.name == "cuda" and not args.no_peer
+    with Engine(be, model, config, max_prefill_tokens=args.prefill_chunk) as eng:
+        out["setup_s"] = time.perf_counter() - t0
+        print(f"torch_decode: {args.preset} set up in {out['setup_s']:.1f} s "
+              f"(kernels {module.kernels}, mode {args.mode})", flush=True)
+        for live in args.live:
+            for S in rows:
+                tc = time.perf_counter()
+                prompts = _prompts(cfg.vocab, S, live - args.steps // 2, seed=S * 100003 + live)
+                _decode_tpot(eng, prompts, args.steps)   # warm: this size's first steps
+                tpot = statistics.median(_decode_tpot(eng, prompts, args.steps)
+                                         for _ in range(args.repeats))
+                cell = dict(rows=S, live=live, tpot_s=tpot, ceiling_s=eng.device_ceiling_us(S) / 1e6)
+                if peer_ok:
+                    peer = TorchLlamaPeer(module, S)
+                    try:
+                        cell["graph_loop_s"] = statistics.median(
+                            peer.time_decode("torch_async", live - args.steps // 2, args.steps)
+                            for _ in range(args.repeats))
+                    finally:
+                        peer.close()
+                        del peer
+                out["cells"].append(cell)
+                print(f"  S={S:3d} live={live:5d}: vt {1e3 * tpot:7.3f} ms"
+                      + (f", graph loop {1e3 * cell['graph_loop_s']:7.3f} ms" if peer_ok else "")
+                      + f" ({time.perf_counter() - tc:.1f} s)", flush=True)
+
+
+def _decode_tpot(eng, prompts, steps: int) -> float:
+    """Seconds per pure decode step of len(prompts) rows (the module docstring)."""
+    handles = [eng.submit(p, max_new_tokens=steps + 1) for p in prompts]
+    times = [h.result().token_times for h in handles]
+    cut = max(t[0] for t in times)   # the last request's first token: all rows decode from here
+    per = []
+    for t in times:
+        after = [x for x in t if x >= cut]
+        if len(after) > 1:
+            per.append((after[-1] - after[0]) / (len(after) - 1))
+    if not per:
+        raise RuntimeError("torch_decode: no request decoded after the last first token")
+    return statistics.median(per)
+
+
+def weight_bytes(module) -> int:
+    """Bytes a decode step reads of the parameters, the embedding aside (a step reads S of its
+    rows; a tied head reads it whole)."""
+    total = sum(p.numel() * p.element_size() for n, p in module.named_parameters()
+                if not n.startswith("embed."))
+    if module.lm_head is None:
+        total += module.embed.weight.numel() * module.embed.weight.element_size()
+    return total
+
+
+def floor_s(r: dict, rows: int, live: int) -> float | None:
+    """The decode step's floor in seconds (the module docstring); None without a copy rate."""
+    if not r.get("copy_rate_Bps"):
+        return None
+    read = r["weight_bytes"] + rows * (r["embed_row_bytes"] + live * r["kv_bytes_per_token"])
+    return read / (r["copy_rate_Bps"] / 2)   # the copy rate counts bytes read and written
+
+
+def copy_rate() -> float:
+    """Device-to-device copy, bytes read + written per second: a captured copy of 2 GiB, the
+    median of 20 replays."""
+    import torch
+    a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
+    b = torch.empty_like(a)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        b.copy_(a)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del graph, a, b
+    return 2 * 2**31 / statistics.median(times)
+
+
+def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
+    """transformers' eager generate per --hf-rows and live context: TPOT (or why not)."""
+    from vt.cli.bench.torch_ttft import hf_llama
+    try:
+        model, label = hf_llama(cfg, dtype, "cuda" if cuda else "cpu", args.max_context)
+    except ImportError as exc:   # the peer is optional
+        return dict(error=f"transformers does not import ({exc})")
+    import torch
+    out = dict(impl=label, cells=[])
+    for live in args.live:
+        for S in args.hf_rows:
+            ids = torch.tensor(_prompts(cfg.vocab, S, live - args.steps // 2, seed=live),
+                               device=model.device)
+
+            def generate_s(tokens: int) -> float:
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.inference_mode():
+                    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                   max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+                if cuda:
+                    torch.cuda.synchronize()
+                return time.perf_counter() - t0
+            generate_s(2)   # warm
+            one = statistics.median(generate_s(1) for _ in range(args.repeats))
+            full = statistics.median(generate_s(args.steps + 1) for _ in range(args.repeats))
+            out["cells"].append(dict(rows=S, live=live, tpot_s=(full - one) / args.steps))
+            print(f"  transformers S={S} live={live}: {1e3 * out['cells'][-1]['tpot_s']:.2f} ms",
+                  flush=True)
+    del model
+    return out
+
+
+def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    import numpy as np
+    return np.random.default_rng(seed).integers(0, vocab, size=(n, length)).tolist()
+
+
+def _itemsize(dtype) -> int:
+    import torch
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def format_table(r: dict) -> str:
+    rate = r.get("copy_rate_Bps")
+    lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, kernels "
+             f"{r.get('kernels')}, vt mode {r['mode']}, max_context {r['max_context']}; weights "
+             f"{r['weight_bytes'] / 1e9:.2f} GB, KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token"
+             + (f", copy rate {rate / 1e12:.2f} TB/s" if rate else ", no floor on this backend"),
+             f"{'S':>3} {'live':>5} {'vt ms':>8} {'floor ms':>8} {'/floor':>6} {'ceiling':>8} "
+             f"{'vt/ceil':>7} {'loop ms':>8} {'loop/vt':>7} {'hf ms':>8} {'hf/vt':>6}"]
+    hf = {(c["rows"], c["live"]): c["tpot_s"] for c in (r.get("hf") or {}).get("cells", [])}
+    for c in r["cells"]:
+        S, live, vt = c["rows"], c["live"], c["tpot_s"]
+        fl = floor_s(r, S, live)
+        loop = c.get("graph_loop_s")
+        h = hf.get((S, live))
+        lines.append(
+            f"{S:3d} {live:5d} {1e3 * vt:8.3f} "
+            + (f"{1e3 * fl:8.3f} {vt / fl:6.2f} " if fl else f"{'-':>8} {'-':>6} ")
+            + f"{1e3 * c['ceiling_s']:8.3f} {c['ceiling_s'] / vt:7.3f} "
+            + (f"{1e3 * loop:8.3f} {loop / vt:7.3f} " if loop else f"{'-':>8} {'-':>7} ")
+            + (f"{1e3 * h:8.2f} {h / vt:6.2f}" if h else f"{'-':>8} {'-':>6}"))
+    hf_r = r.get("hf") or {}
+    lines.append("vt/ceil: the captured graph's own time over vt's step (1.0: the host adds "
+                 "nothing); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster)")
+    lines.append(f"hf: {hf_r.get('impl') or hf_r.get('error') or 'left out'}")
+    return "\n".join(lines)
+
+
+def write_png(r: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, live in enumerate(sorted({c["live"] for c in r["cells"]})):
+        cells = sorted((c for c in r["cells"] if c["live"] == live), key=lambda c: c["rows"])
+        xs = [c["rows"] for c in cells]
+        color = f"C{i}"
+        ax.plot(xs, [1e3 * c["tpot_s"] for c in cells], "o-", color=color,
+                label=f"vt {r['mode']}, live {live}")
+        if r.get("copy_rate_Bps"):
+            ax.plot(xs, [1e3 * floor_s(r, S, live) for S in xs], "--", color=color,
+                    label=f"floor, live {live}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows per decode step (S)")
+    ax.set_ylabel("ms per output token")
+    ax.set_title(f"{r['preset']}: decode step against its memory floor ({r['device']})", fontsize=9)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
