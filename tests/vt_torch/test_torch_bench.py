@@ -101,9 +101,20 @@ def test_the_decode_floor_counts_weights_live_kv_and_the_rows_embeddings():
     (copy rate / 2): numbers worked by hand."""
     from vt.cli.bench.torch_decode import floor_s
     r = dict(copy_rate_Bps=2e12, weight_bytes=16e9, kv_bytes_per_token=131072, embed_row_bytes=8192)
-    assert floor_s(r, 1, 256) == pytest.approx((16e9 + 8192 + 256 * 131072) / 1e12)
-    assert floor_s(r, 32, 2048) == pytest.approx((16e9 + 32 * (8192 + 2048 * 131072)) / 1e12)
+    assert floor_s(r, 1, 256) == pytest.approx((16e9 + 8192 + 256 * 131072) / 2e12)
+    assert floor_s(r, 32, 2048) == pytest.approx((16e9 + 32 * (8192 + 2048 * 131072)) / 2e12)
     assert floor_s(dict(r, copy_rate_Bps=None), 1, 256) is None
+
+
+def test_staggered_budgets_end_every_request_on_one_step():
+    """Request i's first token comes at step ((i + 1) * P - 1) // chunk; first step + budget is
+    the same for all, and the last admitted gets steps + 1."""
+    from vt.cli.bench.torch_decode import staggered_budgets
+    for n, P, chunk in ((64, 2016, 16384), (5, 7, 10), (3, 4, 100)):
+        budgets = staggered_budgets(n, P, chunk, 8)
+        ends = {((i + 1) * P - 1) // chunk + b for i, b in enumerate(budgets)}
+        assert len(ends) == 1 and budgets[-1] == 9
+    assert staggered_budgets(3, 4, 100, 8) == [9, 9, 9]
 
 
 def test_the_decode_floor_tool_refuses_a_live_context_past_max_context(capsys):

@@ -13,11 +13,13 @@ Per rows S (--rows) and live context L (--live), one engine (--mode, default rin
 decoder of geometry max_context --max-context:
 - vt TPOT: S requests with prompts of L - steps/2 tokens submitted together, --steps + 1 new
   tokens each, so that the mean live context of the timed steps is L. Prompts are prefilled
-  in chunks of --prefill-chunk tokens while the first rows decode; the time per output token
-  counts only the steps after the last request's first token (pure decode steps of S rows):
-  for each request (last token - its first token after that moment) / tokens between, the
-  median over the requests, then the median over --repeats;
-- ceiling: the same captured graph of S rows replayed back to back (Engine.device_ceiling_us);
+  in chunks of --prefill-chunk tokens while the first rows decode, and the earlier requests
+  get as many more tokens as they start steps earlier, so that all end on one step. The time
+  per output token counts only the steps every row runs (from the last first token to the
+  first last token): per request, time over its tokens in that window, the median over the
+  requests, then the median over --repeats;
+- ceiling: the same captured graph of S rows replayed back to back (Engine.device_ceiling_us:
+  the run's last step, a full one at the longest context);
 - graph loop: the same module in the hand-written depth-2 torch.cuda.CUDAGraph loop of
   `vt bench --workload torch` (torch_workload.TorchLlamaPeer, argmax as its sampler), timed
   over the same positions. Its cache holds no prompt (a decode step's cost does not depend on
@@ -69,10 +71,12 @@ def main(argv=None) -> int:
     if args.steps < 2 or args.steps % 2 or args.repeats < 1 or args.prefill_chunk < 1:
         p.error("--steps must be even and >= 2, --repeats and --prefill-chunk positive")
     for n in args.live:
-        if n - args.steps // 2 < 1 or n + args.steps // 2 + 1 > args.max_context:
-            p.error(f"--live {n} with --steps {args.steps} needs prompts of {n - args.steps // 2} "
-                    f"tokens and contexts up to {n + args.steps // 2 + 1} within "
-                    f"--max-context {args.max_context}")
+        prompt = n - args.steps // 2
+        longest = prompt + max(staggered_budgets(max(args.rows), max(prompt, 1),
+                                                 args.prefill_chunk, args.steps))
+        if prompt < 1 or longest > args.max_context:
+            p.error(f"--live {n} with --steps {args.steps} needs prompts of {prompt} tokens and "
+                    f"contexts up to {longest} within --max-context {args.max_context}")
     if args.png and not args.png.endswith(".png"):
         p.error(f"--png {args.png!r}: the name must end in .png")
     result = run(args)
@@ -91,7 +95,7 @@ def run(args) -> dict:
     from vt.backend import get_backend
     from vt.cli.bench import torch_workload
     from vt.torch.llama import LlamaConfig
-    be = get_backend(None if args.backend == "auto" else args.backend)
+    be = get_backend(args.backend)
     cuda = be.name == "cuda"
     cfg = LlamaConfig(**TINY) if args.preset == "tiny" else torch_workload.model_config(args.preset)
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -141,8 +145,8 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
             for S in rows:
                 tc = time.perf_counter()
                 prompts = _prompts(cfg.vocab, S, live - args.steps // 2, seed=S * 100003 + live)
-                _decode_tpot(eng, prompts, args.steps)   # warm: this size's first steps
-                tpot = statistics.median(_decode_tpot(eng, prompts, args.steps)
+                _decode_tpot(eng, prompts, args.steps, args.prefill_chunk)   # warm
+                tpot = statistics.median(_decode_tpot(eng, prompts, args.steps, args.prefill_chunk)
                                          for _ in range(args.repeats))
                 cell = dict(rows=S, live=live, tpot_s=tpot, ceiling_s=eng.device_ceiling_us(S) / 1e6)
                 if peer_ok:
@@ -160,19 +164,30 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
                       + f" ({time.perf_counter() - tc:.1f} s)", flush=True)
 
 
-def _decode_tpot(eng, prompts, steps: int) -> float:
+def _decode_tpot(eng, prompts, steps: int, chunk: int) -> float:
     """Seconds per pure decode step of len(prompts) rows (the module docstring)."""
-    handles = [eng.submit(p, max_new_tokens=steps + 1) for p in prompts]
+    budgets = staggered_budgets(len(prompts), len(prompts[0]), chunk, steps)
+    handles = [eng.submit(p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
     times = [h.result().token_times for h in handles]
-    cut = max(t[0] for t in times)   # the last request's first token: all rows decode from here
+    # Only the steps that every row runs: from the last first token to the first last token.
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
     per = []
     for t in times:
-        after = [x for x in t if x >= cut]
-        if len(after) > 1:
-            per.append((after[-1] - after[0]) / (len(after) - 1))
+        window = [x for x in t if start <= x <= end]
+        if len(window) > 1:
+            per.append((window[-1] - window[0]) / (len(window) - 1))
     if not per:
-        raise RuntimeError("torch_decode: no request decoded after the last first token")
+        raise RuntimeError("torch_decode: no step ran with every row decoding")
     return statistics.median(per)
+
+
+def staggered_budgets(n: int, prompt_len: int, chunk: int, steps: int) -> list[int]:
+    """New tokens per request so that all n end on the same step: prompts prefill in
+    submission order, `chunk` tokens a step, so request i's first token comes at step
+    ((i + 1) * prompt_len - 1) // chunk; the earlier ones decode the more. The last step is
+    then a full one, the step Engine.device_ceiling_us replays."""
+    first = [((i + 1) * prompt_len - 1) // chunk for i in range(n)]
+    return [steps + 1 + first[-1] - f for f in first]
 
 
 def weight_bytes(module) -> int:
@@ -190,7 +205,7 @@ def floor_s(r: dict, rows: int, live: int) -> float | None:
     if not r.get("copy_rate_Bps"):
         return None
     read = r["weight_bytes"] + rows * (r["embed_row_bytes"] + live * r["kv_bytes_per_token"])
-    return read / (r["copy_rate_Bps"] / 2)   # the copy rate counts bytes read and written
+    return read / r["copy_rate_Bps"]   # a copy's rate: bytes moved (read + written) per second
 
 
 def copy_rate() -> float:

@@ -71,7 +71,7 @@ def run(args) -> dict:
     from vt.backend import get_backend
     from vt.cli.bench import torch_workload
     from vt.torch.llama import LlamaConfig
-    be = get_backend(None if args.backend == "auto" else args.backend)
+    be = get_backend(args.backend)
     cuda = be.name == "cuda"
     cfg = LlamaConfig(**TINY) if args.preset == "tiny" else torch_workload.model_config(args.preset)
     dtype = torch.bfloat16 if cuda else torch.float32
