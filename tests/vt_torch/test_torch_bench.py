@@ -98,12 +98,12 @@ def test_the_decode_floor_tool_prints_its_table_on_the_sim(capsys, tmp_path):
 
 def test_the_decode_floor_counts_weights_live_kv_and_the_rows_embeddings():
     """floor = (weights but the embedding + S x (an embedding row + live x KV per token)) /
-    (copy rate / 2): numbers worked by hand."""
+    the floor rate: numbers worked by hand."""
     from vt.cli.bench.torch_decode import floor_s
-    r = dict(copy_rate_Bps=2e12, weight_bytes=16e9, kv_bytes_per_token=131072, embed_row_bytes=8192)
+    r = dict(floor_Bps=2e12, weight_bytes=16e9, kv_bytes_per_token=131072, embed_row_bytes=8192)
     assert floor_s(r, 1, 256) == pytest.approx((16e9 + 8192 + 256 * 131072) / 2e12)
     assert floor_s(r, 32, 2048) == pytest.approx((16e9 + 32 * (8192 + 2048 * 131072)) / 2e12)
-    assert floor_s(dict(r, copy_rate_Bps=None), 1, 256) is None
+    assert floor_s(dict(r, floor_Bps=None), 1, 256) is None
 
 
 def test_staggered_budgets_end_every_request_on_one_step():

@@ -40,7 +40,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits, num_warps=NUM_WARPS)
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
+        # tl.dot rounds float32 inputs to TF32 by default: a float32 model's attention would
+        # then differ from torch's at ~1e-3, enough to flip a greedy token.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS)
     _merge[(S, heads)](acc, stats, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
                        BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS)
@@ -51,7 +54,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
 def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, stride_kh,
            stride_vt, stride_vh, stride_bt, scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           SPLITS: tl.constexpr):
+           SPLITS: tl.constexpr, PRECISION: tl.constexpr):
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
@@ -78,13 +81,13 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
                     mask=tmask[:, None], other=0.0)                     # [BLOCK_N, HEAD_DIM]
         v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
                     mask=tmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale                              # [BLOCK_H, BLOCK_N]
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BLOCK_H, BLOCK_N]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))     # finite: every tile holds a live key
         alpha = tl.exp(m - m_new)
         prob = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
     row = (n * (GROUP * tl.num_programs(1)) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
     tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=hmask[:, None])

@@ -3,10 +3,10 @@ against its memory-bandwidth floor, in one run, printed as one table.
 
 A decode step of S rows must read every weight once and each row's live KV once, so
 
-    floor = (weight bytes + S x live KV bytes) / the device-to-device copy rate
+    floor = (weight bytes + S x live KV bytes) / the floor rate
 
-with the copy rate (bytes read + written per second, a captured copy of 2 GiB) measured in the
-same run. The weight bytes are every parameter but the embedding (of which a step reads S
+with the floor rate the faster of two memory-bound kernels measured in the same run: a
+device-to-device copy (bytes read + written per second) and a sum (bytes read per second). The weight bytes are every parameter but the embedding (of which a step reads S
 rows), the head included; a tied head counts the embedding once.
 
 Per rows S (--rows) and live context L (--live), one engine (--mode, default ring) on one
@@ -103,7 +103,10 @@ def run(args) -> dict:
                steps=args.steps, repeats=args.repeats, dtype=str(dtype).split(".")[-1],
                device=torch.cuda.get_device_name() if cuda else "cpu", cells=[])
     try:
-        out["copy_rate_Bps"] = copy_rate() if cuda else None
+        rates = bandwidths() if cuda else {}
+        out["copy_Bps"], out["read_Bps"] = rates.get("copy"), rates.get("read")
+        # the floor: the faster of the two moves bytes at the rate the chip can surely reach
+        out["floor_Bps"] = max(rates.values()) if rates else None
         _run_vt(be, cfg, dtype, args, out)
         gc.collect()
         if cuda:
@@ -202,36 +205,35 @@ def weight_bytes(module) -> int:
 
 def floor_s(r: dict, rows: int, live: int) -> float | None:
     """The decode step's floor in seconds (the module docstring); None without a copy rate."""
-    if not r.get("copy_rate_Bps"):
+    if not r.get("floor_Bps"):
         return None
     read = r["weight_bytes"] + rows * (r["embed_row_bytes"] + live * r["kv_bytes_per_token"])
-    return read / r["copy_rate_Bps"]   # a copy's rate: bytes moved (read + written) per second
+    return read / r["floor_Bps"]
 
 
-def copy_rate() -> float:
-    """Device-to-device copy, bytes read + written per second: a captured copy of 2 GiB, the
-    median of 20 replays."""
+def bandwidths() -> dict:
+    """Bytes per second of two memory-bound kernels on 2 GiB, eager, back to back, timed with
+    events (the median of 10): `copy`, a device-to-device copy counting bytes read and
+    written; `read`, a float32-accumulated sum, counting bytes read. (A copy captured in a
+    graph becomes a copy-engine node, slower than either: it is not a floor.)"""
     import torch
     a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
     b = torch.empty_like(a)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        b.copy_(a)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        b.copy_(a)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del graph, a, b
-    return 2 * 2**31 / statistics.median(times)
+    out = {}
+    for name, fn, moved in (("copy", lambda: b.copy_(a), 2 * 2**31),
+                            ("read", lambda: a.sum(dtype=torch.float32), 2**31)):
+        fn()
+        times = []
+        for _ in range(10):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out[name] = moved / statistics.median(times)
+    del a, b
+    return out
 
 
 def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
@@ -279,11 +281,12 @@ def _itemsize(dtype) -> int:
 
 
 def format_table(r: dict) -> str:
-    rate = r.get("copy_rate_Bps")
+    rate = r.get("floor_Bps")
     lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, kernels "
              f"{r.get('kernels')}, vt mode {r['mode']}, max_context {r['max_context']}; weights "
              f"{r['weight_bytes'] / 1e9:.2f} GB, KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token"
-             + (f", copy rate {rate / 1e12:.2f} TB/s" if rate else ", no floor on this backend"),
+             + (f", floor rate {rate / 1e12:.2f} TB/s (copy {r['copy_Bps'] / 1e12:.2f}, read "
+                f"{r['read_Bps'] / 1e12:.2f})" if rate else ", no floor on this backend"),
              f"{'S':>3} {'live':>5} {'vt ms':>8} {'floor ms':>8} {'/floor':>6} {'ceiling':>8} "
              f"{'vt/ceil':>7} {'loop ms':>8} {'loop/vt':>7} {'hf ms':>8} {'hf/vt':>6}"]
     hf = {(c["rows"], c["live"]): c["tpot_s"] for c in (r.get("hf") or {}).get("cells", [])}
@@ -316,7 +319,7 @@ def write_png(r: dict, path: str) -> None:
         color = f"C{i}"
         ax.plot(xs, [1e3 * c["tpot_s"] for c in cells], "o-", color=color,
                 label=f"vt {r['mode']}, live {live}")
-        if r.get("copy_rate_Bps"):
+        if r.get("floor_Bps"):
             ax.plot(xs, [1e3 * floor_s(r, S, live) for S in xs], "--", color=color,
                     label=f"floor, live {live}")
     ax.set_xscale("log", base=2)
