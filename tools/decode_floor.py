@@ -4,15 +4,17 @@ dense vs paged attention, unfused vs fused layer ops.
 
     python tools/decode_floor.py [--layers 32] [--cases 1:192 1:2048 32:2048] [--gemms]
 
-floor = (weight bytes + live KV bytes) / the device-to-device copy rate measured here (bytes
-read + written over time). Variants:
+floor = (weight bytes + live KV bytes) / the floor rate measured here: the faster of an eager
+device-to-device copy (bytes read + written over time) and an eager read
+(vt.cli.bench.torch_decode.bandwidths). Variants:
   dense-unfused   what vt.torch.llama does: gather max_context slots, masked SDPA, norms in
                   float32 and back, RoPE halves, index_copy KV write, silu(gate) * up
   paged-unfused   the same, attention by vt.torch.paged_attention (live tokens only)
   paged-fused     plus vt.torch.fused: add_rms_norm, rope_and_cache, silu_mul
 --gemms: each linear's achieved weight bytes/s at S = 1, 8, 32 (a graph of 20 calls over
-copies of the weight that L2 cannot hold), as a fraction of the copy rate.
-This is evidence for wiring the kernels into vt.torch.llama; it does not go through vt.
+copies of the weight that L2 cannot hold), as a fraction of the floor rate.
+This is evidence for wiring the kernels into vt.torch.llama; it does not go through vt
+(python -m vt.cli.bench.torch_decode measures the decoder served by vt's engine).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vt.cli.bench.torch_decode import bandwidths
 from vt.torch import fused
 from vt.torch.paged_attention import paged_decode_attention
 
@@ -147,18 +150,9 @@ def replay_ms(fn, replays=20):
     return statistics.median(times)
 
 
-def copy_rate():
-    """Device-to-device copy, bytes read + written per second (2 GiB buffers)."""
-    a = torch.randn(2**30, device="cuda", dtype=torch.bfloat16)
-    b = torch.empty_like(a)
-    ms = replay_ms(lambda: b.copy_(a))
-    del a, b
-    return 2 * 2**31 / (ms / 1e3)
-
-
 def gemm_table(W, rate):
     L = W["layers"][0]
-    print(f"\nGEMM weight bytes/s (copy rate {rate / 1e12:.2f} TB/s)")
+    print(f"\nGEMM weight bytes/s (floor rate {rate / 1e12:.2f} TB/s)")
     print(f"{'linear':>8} {'shape':>12} " + " ".join(f"{'S=' + str(s):>14}" for s in (1, 8, 32)))
     for name, w in (("qkv", L["qkv"]), ("o", L["o"]), ("gate_up", L["gate_up"]),
                     ("down", L["down"]), ("lm_head", W["head"])):
@@ -186,7 +180,8 @@ def main():
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"layers {args.layers}, max_context {args.max_context}")
-    rate = copy_rate()
+    rates = bandwidths()   # eager kernels: a copy captured in a graph runs on a copy engine
+    rate = max(rates.values())
     W = make_weights(args.layers)
     wb = weight_bytes(W)
     cases = [tuple(int(v) for v in c.split(":")) for c in args.cases]
@@ -196,7 +191,8 @@ def main():
     vc = torch.randn_like(kc)
     ang = torch.rand(args.max_context, HEAD_DIM // 2, device="cuda") * 6.28
     cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
-    print(f"weights {wb / 1e9:.2f} GB, copy rate {rate / 1e12:.2f} TB/s, "
+    print(f"weights {wb / 1e9:.2f} GB, floor rate {rate / 1e12:.2f} TB/s (copy "
+          f"{rates['copy'] / 1e12:.2f}, read {rates['read'] / 1e12:.2f}), "
           f"weight floor {wb / rate * 1e3:.2f} ms")
     print(f"{'S':>3} {'live':>5} {'variant':>14} {'ms':>8} {'floor ms':>9} {'/floor':>7} "
           f"{'logits rel diff':>16}")
