@@ -201,3 +201,27 @@ def test_saved_serve_results_are_reprinted_and_replotted(sim_serve, tmp_path, ca
     assert vt_main(["bench", "--from-json", str(saved), str(decode)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "one workload" in err[0], err
+
+
+def test_sim_serve_runs_a_torch_preset_beside_a_bundled_one(tmp_path, capsys):
+    """--preset torch-tiny serves the vt.torch Llama decoder (prefill "flat") through the same
+    cells as a bundled preset; its tokens are not compared across modes (not batch-invariant),
+    so the run's tokens_compared is False; every request got its tokens."""
+    pytest.importorskip("torch", reason="a torch preset needs PyTorch")
+    out = tmp_path / "serve.json"
+    assert main(["--backend", "sim", "--workload", "serve", "--preset", "torch-tiny", "tiny-dense",
+                 "--modes", "drain", "ring", "--clients", "2", "--requests", "4", "--no-bar",
+                 "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["tokens_compared"] is False
+    assert {(c["preset"], c["mode"]) for c in res["cells"]} == {
+        (p, m) for p in ("torch-tiny", "tiny-dense") for m in ("drain", "ring")}
+    for c in res["cells"]:
+        assert c["requests"] == 4 and c["tokens"] >= 4 * res["output_len"][0]
+    assert "a torch model is not" in capsys.readouterr().out
+
+
+def test_an_unknown_serve_preset_lists_the_torch_presets_too(capsys):
+    assert main(["--backend", "sim", "--workload", "serve", "--preset", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown preset(s) ['nope']" in err and "torch-llama3-8b" in err

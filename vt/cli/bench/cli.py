@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="run bench-* presets on the sim backend anyway (slow, gigabytes)")
     p.add_argument("--preset", nargs="+", default=None,
-                   help="model: preset(s) (default: bench-small on cuda, tiny-dense on sim; torch: torch-llama-10x2048, torch-llama3-8b)")
+                   help="model: preset(s) (default: bench-small on cuda, tiny-dense on sim); torch: "
+                        "torch-llama-10x2048 (default), torch-llama3-8b; serve: either kind")
     p.add_argument("--conc", type=int, nargs="+", default=None,
                    help=f"rows per decode step, S, each 1 to {lim.MAX_SERVING_CONC} (default: 1 32; "
                         f"model: 1 32 64)")
@@ -189,9 +190,17 @@ def _resolve(args: argparse.Namespace, error) -> None:
     if backend == "cuda" and args.sim_delay_ms:
         error("--sim-delay-ms applies to the sim backend only and this run uses cuda; drop it "
               "or add --backend sim")
-    unknown = [p for p in args.preset if p not in PRESETS and args.workload != "torch"]
+    from vt.cli.bench.torch_workload import PRESETS as TORCH_PRESETS
+    torch_ok = args.workload == "serve"   # serve runs a torch preset too
+    unknown = [p for p in args.preset if p not in PRESETS and args.workload != "torch"
+               and not (torch_ok and p in TORCH_PRESETS)]
     if unknown:   # a typo is refused with either workload, not ignored by the synthetic one
-        error(f"unknown preset(s) {unknown}; choose from {', '.join(PRESETS)}")
+        names = list(PRESETS) + (list(TORCH_PRESETS) if torch_ok else [])
+        error(f"unknown preset(s) {unknown}; choose from {', '.join(names)}")
+    if torch_ok and any(p in TORCH_PRESETS for p in args.preset):
+        import importlib.util
+        if importlib.util.find_spec("torch") is None:
+            error("a torch preset needs PyTorch, which is not installed (pip install torch)")
     # Bench presets are sized for the GPU: on the sim they need gigabytes of host memory and
     # minutes per step, with nothing printed meanwhile (vt run refuses them the same way).
     big = [p for p in args.preset if p.startswith("bench-")]
@@ -201,6 +210,8 @@ def _resolve(args: argparse.Namespace, error) -> None:
               f"add --force to run them anyway")
     if model:   # every preset's context, now: not after the presets before it were measured
         for name in args.preset:
+            if name in TORCH_PRESETS:   # its geometry is made for the requests' context
+                continue
             pick_preset(backend, name, args.prompt_len + args.steps + 1, "vt bench", force=True)
 
 

@@ -14,7 +14,7 @@ def _f(v, fmt: str) -> str:
 def table(res: dict) -> str:
     tokens = ("tokens compared across modes (batch-invariant model)" if res.get("tokens_compared")
               else "tokens not compared across modes: the model is not batch-invariant here "
-                   "(VT_BATCH_INVARIANT=1 compares them)")
+                   "(VT_BATCH_INVARIANT=1 makes the bundled model so; a torch model is not)")
     lines = [f"serve: {res['requests']} requests per cell, output {res['output_len']}, prompt "
              f"{res['prompt_len']} tokens; engines profiled (device timing events); {tokens}",
              f"{'preset':<12} {'arrival':<8} {'load':>5} {'mode':<7} {'tok/s':>8} {'x drain':>7} "

@@ -1,4 +1,5 @@
-"""The serve sweep: per preset one model; per mode one engine (profile=True, so the GPU busy
+"""The serve sweep: per preset one model (a bundled preset, or a torch preset of
+vt.cli.bench.torch_workload: the vt.torch Llama decoder); per mode one engine (profile=True, so the GPU busy
 fraction is measured the same way in every mode), all captured and warmed first, then every
 (arrival, load) cell on the same requests, --repeats times, the modes taking turns in an order
 that flips each repeat (engines over one model drive it one after the other); a cell reports
@@ -77,8 +78,30 @@ def resolve_serve(args, backend: str, error) -> None:
         error("--png needs matplotlib, which is not installed (pip install matplotlib)")
 
 
+def _serve_model(be, name: str, conc: int, context: int, seed: int):
+    """(preset, vocab, step model, close(), whether every mode must give the same tokens) for
+    a bundled preset or a torch preset (vt.torch.llama with seeded random weights, prefill
+    "flat"). A torch model's rows are not batch-invariant (its GEMMs' sums depend on the rows
+    beside them), so its tokens are not compared across modes."""
+    from vt.cli.bench import torch_workload
+    if name in torch_workload.PRESETS:
+        import gc
+        cfg = torch_workload.model_config(name)
+        module, model = torch_workload.build(be, conc, context, seed, cfg=cfg)
+
+        def close() -> None:
+            nonlocal module, model
+            module = model = None
+            gc.collect()   # the next preset's weights need the memory
+        return name, cfg.vocab, model, close, False
+    from vt.cli.common import build_model, resolve_preset
+    preset, cfg = resolve_preset(be, name, context, "vt bench")
+    model = build_model(be, cfg, max_seqs=conc, context=context, seed=seed)
+    return preset, cfg.vocab, model, model.close, be.name == "sim" or model.batch_invariant
+
+
 def run_serve(args, progress_factory) -> dict:
-    from vt.cli.common import build_model, pick_backend, resolve_preset
+    from vt.cli.common import pick_backend
     from vt.engine.engine import Engine
     from vt.knobs import ExecutorConfig
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
@@ -92,13 +115,13 @@ def run_serve(args, progress_factory) -> dict:
     try:
         with progress_factory(steps) as progress:
             for name in args.preset:
-                preset, cfg = resolve_preset(be, name, context, "vt bench")
-                model = build_model(be, cfg, max_seqs=conc, context=context, seed=args.seed)
-                invariant.append(be.name == "sim" or model.batch_invariant)
+                preset, vocab, model, close_model, same_tokens = _serve_model(
+                    be, name, conc, context, args.seed)
+                invariant.append(same_tokens)
                 rng = np.random.default_rng(args.seed)
-                work = {load: draw_requests(rng, args.requests, cfg.vocab, args.prompt_range,
+                work = {load: draw_requests(rng, args.requests, vocab, args.prompt_range,
                                             args.output_len) for load in loads}
-                warm = draw_requests(rng, conc, cfg.vocab, args.prompt_range, (2, 4))
+                warm = draw_requests(rng, conc, vocab, args.prompt_range, (2, 4))
                 engines = {}
                 try:
                     for mode in args.modes:
@@ -126,7 +149,7 @@ def run_serve(args, progress_factory) -> dict:
                 finally:
                     for eng in engines.values():
                         eng.close()
-                    model.close()
+                    close_model()
         info = be.info()
     finally:
         be.close()

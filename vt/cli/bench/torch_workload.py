@@ -39,6 +39,10 @@ PRESETS = {
         "TinyLlama's layers, 10 of 22: hidden 2048, GQA 32/4, SwiGLU 5632, vocab 32000 (0.6B)",
         dict(vocab=32000, hidden=2048, intermediate=5632, layers=10, heads=32, kv_heads=4,
              head_dim=64)),
+    # The serve workload's test size: runs on the sim (CPU torch) in a second.
+    "torch-tiny": (
+        "a tiny Llama for tests: 2 layers, hidden 64, GQA 4/2, vocab 256 (runs on the sim)",
+        dict(vocab=256, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16)),
     "torch-llama3-8b": (
         "Llama-3-8B's shape: 32 layers, hidden 4096, GQA 32/8, SwiGLU 14336, vocab 128256 (8.0B)",
         dict(vocab=128256, hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
