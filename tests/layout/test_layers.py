@@ -26,7 +26,10 @@ RANK = {
     "cli": 7,
 }
 MAX_TOP_LEVEL_FILES = 8
-MAX_MODULE_LINES = 320
+# Past ~500 lines a module likely holds a second concept: a warning asks someone to look.
+# Split on concepts, never by trimming docstrings; only past 1,000 does the test fail.
+SOFT_MODULE_LINES = 500
+MAX_MODULE_LINES = 1000
 
 
 def _modules():
@@ -121,4 +124,8 @@ def test_the_top_level_is_a_handful_of_files():
 
 @pytest.mark.parametrize("path", sorted(VT.rglob("*.py")), ids=lambda p: str(p.relative_to(VT)))
 def test_no_module_is_long(path):
-    assert len(path.read_text().splitlines()) <= MAX_MODULE_LINES
+    import warnings
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_MODULE_LINES, f"{path.relative_to(VT)}: {n} lines; split it on its concepts"
+    if n > SOFT_MODULE_LINES:
+        warnings.warn(f"{path.relative_to(VT)} has {n} lines: does it hold a second concept?")
