@@ -25,12 +25,21 @@ def test_bad_value_raises_value_error_naming_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-def test_good_values_are_accepted():
-    for p in (GREEDY, SamplingParams(1.0, top_k=None, top_p=1.0, min_p=0.0, seed=0),
-              SamplingParams(0.5, top_k=0, top_p=0.5, min_p=0.5, seed=2**63 - 1),
-              SamplingParams(2, top_k=151936, top_p=1, min_p=0, seed=np.int64(3)),
-              SamplingParams(1e-3, top_k=1, top_p=1e-6, min_p=0.999)):
-        assert isinstance(p, SamplingParams)
+def test_good_values_are_kept_as_plain_python_numbers():
+    """Each accepted value reads back equal, as a Python float or int (numpy scalars
+    converted), with top_k=None and top_k=0 both meaning no cut."""
+    cases = [((1.0,), dict(top_k=None, top_p=1.0, min_p=0.0, seed=0), (1.0, 0, 1.0, 0.0, 0)),
+             ((0.5,), dict(top_k=0, top_p=0.5, min_p=0.5, seed=2**63 - 1),
+              (0.5, 0, 0.5, 0.5, 2**63 - 1)),
+             ((2,), dict(top_k=151936, top_p=1, min_p=0, seed=np.int64(3)), (2.0, 151936, 1.0, 0.0, 3)),
+             ((np.float32(1e-3),), dict(top_k=np.int32(1), top_p=1e-6, min_p=0.999),
+              (float(np.float32(1e-3)), 1, 1e-6, 0.999, 0))]
+    for args, kw, want in cases:
+        p = SamplingParams(*args, **kw)
+        got = (p.temperature, p.top_k or 0, p.top_p, p.min_p, p.seed)
+        assert got == want
+        assert all(type(v) in (int, float) for v in got), got
+    assert GREEDY.temperature == 0
 
 
 def test_top_k_is_checked_against_the_vocabulary():

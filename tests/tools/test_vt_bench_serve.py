@@ -43,7 +43,11 @@ def test_sim_serve_metrics_are_consistent(sim_serve):
         for m in ("ttft_ms", "tpot_ms", "itl_ms"):
             ps = [c[f"{m}_p{p}"] for p in PCTS]
             assert all(p is not None and p >= 0 for p in ps) and ps == sorted(ps), (where, m)
-        assert 0 < c["gpu_busy"] <= 1.05, where
+        # The busy fraction is an estimate: each phase's timed steps' mean device time times
+        # its steps, over the wall (a sample, so it may pass 1 on a loaded host).
+        busy_s = sum(ph["device_ms"] / ph["device_steps"] * ph["steps"]
+                     for ph in c["phases"].values() if ph["device_steps"]) / 1e3
+        assert c["gpu_busy"] > 0 and c["gpu_busy"] == pytest.approx(busy_s / c["wall_s"]), where
         assert c["steps"] == c["graph_steps"] + c["eager_steps"] + c["mixed_steps"] + c["prefill_steps"]
         assert c["drains"] == sum(c["drains_after"].values()), where
         assert c["drained_fraction"] == pytest.approx(c["drains"] / c["steps"]), where
