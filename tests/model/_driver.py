@@ -35,7 +35,10 @@ class Driver:
 
     def decode_host(self, rows, S):
         """Host arrays of one decode step for `rows`, padded to S with scratch rows."""
-        bs, pad = self.cfg.kv_block_size, self.m.pad_row()
+        bs = self.cfg.kv_block_size
+        pad = dict(token_rows=self.m.scratch_row, positions=0, seq_lens=1,   # a scratch row
+                   slot_mapping=self.m.scratch_block * bs, block_tables=self.m.scratch_block,
+                   state_idx=self.m.scratch_state)
         h = {k: np.full((S, self.bt.shape[1]) if k == "block_tables" else S, v, np.int32)
              for k, v in pad.items()}
         for i, r in enumerate(rows):

@@ -147,13 +147,6 @@ class HybridModel:
         expert = sum(L[k].nbytes // self.cfg.experts for L in self.layers for k in ("egu", "edown"))
         return self.weight_bytes - expert * (self.cfg.experts - rows * self.cfg.top_k)
 
-    def pad_row(self) -> dict:
-        """Values of a padded decode row: it writes only scratch entries."""
-        bs = self.cfg.kv_block_size
-        return dict(token_rows=self.scratch_row, positions=0, seq_lens=1,
-                    slot_mapping=self.scratch_block * bs, block_tables=self.scratch_block,
-                    state_idx=self.scratch_state)
-
     # ------------------------------------------------------------------ forward
     def decode(self, s, inp: DecodeInputs, logits_out) -> None:
         """One decode step for inp.batch rows; logits_out [S, vocab] fp32. Launches only."""

@@ -20,8 +20,8 @@ LOGITS_DTYPE = np.float32   # [S, vocab] logits of every step, graph or eager
 def kv_slot(block_table, position, block_size: int, rows=None):
     """The KV-cache slot of `position` in a sequence with `block_table` [max_blocks]; or, for
     block tables [n, max_blocks] and positions [n], each row's slot [n] (`rows`: the rows of
-    the table the positions belong to, default 0..n-1). The one place this formula is
-    written."""
+    the table the positions belong to, default 0..n-1). With context_slots, the one place
+    this formula is written; both take numpy arrays or torch tensors."""
     if getattr(block_table, "ndim", 1) == 2:
         block = block_table[np.arange(len(position)) if rows is None else rows,
                             position // block_size]
@@ -30,6 +30,10 @@ def kv_slot(block_table, position, block_size: int, rows=None):
     return block * block_size + position % block_size
 
 
+def context_slots(block_tables, positions, block_size: int):
+    """The KV-cache slots of every position in `positions` [T] for each row of `block_tables`
+    [n, max_blocks]: [n, T] (what an attention over each row's context gathers)."""
+    return block_tables[:, positions // block_size] * block_size + positions % block_size
 
 
 @dataclass(frozen=True)

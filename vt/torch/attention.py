@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from vt.step import context_slots
 from vt.torch.paged_attention import paged_decode_attention
 
 
@@ -71,7 +72,7 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
     tables = inputs.block_tables.long()
 
     def row_slots(rows: slice, t):
-        slots = tables[rows][:, t // block_size] * block_size + t % block_size   # vt.step.kv_slot
+        slots = context_slots(tables[rows], t, block_size)
         mask = (t < inputs.seq_lens[rows].unsqueeze(1))[:, None, None, :]
         return slots, mask
     if inputs.is_decode and paged:
@@ -95,7 +96,7 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         n, L = qsl[i + 1] - qsl[i], lens[i]
         t = context[:L]
         chunks.append(Chunk(qsl[i], qsl[i + 1], L, None if n == L else
-                            tables[i, t // block_size] * block_size + t % block_size))
+                            context_slots(tables[i:i + 1], t, block_size)[0]))
     return AttentionContext(inputs.slot_mapping.long(), cos, sin, rows, slots, mask, tuple(chunks))
 
 

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from vt.step import context_slots
+
 # The GPU's resident programs per SM that the split count aims to fill (one wave).
 PROGRAMS_PER_SM = 4
 MAX_SPLITS = 64
@@ -86,7 +88,7 @@ def dense_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *,
     S, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     t = torch.arange(block_tables.shape[1] * block_size, device=q.device)
-    slots = block_tables.long()[:, t // block_size] * block_size + t % block_size   # [S, T]
+    slots = context_slots(block_tables.long(), t, block_size)   # [S, T]
     keys = k_cache[slots].float().transpose(1, 2)       # [S, kv_heads, T, hd]
     vals = v_cache[slots].float().transpose(1, 2)
     qg = q.float().view(S, kv_heads, heads // kv_heads, head_dim)

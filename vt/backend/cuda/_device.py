@@ -39,11 +39,6 @@ class Device:
     def total_memory(self) -> int:
         return int(self._props.totalGlobalMem)
 
-    def memory_info(self) -> tuple[int, int]:
-        """(free, total) bytes on the device now."""
-        free, total = check(cudart.cudaMemGetInfo(), "cudaMemGetInfo")
-        return int(free), int(total)
-
     def info(self) -> dict:
         driver = check(cudart.cudaDriverGetVersion(), "cudaDriverGetVersion")
         runtime = check(cudart.cudaRuntimeGetVersion(), "cudaRuntimeGetVersion")

@@ -50,10 +50,6 @@ def store(out: np.ndarray, x: np.ndarray) -> None:
     out[...] = to_storage(x, out.dtype).reshape(out.shape)
 
 
-def np_storage(name: str) -> np.dtype:
-    return np.dtype(np.float16 if name == "float16" else np.uint16 if name == "bfloat16" else name)
-
-
 # ---------------------------------------------------------------- CUDA side
 
 PRELUDE = r"""
@@ -105,14 +101,6 @@ def cuda_function(code: str, name: str, storage, **defines):
 def nvrtc_options(bf16: bool, defines: dict) -> tuple[str, ...]:
     """The NVRTC options of a model kernel build (the compile test builds with the same ones)."""
     return _nvrtc.nvrtc_options(dict(defines, VT_BF16=int(bf16)))
-
-
-def storage_of(*arrays) -> np.dtype:
-    """The 16-bit storage dtype among `arrays` (fp16 default when none is 16-bit)."""
-    for a in arrays:
-        if a is not None and a.dtype.itemsize == 2:
-            return np.dtype(a.dtype)
-    return np.dtype(np.float16)
 
 
 def i32(v) -> np.int32:
