@@ -2,7 +2,7 @@
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
 # Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
-#   sampler profile serve serve-ab torch prefill
+#   sampler profile serve serve-ab torch prefill llama8b llama8b-serve
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
@@ -78,6 +78,20 @@ for s in "${stages[@]}"; do
            stage torch-memcheck bash tools/sanitize.sh memcheck tests/vt_torch
            stage torch-bench python3 -m vt bench --workload torch --conc 1 32 --steps 100 --repeats 2 \
              --profile off --no-bar --json "$OUT/torch.json" ;;
+    llama8b) stage llama8b-ttft python3 -m vt.cli.bench.torch_ttft --conc 32 --prompt-len 512 \
+               --context 640 --single 128 1024 4096 --repeats 3 --json "$OUT/llama8b-ttft.json"
+             stage llama8b-decode python3 -m vt.cli.bench.torch_decode --rows 1 8 32 64 \
+               --live 256 2048 --max-context 4096 --steps 64 --repeats 2 \
+               --json "$OUT/llama8b-decode.json" --png "$OUT/llama8b-decode.png"
+             for ctx in 512 32768; do   # TPOT must not grow with max_context
+               stage "llama8b-decode-ctx$ctx" python3 -m vt.cli.bench.torch_decode --rows 1 \
+                 --live 256 --max-context $ctx --steps 64 --repeats 3 --hf-rows --no-peer \
+                 --json "$OUT/llama8b-decode-ctx$ctx.json"
+             done ;;
+    llama8b-serve) stage llama8b-serve python3 -m vt bench --workload serve \
+                     --preset torch-llama3-8b --modes drain ring --arrival closed --clients 16 32 \
+                     --prompt-range 256 2048 --output-len 128 --requests 96 --repeats 2 --no-bar \
+                     --json "$OUT/llama8b-serve.json" ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done
