@@ -257,7 +257,13 @@ def _client(eng, items, stop, seed: int, max_gap_s: float, outcomes: dict) -> No
 
 
 def _fault_thread(kernel: FaultKernel, done: threading.Event, seed: int, gap_s: float) -> None:
+    """Arms the fault kernel at random moments. The first step of the case fails (armed for
+    the next call, and not re-armed until it fired), so that every case sees a fault however
+    fast its requests are served; later faults come at random."""
     rng = random.Random(seed)
+    kernel.arm(1)
+    while kernel.fired == 0 and not done.wait(0.001):
+        pass
     while not done.wait(rng.uniform(0, 2 * gap_s)):
         kernel.arm(rng.randint(1, 24))
     kernel.arm(None)
