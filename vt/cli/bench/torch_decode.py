@@ -39,9 +39,6 @@ import statistics
 import sys
 import time
 
-TINY = dict(vocab=256, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m vt.cli.bench.torch_decode",
                                 description=__doc__.split("\n\n")[0])
@@ -92,16 +89,11 @@ def main(argv=None) -> int:
 def run(args) -> dict:
     import torch
 
-    from vt.backend import get_backend
-    from vt.cli.bench import torch_workload
-    from vt.torch.llama import LlamaConfig
-    be = get_backend(args.backend)
+    from vt.cli.bench.torch_workload import tool_setup
+    be, cfg, dtype, common = tool_setup(args.preset, args.backend)
     cuda = be.name == "cuda"
-    cfg = LlamaConfig(**TINY) if args.preset == "tiny" else torch_workload.model_config(args.preset)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    out = dict(preset=args.preset, backend=be.name, mode=args.mode, max_context=args.max_context,
-               steps=args.steps, repeats=args.repeats, dtype=str(dtype).split(".")[-1],
-               device=torch.cuda.get_device_name() if cuda else "cpu", cells=[])
+    out = dict(common, mode=args.mode, max_context=args.max_context, steps=args.steps,
+               repeats=args.repeats, cells=[])
     try:
         rates = bandwidths() if cuda else {}
         out["copy_Bps"], out["read_Bps"] = rates.get("copy"), rates.get("read")
@@ -232,13 +224,12 @@ def bandwidths() -> dict:
             end.synchronize()
             times.append(start.elapsed_time(end) / 1e3)
         out[name] = moved / statistics.median(times)
-    del a, b
     return out
 
 
 def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
     """transformers' eager generate per --hf-rows and live context: TPOT (or why not)."""
-    from vt.cli.bench.torch_ttft import hf_llama
+    from vt.cli.bench.torch_ttft import hf_generate_s, hf_llama
     try:
         model, label = hf_llama(cfg, dtype, "cuda" if cuda else "cpu", args.max_context)
     except ImportError as exc:   # the peer is optional
@@ -250,23 +241,13 @@ def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
             ids = torch.tensor(_prompts(cfg.vocab, S, live - args.steps // 2, seed=live),
                                device=model.device)
 
-            def generate_s(tokens: int) -> float:
-                if cuda:
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                with torch.inference_mode():
-                    model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                   max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
-                if cuda:
-                    torch.cuda.synchronize()
-                return time.perf_counter() - t0
+            generate_s = lambda tokens: hf_generate_s(model, ids, tokens)   # noqa: E731
             generate_s(2)   # warm
             one = statistics.median(generate_s(1) for _ in range(args.repeats))
             full = statistics.median(generate_s(args.steps + 1) for _ in range(args.repeats))
             out["cells"].append(dict(rows=S, live=live, tpot_s=(full - one) / args.steps))
             print(f"  transformers S={S} live={live}: {1e3 * out['cells'][-1]['tpot_s']:.2f} ms",
                   flush=True)
-    del model
     return out
 
 

@@ -28,9 +28,6 @@ import statistics
 import sys
 import time
 
-TINY = dict(vocab=256, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, head_dim=16)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m vt.cli.bench.torch_ttft", description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="torch-llama3-8b",
@@ -68,16 +65,11 @@ def main(argv=None) -> int:
 def run(args) -> dict:
     import torch
 
-    from vt.backend import get_backend
-    from vt.cli.bench import torch_workload
-    from vt.torch.llama import LlamaConfig
-    be = get_backend(args.backend)
+    from vt.cli.bench.torch_workload import tool_setup
+    be, cfg, dtype, common = tool_setup(args.preset, args.backend)
     cuda = be.name == "cuda"
-    cfg = LlamaConfig(**TINY) if args.preset == "tiny" else torch_workload.model_config(args.preset)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    out = dict(preset=args.preset, backend=be.name, mode=args.mode, kernels=args.kernels, conc=args.conc,
-               prompt_len=args.prompt_len, context=args.context, dtype=str(dtype).split(".")[-1],
-               device=torch.cuda.get_device_name() if cuda else "cpu")
+    out = dict(common, mode=args.mode, kernels=args.kernels, conc=args.conc,
+               prompt_len=args.prompt_len, context=args.context)
     try:
         out["vt"] = _run_vt(be, cfg, dtype, args)
         out["params"] = out["vt"].pop("params")
@@ -173,6 +165,19 @@ def hf_llama(cfg, dtype, device, max_context: int):
                    f"({model.config._attn_implementation} attention)")
 
 
+def hf_generate_s(model, ids, tokens: int) -> float:
+    """Seconds of one greedy transformers generate of exactly `tokens` new tokens after `ids`
+    [batch, prompt] (the device synchronized on both sides)."""
+    import torch
+    _sync(ids.device)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                       max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+    _sync(ids.device)
+    return time.perf_counter() - t0
+
+
 def _run_peer(cfg, dtype, device, args) -> dict | str:
     """transformers generate on the same shape (random weights of its own), eager."""
     import torch
@@ -181,15 +186,7 @@ def _run_peer(cfg, dtype, device, args) -> dict | str:
     except ImportError as exc:
         return f"transformers does not import ({exc})"
     new = args.context - args.prompt_len
-
-    def generate_s(ids, tokens) -> float:
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                           max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
-        _sync(device)
-        return time.perf_counter() - t0
+    generate_s = lambda ids, tokens: hf_generate_s(model, ids, tokens)   # noqa: E731
     ids = torch.tensor(_prompts(cfg.vocab, args.conc, args.prompt_len), device=device)
     generate_s(ids[:1], 2), generate_s(ids, 2)   # warm-up
     single = {}
@@ -199,10 +196,8 @@ def _run_peer(cfg, dtype, device, args) -> dict | str:
         single[str(P)] = statistics.median(generate_s(one_ids, 1) for _ in range(args.repeats))
     many = statistics.median(generate_s(ids, 1) for _ in range(args.repeats))
     full = statistics.median(generate_s(ids, new) for _ in range(args.repeats))
-    out = dict(impl=label, ttft_single_s=single, ttft_n_last_s=many,
-               tpot_s=(full - many) / max(1, new - 1))
-    del model
-    return out
+    return dict(impl=label, ttft_single_s=single, ttft_n_last_s=many,
+                tpot_s=(full - many) / max(1, new - 1))
 
 
 def _gemm_tflops(m: int = 8192, k: int = 4096, n: int = 14336, reps: int = 20) -> float:

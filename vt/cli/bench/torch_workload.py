@@ -50,6 +50,22 @@ PRESETS = {
 }
 
 
+def tool_setup(preset: str, backend: str):
+    """What the torch tools (torch_ttft, torch_decode) start with: (the open backend, the
+    preset's LlamaConfig, the dtype, the result's common fields). "tiny" is torch-tiny; the
+    weights are bf16 on cuda, float32 elsewhere."""
+    import torch
+
+    from vt.backend import get_backend
+    be = get_backend(backend)
+    cuda = be.name == "cuda"
+    cfg = model_config("torch-tiny" if preset == "tiny" else preset)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    common = dict(preset=preset, backend=be.name, dtype=str(dtype).split(".")[-1],
+                  device=torch.cuda.get_device_name() if cuda else "cpu")
+    return be, cfg, dtype, common
+
+
 def describe() -> list[str]:
     """Each preset and what it is, one line each."""
     return [f"{name}: {what}" for name, (what, _) in PRESETS.items()]
