@@ -40,14 +40,10 @@ import sys
 import time
 
 def main(argv=None) -> int:
+    from vt.cli.bench.torch_workload import add_tool_arguments
     p = argparse.ArgumentParser(prog="python -m vt.cli.bench.torch_decode",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="torch-llama3-8b",
-                   help="torch-llama3-8b (default), torch-llama-10x2048, or tiny (a test size)")
-    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
-                   help="LlamaDecoder's decode attention and layer ops (default auto: vt's on CUDA)")
+    add_tool_arguments(p)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="rows per step")
     p.add_argument("--live", type=int, nargs="+", default=[256, 2048],
                    help="mean live context of the timed steps, tokens per row")

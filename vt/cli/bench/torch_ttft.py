@@ -29,13 +29,9 @@ import sys
 import time
 
 def main(argv=None) -> int:
+    from vt.cli.bench.torch_workload import add_tool_arguments
     p = argparse.ArgumentParser(prog="python -m vt.cli.bench.torch_ttft", description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="torch-llama3-8b",
-                   help="torch-llama3-8b (default), torch-llama-10x2048, or tiny (a test size)")
-    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
-    p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
-                   help="LlamaDecoder's attention and layer ops (default auto: vt's on CUDA)")
+    add_tool_arguments(p)
     p.add_argument("--conc", type=int, default=32, help="requests arriving together (default 32)")
     p.add_argument("--prompt-len", type=int, default=128,
                    help="prompt tokens of the --conc requests (default 128)")

@@ -50,6 +50,17 @@ PRESETS = {
 }
 
 
+def add_tool_arguments(p) -> None:
+    """The torch tools' shared flags: the model, the backend, vt's mode, the decoder's kernels."""
+    p.add_argument("--preset", default="torch-llama3-8b",
+                   choices=["tiny"] + [n for n in PRESETS if n != "torch-tiny"],
+                   help="the decoder's shape (default torch-llama3-8b; tiny: a test size)")
+    p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
+    p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
+                   help="LlamaDecoder's decode attention and layer ops (default auto: vt's on CUDA)")
+
+
 def tool_setup(preset: str, backend: str):
     """What the torch tools (torch_ttft, torch_decode) start with: (the open backend, the
     preset's LlamaConfig, the dtype, the result's common fields). "tiny" is torch-tiny; the
