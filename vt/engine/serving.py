@@ -12,7 +12,7 @@ from collections import deque
 from vt.engine.model_lease import acquire as acquire_model, release as release_model
 from vt.engine.boundary import (SchedulerStalledError, apply_cancels, cancel_everything,
                                 take_arrivals)
-from vt.engine.requests import EngineBusyError
+from vt.engine.errors import EngineBusyError
 
 
 class ServingLoop:
