@@ -1,6 +1,7 @@
 """The engine's errors: what refuses a request before any step runs (RequestTooLargeError and
-its two kinds) and what refuses an engine while another drives its model (EngineBusyError).
-Each is raised in one place and carries the sentence that tells the caller what to change."""
+its two kinds), what refuses an engine while another drives its model (EngineBusyError), and
+what fails requests the scheduler can never run (SchedulerStalledError). Each is raised in
+one place and carries the sentence that tells the caller what to change."""
 from __future__ import annotations
 
 
@@ -22,3 +23,7 @@ class EngineBusyError(RuntimeError):
     """The Engine, or its model, is being driven right now: an Engine over a model another
     Engine is serving (vt/engine/model_lease.py)."""
 
+
+class SchedulerStalledError(RuntimeError):
+    """Requests wait and nothing can run or is in flight (a request the refusal checks let
+    through that can never be admitted): they fail instead of waiting forever."""

@@ -68,3 +68,7 @@ class Request:
     def prompt_len(self) -> int:
         return len(self.prompt)
 
+    def result(self) -> RequestResult:
+        """The caller's view of a finished request."""
+        return RequestResult(self.index, self.prompt_len, self.final.tolist(), self.finish_reason,
+                             self.final_logits, self.token_times, self.error_message)
