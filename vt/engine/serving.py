@@ -356,7 +356,7 @@ class ServingLoop:
 
 
 def serving_thread(serve_ref: weakref.WeakMethod, wake: threading.Event) -> None:
-    """The serving thread: a busy period (ServingLoop._serve) whenever woken, holding the
+    """The serving thread: a busy period (the loop's `_serve`) whenever woken, holding the
     loop only while it serves, so that a loop nobody holds is collected (its finalizer
     wakes this thread, which then finds it gone and ends)."""
     while True:
