@@ -2,11 +2,12 @@
 
 The loop owns the queues requests reach it by (arrivals, cancellations), the scheduler, the
 token buffer, the notifier that wakes readers, the progress sinks and the serving thread.
-Nothing outside it touches that state: callers in any thread go through its methods
-(enqueue, request_cancel, add/remove_progress_sink, wait_for_step), and only the serving
-thread plans, launches, collects and finishes requests. The hand-off between the two sides
-is two deques whose lengths the loop reads once per step, and a lock taken only by the
-callers' side (enqueue, start, close, set_profile), never per step.
+Only the serving thread changes the scheduler and the buffer: it plans, launches, collects
+and finishes requests. Other threads go through the loop's methods (enqueue, request_cancel,
+add/remove_progress_sink, wait_for_step) and read the buffer only through the handles
+enqueue returns. The hand-off is two deques whose lengths the loop reads once per step;
+the lock beside them is taken by the callers' side (enqueue, start, set_profile, close),
+never per step.
 
 The serving thread holds the loop only while it serves (a busy period, `_serve`): a loop
 nobody else holds (its Engine dropped, no handle left) is collected, and its finalizer wakes
