@@ -22,8 +22,8 @@ _LAZY = {
     "DecodeInputs": "vt.step.contract",
     "RequestResult": "vt.engine.requests",
     "RequestHandle": "vt.engine.handle",
-    "RequestTooLargeError": "vt.engine.requests",
-    "EngineBusyError": "vt.engine.requests",
+    "RequestTooLargeError": "vt.engine.errors",
+    "EngineBusyError": "vt.engine.errors",
     "ClosedError": "vt.backend.errors",
 }
 

@@ -6,6 +6,8 @@ name the argument.
 |---------------------------------------------------------|-------------------------------------------------------------|
 | an Engine dropped without close() leaks its thread      | test_engines_dropped_in_a_loop_keep_threads_and_memory_flat, |
 |                                                         | test_a_dropped_engine_is_closed_by_its_finalizer            |
+| a handle outliving its Engine: its request never ends,  | test_a_handle_outliving_its_engine_is_served_then_frees_it  |
+|   or the runner is closed under it                      |                                                             |
 | a dropped backend keeps its stream threads              | test_a_dropped_backend_ends_its_stream_threads              |
 | two Engines over one model in two threads: wrong tokens | test_two_engines_over_one_model_in_two_threads_never_give_wrong_tokens |
 | the busy message suggests a setup that is unsafe        | test_the_second_engine_is_refused_while_the_first_drives_the_model |
@@ -31,7 +33,7 @@ from vt.backend import get_backend
 from vt.engine import Engine
 from vt.knobs import MAX_CAPTURE_SIZE, MAX_RING_DEPTH, MAX_SERVING_CONC, ExecutorConfig
 from vt.engine.model_lease import HANDOVER_S
-from vt.engine.requests import EngineBusyError
+from vt.engine.errors import EngineBusyError
 from vt.forward.user import ForwardModel, KVGeometry
 from vt.forward.toy import ToyForward
 
@@ -81,6 +83,30 @@ def test_a_dropped_engine_is_closed_by_its_finalizer(sim_backend):
     del eng
     gc.collect()
     assert stream.closed
+
+
+def test_a_handle_outliving_its_engine_is_served_then_frees_it(delayed_sim):
+    """A handle is all the caller keeps of an Engine dropped while its request runs: the request
+    is served to its end with the tokens of an engine kept alive, and once the handle goes
+    too the runner is closed and the serving thread ends."""
+    toy = ToyForward(delayed_sim, vocab=VOCAB)
+    threads = _vt_threads()
+    with Engine(delayed_sim, toy.step_model(), CONFIG) as kept:
+        want = kept.generate([[1, 2, 3]], max_new_tokens=[40])[0].tokens
+    toy = ToyForward(delayed_sim, vocab=VOCAB)
+    eng = Engine(delayed_sim, toy.step_model(), CONFIG)
+    stream = eng.runner.stream
+    handle = eng.submit([1, 2, 3], max_new_tokens=40)
+    del eng
+    gc.collect()
+    assert not stream.closed
+    assert handle.result(timeout=60).tokens == want
+    del handle
+    deadline = time.monotonic() + 10
+    while (not stream.closed or _vt_threads() != threads) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert stream.closed and _vt_threads() == threads
 
 
 def test_a_dropped_backend_ends_its_stream_threads():

@@ -10,6 +10,7 @@ import pytest
 
 from vt.backend import ClosedError, get_backend
 from vt.engine.engine import Engine
+from vt.engine.serving import ServingLoop
 from vt.forward.toy import ToyForward
 from vt.knobs import ExecutorConfig
 from vt.step.contract import SamplingParams
@@ -321,7 +322,7 @@ def test_a_broken_loop_fails_its_requests_instead_of_hanging_them(sim_backend, m
 
         def broken(*a, **k):
             raise boom
-        monkeypatch.setattr("vt.engine.serving.take_arrivals", broken)
+        monkeypatch.setattr(ServingLoop, "_take_arrivals", broken)
         h = eng.submit([3, 4], max_new_tokens=3)
         with pytest.raises(RuntimeError, match="loop bug"):
             h.result(timeout=30)

@@ -2,7 +2,8 @@
 persistent decode batch, requests and per-call outputs."""
 from vt.engine.engine import Engine, Progress
 from vt.engine.handle import RequestHandle
-from vt.engine.requests import EngineBusyError, RequestResult, RequestTooLargeError
+from vt.engine.errors import EngineBusyError, RequestTooLargeError
+from vt.engine.requests import RequestResult
 
 __all__ = ["Engine", "Progress", "EngineBusyError", "RequestHandle", "RequestResult",
            "RequestTooLargeError"]

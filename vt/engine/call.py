@@ -10,7 +10,6 @@ import time
 from collections import deque
 
 from vt.backend.errors import ClosedError
-from vt.engine.handle import _result
 from vt.engine.progress import Progress
 
 
@@ -29,11 +28,14 @@ class ProgressSink:
 
 
 class GenerateCall:
-    def __init__(self, engine, reqs, progress):
-        self.engine, self.reqs, self.progress = engine, reqs, progress
+    """One generate() call over `loop` (a ServingLoop): its requests, queued together, and
+    the caller's progress callback."""
+
+    def __init__(self, loop, reqs, progress):
+        self.loop, self.reqs, self.progress = loop, reqs, progress
 
     def run(self) -> list:
-        eng, reqs = self.engine, self.reqs
+        loop, reqs = self.loop, self.reqs
         if not reqs:
             return []
         sink = None
@@ -41,9 +43,9 @@ class GenerateCall:
             sink = ProgressSink(len(reqs))
             for req in reqs:
                 req.on_done.append(sink.count_finished)
-            eng._progress_sinks.append(sink)
+            loop.add_progress_sink(sink)
         try:
-            handles = eng._enqueue(reqs, number=False)
+            handles = loop.enqueue(reqs, number=False)
             try:
                 if sink is None:
                     for req in reqs:
@@ -61,7 +63,7 @@ class GenerateCall:
                 raise
         finally:
             if sink is not None:
-                eng._progress_sinks.remove(sink)
+                loop.remove_progress_sink(sink)
         failed = next((r for r in reqs if r.error is not None), None)
         if failed is not None:
             for h in handles:
@@ -71,19 +73,19 @@ class GenerateCall:
             raise failed.error
         if any(r.finish_reason == "cancelled" for r in reqs):
             raise ClosedError("Engine closed while generate() ran: its requests were cancelled")
-        return [_result(r) for r in reqs]
+        return [r.result() for r in reqs]
 
     def _report(self, sink: ProgressSink) -> None:
         """Call progress for every step record until the record of the step that finished the
         call's last request (or a request failed: no such record comes)."""
-        notifier, reqs, records = self.engine._notifier, self.reqs, sink.records
+        loop, reqs, records = self.loop, self.reqs, sink.records
 
         def cut_short():
             return all(r.final is not None for r in reqs) and any(
                 r.error is not None or r.finish_reason == "cancelled" for r in reqs)
 
         while True:
-            notifier.wait_for(lambda: records or cut_short(), None)
+            loop.wait_for_step(lambda: records or cut_short(), None)
             while records:
                 rec = records.popleft()
                 self.progress(rec)

@@ -1,5 +1,6 @@
-"""Engine: continuous batching of requests over the runner, served by ONE loop in a thread
-the engine owns.
+"""Engine: continuous batching of requests over the runner. The engine captures the runner,
+checks each request in the caller's thread, and hands it to its ServingLoop
+(vt/engine/serving.py): ONE loop, in a thread the loop owns, serves every request.
 
 Requests arrive from any thread (submit(); generate() is submit() for a list and a wait) and
 are picked up between steps: the loop checks two deques' lengths per step (arrivals,
@@ -27,24 +28,16 @@ the requests not yet admitted and with new ones.
 """
 from __future__ import annotations
 
-import threading
-import time
-import weakref
-from collections import deque
 from typing import Callable
 
-from vt.backend.errors import ClosedError
 from vt.forward.adapt import as_step_model
 from vt.knobs import ExecutorConfig
 from vt.engine.call import GenerateCall
-from vt.engine.handle import RequestHandle, StepNotifier, TokenStream
-from vt.engine.outputs import TokenBuffer
+from vt.engine.handle import RequestHandle, TokenStream
 from vt.engine.requests import RequestResult
 from vt.runner.runner import Runner
-from vt.engine.scheduler import Scheduler
-from vt.engine.serving import ServingLoop, close_dropped, serving_thread
-from vt.engine.profile import LoopProfile
-from vt.engine.progress import Phase, Progress
+from vt.engine.serving import ServingLoop
+from vt.engine.progress import Progress
 from vt.engine.submit import check_one_request, make_requests
 from vt.engine.model_lease import driving, model_key
 from vt.engine.args import check_engine_args, check_generate_args
@@ -52,7 +45,7 @@ from vt.engine.args import check_engine_args, check_generate_args
 __all__ = ["Engine", "Progress", "RequestHandle"]
 
 
-class Engine(ServingLoop):
+class Engine:
     """Engine(backend, model_or_forward, config): captures at construction; close() when done.
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
@@ -77,28 +70,13 @@ class Engine(ServingLoop):
         # always fits (a prompt of up to max_context tokens is admitted alone). No step can
         # hold more than every row's full context: a larger budget means that one (and the
         # prefill shapes warmed stay within what the step model allocated for).
-        self._chunked = bool(self.model.chunked_prefill)
+        chunked = bool(self.model.chunked_prefill)
         self.max_prefill_tokens = min(geo.max_seqs * geo.max_context,
-                                      max_prefill_tokens or geo.max_context if self._chunked else
+                                      max_prefill_tokens or geo.max_context if chunked else
                                       max(geo.max_context, max_prefill_tokens or 0))
         self.record_logits = record_logits
         self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
                              profile=profile)
-        self._state_lock = threading.Lock()   # submit/start vs close; never taken per step
-        self._arrivals, self._cancels = deque(), deque()
-        self._wake = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._stopping = self._finish_on_close = False
-        self._next_id = 0
-        self._progress_sinks: list = []       # generate() calls with a progress callback
-        self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, self.model.vocab, record_logits)
-        self._notifier = StepNotifier()
-        self._wall_s = 0.0
-        self._failed_steps = 0
-        self._phases = {"decode": Phase(), "prefill": Phase()}
-        self._loop_profile = LoopProfile(self.runner) if self.runner.profile else None
-        self._closed = False
-        self._reset_schedule()
         self._model_key = model_key(self.model)
         try:
             with driving(self._model_key, "Engine(...)"):
@@ -107,10 +85,12 @@ class Engine(ServingLoop):
         except BaseException:
             self.runner.close()
             raise
-        # An Engine dropped without close(): its serving thread holds it only weakly while
-        # idle (_serving_thread), so it is collected; then this stops the thread and frees
-        # the graphs, events and stream.
-        self._finalizer = weakref.finalize(self, close_dropped, self.runner, self._wake)
+        # From here the loop closes the runner: at close(), or, for an Engine dropped without
+        # close(), once the loop is collected (ServingLoop's module docstring).
+        self._loop = ServingLoop(backend, self.runner, self.model,
+                                 serving_conc=self.config.serving_conc, depth=self.config.depth,
+                                 max_prefill_tokens=self.max_prefill_tokens,
+                                 record_logits=record_logits, model_key=self._model_key)
         self._pool_after_warm_up = backend.pool.stats()
 
     # -- public -------------------------------------------------------------------------
@@ -120,25 +100,18 @@ class Engine(ServingLoop):
         generate() does and raises here, in the caller's thread. stop_token: None, a token id
         or a collection of ids (any of them ends the request). sampling: None (greedy) or a
         vt.SamplingParams. Thread-safe."""
-        self._check_open()
+        self._loop.check_open()
         check_one_request(max_new_tokens, sampling)
         (req,) = make_requests([prompt], max_new_tokens, stop_token, sampling,
-                               self.model.geometry, self.model.vocab, self._sched.blocks.capacity)
-        return self._enqueue([req], number=True)[0]
+                               self.model.geometry, self.model.vocab, self._loop.kv_capacity)
+        return self._loop.enqueue([req], number=True)[0]
 
     def set_profile(self, on: bool) -> None:
         """Switch profile=True's timing (Engine's docstring) on or off for the calls that
         follow, on this engine and its captured graphs: the same loop timed and untimed,
         without a second engine. Only while the engine is idle (RuntimeError otherwise);
         with a trace it stays on."""
-        with self._state_lock:
-            self._check_open()
-            if not self.idle():
-                raise RuntimeError("Engine.set_profile: the engine is serving; call it while "
-                                   "it is idle (nothing queued or running)")
-            with driving(self._model_key, "Engine.set_profile()"):   # the loop has let go
-                self.runner.set_profile(on)
-                self._loop_profile = LoopProfile(self.runner) if self.profile else None
+        self._loop.set_profile(on)
 
     @property
     def profile(self) -> bool:
@@ -168,41 +141,40 @@ class Engine(ServingLoop):
         are cancelled (rows and KV blocks freed) before it propagates. ClosedError if the
         engine is closed meanwhile.
         """
-        self._check_open()
+        self._loop.check_open()
         check_generate_args(prompts, progress)
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
-                             self.model.vocab, self._sched.blocks.capacity)
-        return GenerateCall(self, reqs, progress).run()
+                             self.model.vocab, self._loop.kv_capacity)
+        return GenerateCall(self._loop, reqs, progress).run()
 
     def start(self) -> None:
         """Start the serving thread (submit() and generate() do it when needed)."""
-        with self._state_lock:
-            self._check_open()
-            self._start_locked()
+        self._loop.start()
 
     def stats(self) -> dict:
         """Steps, graph vs eager steps, drains and why, waits and their time, per-phase time,
         pool state, rows and KV blocks in use."""
-        self._check_open()
+        self._loop.check_open()
         st = self.runner.stats.as_dict()
         pool = self.be.pool.stats()
-        buf, sched = self._buffer, self._sched
-        st.update(tokens=buf.tokens_out, wall_s=self._wall_s,
-                  tokens_per_s=buf.tokens_out / self._wall_s if self._wall_s else 0.0,
-                  mode=self.mode, pool=pool.__dict__, failed_steps=self._failed_steps,
+        loop = self._loop.stats()
+        wall_s = loop["wall_s"]
+        st.update(tokens=loop["tokens"], wall_s=wall_s,
+                  tokens_per_s=loop["tokens"] / wall_s if wall_s else 0.0,
+                  mode=self.mode, pool=pool.__dict__, failed_steps=loop["failed_steps"],
                   drained_fraction=st["drains"] / st["steps"] if st["steps"] else 0.0,
-                  requests_finished=buf.finished, requests_running=len(buf.live),
-                  rows_free=sched.rows.free_count, kv_blocks_free=sched.blocks.free_count,
-                  kv_blocks_total=sched.blocks.capacity,
-                  phases={k: dict(vars(p), device_ms=st["device_by_phase"][k][0],
+                  requests_finished=loop["requests_finished"],
+                  requests_running=loop["requests_running"], rows_free=loop["rows_free"],
+                  kv_blocks_free=loop["kv_blocks_free"], kv_blocks_total=loop["kv_blocks_total"],
+                  phases={k: dict(p, device_ms=st["device_by_phase"][k][0],
                                   device_steps=st["device_by_phase"][k][1])
-                          for k, p in self._phases.items()},
+                          for k, p in loop["phases"].items()},
                   driver_mallocs_since_warm_up=pool.driver_mallocs - self._pool_after_warm_up.driver_mallocs)
         return st
 
     def idle(self) -> bool:
         """Nothing queued or running, every row and KV block free."""
-        return not self._arrivals and not self._buffer.live and self._sched.idle()
+        return self._loop.idle()
 
     @property
     def mode(self) -> str:
@@ -213,7 +185,7 @@ class Engine(ServingLoop):
         """µs per replay of the captured decode graph for n rows, back to back with no host
         work: the device-bound ceiling of a decode step. It replays the last real step of
         that size (all padding if none ran yet). Call it while the engine is idle."""
-        self._check_open()
+        self._loop.check_open()
         with driving(self._model_key, "Engine.device_ceiling_us()"):
             return self.runner.driver.ceiling_us(n, replays)
 
@@ -224,56 +196,10 @@ class Engine(ServingLoop):
         end first. Either way the steps in flight are collected, the serving thread exits
         and is joined, then graphs and buffers are freed. submit() raises ClosedError from
         the moment close() starts. Returns the trace path when a trace was written."""
-        with self._state_lock:
-            if self._closed or self._stopping:
-                return None
-            self._stopping, self._finish_on_close = True, finish
-            thread = self._thread
-        if thread is not None:
-            if thread is threading.current_thread():
-                raise RuntimeError("Engine.close() from a done callback of its own serving thread")
-            self._wake.set()
-            thread.join()
-        for req in self._arrivals:        # queued after the loop's last look: none ever ran
-            self._buffer.finish(req, "cancelled")
-        self._arrivals.clear()
-        self._closed = True
-        return self._finalizer()
+        return self._loop.close(finish=finish)
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
-
-    # -- requests in and out ------------------------------------------------------------
-    def _enqueue(self, reqs, *, number: bool) -> list[RequestHandle]:
-        now = time.perf_counter()
-        with self._state_lock:
-            self._check_open()
-            for req in reqs:
-                if number:
-                    req.index, self._next_id = self._next_id, self._next_id + 1
-                req.submitted_at = now
-            self._arrivals.extend(reqs)
-            self._start_locked()
-        self._wake.set()
-        return [RequestHandle(self, r) for r in reqs]
-
-    def _request_cancel(self, req) -> None:
-        self._cancels.append(req)
-        self._wake.set()
-
-    def _start_locked(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=serving_thread, args=(weakref.ref(self), self._wake),
-                                            name="vt-engine", daemon=True)
-            self._thread.start()
-
-    def _reset_schedule(self) -> None:
-        self._sched = Scheduler(self.model.geometry, self.config.serving_conc,
-                                self.max_prefill_tokens, self._chunked)
-
-    def _check_open(self):
-        if self._closed or self._stopping:
-            raise ClosedError("Engine is closed")

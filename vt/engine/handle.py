@@ -5,8 +5,10 @@ The loop does no work per request per step for readers: it publishes one counter
 token buffer's stored_t) and, only when some stream waits, wakes every waiter once per step
 (one notify_all, and one call_soon_threadsafe per asyncio waiter). A reader then copies its
 new tokens out of the shared buffer by cursor. result() waits on the request's own event,
-set once when it finishes. AsyncTokens is the asyncio reader; TokenStream, what
-Engine.stream_async returns, is one whose early exit cancels the request.
+set once when it finishes. A handle reads through its TokenReader (the request, the buffer
+and the notifier), and holds nothing of the engine but the serving loop's cancel callable.
+AsyncTokens is the asyncio reader; TokenStream, what Engine.stream_async returns, is one
+whose early exit cancels the request.
 """
 from __future__ import annotations
 
@@ -15,9 +17,11 @@ import math
 import numbers
 import threading
 import time
+from typing import Callable
 
 import numpy as np
 
+from vt.engine.outputs import TokenBuffer
 from vt.engine.requests import Request, RequestResult
 
 _EMPTY = np.zeros(0, np.int32)
@@ -75,6 +79,48 @@ def _wake(fut) -> None:
         fut.set_result(None)
 
 
+class TokenReader:
+    """One request's tokens, read from the shared token buffer by cursor in any thread: what
+    a RequestHandle and its async iterators read through."""
+
+    def __init__(self, req: Request, buffer: TokenBuffer, notifier: StepNotifier):
+        self._req, self._buffer, self._notifier = req, buffer, notifier
+
+    def snapshot(self) -> tuple[np.ndarray, bool]:
+        """(the tokens so far, finished?) without blocking."""
+        req = self._req
+        final = req.final
+        if final is not None:
+            return final, True
+        n = self._buffer.available(req)
+        got = self._buffer.tokens[req.base:req.base + n].copy() if n else _EMPTY
+        final = req.final      # finished meanwhile: its span may be reused, take the copy
+        return (final, True) if final is not None else (got, False)
+
+    def take(self, sent: int) -> tuple[list, int, bool]:
+        """The tokens after the first `sent`, how many there are now, and whether it ended."""
+        got, finished = self.snapshot()
+        return got[sent:].tolist(), len(got), finished
+
+    def more(self, sent: int) -> bool:
+        """More than `sent` tokens are stored, or the request finished."""
+        req = self._req
+        return req.final is not None or self._buffer.available(req) > sent
+
+    def wait(self, sent: int, timeout: float | None) -> bool:
+        """Block until more(sent); False on timeout."""
+        return self._notifier.wait_for(lambda: self.more(sent), timeout)
+
+    def future(self, sent: int) -> asyncio.Future | None:
+        """A future set after the next step, or None when more(sent) already holds."""
+        return self._notifier.future(lambda: self.more(sent))
+
+    def raise_failure(self) -> None:
+        """A finished request whose step failed: its error (after the tokens before it)."""
+        if self._req.error is not None:
+            raise self._req.error
+
+
 class RequestHandle:
     """What Engine.submit returns. Thread-safe; every method may be called from any thread.
 
@@ -87,13 +133,11 @@ class RequestHandle:
     reason) or failed.
     """
 
-    def __init__(self, engine, req: Request):
-        self._engine, self._req = engine, req
-        self._buffer, self._notifier = engine._buffer, engine._notifier
-
-    @property
-    def request_id(self) -> int:
-        return self._req.index
+    def __init__(self, req: Request, buffer: TokenBuffer, notifier: StepNotifier,
+                 request_cancel: Callable[[Request], None]):
+        """request_cancel(req): the serving loop's, called once by cancel()."""
+        self._req, self._request_cancel = req, request_cancel
+        self._reader = TokenReader(req, buffer, notifier)
 
     @property
     def submitted_at(self) -> float:
@@ -108,7 +152,7 @@ class RequestHandle:
         req = self._req
         if req.final is None and not req.cancel_requested:
             req.cancel_requested = True
-            self._engine._request_cancel(req)
+            self._request_cancel(req)
 
     def add_done_callback(self, fn) -> None:
         """fn(handle) once the request has finished (any reason) or failed: on the serving
@@ -129,63 +173,44 @@ class RequestHandle:
             raise TimeoutError(f"request {req.index} not finished after {timeout} s")
         if req.error is not None:
             raise req.error
-        return _result(req)
+        return req.result()
 
     def snapshot(self) -> tuple[np.ndarray, bool]:
         """(the tokens so far, finished?) without blocking."""
-        req = self._req
-        final = req.final
-        if final is not None:
-            return final, True
-        n = self._buffer.available(req)
-        got = self._buffer.tokens[req.base:req.base + n].copy() if n else _EMPTY
-        final = req.final      # finished meanwhile: its span may be reused, take the copy
-        return (final, True) if final is not None else (got, False)
-
-    def _take(self, sent: int) -> tuple[list, int, bool]:
-        """The tokens after the first `sent`, how many there are now, and whether it ended."""
-        got, finished = self.snapshot()
-        return got[sent:].tolist(), len(got), finished
-
-    def _raise_failure(self) -> None:
-        """A finished request whose step failed: its error (after the tokens before it)."""
-        if self._req.error is not None:
-            raise self._req.error
+        return self._reader.snapshot()
 
     def stream(self, timeout: float | None = None):
         """Iterate the tokens as they arrive. timeout: the longest wait for the next one."""
         return self._stream(wait_timeout(timeout, "stream"))
 
     def _stream(self, timeout: float | None):
-        sent = 0
+        reader, sent = self._reader, 0
         while True:
-            new, sent, finished = self._take(sent)
+            new, sent, finished = reader.take(sent)
             yield from new
             if finished:
-                self._raise_failure()
+                reader.raise_failure()
                 return
-            if not self._notifier.wait_for(lambda: self._more(sent), timeout):
+            if not reader.wait(sent, timeout):
                 raise TimeoutError(f"request {self._req.index}: no token in {timeout} s")
 
-    def stream_async(self):
+    def stream_async(self) -> AsyncTokens:
         """stream() for asyncio: the event loop is never blocked. Leaving the loop early does
         not cancel the request (Engine.stream_async's stream does)."""
-        return AsyncTokens(self, cancel_on_exit=False)
-
-    def _more(self, sent: int) -> bool:
-        req = self._req
-        return req.final is not None or self._buffer.available(req) > sent
+        return AsyncTokens(self._reader, self.cancel, cancel_on_exit=False)
 
 
 class AsyncTokens:
-    """An async iterator over a handle's tokens as they arrive. cancel_on_exit: the request
-    is cancelled when the iteration ends before the request did: an exception or task
+    """An async iterator over a request's tokens as they arrive. cancel_on_exit: `cancel()`
+    is called when the iteration ends before the request did: an exception or task
     cancellation inside, aclose(), or the iterator dropped (a `break` drops the one an
     `async for` made). cancel() does nothing to a finished request, so a stream read to its
     end cancels nothing."""
 
-    def __init__(self, handle: RequestHandle, *, cancel_on_exit: bool):
-        self._handle, self._cancel_on_exit = handle, cancel_on_exit
+    def __init__(self, reader: TokenReader, cancel: Callable[[], None], *,
+                 cancel_on_exit: bool):
+        self._reader, self._cancel = reader, cancel
+        self.cancel_on_exit = cancel_on_exit
         self._new: list = []        # taken from the buffer, not handed out yet
         self._sent = 0              # tokens taken so far
         self._finished = False      # the request finished: nothing more to take
@@ -207,16 +232,15 @@ class AsyncTokens:
             raise
 
     async def _next(self) -> int:
-        handle = self._handle
+        reader = self._reader
         while not self._new:
             if self._finished:
                 self._closed = True
-                handle._raise_failure()
+                reader.raise_failure()
                 raise StopAsyncIteration
-            self._new, self._sent, self._finished = handle._take(self._sent)
+            self._new, self._sent, self._finished = reader.take(self._sent)
             if not self._new and not self._finished:
-                sent = self._sent
-                fut = handle._notifier.future(lambda: handle._more(sent))
+                fut = reader.future(self._sent)
                 if fut is not None:
                     await fut
         return self._new.pop(0)
@@ -227,8 +251,8 @@ class AsyncTokens:
         self._exit()
 
     def _exit(self) -> None:
-        if self._cancel_on_exit:
-            self._handle.cancel()
+        if self.cancel_on_exit:
+            self._cancel()
 
     def __del__(self):
         self._exit()
@@ -246,16 +270,13 @@ class TokenStream:
         self._handle = handle
         self._iterated = False
 
-    @property
-    def request_id(self) -> int:
-        return self._handle.request_id
-
     def __aiter__(self) -> AsyncTokens:
         if self._iterated:
-            raise RuntimeError(f"request {self.request_id}: its stream_async() stream is read "
-                               f"by one `async for` only")
+            raise RuntimeError("this stream_async() stream is read by one `async for` only")
         self._iterated = True
-        return AsyncTokens(self._handle, cancel_on_exit=True)
+        tokens = self._handle.stream_async()
+        tokens.cancel_on_exit = True
+        return tokens
 
     async def aclose(self) -> None:
         """Cancel the request (no effect once it finished)."""
@@ -289,8 +310,3 @@ class _Once:
                 return
             self._called = True
         self._fn(self._handle)
-
-
-def _result(req: Request) -> RequestResult:
-    return RequestResult(req.index, req.prompt_len, req.final.tolist(), req.finish_reason,
-                         req.final_logits, req.token_times, req.error_message)

@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-from vt.engine.requests import EngineBusyError
+from vt.engine.errors import EngineBusyError
 
 HANDOVER_S = 5.0   # the longest wait for a holder with no work left to let the lease go
 

@@ -1,5 +1,8 @@
-"""Requests, their results, the errors of requests that cannot be served, and the host-side
-allocators of sequence rows and KV blocks."""
+"""Request, one request as the engine serves it, and RequestResult, what its caller gets back.
+
+A request is finished once `final` is set (the buffer's finish sets it last, after the
+tokens, logits, times and error it describes): readers in other threads take `final` being
+set as the sign that everything else about the request is settled."""
 from __future__ import annotations
 
 import threading
@@ -8,25 +11,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vt.step.contract import GREEDY, SamplingParams
-
-
-class RequestTooLargeError(ValueError):
-    """A request cannot be served whole: its prompt plus max_new_tokens exceed the model's
-    context, or it needs more KV blocks than the whole cache has. generate() raises it before
-    running any step, so nothing is served partially."""
-
-
-class PromptTooLongError(RequestTooLargeError):
-    """The prompt alone does not fit the model's context."""
-
-
-class KVCacheExhaustedError(RequestTooLargeError):
-    """The request needs more KV blocks than the whole cache has."""
-
-
-class EngineBusyError(RuntimeError):
-    """The Engine, or its model, is being driven right now: an Engine over a model another
-    Engine is serving (vt/engine/model_lease.py)."""
 
 
 @dataclass
@@ -79,44 +63,12 @@ class Request:
     submitted_at: float = 0.0
     done_event: threading.Event = field(default_factory=threading.Event)
     on_done: list = field(default_factory=list)   # callables(request), run by the loop
+
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
 
-
-class RowAllocator:
-    """Sequence rows (token-table row = recurrent-state slot) 0..n-1."""
-
-    def __init__(self, n: int):
-        self._free = list(range(n - 1, -1, -1))
-
-    def alloc(self) -> int | None:
-        return self._free.pop() if self._free else None
-
-    def free(self, row: int) -> None:
-        self._free.append(row)
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-
-class BlockAllocator:
-    """KV blocks 0..num_blocks-1 except the scratch block of padded rows."""
-
-    def __init__(self, num_blocks: int, scratch_block: int):
-        self._free = [b for b in range(num_blocks - 1, -1, -1) if b != scratch_block]
-        self.capacity = len(self._free)
-
-    def alloc(self, n: int) -> list[int] | None:
-        """n blocks, or None (nothing taken) when fewer are free."""
-        if n > len(self._free):
-            return None
-        return [self._free.pop() for _ in range(n)]
-
-    def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
+    def result(self) -> RequestResult:
+        """The caller's view of a finished request."""
+        return RequestResult(self.index, self.prompt_len, self.final.tolist(), self.finish_reason,
+                             self.final_logits, self.token_times, self.error_message)

@@ -17,7 +17,9 @@ from collections import deque
 import numpy as np
 
 from vt.engine.batch import BatchStep, DecodeBatch
-from vt.engine.requests import BlockAllocator, Request, RowAllocator
+from vt.engine.kv_blocks import BlockAllocator
+from vt.engine.requests import Request
+from vt.engine.rows import RowAllocator
 from vt.step.contract import KVGeometry, PrefillSeq
 from vt.runner.plan import StepPlan
 

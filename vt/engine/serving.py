@@ -1,27 +1,175 @@
-"""The engine's serving loop (a base class of Engine, which owns the state it runs on): one
-busy period of the serving thread (_serve), the one loop over every step (_loop), what a step
-failure does (_fail), and the thread itself (serving_thread), which holds the engine only
-while it serves."""
+"""ServingLoop: the serving thread and everything it runs on.
+
+The loop owns the queues requests reach it by (arrivals, cancellations), the scheduler, the
+token buffer, the notifier that wakes readers, the progress sinks and the serving thread.
+Only the serving thread changes the scheduler and the buffer: it plans, launches, collects
+and finishes requests. Other threads go through the loop's methods (enqueue, request_cancel,
+add/remove_progress_sink, wait_for_step) and read the buffer only through the handles
+enqueue returns. The hand-off is two deques whose lengths the loop reads once per step;
+the lock beside them is taken by the callers' side (enqueue, start, set_profile, close),
+never per step.
+
+The serving thread holds the loop only while it serves (a busy period, `_serve`): a loop
+nobody else holds (its Engine dropped, no handle left) is collected, and its finalizer wakes
+the thread, which finds it gone and ends, and closes the runner.
+"""
 from __future__ import annotations
 
 import threading
 import time
 import traceback
+import weakref
 from collections import deque
+from typing import Callable
 
-from vt.engine.model_lease import acquire as acquire_model, release as release_model
-from vt.engine.boundary import (SchedulerStalledError, apply_cancels, cancel_everything,
-                                take_arrivals)
-from vt.engine.requests import EngineBusyError
+from vt.backend.errors import ClosedError
+from vt.engine.errors import EngineBusyError, SchedulerStalledError
+from vt.engine.handle import RequestHandle, StepNotifier
+from vt.engine.model_lease import acquire as acquire_model, driving, release as release_model
+from vt.engine.outputs import TokenBuffer
+from vt.engine.profile import LoopProfile
+from vt.engine.progress import Phase
+from vt.engine.scheduler import Scheduler
 
 
 class ServingLoop:
+    """The loop that serves one Engine's requests over `runner` (captured and warmed up
+    already), holding the lease of the model `model_key` while it serves. It closes the
+    runner when closed, or when collected without close()."""
+
+    def __init__(self, backend, runner, step_model, *, serving_conc: int, depth: int,
+                 max_prefill_tokens: int, record_logits: bool, model_key: int):
+        geo = step_model.geometry
+        self.be, self.runner = backend, runner
+        self._sync = depth == 1
+        self._model_key = model_key
+        self._state_lock = threading.Lock()   # enqueue/start/set_profile vs close; never per step
+        self._arrivals, self._cancels = deque(), deque()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stopping = self._finish_on_close = False
+        self._closed = False
+        self._next_id = 0
+        self._progress_sinks: list = []       # generate() calls with a progress callback
+        self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, step_model.vocab, record_logits)
+        self._notifier = StepNotifier()
+        self._sched = Scheduler(geo, serving_conc, max_prefill_tokens,
+                                bool(step_model.chunked_prefill))
+        self._wall_s = 0.0
+        self._failed_steps = 0
+        self._phases = {"decode": Phase(), "prefill": Phase()}
+        self._loop_profile = LoopProfile(runner) if runner.profile else None
+        self._finalizer = weakref.finalize(self, close_dropped, runner, self._wake)
+
+    # -- the callers' side: any thread ---------------------------------------------------
+    def enqueue(self, reqs, *, number: bool) -> list[RequestHandle]:
+        """Queue requests for the next step boundary and start the serving thread if needed.
+        number: give each the loop's next request number (submit(); generate() keeps the
+        prompt's index). ClosedError once close() has started."""
+        now = time.perf_counter()
+        with self._state_lock:
+            self.check_open()
+            for req in reqs:
+                if number:
+                    req.index, self._next_id = self._next_id, self._next_id + 1
+                req.submitted_at = now
+            self._arrivals.extend(reqs)
+            self._start_locked()
+        self._wake.set()
+        return [RequestHandle(req, self._buffer, self._notifier, self.request_cancel)
+                for req in reqs]
+
+    def request_cancel(self, req) -> None:
+        """The request stops at the next step boundary (idempotence is the handle's)."""
+        self._cancels.append(req)
+        self._wake.set()
+
+    def add_progress_sink(self, sink) -> None:
+        """sink.push(step, tokens, now) after every step from now on, on the serving thread."""
+        self._progress_sinks.append(sink)
+
+    def remove_progress_sink(self, sink) -> None:
+        self._progress_sinks.remove(sink)
+
+    def wait_for_step(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        """Block until ready() holds, checked after each step; False on timeout."""
+        return self._notifier.wait_for(ready, timeout)
+
+    def start(self) -> None:
+        """Start the serving thread (enqueue does it when needed)."""
+        with self._state_lock:
+            self.check_open()
+            self._start_locked()
+
+    def check_open(self) -> None:
+        if self._closed or self._stopping:
+            raise ClosedError("Engine is closed")
+
+    def idle(self) -> bool:
+        """Nothing queued or running, every row and KV block free."""
+        return not self._arrivals and not self._buffer.live and self._sched.idle()
+
+    @property
+    def kv_capacity(self) -> int:
+        """The KV blocks a request may hold at most: every block of the cache."""
+        return self._sched.blocks.capacity
+
+    def set_profile(self, on: bool) -> None:
+        """Time the loop and the runner (LoopProfile) or not, while idle (RuntimeError
+        otherwise): Engine.set_profile."""
+        with self._state_lock:
+            self.check_open()
+            if not self.idle():
+                raise RuntimeError("Engine.set_profile: the engine is serving; call it while "
+                                   "it is idle (nothing queued or running)")
+            with driving(self._model_key, "Engine.set_profile()"):   # the loop has let go
+                self.runner.set_profile(on)
+                self._loop_profile = LoopProfile(self.runner) if self.runner.profile else None
+
+    def stats(self) -> dict:
+        """The loop's counts: tokens, wall time, failed steps, requests, rows and KV blocks
+        free, and per phase (decode, prefill) its Phase's fields."""
+        buf, sched = self._buffer, self._sched
+        return dict(tokens=buf.tokens_out, wall_s=self._wall_s, failed_steps=self._failed_steps,
+                    requests_finished=buf.finished, requests_running=len(buf.live),
+                    rows_free=sched.rows.free_count, kv_blocks_free=sched.blocks.free_count,
+                    kv_blocks_total=sched.blocks.capacity,
+                    phases={k: dict(vars(p)) for k, p in self._phases.items()})
+
+    def close(self, *, finish: bool = False) -> str | None:
+        """Engine.close: stop serving (cancel or, with finish, serve to the end what is
+        queued or running), join the serving thread, close the runner; returns what
+        runner.close() returns. Idempotent: None after the first."""
+        with self._state_lock:
+            if self._closed or self._stopping:
+                return None
+            self._stopping, self._finish_on_close = True, finish
+            thread = self._thread
+        if thread is not None:
+            if thread is threading.current_thread():
+                raise RuntimeError("Engine.close() from a done callback of its own serving thread")
+            self._wake.set()
+            thread.join()
+        for req in self._arrivals:        # queued after the loop's last look: none ever ran
+            self._buffer.finish(req, "cancelled")
+        self._arrivals.clear()
+        self._closed = True
+        return self._finalizer()
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=serving_thread,
+                                            args=(weakref.WeakMethod(self._serve), self._wake),
+                                            name="vt-engine", daemon=True)
+            self._thread.start()
+
+    # -- the serving thread --------------------------------------------------------------
     def _serve(self) -> bool:
         """One busy period of the serving thread, holding the model's lease (another Engine
         over the same model serving now: this one's arrivals fail with EngineBusyError).
-        Returns True when the engine stops. Should the loop itself break (a bug: step
+        Returns True when the loop stops. Should the loop itself break (a bug: step
         failures are handled inside it), every request it holds or that arrives later fails
-        with that error instead of waiting forever, and submit() refuses from then on."""
+        with that error instead of waiting forever, and enqueue() refuses from then on."""
         pending: deque = deque()
         try:
             acquire_model(self._model_key, "Engine.submit()", lambda: not (
@@ -49,7 +197,7 @@ class ServingLoop:
     def _loop(self, pending: deque) -> bool:
         """The one serving loop: take arrivals and cancellations (a length check each), plan
         step N+1, launch it, collect step N (depth 2); return when there is nothing to do
-        (True: the engine stops; the serving thread sleeps otherwise).
+        (True: the loop stops; the serving thread sleeps otherwise).
         Everything a step may need (admission, prefill, stops, progress, profiling) is a
         cheap check inside it; a decode step with nobody to admit costs the plan's fast path,
         one launch and one collect."""
@@ -59,7 +207,7 @@ class ServingLoop:
         arrivals, cancels, sinks = self._arrivals, self._cancels, self._progress_sinks
         clock, rs, prof = time.perf_counter, runner.stats, self._loop_profile
         decode_ph, prefill_ph = self._phases["decode"], self._phases["prefill"]
-        sync = self.config.depth == 1
+        sync = self._sync
         inflight, deferred, cancelled = None, [], []
         t_busy = t0 = clock()
         waited = rs.drain_s + rs.token_wait_s
@@ -67,11 +215,11 @@ class ServingLoop:
             prof.start_call((decode_ph, prefill_ph))
         while True:
             if arrivals:
-                take_arrivals(arrivals, pending, buf)
+                self._take_arrivals(pending)
             if cancels or (self._stopping and not self._finish_on_close):
                 if self._stopping and not self._finish_on_close:
-                    cancel_everything(cancels, pending, self._sched)
-                cancelled = apply_cancels(cancels, pending, self._sched, buf, inflight is not None)
+                    self._cancel_everything(pending)
+                cancelled = self._apply_cancels(pending, inflight is not None)
             sched = self._sched
             if not (pending or sched.batch.n or sched.prefilling or inflight is not None or
                     deferred):
@@ -100,7 +248,7 @@ class ServingLoop:
                     prof.launched()
                 if sync:
                     # Depth 1 reads each step's tokens at once, but applies a stop token on the
-                    # same step the async pipeline can (module docstring): two steps later.
+                    # same step the async pipeline can (vt/engine/engine.py): two steps later.
                     for req in deferred:
                         sched.leave(req)
                     ready, handle, deferred = handle, None, []
@@ -136,6 +284,54 @@ class ServingLoop:
                 prof.end(ph)
             waited, inflight, t0 = now_waited, handle, t3
 
+    # What the loop does at a step boundary when a request arrived or was cancelled (it
+    # checks the two deques' lengths per step and calls these only when one moved).
+    def _take_arrivals(self, pending: deque) -> None:
+        """Move the arrivals into the queue the scheduler admits from (a request cancelled
+        before it got there finishes at once)."""
+        arrivals = self._arrivals
+        while arrivals:
+            req = arrivals.popleft()
+            if req.cancel_requested:
+                self._buffer.finish(req, "cancelled")
+            else:
+                pending.append(req)
+
+    def _cancel_everything(self, pending: deque) -> None:
+        """close() without finish: every queued and running request is cancelled."""
+        cancels, sched = self._cancels, self._sched
+        cancels.extend(pending)
+        cancels.extend(sched.prefilling)
+        cancels.extend(sched.batch.reqs[:sched.batch.n])
+
+    def _apply_cancels(self, pending: deque, in_flight: bool) -> list:
+        """A queued request finishes at once; a running one leaves the batch now (its row and
+        KV blocks free for this step's plan) with the tokens of the steps launched so far, and
+        finishes once the step in flight, which still holds it, has been collected (before
+        the row's next request writes its span). Returns those still to finish."""
+        cancels, sched, buffer = self._cancels, self._sched, self._buffer
+        later = []
+        while cancels:
+            req = cancels.popleft()
+            if req.final is not None:
+                continue
+            if req.t0 < 0:
+                if req in pending:
+                    pending.remove(req)
+                    buffer.finish(req, "cancelled")
+                elif req.row >= 0:            # prefilling in chunks: no token yet
+                    sched.leave(req)
+                    buffer.finish(req, "cancelled")
+                # else: still in the arrivals; _take_arrivals finishes it
+                continue
+            sched.leave(req)
+            req.end = min(req.end, req.base + sched.batch.t - req.t0)
+            if in_flight:
+                later.append(req)
+            else:
+                buffer.finish(req, "cancelled")
+        return later
+
     def _report(self, step: int) -> None:
         now = time.perf_counter()
         for sink in list(self._progress_sinks):
@@ -160,21 +356,21 @@ class ServingLoop:
         self._notifier.notify()
 
 
-def serving_thread(engine_ref, wake: threading.Event) -> None:
-    """The engine's serving thread: a busy period (ServingLoop._serve) whenever woken, holding the
-    engine only while it serves, so that a dropped engine is collected (its finalizer wakes
-    this thread, which then finds it gone and ends)."""
+def serving_thread(serve_ref: weakref.WeakMethod, wake: threading.Event) -> None:
+    """The serving thread: a busy period (the loop's `_serve`) whenever woken, holding the
+    loop only while it serves, so that a loop nobody holds is collected (its finalizer
+    wakes this thread, which then finds it gone and ends)."""
     while True:
-        engine = engine_ref()
-        if engine is None or engine._serve():
+        serve = serve_ref()
+        if serve is None or serve():
             return
-        del engine
+        del serve
         wake.wait()
         wake.clear()
 
 
 def close_dropped(runner, wake: threading.Event) -> str | None:
-    """weakref.finalize of an Engine (close() calls it too): wake the serving thread (it
-    finds the engine gone, or stopping, and ends) and close the runner."""
+    """weakref.finalize of a ServingLoop (close() calls it too): wake the serving thread (it
+    finds the loop gone, or stopping, and ends) and close the runner."""
     wake.set()
     return runner.close()

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from vt.engine.requests import KVCacheExhaustedError, PromptTooLongError, Request, RequestTooLargeError
+from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
+from vt.engine.requests import Request
 from vt.step.contract import GREEDY, KVGeometry, SamplingParams
 
 

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from vt.backend.errors import ClosedError
-from vt.engine.requests import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
+from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
 from vt.serve.metrics import ServeMetrics
 from vt.serve.model_source import ServedModel
 from vt.serve.protocol import GenerationSpec, RequestError
