@@ -238,9 +238,9 @@ def test_generate_argument_errors_name_the_argument(sim_backend, call, error, ne
 
 
 @pytest.mark.parametrize("change,error,needle", [
-    (dict(vocab=0), ValueError, "vocab must be in"),
-    (dict(vocab=2.0), TypeError, "vocab must be an int"),
-    (dict(vocab=2**31), ValueError, "vocab must be in"),
+    (dict(vocab=0), ValueError, r"vocab must be an integer in \[2, 2147483647\], got 0"),
+    (dict(vocab=2.0), TypeError, r"vocab must be an integer in \[2, 2147483647\], got 2.0"),
+    (dict(vocab=2**31), ValueError, "vocab must be an integer in"),
     (dict(token_dtype=np.float32), TypeError, "token_table must be a 1-D int32"),
     (dict(token_dtype=np.int64), TypeError, "token_table must be a 1-D int32"),
     (dict(token_shape=(65, 2)), TypeError, "token_table must be a 1-D int32"),

@@ -14,6 +14,7 @@ VT = pathlib.Path(__file__).resolve().parents[2] / "vt"
 
 RANK = {
     "env": -1,                # the VT_* variables' registry and parser: below everything
+    "validate": -1,           # the one integer check of the constructors
     "backend": 0, "knobs": 0,
     "step": 1,
     "sampling": 0.5,          # pure: the step contract holds its SamplingParams
