@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import time
 
-# The runner's own timed parts (vt/runner/plan.py RunnerStats) that a phase accumulates.
-RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
 FIRST = 16   # a busy period's first iterations, all timed: a short call still gets a split
 # Then one iteration in EVERY: a prime, not a power of two. A batch whose rows advance in
 # lockstep crosses a KV block (new blocks for every row: a slower plan) every block_size

@@ -1,10 +1,11 @@
 """SizeSlot and SlotRing: what keeps Refresh(N+1) from writing host vectors Replay(N) has not
-read yet (hazard-C, docs/design.md)."""
+read yet (the host-overwrite hazard, docs/design.md)."""
 from __future__ import annotations
 
 import numpy as np
 
 from vt.graphs.logits import ForwardLogits, GraphOutput
+from vt.step.contract import PadRow
 from vt.step.inputblock import InputBlock
 from vt.backend.waits import wait_event
 
@@ -14,9 +15,9 @@ class SizeSlot:
     graph (with its retained logits), the pinned tokens it returns and the events that say
     when the host may write the block again and when the step is done.
 
-    h2d="graph": the graph's own H2D node reads `host` AT REPLAY, so `host` is busy until the
-    replay has run (`done`).
-    h2d="staged": slots of one size share `device`, `out_device` and `output`; the out-of-graph
+    H2D in the graph: the graph's own H2D node reads `host` AT REPLAY, so `host` is busy until
+    the replay has run (`done`).
+    Staged H2D: slots of one size share `device`, `out_device` and `output`; the out-of-graph
     copy reads `host`, so `host` is busy until that copy has run (`staged_read`).
     """
 
@@ -76,28 +77,15 @@ class SizeSlot:
 class SlotRing:
     """k SizeSlots of one size used in turn. With `guarded`, acquiring a slot first waits on
     its event, so the host never rewrites a block a queued replay will still read. Unguarded
-    (k=1) is the drain path, whose drain protects the slot, or NO_DBUF, the unsafe arm."""
+    (k=1) is the drain path, whose drain protects the slot, or the unguarded mode, the unsafe
+    arm. `pad`: what a padded row points at (the model's scratch row)."""
 
-    def __init__(self, slots: list[SizeSlot], guarded: bool):
-        self.slots, self.guarded, self._next = slots, guarded, 0
+    def __init__(self, slots: list[SizeSlot], guarded: bool, pad: PadRow):
+        self.slots, self.guarded, self.pad, self._next = slots, guarded, pad, 0
 
     def peek(self) -> SizeSlot:
         """The slot the next acquire returns."""
         return self.slots[self._next]
-
-    def poison_next(self, pad, poll_s: float, drain) -> bool:
-        """Test knob POISON: overwrite the block the next acquire hands out, as soon as this
-        ring lets the host write it: guarded, after that slot's guard; unguarded, after
-        `drain()` (the drain path) or at once (`drain` None: NO_DBUF, the unsafe arm). A sound
-        mode never lets a replay read the poison. Returns whether the guard had to wait."""
-        nxt = self.peek()
-        waited = False
-        if self.guarded:
-            waited = nxt.wait_reusable(poll_s) > 0
-        elif drain is not None:
-            drain()
-        nxt.host.poison(pad)
-        return waited
 
     def acquire(self, poll_s: float = 0.0) -> tuple[SizeSlot, float]:
         slot = self.slots[self._next]

@@ -6,9 +6,10 @@ slot's pinned output, then one event record. Step N+1 is launched before the hos
 N's tokens.
 
 Before Refresh(N+1) the host drains (waits for step N) unless the skip applies: the
-previous step's logits are a non-owning graph view AND the ring is on (safe: the slot's
-event guards its block) or NO_DBUF is set (unsafe: nothing guards it). Eager, mixed and
-prefill steps own their logits and always drain.
+previous step's logits are a non-owning graph view AND the mode skips the drain
+(ExecutorConfig.skips_graph_drain: the ring modes, safe because the slot's event guards its
+block, or the unguarded test arm, unsafe because nothing does). Eager, mixed and prefill
+steps own their logits and always drain.
 
 Every step goes through launch() and collect(): profiling (timing events, the host split,
 the trace) is a cheap check inside that one path, so a profiled run times the path that
@@ -26,6 +27,7 @@ from vt.step.contract import LOGITS_DTYPE
 from vt.runner.plan import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
 from vt.runner.trace import Tracer
 from vt.backend.waits import DEFAULT_POLL_US, wait_event
+from vt.testing import NULL_HOOKS, ExecutorHooks
 
 
 def _decode_and_sample(model):
@@ -43,10 +45,15 @@ class Runner:
     through the eager path. With profile=True, a launch while `timed` is set has its host
     split timed and device timing events recorded around it (the engine's LoopProfile sets
     `timed` on the iterations it samples; a standalone runner times every step); an eager
-    step gets device timing events whenever profile is on."""
+    step gets device timing events whenever profile is on. `hooks`: the test arms
+    (vt/testing.py), called at fixed points; the default does nothing there."""
 
-    def __init__(self, be, model, config, *, record_logits: bool = False, profile: bool = False):
-        self.be, self.model, self.config = be, model, config
+    def __init__(self, be, model, config, *, hooks: ExecutorHooks = NULL_HOOKS,
+                 record_logits: bool = False, profile: bool = False):
+        if not isinstance(hooks, ExecutorHooks):
+            raise TypeError(f"Runner: hooks must be a vt.testing.ExecutorHooks, got "
+                            f"{type(hooks).__name__}")
+        self.be, self.model, self.config, self.hooks = be, model, config, hooks
         self.stream = be.stream(name="vt-decode")
         geo = model.geometry
         self.capacity = max(geo.max_seqs, max(config.capture_sizes, default=0))
@@ -57,17 +64,17 @@ class Runner:
             poll_us = DEFAULT_POLL_US if be.name == "cuda" else 0.0
         self._poll_s = poll_us * 1e-6
         settings = GraphSettings(sizes=config.capture_sizes, slots_per_size=config.slots_per_size,
-                                 guarded=config.async_executor, staged=config.h2d == "staged",
-                                 reserve_pool=not config.skip_pool_reserve, poll_s=self._poll_s)
+                                 guarded=config.guarded, staged=config.staged_h2d)
         self.driver = DecodeGraphDriver(be, self.stream, _decode_and_sample(model), vocab=model.vocab,
-                                        max_blocks=geo.max_blocks, pad=model.pad, settings=settings)
+                                        max_blocks=geo.max_blocks, pad=model.pad, settings=settings,
+                                        hooks=hooks)
         self.eager = EagerPath(be, self.stream, model, capacity=self.capacity,
                                graph_size=self.driver.padded_size)
         self.tracer = Tracer(be, self.stream, config.trace)
         self.profile = profile or self.tracer.enabled
         self.stats = RunnerStats()
         self._skip_graph_drain = config.skips_graph_drain
-        self._poison = config.poison
+        self._after_graph_launch = hooks.after_graph_launch
         self._ring_for = self.driver.ring_for
         self._record = ([be.pinned_empty((self.capacity, model.vocab), LOGITS_DTYPE) for _ in range(2)],
                         [be.event(blocking_sync=True) for _ in range(2)]) if record_logits else None
@@ -114,8 +121,6 @@ class Runner:
         self._drain_if_needed()
         ring = None if plan.prefill else self._ring_for(n)
         handle = self._launch_graph(ring, plan) if ring is not None else self._launch_eager(plan)
-        if handle.slot is not None and self._poison:
-            self._poison_next(handle.slot, handle)
         self._last = handle
         self._inflight.append(handle)
         self._steps += 1
@@ -123,7 +128,7 @@ class Runner:
 
     def _drain_if_needed(self) -> None:
         """Wait for the step in flight before this launch unless the drain skip applies (its
-        logits are a graph's view and the ring or NO_DBUF is on: module docstring)."""
+        logits are a graph's view and the mode skips the drain: module docstring)."""
         prev = self._last
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
@@ -164,6 +169,7 @@ class Runner:
                     self.tracer.host_span("ring wait", t0, t0 + waited, slot=slot.name)
                 self.tracer.host_span("refresh", t1, t2, step=index, slot=slot.name)
                 self.tracer.host_span(f"launch graph S={slot.size}", t2_launch, t3, step=index, n=n)
+        self._after_graph_launch(ring, handle, self._skip_graph_drain, st)
         return handle
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
@@ -226,11 +232,6 @@ class Runner:
         if timing is not None:
             timing[1].record(self.stream)
             handle.timing = timing
-
-    def _poison_next(self, slot, handle: StepHandle) -> None:
-        """POISON: the ring poisons the slot the next step of this size will use (SlotRing)."""
-        drain = None if self._skip_graph_drain else (lambda: self._wait(handle, drain=True))
-        self.stats.ring_waits += self.driver.rings[slot.size].poison_next(self.model.pad, self._poll_s, drain)
 
     # -- collect ------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> np.ndarray:
