@@ -56,7 +56,7 @@ class Poison(ExecutorHooks):
             stats.ring_waits += nxt.wait_reusable() > 0
         elif not skips_drain:
             handle.done.synchronize()   # what the next launch's drain waits for
-        nxt.host.poison(ring.pad)       # every row redirected to the scratch row
+        nxt.write_padding()             # every row redirected to the scratch row
 
 
 class NoPoolPreGrow(ExecutorHooks):

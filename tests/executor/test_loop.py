@@ -99,7 +99,7 @@ def _profiled_plan(monkeypatch, costs):
 
     clock = [0.0]
     monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
-    runner = SimpleNamespace(stats=RunnerStats(), tracer=SimpleNamespace(enabled=False), timed=False)
+    runner = SimpleNamespace(stats=RunnerStats(), timer=SimpleNamespace(every_step=False, armed=False))
     prof, phase = profile.LoopProfile(runner), Phase()
     prof.start_call((phase,))
     for cost in costs:

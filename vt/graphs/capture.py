@@ -29,11 +29,11 @@ def logits_nbytes(size: int, vocab: int) -> int:
     return size * vocab * np.dtype(LOGITS_DTYPE).itemsize
 
 
-def warm_up(be, stream, step, slot, vocab: int, pad) -> None:
+def warm_up(be, stream, step, slot, vocab: int) -> None:
     """One eager step of an all-padding batch (writes only scratch rows), then wait.
 
     step(stream, inputs, logits, out_tokens): the forward and the sampler."""
-    slot.host.poison(pad)
+    slot.write_padding()
     # The input copy as the captured step makes it: in graph mode a kernel, whose module is
     # then loaded here and not inside the capture.
     slot.host.copy_to(be, slot.device, stream, mapped=not slot.staged)

@@ -57,13 +57,12 @@ class DecodeGraphDriver:
         self._check_open()
         st = self.settings
         for size in sorted(self.sizes, reverse=True):
-            first = SizeSlot(self.be, size, 0, self.max_blocks, staged=st.staged)
-            slots = [first] + [SizeSlot(self.be, size, i, self.max_blocks, staged=st.staged,
-                                        shared=first if st.staged else None)
+            first = SizeSlot(self.be, size, 0, self.max_blocks, self.pad, staged=st.staged)
+            slots = [first] + [SizeSlot(self.be, size, i, self.max_blocks, self.pad,
+                                        staged=st.staged, shared=first if st.staged else None)
                                for i in range(1, st.slots_per_size)]
-            # close() frees the ring on failure
-            self.rings[size] = SlotRing(slots, guarded=st.guarded, pad=self.pad)
-            warm_up(self.be, self.stream, self.step, first, self.vocab, self.pad)
+            self.rings[size] = SlotRing(slots, guarded=st.guarded)   # close() frees it on failure
+            warm_up(self.be, self.stream, self.step, first, self.vocab)
             graphs = 1 if st.staged else len(slots)
             self.hooks.pre_grow_pool(self.be.pool, logits_nbytes(size, self.vocab), graphs)
             for i in range(graphs):
@@ -98,7 +97,7 @@ class DecodeGraphDriver:
         slot = self.rings[size].slots[0]
         self.stream.synchronize()
         if slot.last_index < 0:
-            slot.host.poison(self.pad)
+            slot.write_padding()
         index = slot.last_index   # the replays repeat that step: the slot's state stays its
         ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size, index), replays,
                       1, warmup=1)

@@ -1,5 +1,9 @@
 """SizeSlot and SlotRing: what keeps Refresh(N+1) from writing host vectors Replay(N) has not
-read yet (the host-overwrite hazard, docs/design.md)."""
+read yet (the host-overwrite hazard, docs/design.md).
+
+A step on a slot, graph step or a mixed step's decode rows alike: `ring.acquire()` (the
+guard), `slot.write(rows)` (the refresh), `slot.launch(stream, n, index)`, and once the host
+saw it done, `slot.collected(index)`."""
 from __future__ import annotations
 
 import numpy as np
@@ -21,9 +25,9 @@ class SizeSlot:
     copy reads `host`, so `host` is busy until that copy has run (`staged_read`).
     """
 
-    def __init__(self, be, size: int, index: int, max_blocks: int, *, staged: bool,
+    def __init__(self, be, size: int, index: int, max_blocks: int, pad: PadRow, *, staged: bool,
                  shared: "SizeSlot | None" = None):
-        self.be, self.size, self.index, self.staged = be, size, index, staged
+        self.be, self.size, self.index, self.pad, self.staged = be, size, index, pad, staged
         self.name = f"S={size} slot={index}"
         self.host = InputBlock(be.pinned_empty, size, max_blocks)
         self.device = shared.device if shared else InputBlock(be.empty, size, max_blocks)
@@ -45,6 +49,16 @@ class SizeSlot:
             return 0.0
         return wait_event(self.staged_read or self.done, poll_s)
 
+    def write(self, rows) -> None:
+        """Refresh: the step's rows (DecodeRows, or anything with write_into(block, pad))
+        into the host block, the tail padded. Only once the guard (or the drain) passed."""
+        rows.write_into(self.host, self.pad)
+
+    def write_padding(self) -> None:
+        """Every row of the host block redirected to the scratch row: a replay of it writes
+        only scratch."""
+        self.host.poison(self.pad)
+
     def launch(self, stream, n: int, index: int) -> ForwardLogits:
         """Replay step `index` (the runner's count) on `stream`; `done` completes once the
         tokens are in out_host (graph mode: the graph's last node records it; staged: recorded
@@ -59,7 +73,12 @@ class SizeSlot:
             self.done.record(stream)
         else:
             gen = self.output.launch(stream)
-        return ForwardLogits(self.output.logits, n, output=self.output, generation=gen)
+        return ForwardLogits(self.output.logits, n, self.output, gen)
+
+    def copy_tokens(self, dst, stream) -> None:
+        """The last launch's sampled tokens [len(dst)] into the device array `dst`, on
+        `stream` (a mixed step gathers its decode rows' tokens with its prefill's)."""
+        self.be.copy_d2d(dst, self.out_device[:len(dst)], stream)
 
     def collected(self, index: int) -> None:
         """The host saw step `index` done: if it is still this slot's last step, the slot is
@@ -78,10 +97,10 @@ class SlotRing:
     """k SizeSlots of one size used in turn. With `guarded`, acquiring a slot first waits on
     its event, so the host never rewrites a block a queued replay will still read. Unguarded
     (k=1) is the drain path, whose drain protects the slot, or the unguarded mode, the unsafe
-    arm. `pad`: what a padded row points at (the model's scratch row)."""
+    arm."""
 
-    def __init__(self, slots: list[SizeSlot], guarded: bool, pad: PadRow):
-        self.slots, self.guarded, self.pad, self._next = slots, guarded, pad, 0
+    def __init__(self, slots: list[SizeSlot], guarded: bool):
+        self.slots, self.guarded, self._next = slots, guarded, 0
 
     def peek(self) -> SizeSlot:
         """The slot the next acquire returns."""
