@@ -1,5 +1,7 @@
 """ExecutorConfig: one validated mode from which everything else is derived, every knob from
 the environment, every bad value named in the error; the one integer check."""
+import os
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,33 @@ def test_one_refusal_shape_everywhere(value, error):
         KVGeometry(max_seqs=value, num_kv_blocks=4, block_size=4, max_context=8)
     with pytest.raises(error, match=r"ExecutorConfig.serving_conc " + shape):
         ExecutorConfig(serving_conc=value)
+
+
+# ------------------------------------------------------------------ the test arms' variable
+def test_the_poison_variable_selects_the_poison_hooks():
+    from vt.testing import NULL_HOOKS, Poison, hooks_from_env
+    assert hooks_from_env({}) is NULL_HOOKS
+    assert hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "0"}) is NULL_HOOKS
+    assert isinstance(hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "1"}), Poison)
+    with pytest.raises(ValueError, match="VT_ASYNC_EXECUTOR_POISON must be 0 or 1"):
+        hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "yes"})
+
+
+@pytest.mark.parametrize("environ,mode", [
+    ({}, "drain"), ({"VT_ASYNC_EXECUTOR": "1", "VT_ASYNC_EXECUTOR_POISON": "1"}, "ring+poison"),
+    ({"VT_ASYNC_EXECUTOR_NO_DBUF": "1", "VT_ASYNC_EXECUTOR_POISON": "1"}, "unguarded+poison")])
+def test_an_engine_without_a_config_takes_mode_and_hooks_from_the_environment(
+        sim_backend, monkeypatch, environ, mode):
+    """Engine(config=None): the mode variables and POISON; an explicit config takes neither."""
+    from vt.engine.engine import Engine
+    from vt.forward.toy import ToyForward
+    for var in [v for v in os.environ if v.startswith("VT_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("VT_CAPTURE_SIZES", "1,2")
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    with Engine(sim_backend, ToyForward(sim_backend).step_model()) as eng:
+        assert eng.mode == mode and eng.stats()["mode"] == mode
+    with Engine(sim_backend, ToyForward(sim_backend).step_model(),
+                ExecutorConfig(capture_sizes=(1, 2))) as eng:
+        assert eng.mode == "drain"
