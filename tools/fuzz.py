@@ -3,13 +3,13 @@
 A *case* is a random serving workload and an engine configuration: one or more rounds of
 requests (one generate() each, on the same engine) with random prompts, budgets, per-request
 sampling (greedy, or temperature + top_k + top_p + min_p + seed) and a stop token; capture sizes (possibly
-none: every step eager), serving concurrency, ring depth, KV geometry (tight caches make
+none: every step eager), serving concurrency, KV geometry (tight caches make
 requests wait for blocks), sim device delay or, on cuda, queued device work per step (the host
 runs ahead of the device). Each case runs in mode "sync" (depth 1, the reference) and in every
 safe mode of vt.knobs.SAFE_MODES, POISON on for the async ones (and drawn for drain), and
 compares token for token, finish_reason and logits bytes: the schedule is the same at every
-depth, so the runs must be byte-identical. The unsafe arm (no_dbuf + POISON) runs on the same
-cases and must show mismatches, or the harness is blind.
+depth, so the runs must be byte-identical. The unsafe arm (mode unguarded + POISON) runs on
+the same cases and must show mismatches, or the harness is blind.
 
   python3 tools/fuzz.py --backend sim --steps-per-mode 2000                 # CPU, ~1 min
   python3 tools/fuzz.py --backend cuda --steps-per-mode 2000 --json fuzz.json   # H200, ~2 min
@@ -48,9 +48,10 @@ from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
 from vt.knobs import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
+from vt.testing import NULL_HOOKS, Poison, with_device_work  # noqa: E402
 
-ASYNC_MODES = tuple(m for m, fields in MODES.items() if fields.get("async_executor"))
-UNSAFE = "no_dbuf+poison"
+ASYNC_MODES = tuple(m for m in MODES if ExecutorConfig(mode=m).guarded)   # the ring modes
+UNSAFE = "unguarded+poison"
 CAPTURE_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 TOY_VOCAB = 64
 BUNDLED = ("tiny-dense", "tiny-moe")
@@ -87,7 +88,6 @@ class Case:
     stops: tuple                # per round: stop token or None
     capture_sizes: tuple
     serving_conc: int
-    ring_depth: int
     drain_poison: bool
     sim_delay_s: float = 0.0    # sim: device delay per op
     device_work_s: float = 0.0  # cuda: queued device time per decode (the host runs ahead)
@@ -186,8 +186,7 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
     sizes = tuple(s for s in CAPTURE_CHOICES if s <= max_seqs and d.bool())
     return Case(model=model, vocab=vocab, max_seqs=max_seqs, num_kv_blocks=num_kv_blocks,
                 block_size=bs, max_context=ctx, rounds=tuple(rounds), stops=tuple(stops),
-                capture_sizes=sizes, serving_conc=conc, ring_depth=d.int(2, 3),
-                drain_poison=d.bool(), sim_delay_s=d.choice(tuple(sim_delays)),
+                capture_sizes=sizes, serving_conc=conc, drain_poison=d.bool(), sim_delay_s=d.choice(tuple(sim_delays)),
                 device_work_s=d.choice(tuple(device_works)), record_logits=d.bool(),
                 profile=d.bool(), wait_poll_us=d.choice((None, 0, 20, 200)),
                 max_prefill_tokens=d.choice((None, 2 * ctx, 4 * ctx)), seed=seed)
@@ -205,14 +204,15 @@ class ModeRun:
     stats: dict
 
 
-def mode_config(case: Case, mode: str) -> ExecutorConfig:
-    """The ExecutorConfig of `mode` for this case ("no_dbuf+poison": the unsafe arm)."""
+def mode_config(case: Case, mode: str):
+    """The ExecutorConfig of `mode` for this case and its test hooks ("unguarded+poison": the
+    unsafe arm)."""
     base = dict(serving_conc=case.serving_conc, capture_sizes=case.capture_sizes,
-                ring_depth=case.ring_depth, wait_poll_us=case.wait_poll_us)
+                wait_poll_us=case.wait_poll_us)
     if mode == UNSAFE:
-        return ExecutorConfig.for_mode("no_dbuf", poison=True, **base)
+        return ExecutorConfig.for_mode("unguarded", **base), Poison()
     poison = mode in ASYNC_MODES or (mode == "drain" and case.drain_poison)
-    return ExecutorConfig.for_mode(mode, poison=poison, **base)
+    return ExecutorConfig.for_mode(mode, **base), (Poison() if poison else NULL_HOOKS)
 
 
 class Models:
@@ -225,8 +225,8 @@ class Models:
     def step_model(self, be, case: Case, device_work_s: float):
         if case.model == "toy":
             from vt.forward.toy import ToyForward
-            return ToyForward(be, vocab=case.vocab, geometry=case.geometry,
-                              device_work_s=device_work_s).step_model()
+            return with_device_work(ToyForward(be, vocab=case.vocab, geometry=case.geometry)
+                                    .step_model(), device_work_s)
         from vt.forward.hybrid import HybridStepModel
         key = (id(be), case.model)
         if key not in self._bundled:
@@ -235,7 +235,7 @@ class Models:
             self._bundled[key] = HybridModel(be, cfg, init_weights(cfg, seed=0),
                                              max_seqs=BUNDLED_MAX_SEQS,
                                              num_kv_blocks=BUNDLED_KV_BLOCKS)
-        return HybridStepModel(be, self._bundled[key], device_work_s=device_work_s)
+        return with_device_work(HybridStepModel(be, self._bundled[key]), device_work_s)
 
     def close(self):
         for m in self._bundled.values():
@@ -249,7 +249,8 @@ def run_mode(be, models: Models, case: Case, mode: str, *, device_work_s: float 
     without timing events; the others as the case says)."""
     step = models.step_model(be, case, device_work_s)
     record, profile = (True, False) if reference else (case.record_logits, case.profile)
-    with Engine(be, step, mode_config(case, mode), record_logits=record, profile=profile,
+    config, hooks = mode_config(case, mode)
+    with Engine(be, step, config, hooks=hooks, record_logits=record, profile=profile,
                 max_prefill_tokens=case.max_prefill_tokens) as eng:
         rounds = [eng.generate([np.asarray(r.prompt, np.int32) for r in reqs],
                                max_new_tokens=[r.budget for r in reqs], stop_token=stop,
@@ -434,7 +435,7 @@ def main(argv=None) -> int:
                     help="stop drawing new cases after this long (the report says so)")
     ap.add_argument("--alone-cases", type=int, default=2,
                     help="per model, this many cases also run their requests alone (batch invariance)")
-    ap.add_argument("--no-unsafe", action="store_true", help="skip the no_dbuf+poison arm")
+    ap.add_argument("--no-unsafe", action="store_true", help="skip the unguarded+poison arm")
     ap.add_argument("--replay", default=None, help="a case's JSON (or a file holding it): run it only")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every case in full")
@@ -498,7 +499,7 @@ def main(argv=None) -> int:
             unsafe_mm = len(rep.mismatches.get(UNSAFE, []))
             print(f"case seed={case.seed} model={case.model} requests={case.requests} "
                   f"conc={case.serving_conc} sizes={list(case.capture_sizes)} "
-                  f"ring={case.ring_depth} delay={case.sim_delay_s or case.device_work_s}: "
+                  f"delay={case.sim_delay_s or case.device_work_s}: "
                   f"{rep.steps} steps in {time.perf_counter() - tc:.1f}s, "
                   f"{'MISMATCH' if bad else 'ok'}"
                   f"{f', unsafe arm {unsafe_mm} mismatched' if not args.no_unsafe else ''}",
@@ -546,7 +547,7 @@ def main(argv=None) -> int:
              if tally.get(n, {}).get(m, {}).get("steps", 0) < args.steps_per_mode]
     print(f"safe-mode mismatches: {safe_bad}; broken requests: "
           f"{sum(len(r.problems) for r in failures)}"
-          + ("" if args.no_unsafe else f"; unsafe arm (no_dbuf+poison) mismatches: {unsafe_total}"
+          + ("" if args.no_unsafe else f"; unsafe arm (unguarded+poison) mismatches: {unsafe_total}"
              f"{' -- HARNESS BLIND' if blind else ' (> 0 expected)'}"))
     if short and args.replay is None and args.cases is None:
         print(f"below --steps-per-mode {args.steps_per_mode}: {', '.join(short)}")

@@ -288,7 +288,8 @@ def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
     fwd = FaultyToy(be, vocab=case.vocab, geometry=case.geometry, nan_token=nan_token)
     outcomes, done = {}, threading.Event()
     try:
-        with Engine(be, fwd.step_model(), base.mode_config(case, mode),
+        config, hooks = base.mode_config(case, mode)
+        with Engine(be, fwd.step_model(), config, hooks=hooks,
                     max_prefill_tokens=case.max_prefill_tokens) as eng:
             n_clients = max(1, min(len(reqs), case.serving_conc + 1, 8))
             shares = [[(i, r) for i, r in enumerate(reqs) if i % n_clients == c]

@@ -1,15 +1,17 @@
-"""Reproduce hazard-C and show the ring prevents it: the same workload in four modes.
+"""Reproduce the host-overwrite hazard and show the ring prevents it: the same workload in
+four arms.
 
-  OFF              single slot per size, drain: the reference
-  RING+POISON      slot ring, drain skipped for graph steps, host vectors poisoned as early
-                   as the ring lets the host write them: must match OFF (0 mismatches)
-  NO_DBUF+POISON   single slot, drain skipped, poison right after each launch: mismatches
-  NO_DBUF          the same without poison (on a delayed sim; on a GPU only if the host wins)
+  DRAIN              mode drain (single slot per size, drain): the reference
+  RING+POISON        mode ring (slot ring, drain skipped for graph steps), host vectors
+                     poisoned as early as the ring lets the host write them: must match DRAIN
+  UNGUARDED+POISON   mode unguarded (single slot, drain skipped), poison right after each
+                     launch: mismatches
+  UNGUARDED          the same without poison (on a delayed sim; on a GPU only if the host wins)
 
-Each forward is preceded by --device-work-ms of queued device time (be.busy_wait), so the
-host runs ahead of the device on any backend. Prints the mismatch counts (requests whose
-tokens or logits bytes differ from OFF) and exits 1 if a safe mode mismatched or the unsafe
-arm was not detected.
+Each decode is preceded by --device-work-ms of queued device time (be.busy_wait,
+vt.testing.with_device_work), so the host runs ahead of the device on any backend. Prints the
+mismatch counts (requests whose tokens or logits bytes differ from DRAIN) and exits 1 if a
+safe mode mismatched or the unsafe arm was not detected.
 
   python tools/hazard_repro.py --backend sim --model toy
   python tools/hazard_repro.py --backend cuda --model tiny-moe --conc 32 --runs 5
@@ -27,35 +29,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from vt.backend import get_backend
 from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
+from vt.testing import NULL_HOOKS, Poison, with_device_work
 
-MODES = {
-    "OFF": dict(),
-    "RING+POISON": dict(async_executor=True, poison=True),
-    "NO_DBUF+POISON": dict(no_dbuf=True, poison=True),
-    "NO_DBUF": dict(no_dbuf=True),
+ARMS = {   # arm -> (mode, poison)
+    "DRAIN": ("drain", False),
+    "RING+POISON": ("ring", True),
+    "UNGUARDED+POISON": ("unguarded", True),
+    "UNGUARDED": ("unguarded", False),
 }
 
 
 def build_step_model(be, name: str, device_work_s: float):
     if name == "toy":
         from vt.forward.toy import ToyForward
-        toy = ToyForward(be, device_work_s=device_work_s)
-        return toy.step_model(), None
+        return with_device_work(ToyForward(be).step_model(), device_work_s), None
     from vt.forward.hybrid import HybridStepModel
     from vt.model import PRESETS, HybridModel, init_weights
     cfg = PRESETS[name]
     model = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=64, num_kv_blocks=512)
-    step = HybridStepModel(be, model, device_work_s=device_work_s)
-    return step, model
+    return with_device_work(HybridStepModel(be, model), device_work_s), model
 
 
-def run_mode(args, mode: str, prompts, budgets):
+def run_arm(args, arm: str, prompts, budgets):
     sim_delay = args.sim_delay_ms / 1e3 if args.backend == "sim" else 0.0
     be = get_backend(args.backend, device_delay_s=sim_delay)
+    mode, poison = ARMS[arm]
     try:
-        step, model = build_step_model(be, args.model, 0.0 if mode == "OFF" else args.device_work_ms / 1e3)
-        config = ExecutorConfig(serving_conc=args.conc, **MODES[mode])
-        with Engine(be, step, config, record_logits=True) as eng:
+        step, model = build_step_model(be, args.model,
+                                       0.0 if arm == "DRAIN" else args.device_work_ms / 1e3)
+        config = ExecutorConfig(mode=mode, serving_conc=args.conc)
+        with Engine(be, step, config, hooks=Poison() if poison else NULL_HOOKS,
+                    record_logits=True) as eng:
             results = eng.generate(prompts, max_new_tokens=budgets)
             stats = eng.stats()
         if model is not None:
@@ -96,25 +100,25 @@ def main(argv=None) -> int:
     prompts = [rng.integers(0, vocab, size=int(rng.integers(1, 9))) for _ in range(args.requests)]
     budgets = [int(b) for b in rng.integers(args.max_new // 2, args.max_new + 1, size=args.requests)]
 
-    ref, _ = run_mode(args, "OFF", prompts, budgets)
+    ref, _ = run_arm(args, "DRAIN", prompts, budgets)
     counts = {}
     print(f"backend={args.backend} model={args.model} conc={args.conc} requests={args.requests} "
           f"device_work={args.device_work_ms} ms" +
           (f" sim_delay={args.sim_delay_ms} ms/op" if args.backend == "sim" else ""))
-    for mode in MODES:
-        if mode == "OFF":
+    for arm in ARMS:
+        if arm == "DRAIN":
             continue
-        counts[mode] = []
+        counts[arm] = []
         for _ in range(args.runs):
-            got, st = run_mode(args, mode, prompts, budgets)
-            counts[mode].append(mismatches(ref, got))
-        print(f"  {mode:<15} mismatched requests per run: {counts[mode]} of {args.requests}  "
+            got, st = run_arm(args, arm, prompts, budgets)
+            counts[arm].append(mismatches(ref, got))
+        print(f"  {arm:<17} mismatched requests per run: {counts[arm]} of {args.requests}  "
               f"(graph steps {st['graph_steps']}, drains {st['drains']}, ring waits {st['ring_waits']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(vars(args), counts=counts), f, indent=1)
     safe_ok = not any(counts["RING+POISON"])
-    detected = all(c > 0 for c in counts["NO_DBUF+POISON"])
+    detected = all(c > 0 for c in counts["UNGUARDED+POISON"])
     print(f"ring safe: {safe_ok}; unsafe arm detected every run: {detected}")
     return 0 if safe_ok and detected else 1
 

@@ -19,7 +19,7 @@
 # PyTorch's caching allocator keeps its blocks until the process exits, which --leak-check
 # reports; memcheck runs them in a third run without the leak check.
 # Tests marked needs_overlap are excluded from both runs: they assert that the host ran ahead
-# of the device (NO_DBUF + POISON mismatches, the unguarded hazard-C overwrite), and
+# of the device (unguarded + POISON mismatches, the host-overwrite hazard), and
 # compute-sanitizer serializes kernel launches, which removes that overlap, so under it they
 # fail for a reason that is not a memory error. They run in the normal suite (GPU and sim).
 #

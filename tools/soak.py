@@ -36,7 +36,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
-from vt.knobs import MODES, ExecutorConfig  # noqa: E402
+from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.testing import NULL_HOOKS, Poison  # noqa: E402
 from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
 
 TOY_GEOMETRY = KVGeometry(max_seqs=16, num_kv_blocks=160, block_size=8, max_context=96)
@@ -145,14 +146,14 @@ def soak(be, *, model: str = "toy", steps: int = 10_000, mode: str = "ring", con
     """Run the soak on backend `be`; returns the report (see the module docstring)."""
     rng = np.random.default_rng(seed)
     m = _Model(be, model, max_seqs=16)
-    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=capture_sizes,
-                                     poison=bool(MODES[mode].get("async_executor")))   # the ring modes
+    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=capture_sizes)
+    hooks = Poison() if config.guarded else NULL_HOOKS   # the ring modes poison
     t0 = time.perf_counter()
     report = dict(backend=be.name, model=model, mode=config.mode, conc=conc, seed=seed,
                   chunks=[], problems=[], drift={}, reference_mismatches=None)
     try:
         before_engine = figures(be)
-        eng = Engine(be, m.step_model(), config)
+        eng = Engine(be, m.step_model(), config, hooks=hooks)
         kept = []   # (workload, results) of the first measured chunk and the latest one
         with eng:
             total = 0
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10_000)
     ap.add_argument("--model", default=None, help="toy (default on sim), tiny-dense, tiny-moe "
                                                   "(default on cuda)")
-    ap.add_argument("--mode", default="ring", choices=[m for m in MODES if m != "no_dbuf"])
+    ap.add_argument("--mode", default="ring", choices=list(SAFE_MODES))
     ap.add_argument("--conc", type=int, default=8)
     ap.add_argument("--chunk-steps", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)

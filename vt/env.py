@@ -23,7 +23,6 @@ from typing import Any, Callable, Mapping
 
 PREFIX = "VT_"
 DEFAULT_TRACE_PATH = "vt_trace.json"
-H2D_MODES = ("graph", "staged")
 
 
 class UnknownVariableWarning(UserWarning):
@@ -69,10 +68,12 @@ def _trace(name: str, raw: str) -> str | None:
     return raw
 
 
-def _h2d(name: str, raw: str) -> str:
-    if raw not in H2D_MODES:
-        raise ValueError(f"{name} must be one of {H2D_MODES}, got {raw!r}")
-    return raw
+def _removed(replacement: str) -> Callable[[str, str], Any]:
+    """The parser of a variable vt no longer reads: any value is refused, naming what
+    replaced it (ignoring it would run something other than what was asked for)."""
+    def parse(name: str, raw: str) -> Any:
+        raise ValueError(f"{name} was removed; {replacement}")
+    return parse
 
 
 def _sizes(name: str, raw: str) -> tuple[int, ...]:
@@ -100,21 +101,27 @@ def _label(name: str, raw: str) -> str:
 
 _SWITCH = "0 or 1"
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
-    # The executor's knobs: ExecutorConfig.from_env (vt/knobs.py) maps each to its field.
+    # The executor's configuration: ExecutorConfig.from_env (vt/knobs.py) reads them; the
+    # first two name its mode, POISON is vt.testing.hooks_from_env's.
     Variable("VT_ASYNC_EXECUTOR", _switch, False, _SWITCH,
-             "1: slot ring + drain skip; 0: single slot, drain every step"),
+             "1: mode ring (slot ring + drain skip); 0: mode drain (single slot, drain every step)"),
     Variable("VT_ASYNC_EXECUTOR_NO_DBUF", _switch, False, _SWITCH,
-             "test arm: skip the drain without the ring (reproduces hazard-C)"),
+             "1: mode unguarded, the test arm that skips the drain without the ring "
+             "(reproduces the host-overwrite hazard)"),
     Variable("VT_ASYNC_EXECUTOR_POISON", _switch, False, _SWITCH,
-             "overwrite a slot's host vectors with poison right after each launch"),
+             "test arm (vt.testing.Poison): overwrite the next slot's host vectors as soon "
+             "as the mode lets the host write them"),
     Variable("VT_ASYNC_EXECUTOR_TRACE", _trace, None, "0, 1 or a path ending in .json",
              f"write a per-step Chrome trace JSON (1: to {DEFAULT_TRACE_PATH})"),
     Variable("VT_ASYNC_SERVING_CONC", _positive_int, 8, "a positive integer",
              "requests the engine runs at once"),
-    Variable("VT_ASYNC_EXECUTOR_RING", _positive_int, 2, "a positive integer",
-             "slots per captured size when the ring is on"),
-    Variable("VT_ASYNC_EXECUTOR_H2D", _h2d, "graph", " or ".join(H2D_MODES),
-             "where the per-step H2D copy runs: inside each graph, or staged before it"),
+    # Removed: any value is refused, naming the replacement.
+    Variable("VT_ASYNC_EXECUTOR_RING", _removed(
+        "the ring modes have 2 slots per size (a depth-2 pipeline never needs a third)"),
+        None, "removed", "removed: the ring modes have 2 slots per size"),
+    Variable("VT_ASYNC_EXECUTOR_H2D", _removed(
+        "the staged H2D is a mode: vt run --mode staged, ExecutorConfig(mode='staged')"),
+        None, "removed", "removed: the staged H2D is the mode staged"),
     Variable("VT_CAPTURE_SIZES", _sizes, (1, 2, 4, 8, 16, 24, 32, 48, 64),
              "comma-separated positive integers", "padded batch sizes that get a graph"),
     Variable("VT_WAIT_POLL_US", _microseconds, None, "microseconds in [0, 1e6)",
@@ -157,6 +164,14 @@ def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     if name not in VARIABLES:
         raise KeyError(name)
     return (os.environ if environ is None else environ).get(name)
+
+
+def refuse_removed(environ: Mapping[str, str] | None = None) -> None:
+    """ValueError naming the replacement when a removed variable is set."""
+    environ = os.environ if environ is None else environ
+    for name in sorted(VARIABLES):
+        if name in environ and VARIABLES[name].kind == "removed":
+            VARIABLES[name].parse(name, environ[name].strip())
 
 
 def check(environ: Mapping[str, str] | None = None) -> list[str]:

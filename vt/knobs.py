@@ -1,8 +1,13 @@
-"""ExecutorConfig: every executor knob, as a validated dataclass and as an environment variable.
+"""ExecutorConfig: the executor's configuration, one validated mode plus the sizes around it,
+as a dataclass and from the environment.
 
-The knobs' variables are read (through vt/env.py's parser) only by `ExecutorConfig.from_env`;
-everything below it receives the config object explicitly, so a test can run two modes side by
-side in one process.
+The mode is the whole of how steps are scheduled and guarded; everything the executor does
+differently per mode is a property derived from it (ExecutorConfig's docstring lists them),
+so a config cannot say one thing and run another. The configuration's variables are read
+(through vt/env.py's parser) only by `ExecutorConfig.from_env`; everything below it receives
+the config object explicitly, so a test can run two modes side by side in one process.
+Test arms (poison, no pool pre-grow, injected device work) are not configuration: they are
+vt/testing.py's hooks.
 """
 from __future__ import annotations
 
@@ -10,40 +15,60 @@ import dataclasses
 from dataclasses import dataclass
 
 from vt import env
-from vt.env import DEFAULT_TRACE_PATH, H2D_MODES  # noqa: F401 (re-exported)
+from vt.env import DEFAULT_TRACE_PATH  # noqa: F401 (re-exported)
+from vt.validate import integer
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 # Upper bounds, refused up front by ExecutorConfig (and so by `vt run` and `vt bench`): past
 # them a typo builds gigabytes of buffers or hundreds of graphs before anything fails.
 MAX_SERVING_CONC = 1024   # serving_conc: rows of one decode step
-MAX_RING_DEPTH = 8        # ring_depth: slots (graphs + buffers) per captured size
 MAX_CAPTURE_SIZE = 1024   # each capture_sizes entry
 MAX_CAPTURE_SIZES = 64    # how many sizes get a graph
 
-# One spelling per executor mode, shared by the engine, the CLI and the bench: name -> the
-# ExecutorConfig fields that make it.
-MODES = {
-    "sync": dict(depth=1),                              # the reference: launch, wait, read
-    "drain": dict(),                                    # the default (VT_ASYNC_EXECUTOR off)
-    "ring": dict(async_executor=True),                  # the fast path: slot ring + drain skip
-    "staged": dict(async_executor=True, h2d="staged"),  # Option A: out-of-graph H2D copy
-    "no_dbuf": dict(no_dbuf=True),                      # the unsafe arm: proves the hazard
-}
-SAFE_MODES = tuple(m for m in MODES if m != "no_dbuf")
+# Slots per size in the ring modes. The pipeline is depth 2: at most two steps are in flight,
+# so the slot a step reuses is the one of the step before the last, and a third slot would
+# only cost memory and capture time (docs/design.md, "What limits a depth-2 loop").
+RING_SLOTS = 2
 
-# field -> environment variable (vt/env.py parses it). The first five are the design's own knobs
-# (docs/design.md); the rest make every field settable the same way for the bench and the CLI.
+# One spelling per executor mode, shared by the engine, the CLI and the bench: name -> what
+# it is. ExecutorConfig derives each mode's behaviour from its name.
+MODES = {
+    "sync": "the reference: launch a step, wait for it, read its tokens (depth 1)",
+    "drain": "the default: depth 2, but the host waits for step N before it writes step "
+             "N+1's inputs (one slot per size)",
+    "ring": "the fast path: two slots per size, each guarded by its event, so graph steps "
+            "skip the drain",
+    "staged": "the ring with the inputs' H2D copy outside the graph, into device buffers "
+              "shared by the size's slots (one graph per size)",
+    "unguarded": "the unsafe test arm: skips the drain without the ring, so the host "
+                 "overwrites inputs the device has not read yet (the host-overwrite hazard); "
+                 "its tokens are wrong on purpose",
+}
+SAFE_MODES = tuple(m for m in MODES if m != "unguarded")
+# Names modes had before: refused with the name that replaced them.
+RENAMED_MODES = {"off": "drain", "no_dbuf": "unguarded"}
+
+# field -> environment variable (vt/env.py parses it). The mode has two variables of its own
+# (mode_from_env).
 ENV_VARS = {
-    "async_executor": "VT_ASYNC_EXECUTOR",
-    "no_dbuf": "VT_ASYNC_EXECUTOR_NO_DBUF",
-    "poison": "VT_ASYNC_EXECUTOR_POISON",
     "trace": "VT_ASYNC_EXECUTOR_TRACE",
     "serving_conc": "VT_ASYNC_SERVING_CONC",
-    "ring_depth": "VT_ASYNC_EXECUTOR_RING",
-    "h2d": "VT_ASYNC_EXECUTOR_H2D",
     "capture_sizes": "VT_CAPTURE_SIZES",
     "wait_poll_us": "VT_WAIT_POLL_US",
+}
+MODE_VARS = ("VT_ASYNC_EXECUTOR", "VT_ASYNC_EXECUTOR_NO_DBUF")
+
+# Fields ExecutorConfig no longer has (the mode says what they said; test arms are
+# vt/testing.py's hooks): refused with what replaced them.
+REMOVED_FIELDS = {
+    "async_executor": "mode='ring' (or mode='staged')",
+    "no_dbuf": "mode='unguarded'",
+    "h2d": "mode='staged' for the staged H2D, mode='ring' for the graph's own",
+    "depth": "mode='sync' for depth 1",
+    "ring_depth": "nothing: the ring modes have RING_SLOTS (2) slots per size",
+    "poison": "Engine(..., hooks=vt.testing.Poison())",
+    "skip_pool_reserve": "DecodeGraphDriver(..., hooks=vt.testing.NoPoolPreGrow())",
 }
 
 
@@ -51,55 +76,44 @@ ENV_VARS = {
 class ExecutorConfig:
     """How the decode executor schedules, guards and records its steps.
 
-    async_executor: the slot ring (k slots per size) and the drain skip for graph steps.
-    no_dbuf: skip the drain WITHOUT the ring: the unsafe arm that reproduces hazard-C.
-    poison: after each launch, overwrite the next slot's host vectors as early as the mode
-        lets the host write them, with a pattern that makes a late read visibly wrong.
+    mode: a name of MODES. What each runs is derived from it:
+        depth           1 for sync; 2 (step N+1 launched before step N's tokens are read)
+                        for the others;
+        slots_per_size  RING_SLOTS for ring and staged, 1 for the others;
+        guarded         ring and staged: acquiring a slot waits on its event first;
+        staged_h2d      staged: the inputs' H2D runs outside the graph;
+        skips_graph_drain  ring, staged and unguarded: a step after a graph step (whose
+                        logits are a graph's view) is launched without waiting for it.
+        unguarded is the one mode that skips the drain without a guard: unsafe.
     trace: path of a Chrome trace JSON written at close (None: no trace).
     serving_conc: how many requests the engine runs at once, at most MAX_SERVING_CONC.
-    ring_depth: k, slots per size when the ring is on (2 by default, at most MAX_RING_DEPTH:
-        depth 2 keeps at most two steps in flight, so a third slot only costs memory and
-        capture time).
     capture_sizes: padded batch sizes that get a graph; larger batches run eagerly. At most
         MAX_CAPTURE_SIZES sizes, each at most MAX_CAPTURE_SIZE (and the model's max batch).
-    h2d: "graph" bakes the H2D into each slot's graph; "staged" copies out of graph into
-        persistent device buffers from a double-buffered pinned staging area (one graph/size).
-    depth: 2 is the async pipeline (step N+1 launched before step N's tokens are read);
-        1 is the fully synchronous reference (launch, wait, read, repeat).
-    skip_pool_reserve: test hook: skip the pool pre-grow before capture.
     wait_poll_us: how long the host polls an event before a blocking wait (vt/backend/waits.py);
         None: the measured default on cuda, 0 (block at once) on the sim.
     """
-    async_executor: bool = False
-    no_dbuf: bool = False
-    poison: bool = False
+    mode: str = "drain"
     trace: str | None = None
     serving_conc: int = 8
-    ring_depth: int = 2
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
-    h2d: str = "graph"
-    depth: int = 2
-    skip_pool_reserve: bool = False
     wait_poll_us: float | None = None
 
+    def __new__(cls, *args, **kwargs):
+        # A field that was removed gets a message naming its replacement, not the dataclass
+        # __init__'s "unexpected keyword argument".
+        _refuse_removed_fields(kwargs)
+        return super().__new__(cls)
+
     def __post_init__(self):
-        for name in ("async_executor", "no_dbuf", "poison", "skip_pool_reserve"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ExecutorConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        _positive_int("serving_conc", self.serving_conc, MAX_SERVING_CONC)
-        _positive_int("ring_depth", self.ring_depth, MAX_RING_DEPTH)
-        if self.ring_depth < 2:
-            raise ValueError(f"ExecutorConfig.ring_depth must be >= 2 (a ring of one slot is the "
-                             f"OFF path: set async_executor=False), got {self.ring_depth}")
-        if self.depth not in (1, 2):
-            raise ValueError(f"ExecutorConfig.depth must be 1 (synchronous) or 2 (async), got {self.depth!r}")
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise ValueError(f"ExecutorConfig.mode must be one of {', '.join(MODES)}, got "
+                             f"{self.mode!r}" + _renamed_hint(self.mode, "mode="))
+        integer("ExecutorConfig.serving_conc", self.serving_conc, 1, MAX_SERVING_CONC)
         if self.wait_poll_us is not None and (isinstance(self.wait_poll_us, bool) or
                                               not isinstance(self.wait_poll_us, (int, float)) or
                                               not 0 <= self.wait_poll_us < 1e6):
             raise ValueError(f"ExecutorConfig.wait_poll_us must be a number of microseconds in "
                              f"[0, 1e6) or None, got {self.wait_poll_us!r}")
-        if self.h2d not in H2D_MODES:
-            raise ValueError(f"ExecutorConfig.h2d must be one of {H2D_MODES}, got {self.h2d!r}")
         if self.trace is not None and (not isinstance(self.trace, str) or not self.trace):
             raise ValueError(f"ExecutorConfig.trace must be a file path or None, got {self.trace!r}")
         if isinstance(self.capture_sizes, (str, bytes)) or not hasattr(self.capture_sizes, "__iter__"):
@@ -109,73 +123,111 @@ class ExecutorConfig:
         if len(sizes) > MAX_CAPTURE_SIZES:
             raise ValueError(f"ExecutorConfig.capture_sizes has {len(sizes)} sizes; at most "
                              f"{MAX_CAPTURE_SIZES} get a graph")
-        for s in sizes:
-            _positive_int("capture_sizes entry", s, MAX_CAPTURE_SIZE)
+        sizes = tuple(integer("ExecutorConfig.capture_sizes entry", s, 1, MAX_CAPTURE_SIZE)
+                      for s in sizes)
         if len(set(sizes)) != len(sizes):
             raise ValueError(f"ExecutorConfig.capture_sizes has duplicates: {sizes}")
         object.__setattr__(self, "capture_sizes", tuple(sorted(sizes)))
-        if self.no_dbuf and self.async_executor:
-            raise ValueError(
-                "no_dbuf=True with async_executor=True makes no sense: NO_DBUF is the unsafe arm "
-                "that skips the drain WITHOUT the ring, and the ring already skips it safely; "
-                "set one of them")
-        if self.no_dbuf and self.depth == 1:
-            raise ValueError("no_dbuf=True with depth=1 makes no sense: a synchronous run "
-                             "waits for every step, so there is no drain to skip")
+        object.__setattr__(self, "serving_conc", int(self.serving_conc))
+
+    # -- what the mode runs -------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Steps in flight: 1 for sync (launch, wait, read), 2 for the others."""
+        return 1 if self.mode == "sync" else 2
 
     @property
-    def mode(self) -> str:
-        """The name in MODES this config runs (poison and trace are orthogonal to it)."""
-        if self.depth == 1:
-            return "sync"
-        if self.no_dbuf:
-            return "no_dbuf"
-        if not self.async_executor:
-            return "drain"
-        return "staged" if self.h2d == "staged" else "ring"
+    def guarded(self) -> bool:
+        """Whether acquiring a slot first waits on its event (the ring modes)."""
+        return self.mode in ("ring", "staged")
 
+    @property
+    def slots_per_size(self) -> int:
+        """RING_SLOTS with the guard, else one slot per size."""
+        return RING_SLOTS if self.guarded else 1
+
+    @property
+    def staged_h2d(self) -> bool:
+        """Whether the inputs' H2D runs outside the graph (one graph per size)."""
+        return self.mode == "staged"
+
+    @property
+    def skips_graph_drain(self) -> bool:
+        """Whether a step after a graph step (non-owning logits view) skips the drain: safe
+        with the guard, the host-overwrite hazard without it (unguarded)."""
+        return self.guarded or self.mode == "unguarded"
+
+    @property
+    def safe(self) -> bool:
+        """False only for the unguarded test arm, whose tokens are wrong on purpose."""
+        return self.mode != "unguarded"
+
+    def describe(self) -> str:
+        """What the mode runs, in words (what `vt run` prints)."""
+        return (f"{self.slots_per_size} slot(s) per size, "
+                f"{'guarded' if self.guarded else 'unguarded'}, "
+                f"H2D {'staged' if self.staged_h2d else 'in the graph'}, "
+                f"graph steps {'skip' if self.skips_graph_drain else 'wait for'} the drain, "
+                f"depth {self.depth}")
+
+    # -- building one -------------------------------------------------------------------
     @classmethod
     def for_mode(cls, mode: str, **overrides) -> "ExecutorConfig":
         """The config of a mode by its name in MODES; keyword overrides for the other fields."""
         if mode not in MODES:
-            raise ValueError(f"unknown executor mode {mode!r}; choose from {', '.join(MODES)}")
-        return cls(**{**MODES[mode], **overrides})
-
-    @property
-    def slots_per_size(self) -> int:
-        """k slots per size with the ring; a single slot otherwise (OFF and NO_DBUF)."""
-        return self.ring_depth if self.async_executor else 1
-
-    @property
-    def skips_graph_drain(self) -> bool:
-        """Whether a step after a graph step (non-owning logits view) skips the drain."""
-        return self.async_executor or self.no_dbuf
+            raise ValueError(f"unknown executor mode {mode!r}; choose from {', '.join(MODES)}"
+                             + _renamed_hint(mode, ""))
+        return cls(mode=mode, **overrides)
 
     def replace(self, **changes) -> "ExecutorConfig":
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "ExecutorConfig":
-        """Config from VT_* environment variables; keyword overrides win over the environment."""
+        """Config from VT_* environment variables; keyword overrides win over the environment
+        (a `mode` override replaces the mode variables entirely)."""
+        _refuse_removed_fields(overrides)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(overrides) - fields
         if unknown:
             raise TypeError(f"ExecutorConfig has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
-        values = {}
+        env.refuse_removed(environ)
+        values, from_vars = {}, []
+        if "mode" not in overrides:
+            values["mode"] = mode_from_env(environ)
+            from_vars += [v for v in MODE_VARS if env.is_set(v, environ)]
         for field, var in ENV_VARS.items():
             if field not in overrides and env.is_set(var, environ):
                 values[field] = env.get(var, environ)
+                from_vars.append(var)
         values.update(overrides)
         try:
             return cls(**values)
         except ValueError as e:
-            from_vars = [ENV_VARS[f] + "=" + env.raw(ENV_VARS[f], environ) for f in values
-                         if f in ENV_VARS and f not in overrides]
-            raise ValueError(f"{e} (environment: {', '.join(from_vars) or 'none set'})") from None
+            shown = [f"{v}={env.raw(v, environ)}" for v in from_vars]
+            raise ValueError(f"{e} (environment: {', '.join(shown) or 'none set'})") from None
 
 
-def _positive_int(name, v, hi):
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"ExecutorConfig.{name} must be an int, got {v!r}")
-    if not 1 <= v <= hi:
-        raise ValueError(f"ExecutorConfig.{name} must be a positive int of at most {hi}, got {v!r}")
+def mode_from_env(environ=None) -> str:
+    """The mode the environment names: VT_ASYNC_EXECUTOR=1 the ring, VT_ASYNC_EXECUTOR_NO_DBUF=1
+    the unguarded test arm, neither the drain (the default)."""
+    ring = env.get("VT_ASYNC_EXECUTOR", environ)
+    unguarded = env.get("VT_ASYNC_EXECUTOR_NO_DBUF", environ)
+    if ring and unguarded:
+        raise ValueError(
+            "VT_ASYNC_EXECUTOR=1 with VT_ASYNC_EXECUTOR_NO_DBUF=1 makes no sense: NO_DBUF is the "
+            "unsafe arm that skips the drain WITHOUT the ring, and the ring already skips it "
+            "safely; set one of them (environment: VT_ASYNC_EXECUTOR=1, "
+            "VT_ASYNC_EXECUTOR_NO_DBUF=1)")
+    return "ring" if ring else "unguarded" if unguarded else "drain"
+
+
+def _renamed_hint(mode, prefix: str) -> str:
+    new = RENAMED_MODES.get(mode) if isinstance(mode, str) else None
+    return f" ({mode!r} was renamed: use {prefix}{new!r})" if new else ""
+
+
+def _refuse_removed_fields(kwargs) -> None:
+    for name in kwargs:
+        if name in REMOVED_FIELDS:
+            raise TypeError(f"ExecutorConfig.{name} was removed; use {REMOVED_FIELDS[name]}")

@@ -23,7 +23,8 @@ def test_mapped_round_trip_equals_the_input(backend, n):
 
 def test_baked_mapped_copies_read_and_write_at_every_replay(backend):
     """The graph's kernel copies re-read the pinned input and re-write the pinned output at
-    each replay, as memcpy nodes would (what hazard-C and its guards are about)."""
+    each replay, as memcpy nodes would (what the host-overwrite hazard and its guards are
+    about)."""
     s = backend.stream()
     x_h, y_h, *_, graph = _graph_io(backend, s, mapped=True)
     rng = np.random.default_rng(0)

@@ -85,7 +85,30 @@ def test_not_an_integer_is_one_line(capsys):
 
 
 def test_unknown_mode_lists_the_canonical_names(capsys):
-    refused(capsys, ["run", "--mode", "fast"], "'fast'", "staged", "no_dbuf")
+    refused(capsys, ["run", "--mode", "fast"], "'fast'", "staged", "unguarded")
+
+
+@pytest.mark.parametrize("argv,needles", [
+    (["--mode", "off"], ["mode 'off' was renamed: use drain"]),
+    (["--mode", "no_dbuf"], ["mode 'no_dbuf' was renamed: use unguarded"]),
+    (["--h2d", "staged"], ["--h2d was removed", "--mode staged"]),
+    (["--h2d=graph"], ["--h2d was removed", "--mode staged"]),
+    (["--h2d"], ["--h2d was removed"]),
+    (["--unsafe-no-dbuf"], ["--unsafe-no-dbuf was removed", "--unsafe-unguarded"]),
+])
+def test_removed_flags_and_values_name_the_replacement(capsys, nothing_started, argv, needles):
+    refused(capsys, ["run", *argv], *needles)
+
+
+@pytest.mark.parametrize("var,needle", [("VT_ASYNC_EXECUTOR_H2D", "--mode staged"),
+                                        ("VT_ASYNC_EXECUTOR_RING", "2 slots per size")])
+def test_removed_variables_name_the_replacement(capsys, monkeypatch, nothing_started, var, needle):
+    monkeypatch.setenv(var, "staged")
+    refused(capsys, ["run"], f"{var} was removed", needle)
+
+
+def test_bench_refuses_a_renamed_mode(capsys, nothing_started):
+    refused(capsys, ["bench", "--modes", "ring", "no_dbuf"], "'no_dbuf' was renamed: use unguarded")
 
 
 def test_trace_in_a_missing_directory_is_refused_before_the_run(capsys, nothing_started):
@@ -183,26 +206,26 @@ def test_mode_flag_replaces_the_mode_variables(capsys, monkeypatch, stop_before_
 
 
 # ------------------------------------------------------------------ the unsafe arm
-def test_no_dbuf_mode_needs_the_opt_in(capsys, nothing_started):
-    refused(capsys, ["run", "--mode", "no_dbuf"], "--mode no_dbuf is the unsafe test arm",
-            "add --unsafe-no-dbuf")
+def test_unguarded_mode_needs_the_opt_in(capsys, nothing_started):
+    refused(capsys, ["run", "--mode", "unguarded"], "--mode unguarded is the unsafe test arm",
+            "add --unsafe-unguarded")
 
 
-def test_no_dbuf_variable_needs_the_opt_in(capsys, monkeypatch, nothing_started):
+def test_unguarded_variable_needs_the_opt_in(capsys, monkeypatch, nothing_started):
     monkeypatch.setenv("VT_ASYNC_EXECUTOR_NO_DBUF", "1")
     refused(capsys, ["run"], "VT_ASYNC_EXECUTOR_NO_DBUF=1 is the unsafe test arm",
-            "add --unsafe-no-dbuf")
+            "add --unsafe-unguarded")
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
-def test_opted_in_no_dbuf_warns(capsys, monkeypatch, stop_before_model, how):
+def test_opted_in_unguarded_warns(capsys, monkeypatch, stop_before_model, how):
     if how == "env":
         monkeypatch.setenv("VT_ASYNC_EXECUTOR_NO_DBUF", "1")
     with pytest.raises(Reached):
-        main([*TINY_RUN, "--unsafe-no-dbuf"] + (["--mode", "no_dbuf"] if how == "flag" else []))
+        main([*TINY_RUN, "--unsafe-unguarded"] + (["--mode", "unguarded"] if how == "flag" else []))
     out, err = capsys.readouterr()
-    assert "mode=no_dbuf" in out
-    assert err.startswith("vt run: WARNING: mode no_dbuf") and "WRONG" in err
+    assert "mode=unguarded " in out
+    assert err.startswith("vt run: WARNING: mode unguarded") and "WRONG" in err
 
 
 # ------------------------------------------------------------------ what good input does
@@ -211,19 +234,19 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"vt {vt.__version__}\n"
 
 
-def test_off_is_an_alias_of_drain_and_requests_are_honoured(capsys, stop_before_model):
+def test_the_drain_mode_and_requests_are_honoured(capsys, stop_before_model):
     with pytest.raises(Reached):
-        main([*TINY_RUN, "--mode", "off"])
+        main([*TINY_RUN, "--mode", "drain"])
     out = capsys.readouterr().out
     assert "mode=drain " in out and "requests=3 " in out
 
 
-def test_an_opted_in_no_dbuf_run_completes_with_the_warning(capsys):
+def test_an_opted_in_unguarded_run_completes_with_the_warning(capsys):
     """End to end on the sim: the warning on stderr, the summary and exit code 0."""
-    assert main([*TINY_RUN, "--mode", "no_dbuf", "--unsafe-no-dbuf"]) == 0
+    assert main([*TINY_RUN, "--mode", "unguarded", "--unsafe-unguarded"]) == 0
     out, err = capsys.readouterr()
-    assert "WARNING: mode no_dbuf" in err
-    assert "mode no_dbuf" in out and "finished: 3 length" in out
+    assert "WARNING: mode unguarded" in err
+    assert "mode unguarded" in out and "finished: 3 length" in out
 
 
 def test_a_real_process_exits_2_with_one_line():

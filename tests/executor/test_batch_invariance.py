@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
-from vt.knobs import MODES, ExecutorConfig
+from vt.knobs import ExecutorConfig
 from vt.model import PRESETS, HybridModel
 from vt.step import GREEDY, SamplingParams
 
@@ -37,7 +37,7 @@ class Engines:
             m = HybridModel(be, PRESETS[preset], preset_weights(preset), max_seqs=MAX_SEQS,
                             batch_invariant=invariant)
             self._models.append(m)
-            cfg = ExecutorConfig(serving_conc=MAX_SEQS, capture_sizes=(1, 2, 4, 8, 16), **MODES[mode])
+            cfg = ExecutorConfig(serving_conc=MAX_SEQS, capture_sizes=(1, 2, 4, 8, 16), mode=mode)
             self.engines[mode] = Engine(be, HybridStepModel(be, m), cfg, record_logits=True)
         self._alone = {}
         self.cases = dict.fromkeys(BATCH_MODES, 0)

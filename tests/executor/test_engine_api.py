@@ -20,7 +20,7 @@ def _engine(be, profile=False, **cfg):
 
 def test_results_come_back_in_prompt_order_with_their_budgets(sim_backend):
     prompts, budgets = workload(10, seed=1)
-    results, st = run_toy(sim_backend, prompts, budgets, async_executor=True, serving_conc=3)
+    results, st = run_toy(sim_backend, prompts, budgets, mode="ring", serving_conc=3)
     assert [r.index for r in results] == list(range(10))
     assert [len(r.tokens) for r in results] == budgets
     assert all(r.finish_reason == "length" for r in results)
@@ -30,9 +30,9 @@ def test_results_come_back_in_prompt_order_with_their_budgets(sim_backend):
 def test_stop_token_ends_a_request_and_drops_the_token_past_it(sim_backend):
     """The stop token is learned one step late; the extra token is not returned."""
     prompts, budgets = workload(6, seed=2, max_new=(20, 20))
-    free, _ = run_toy(sim_backend, prompts, budgets, async_executor=True)
+    free, _ = run_toy(sim_backend, prompts, budgets, mode="ring")
     stop = free[0].tokens[3]
-    stopped, _ = run_toy(sim_backend, prompts, budgets, async_executor=True, stop_token=stop)
+    stopped, _ = run_toy(sim_backend, prompts, budgets, mode="ring", stop_token=stop)
     for a, b in zip(free, stopped):
         cut = a.tokens.index(stop) + 1 if stop in a.tokens else len(a.tokens)
         assert b.tokens == a.tokens[:cut]
@@ -100,14 +100,14 @@ def test_bad_max_new_tokens_is_rejected(sim_backend):
 
 def test_progress_callback_sees_every_step(sim_backend):
     seen = []
-    with _engine(sim_backend, async_executor=True) as eng:
+    with _engine(sim_backend, mode="ring") as eng:
         eng.generate([[1, 2], [3]], max_new_tokens=5, progress=seen.append)
         steps = eng.stats()["steps"]
     assert len(seen) == steps and seen[-1].finished == 2 and seen[-1].tokens == 10
 
 
 def test_stats_report_steps_waits_and_pool(sim_backend):
-    with _engine(sim_backend, async_executor=True, profile=True) as eng:
+    with _engine(sim_backend, mode="ring", profile=True) as eng:
         eng.generate([[1, 2]] * 4, max_new_tokens=6)
         st = eng.stats()
     assert st["steps"] == st["graph_steps"] + st["eager_steps"] + st["mixed_steps"] + st["prefill_steps"]
@@ -122,7 +122,7 @@ def test_set_profile_times_the_same_engine_only_while_on(sim_backend, delayed_si
     """set_profile switches the timing of one engine between calls: the host split and the
     device time grow only over the profiled call, the tokens are the same in all three, and
     switching while the engine serves is refused."""
-    with _engine(sim_backend, async_executor=True) as eng:
+    with _engine(sim_backend, mode="ring") as eng:
         runs, timed = [], []
         for on in (False, True, False):
             eng.set_profile(on)
@@ -132,7 +132,7 @@ def test_set_profile_times_the_same_engine_only_while_on(sim_backend, delayed_si
             timed.append((dec["timed_steps"], dec["device_steps"]))
     assert runs[0] == runs[1] == runs[2]
     assert timed[0] == (0, 0) and timed[1][0] > 0 and timed[1][1] > 0 and timed[2] == timed[1]
-    with _engine(delayed_sim, async_executor=True) as eng:
+    with _engine(delayed_sim, mode="ring") as eng:
         busy = eng.submit([1, 2], max_new_tokens=40)
         next(iter(busy.stream()))
         with pytest.raises(RuntimeError, match="call it while it is idle"):
@@ -144,7 +144,7 @@ def test_set_profile_times_the_same_engine_only_while_on(sim_backend, delayed_si
 def test_trace_is_chrome_json_with_host_and_device_spans(sim_backend, tmp_path):
     """The trace is Chrome JSON with host spans (refresh, launch, waits) and device spans."""
     path = tmp_path / "trace.json"
-    eng = _engine(sim_backend, async_executor=True, trace=str(path))
+    eng = _engine(sim_backend, mode="ring", trace=str(path))
     eng.generate([[1, 2, 3]] * 3, max_new_tokens=4)
     assert eng.close() == str(path)
     events = json.loads(path.read_text())["traceEvents"]
@@ -174,7 +174,7 @@ def test_user_forward_example_runs_on_the_ring(backend):
     from vt.forward.user import ForwardModel
     toy = ToyForward(backend, vocab=32)
     model = ForwardModel(backend, toy, vocab=32, token_table=toy.token_table, geometry=toy.geometry)
-    with Engine(backend, model, ExecutorConfig(async_executor=True, serving_conc=4)) as eng:
+    with Engine(backend, model, ExecutorConfig(mode="ring", serving_conc=4)) as eng:
         results = eng.generate([np.array([1, 2, 3]), np.array([4])], max_new_tokens=8)
         assert eng.stats()["graph_steps"] > 0
     assert all(len(r.tokens) == 8 and max(r.tokens) < 32 for r in results)

@@ -31,7 +31,7 @@ import pytest
 
 from vt.backend import get_backend
 from vt.engine import Engine
-from vt.knobs import MAX_CAPTURE_SIZE, MAX_RING_DEPTH, MAX_SERVING_CONC, ExecutorConfig
+from vt.knobs import MAX_CAPTURE_SIZE, MAX_SERVING_CONC, ExecutorConfig
 from vt.engine.model_lease import HANDOVER_S
 from vt.engine.errors import EngineBusyError
 from vt.forward.user import ForwardModel, KVGeometry
@@ -39,7 +39,7 @@ from vt.forward.toy import ToyForward
 
 from ._util import VOCAB, workload
 
-CONFIG = ExecutorConfig(async_executor=True, serving_conc=4, capture_sizes=(1, 2, 4))
+CONFIG = ExecutorConfig(mode="ring", serving_conc=4, capture_sizes=(1, 2, 4))
 
 
 def _vt_threads() -> int:
@@ -264,9 +264,9 @@ def test_generate_argument_errors_name_the_argument(sim_backend, call, error, ne
 
 
 @pytest.mark.parametrize("change,error,needle", [
-    (dict(vocab=0), ValueError, "vocab must be in"),
-    (dict(vocab=2.0), TypeError, "vocab must be an int"),
-    (dict(vocab=2**31), ValueError, "vocab must be in"),
+    (dict(vocab=0), ValueError, r"vocab must be an integer in \[2, 2147483647\], got 0"),
+    (dict(vocab=2.0), TypeError, r"vocab must be an integer in \[2, 2147483647\], got 2.0"),
+    (dict(vocab=2**31), ValueError, "vocab must be an integer in"),
     (dict(token_dtype=np.float32), TypeError, "token_table must be a 1-D int32"),
     (dict(token_dtype=np.int64), TypeError, "token_table must be a 1-D int32"),
     (dict(token_shape=(65, 2)), TypeError, "token_table must be a 1-D int32"),
@@ -284,10 +284,12 @@ def test_forward_model_checks_vocab_and_token_table(sim_backend, change, error, 
 
 
 @pytest.mark.parametrize("kwargs,error,needle", [
-    (dict(serving_conc=MAX_SERVING_CONC + 1), ValueError, f"at most {MAX_SERVING_CONC}"),
-    (dict(serving_conc=2.0), TypeError, "serving_conc must be an int"),
-    (dict(async_executor=True, ring_depth=MAX_RING_DEPTH + 1), ValueError, f"at most {MAX_RING_DEPTH}"),
-    (dict(capture_sizes=(1, MAX_CAPTURE_SIZE + 1)), ValueError, f"at most {MAX_CAPTURE_SIZE}"),
+    (dict(serving_conc=MAX_SERVING_CONC + 1), ValueError, rf"in \[1, {MAX_SERVING_CONC}\]"),
+    (dict(serving_conc=2.0), TypeError, r"serving_conc must be an integer in \[1, 1024\], got 2.0"),
+    (dict(mode="ring", ring_depth=3), TypeError, "ring_depth was removed"),
+    (dict(mode="fast"), ValueError, "mode must be one of"),
+    (dict(mode="no_dbuf"), ValueError, "'no_dbuf' was renamed: use mode='unguarded'"),
+    (dict(capture_sizes=(1, MAX_CAPTURE_SIZE + 1)), ValueError, rf"in \[1, {MAX_CAPTURE_SIZE}\]"),
     (dict(capture_sizes=tuple(range(1, 100))), ValueError, "at most 64 get a graph"),
     (dict(capture_sizes="1,2"), TypeError, "capture_sizes must be a sequence of ints"),
 ])

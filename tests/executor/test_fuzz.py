@@ -85,7 +85,7 @@ def test_every_safe_mode_matches_sync_on_the_runners_seeds_long():
 @pytest.mark.needs_overlap
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_the_harness_reports_the_unsafe_arm(seed):
-    """NO_DBUF + POISON on a delayed sim, through the same harness: mismatches reported (with
+    """Mode unguarded + POISON on a delayed sim, through the same harness: mismatches reported (with
     the request and where its tokens diverge), while the safe modes of the case stay clean."""
     case = numpy_case(seed, max_requests=16)
     case = dataclasses.replace(case, capture_sizes=(1, 2, 4, 8, 16), sim_delay_s=5e-4)
@@ -94,7 +94,7 @@ def test_the_harness_reports_the_unsafe_arm(seed):
     assert rep.runs[UNSAFE].stats["graph_steps"] > 0
     found = rep.mismatches[UNSAFE]
     print(f"seed {seed}: unsafe arm {len(found)} of {case.requests} requests mismatched")
-    assert found, "the harness did not see NO_DBUF+POISON: it is blind\n" + rep.describe()
+    assert found, "the harness did not see unguarded+poison: it is blind\n" + rep.describe()
     assert {"round", "request", "kind"} <= found[0].keys()
     assert f"mismatches vs sync: {len(found)}" in rep.describe()
 
@@ -108,7 +108,7 @@ def _unsafe_property(examples, name):
         rep = run_case(case, modes=("sync",), unsafe=True)
         assume(rep.runs[UNSAFE].stats["graph_steps"] >= 8)
         tally.add(rep)
-        assert rep.mismatches[UNSAFE], "NO_DBUF+POISON not detected\n" + rep.describe()
+        assert rep.mismatches[UNSAFE], "unguarded+poison not detected\n" + rep.describe()
 
     prop()
     print(tally)

@@ -1,25 +1,61 @@
-"""ExecutorConfig: every knob from the environment, every bad value named in the error."""
+"""ExecutorConfig: one validated mode from which everything else is derived, every knob from
+the environment, every bad value named in the error; the one integer check."""
+import os
+
+import numpy as np
 import pytest
 
-from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig
+from vt import env
+from vt.knobs import DEFAULT_CAPTURE_SIZES, MODES, RING_SLOTS, SAFE_MODES, ExecutorConfig
+from vt.step.contract import KVGeometry
+from vt.validate import integer
+
+# What each mode must run, written out independently of vt/knobs.py's derivation:
+# (depth, slots per size, guarded, staged H2D, graph steps skip the drain).
+EXPECTED = {
+    "sync": (1, 1, False, False, False),
+    "drain": (2, 1, False, False, False),
+    "ring": (2, 2, True, False, True),
+    "staged": (2, 2, True, True, True),
+    "unguarded": (2, 1, False, False, True),
+}
 
 
-def test_defaults_are_the_off_path():
+def _behaviour(c: ExecutorConfig):
+    return c.depth, c.slots_per_size, c.guarded, c.staged_h2d, c.skips_graph_drain
+
+
+def test_every_mode_derives_what_it_runs():
+    assert set(EXPECTED) == set(MODES) and RING_SLOTS == 2
+    for mode, expected in EXPECTED.items():
+        c = ExecutorConfig(mode=mode)
+        assert _behaviour(c) == expected, mode
+        assert c.safe == (mode in SAFE_MODES)
+        # the one unsafe combination: skipping the drain with nothing guarding the slot
+        assert c.safe == (c.guarded or not c.skips_graph_drain)
+
+
+def test_defaults_are_the_drain_mode():
     c = ExecutorConfig.from_env({})
-    assert (c.async_executor, c.no_dbuf, c.poison, c.trace) == (False, False, False, None)
-    assert c.ring_depth == 2 and c.capture_sizes == DEFAULT_CAPTURE_SIZES and c.h2d == "graph"
-    assert c.slots_per_size == 1 and not c.skips_graph_drain
+    assert (c.mode, c.trace, c.capture_sizes) == ("drain", None, DEFAULT_CAPTURE_SIZES)
+    assert c.slots_per_size == 1 and not c.skips_graph_drain and not c.guarded
+
+
+@pytest.mark.parametrize("ring,unguarded,mode", [
+    (None, None, "drain"), ("0", None, "drain"), ("1", None, "ring"), (None, "1", "unguarded"),
+    ("0", "1", "unguarded"), ("1", "0", "ring"), ("0", "0", "drain")])
+def test_the_mode_variables_name_a_mode(ring, unguarded, mode):
+    environ = {k: v for k, v in (("VT_ASYNC_EXECUTOR", ring),
+                                 ("VT_ASYNC_EXECUTOR_NO_DBUF", unguarded)) if v is not None}
+    assert ExecutorConfig.from_env(environ).mode == mode
 
 
 def test_environment_sets_every_knob():
-    env = {"VT_ASYNC_EXECUTOR": "1", "VT_ASYNC_EXECUTOR_POISON": "1",
-           "VT_ASYNC_EXECUTOR_TRACE": "/tmp/t.json", "VT_ASYNC_SERVING_CONC": "32",
-           "VT_ASYNC_EXECUTOR_RING": "3", "VT_ASYNC_EXECUTOR_H2D": "staged",
-           "VT_CAPTURE_SIZES": "8,1,4"}
-    c = ExecutorConfig.from_env(env)
-    assert c.async_executor and c.poison and c.trace == "/tmp/t.json"
-    assert c.serving_conc == 32 and c.ring_depth == 3 and c.h2d == "staged"
-    assert c.capture_sizes == (1, 4, 8) and c.slots_per_size == 3
+    environ = {"VT_ASYNC_EXECUTOR": "1", "VT_ASYNC_EXECUTOR_TRACE": "/tmp/t.json",
+               "VT_ASYNC_SERVING_CONC": "32", "VT_CAPTURE_SIZES": "8,1,4", "VT_WAIT_POLL_US": "5"}
+    c = ExecutorConfig.from_env(environ)
+    assert c.mode == "ring" and c.trace == "/tmp/t.json" and c.wait_poll_us == 5.0
+    assert c.serving_conc == 32 and c.capture_sizes == (1, 4, 8) and c.slots_per_size == 2
 
 
 def test_trace_one_means_the_default_path_and_zero_means_off():
@@ -41,37 +77,47 @@ def test_trace_json_paths_are_taken_as_given(value):
     assert ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR_TRACE": value}).trace == value
 
 
-def test_overrides_win_over_the_environment():
-    c = ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR": "1"}, async_executor=False, no_dbuf=True)
-    assert c.no_dbuf and not c.async_executor
+def test_a_mode_override_replaces_the_mode_variables():
+    """The mode is the whole mode: neither variable leaks into a mode given explicitly."""
+    environ = {"VT_ASYNC_EXECUTOR": "1", "VT_ASYNC_EXECUTOR_NO_DBUF": "1"}
+    for mode in MODES:
+        assert ExecutorConfig.from_env(environ, mode=mode).mode == mode
+    assert ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR": "1"}, mode="drain").mode == "drain"
 
 
 @pytest.mark.parametrize("var,value", [
     ("VT_ASYNC_EXECUTOR", "yes"), ("VT_ASYNC_EXECUTOR", "2"), ("VT_ASYNC_EXECUTOR_NO_DBUF", "true"),
-    ("VT_ASYNC_EXECUTOR_POISON", "-1"), ("VT_ASYNC_SERVING_CONC", "0"),
-    ("VT_ASYNC_SERVING_CONC", "many"), ("VT_ASYNC_EXECUTOR_H2D", "pinned"),
-    ("VT_CAPTURE_SIZES", "1,x"), ("VT_ASYNC_EXECUTOR_RING", "1.5"),
-    ("VT_ASYNC_EXECUTOR_TRACE", "yes")])
+    ("VT_ASYNC_SERVING_CONC", "0"), ("VT_ASYNC_SERVING_CONC", "many"),
+    ("VT_CAPTURE_SIZES", "1,x"), ("VT_ASYNC_EXECUTOR_TRACE", "yes")])
 def test_invalid_environment_values_name_the_variable(var, value):
     with pytest.raises(ValueError, match=var):
         ExecutorConfig.from_env({var: value})
 
 
+@pytest.mark.parametrize("var,replacement", [
+    ("VT_ASYNC_EXECUTOR_H2D", "--mode staged"), ("VT_ASYNC_EXECUTOR_RING", "2 slots per size")])
+def test_removed_variables_are_refused_naming_the_replacement(var, replacement):
+    for value in ("staged", "graph", "2", "3", ""):
+        with pytest.raises(ValueError, match=f"{var} was removed; .*{replacement}"):
+            ExecutorConfig.from_env({var: value})
+        with pytest.raises(ValueError, match=f"{var} was removed"):
+            env.check({var: value})
+
+
 def test_a_config_error_from_the_environment_lists_the_variables():
     with pytest.raises(ValueError, match=r"makes no sense.*VT_ASYNC_EXECUTOR=1"):
         ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR": "1", "VT_ASYNC_EXECUTOR_NO_DBUF": "1"})
+    with pytest.raises(ValueError, match=r"in \[1, 1024\], got 2000 .*VT_ASYNC_SERVING_CONC=2000"):
+        ExecutorConfig.from_env({"VT_ASYNC_SERVING_CONC": "2000"})
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(async_executor=True, no_dbuf=True), "no_dbuf=True with async_executor=True"),
-    (dict(no_dbuf=True, depth=1), "no drain to skip"),
-    (dict(ring_depth=1), "ring_depth must be >= 2"),
-    (dict(depth=3), "depth must be 1"),
-    (dict(h2d="fast"), "h2d must be one of"),
+    (dict(mode="fast"), "mode must be one of sync, drain, ring, staged, unguarded, got 'fast'"),
+    (dict(mode="off"), "'off' was renamed: use mode='drain'"),
+    (dict(mode=None), "mode must be one of"),
     (dict(capture_sizes=(1, 2, 2)), "duplicates"),
-    (dict(capture_sizes=(0, 4)), "positive int"),
-    (dict(serving_conc=0), "serving_conc must be a positive int"),
-    (dict(async_executor=1), "async_executor must be a bool"),
+    (dict(capture_sizes=(0, 4)), r"capture_sizes entry must be an integer in \[1, 1024\], got 0"),
+    (dict(serving_conc=0), r"serving_conc must be an integer in \[1, 1024\], got 0"),
     (dict(trace=""), "trace must be a file path"),
 ])
 def test_nonsense_configs_are_rejected_with_the_reason(kwargs, match):
@@ -79,6 +125,79 @@ def test_nonsense_configs_are_rejected_with_the_reason(kwargs, match):
         ExecutorConfig(**kwargs)
 
 
+@pytest.mark.parametrize("field,replacement", [
+    ("async_executor", "mode='ring'"), ("no_dbuf", "mode='unguarded'"), ("h2d", "mode='staged'"),
+    ("depth", "mode='sync'"), ("ring_depth", "2"), ("poison", "vt.testing.Poison"),
+    ("skip_pool_reserve", "vt.testing.NoPoolPreGrow")])
+def test_removed_fields_name_their_replacement(field, replacement):
+    with pytest.raises(TypeError, match=f"ExecutorConfig.{field} was removed.*{replacement}"):
+        ExecutorConfig(**{field: 1})
+    with pytest.raises(TypeError, match=f"{field} was removed"):
+        ExecutorConfig.from_env({}, **{field: 1})
+
+
 def test_unknown_override_is_a_type_error():
     with pytest.raises(TypeError, match="no field"):
         ExecutorConfig.from_env({}, ring=2)
+
+
+def test_replace_keeps_the_check():
+    c = ExecutorConfig(mode="ring")
+    assert c.replace(mode="staged").staged_h2d
+    with pytest.raises(ValueError, match="mode must be one of"):
+        c.replace(mode="nope")
+
+
+# ------------------------------------------------------------------ the one integer check
+@pytest.mark.parametrize("value", [8, np.int64(8), np.int32(8), np.uint16(8)])
+def test_numpy_integers_are_integers_everywhere(value):
+    assert integer("x", value, 1) == 8 and type(integer("x", value, 1)) is int
+    g = KVGeometry(max_seqs=value, num_kv_blocks=value, block_size=value, max_context=value)
+    assert g.max_seqs == 8 and type(g.max_seqs) is int
+    c = ExecutorConfig(serving_conc=value, capture_sizes=(value, 1))
+    assert c.serving_conc == 8 and c.capture_sizes == (1, 8)
+    assert all(type(s) is int for s in c.capture_sizes)
+
+
+@pytest.mark.parametrize("value,error", [
+    (True, TypeError), (8.0, TypeError), ("8", TypeError), (None, TypeError),
+    (np.float64(8), TypeError), (0, ValueError), (np.int64(0), ValueError), (2**40, ValueError)])
+def test_one_refusal_shape_everywhere(value, error):
+    """The same message, and the same error type, from every constructor that takes sizes."""
+    shape = rf"must be an integer in \[1, \d+\], got {value!r}".replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(error, match="x " + shape):
+        integer("x", value, 1, 2**31 - 1)
+    with pytest.raises(error, match=r"KVGeometry.max_seqs " + shape):
+        KVGeometry(max_seqs=value, num_kv_blocks=4, block_size=4, max_context=8)
+    with pytest.raises(error, match=r"ExecutorConfig.serving_conc " + shape):
+        ExecutorConfig(serving_conc=value)
+
+
+# ------------------------------------------------------------------ the test arms' variable
+def test_the_poison_variable_selects_the_poison_hooks():
+    from vt.testing import NULL_HOOKS, Poison, hooks_from_env
+    assert hooks_from_env({}) is NULL_HOOKS
+    assert hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "0"}) is NULL_HOOKS
+    assert isinstance(hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "1"}), Poison)
+    with pytest.raises(ValueError, match="VT_ASYNC_EXECUTOR_POISON must be 0 or 1"):
+        hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "yes"})
+
+
+@pytest.mark.parametrize("environ,mode", [
+    ({}, "drain"), ({"VT_ASYNC_EXECUTOR": "1", "VT_ASYNC_EXECUTOR_POISON": "1"}, "ring+poison"),
+    ({"VT_ASYNC_EXECUTOR_NO_DBUF": "1", "VT_ASYNC_EXECUTOR_POISON": "1"}, "unguarded+poison")])
+def test_an_engine_without_a_config_takes_mode_and_hooks_from_the_environment(
+        sim_backend, monkeypatch, environ, mode):
+    """Engine(config=None): the mode variables and POISON; an explicit config takes neither."""
+    from vt.engine.engine import Engine
+    from vt.forward.toy import ToyForward
+    for var in [v for v in os.environ if v.startswith("VT_")]:
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("VT_CAPTURE_SIZES", "1,2")
+    for var, value in environ.items():
+        monkeypatch.setenv(var, value)
+    with Engine(sim_backend, ToyForward(sim_backend).step_model()) as eng:
+        assert eng.mode == mode and eng.stats()["mode"] == mode
+    with Engine(sim_backend, ToyForward(sim_backend).step_model(),
+                ExecutorConfig(capture_sizes=(1, 2))) as eng:
+        assert eng.mode == "drain"

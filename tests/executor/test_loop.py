@@ -6,9 +6,9 @@ its tokens are the same and its host split adds up to the wall time it measured.
 import pytest
 
 from vt.engine.engine import Engine
-from vt.engine.profile import RUNNER_SPLIT
 from vt.forward.toy import ToyForward
-from vt.knobs import MODES, SAFE_MODES, ExecutorConfig
+from vt.knobs import SAFE_MODES, ExecutorConfig
+from vt.testing import Poison
 
 from ._util import VOCAB, mismatches, run_toy, workload
 
@@ -19,9 +19,9 @@ DEVICE_WORK_S = 0.002
 @pytest.mark.parametrize("mode", [m for m in SAFE_MODES if m != "sync"])
 def test_every_mode_equals_the_synchronous_run(backend, mode, stop):
     prompts, budgets = workload(24, seed=21, max_new=(2, 30))   # more prompts than rows: admissions interleave
-    ref, ref_st = run_toy(backend, prompts, budgets, serving_conc=8, depth=1, stop_token=stop)
+    ref, ref_st = run_toy(backend, prompts, budgets, serving_conc=8, mode="sync", stop_token=stop)
     got, st = run_toy(backend, prompts, budgets, serving_conc=8, device_work_s=DEVICE_WORK_S,
-                      stop_token=stop, **MODES[mode])
+                      stop_token=stop, mode=mode)
     assert st["phases"]["prefill"]["steps"] > 1        # admissions interleaved with decoding
     assert st["graph_steps"] > st["phases"]["prefill"]["steps"]
     assert mismatches(ref, got) == 0
@@ -30,14 +30,14 @@ def test_every_mode_equals_the_synchronous_run(backend, mode, stop):
         assert any(r.finish_reason == "stop" for r in got)   # the stop was exercised
 
 
-@pytest.mark.parametrize("h2d", ["graph", "staged"])
-def test_ring_with_poison_matches_off_with_the_host_far_ahead(delayed_sim, h2d):
+@pytest.mark.parametrize("mode", ["ring", "staged"])
+def test_ring_with_poison_matches_off_with_the_host_far_ahead(delayed_sim, mode):
     """The host far ahead of the device and POISON writing every next slot as early as the
     ring allows: every decode step is guarded."""
     prompts, budgets = workload(16, seed=22, max_new=(4, 24))
     off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
-    ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, async_executor=True,
-                       poison=True, h2d=h2d)
+    ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, mode=mode,
+                       hooks=Poison())
     assert st["graph_steps"] > 0
     assert mismatches(off, ring) == 0
 
@@ -46,15 +46,16 @@ def test_a_profiled_run_gives_the_same_tokens_and_a_split_that_adds_up(sim_backe
     """profile=True times the same loop: same tokens and logits; per phase, the parts of the
     host split are non-negative and add up to at most the iterations' wall time."""
     prompts, budgets = workload(8, seed=23)
-    ref, _ = run_toy(sim_backend, prompts, budgets, serving_conc=8, async_executor=True)
+    ref, _ = run_toy(sim_backend, prompts, budgets, serving_conc=8, mode="ring")
     toy = ToyForward(sim_backend, vocab=VOCAB)
-    with Engine(sim_backend, toy.step_model(), ExecutorConfig(async_executor=True, serving_conc=8),
+    with Engine(sim_backend, toy.step_model(), ExecutorConfig(mode="ring", serving_conc=8),
                 record_logits=True, profile=True) as eng:
         profiled = eng.generate(prompts, max_new_tokens=budgets)
         phases = eng.stats()["phases"]
     assert mismatches(ref, profiled) == 0
     for name, ph in phases.items():
-        parts = [ph["plan_s"], ph["collect_s"], *(ph[k] for k in RUNNER_SPLIT)]
+        parts = [ph[k] for k in ("plan_s", "collect_s", "acquire_s", "refresh_s", "launch_s",
+                                 "drain_s")]
         assert all(p >= 0 for p in parts), (name, ph)
         # a phase's wall time starts after the plan that chose its kind of step, so that
         # plan may sit in the other phase's wall time
@@ -68,7 +69,7 @@ def test_a_profiled_run_times_every_prefill_step_on_the_device(sim_backend):
     sample of them would misstate their device time (it once put GPU busy above 1)."""
     prompts, budgets = workload(40, seed=5, max_new=(2, 40))
     toy = ToyForward(sim_backend, vocab=VOCAB)
-    with Engine(sim_backend, toy.step_model(), ExecutorConfig(async_executor=True, serving_conc=4),
+    with Engine(sim_backend, toy.step_model(), ExecutorConfig(mode="ring", serving_conc=4),
                 profile=True) as eng:
         eng.generate(prompts, max_new_tokens=budgets)
         phases = eng.stats()["phases"]
@@ -81,7 +82,7 @@ def test_the_loop_reports_progress_per_step(sim_backend):
     """The progress callback sees every step's tokens, in order."""
     seen = []
     toy = ToyForward(sim_backend, vocab=VOCAB)
-    with Engine(sim_backend, toy.step_model(), ExecutorConfig(async_executor=True, serving_conc=4)) as eng:
+    with Engine(sim_backend, toy.step_model(), ExecutorConfig(mode="ring", serving_conc=4)) as eng:
         eng.generate([[1, 2]] * 4, max_new_tokens=12, progress=seen.append)
     assert [p.step for p in seen] == list(range(len(seen)))      # one call per step, in order
     assert seen[-1].tokens == 48 and seen[-1].finished == 4
@@ -98,7 +99,7 @@ def _profiled_plan(monkeypatch, costs):
 
     clock = [0.0]
     monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])
-    runner = SimpleNamespace(stats=RunnerStats(), tracer=SimpleNamespace(enabled=False), timed=False)
+    runner = SimpleNamespace(stats=RunnerStats(), timer=SimpleNamespace(every_step=False, armed=False))
     prof, phase = profile.LoopProfile(runner), Phase()
     prof.start_call((phase,))
     for cost in costs:

@@ -6,6 +6,7 @@ from vt.engine.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import ExecutorConfig
 from vt.model import PRESETS, HybridModel
+from vt.testing import NULL_HOOKS, Poison, with_device_work
 
 from ._util import mismatches, preset_weights
 
@@ -19,14 +20,14 @@ def _prompts(preset, n, seed):
     return prompts, [int(b) for b in rng.integers(3, 9, size=n)]
 
 
-def run_model(be, preset, prompts, budgets, *, device_work_s=0.0, **cfg):
+def run_model(be, preset, prompts, budgets, *, device_work_s=0.0, hooks=NULL_HOOKS, **cfg):
     """One generate() on a fresh model; device_work_s queues device time before each decode
     so the host runs ahead of the device on any backend."""
     model = HybridModel(be, PRESETS[preset], preset_weights(preset), max_seqs=32, num_kv_blocks=256)
-    step = HybridStepModel(be, model, device_work_s=device_work_s)
+    step = with_device_work(HybridStepModel(be, model), device_work_s)
     config = ExecutorConfig(capture_sizes=(1, 2, 4, 8, 16, 32), **cfg)
     try:
-        with Engine(be, step, config, record_logits=True) as eng:
+        with Engine(be, step, config, hooks=hooks, record_logits=True) as eng:
             results = eng.generate(prompts, max_new_tokens=budgets)
             stats = eng.stats()
     finally:
@@ -37,9 +38,9 @@ def run_model(be, preset, prompts, budgets, *, device_work_s=0.0, **cfg):
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
 @pytest.mark.parametrize("conc", [1, 32])
 def test_model_off_path_is_byte_identical_to_a_synchronous_run(backend, preset, conc):
-    """OFF path on the bundled model == depth-1 run: tokens and logits bytes."""
+    """Mode drain on the bundled model == mode sync: tokens and logits bytes."""
     prompts, budgets = _prompts(preset, 40 if conc > 1 else 3, seed=conc)
-    ref, _ = run_model(backend, preset, prompts, budgets, depth=1, serving_conc=conc)
+    ref, _ = run_model(backend, preset, prompts, budgets, mode="sync", serving_conc=conc)
     off, st = run_model(backend, preset, prompts, budgets, device_work_s=DEVICE_WORK_S,
                         serving_conc=conc)
     assert st["graph_steps"] > 0
@@ -54,21 +55,21 @@ def test_model_ring_with_poison_matches_off(backend, preset, conc):
     prompts, budgets = _prompts(preset, conc + 8, seed=100 + conc)
     off, _ = run_model(backend, preset, prompts, budgets, serving_conc=conc)
     ring, st = run_model(backend, preset, prompts, budgets, device_work_s=DEVICE_WORK_S,
-                         serving_conc=conc, async_executor=True, poison=True)
+                         serving_conc=conc, mode="ring", hooks=Poison())
     assert st["graph_steps"] > 0
     assert mismatches(off, ring) == 0
 
 
 @pytest.mark.needs_overlap
 @pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe"])
-def test_model_no_dbuf_with_poison_is_detected(backend, preset):
-    """NO_DBUF + POISON on the bundled model: mismatches (counted)."""
+def test_model_unguarded_with_poison_is_detected(backend, preset):
+    """Mode unguarded + POISON on the bundled model: mismatches (counted)."""
     prompts, budgets = _prompts(preset, 16, seed=7)
     off, _ = run_model(backend, preset, prompts, budgets, serving_conc=16)
     bad_results, _ = run_model(backend, preset, prompts, budgets, device_work_s=DEVICE_WORK_S,
-                               serving_conc=16, no_dbuf=True, poison=True)
+                               serving_conc=16, mode="unguarded", hooks=Poison())
     bad = mismatches(off, bad_results)
-    print(f"NO_DBUF+POISON {preset} on {backend.name}: {bad} of {len(prompts)} requests mismatched")
+    print(f"unguarded+poison {preset} on {backend.name}: {bad} of {len(prompts)} requests mismatched")
     assert bad > 0
 
 
@@ -82,7 +83,7 @@ def test_model_serving_makes_no_driver_malloc_after_warm_up(backend, preset):
     prompts = [rng.integers(0, cfg.vocab, size=n) for n in lengths]
     budgets = [int(b) for b in rng.integers(2, 5, size=len(prompts))]
     model = HybridModel(backend, cfg, preset_weights(preset), max_seqs=8, num_kv_blocks=512)
-    config = ExecutorConfig(async_executor=True, serving_conc=6, capture_sizes=(1, 2, 4))
+    config = ExecutorConfig(mode="ring", serving_conc=6, capture_sizes=(1, 2, 4))
     try:
         with Engine(backend, HybridStepModel(backend, model), config) as eng:
             before = backend.pool.stats()

@@ -1,7 +1,8 @@
 """The executor's modes against each other on the toy forward, on every backend.
 
-The toy queues DEVICE_WORK_S of device time per forward, so the host runs ahead of the
-device on sim and cuda alike: the regime where hazard-C shows if a mode lets it.
+The toy queues DEVICE_WORK_S of device time per decode, so the host runs ahead of the
+device on sim and cuda alike: the regime where the host-overwrite hazard shows if a mode lets
+it.
 """
 import numpy as np
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from vt.engine.engine import Engine
 from vt.forward.toy import ToyForward
 from vt.knobs import ExecutorConfig
+from vt.testing import Poison
 
 from ._util import VOCAB, mismatches, run_toy, workload
 
@@ -17,9 +19,9 @@ DEVICE_WORK_S = 0.002
 
 @pytest.mark.parametrize("conc", [1, 32])
 def test_off_path_is_byte_identical_to_a_synchronous_run(backend, conc):
-    """VT_ASYNC_EXECUTOR=0 (single slot, drain) == depth-1 run: tokens and logits bytes."""
+    """Mode drain (single slot, drain) == mode sync: tokens and logits bytes."""
     prompts, budgets = workload(conc * 2 if conc > 1 else 4, seed=conc)
-    ref, ref_stats = run_toy(backend, prompts, budgets, depth=1, serving_conc=conc)
+    ref, ref_stats = run_toy(backend, prompts, budgets, mode="sync", serving_conc=conc)
     off, off_stats = run_toy(backend, prompts, budgets, device_work_s=DEVICE_WORK_S,
                              serving_conc=conc)
     assert off_stats["graph_steps"] > 0 and ref_stats["graph_steps"] > 0
@@ -27,14 +29,14 @@ def test_off_path_is_byte_identical_to_a_synchronous_run(backend, conc):
     assert mismatches(ref, off) == 0
 
 
-@pytest.mark.parametrize("h2d", ["graph", "staged"])
+@pytest.mark.parametrize("mode", ["ring", "staged"])
 @pytest.mark.parametrize("conc", [4, 32])
-def test_ring_with_poison_matches_the_off_path(backend, conc, h2d):
+def test_ring_with_poison_matches_the_off_path(backend, conc, mode):
     """Ring ON + POISON, host running ahead: identical to OFF, and the drain really skipped."""
     prompts, budgets = workload(conc * 2, seed=10 + conc)
     off, _ = run_toy(backend, prompts, budgets, serving_conc=conc)
     ring, st = run_toy(backend, prompts, budgets, device_work_s=DEVICE_WORK_S, serving_conc=conc,
-                       async_executor=True, poison=True, h2d=h2d)
+                       mode=mode, hooks=Poison())
     assert mismatches(off, ring) == 0
     owned = st["eager_steps"] + st["mixed_steps"] + st["prefill_steps"]
     assert st["graph_steps"] > owned
@@ -42,38 +44,38 @@ def test_ring_with_poison_matches_the_off_path(backend, conc, h2d):
 
 
 @pytest.mark.needs_overlap
-def test_no_dbuf_with_poison_is_detected(backend):
-    """NO_DBUF + POISON (no ring, no drain): replays read poisoned vectors, outputs differ."""
+def test_unguarded_with_poison_is_detected(backend):
+    """Mode unguarded + POISON (no ring, no drain): replays read poisoned vectors, outputs
+    differ."""
     prompts, budgets = workload(32, seed=3)
     off, _ = run_toy(backend, prompts, budgets, serving_conc=16)
     bad_results, st = run_toy(backend, prompts, budgets, device_work_s=DEVICE_WORK_S,
-                              serving_conc=16, no_dbuf=True, poison=True)
+                              serving_conc=16, mode="unguarded", hooks=Poison())
     bad = mismatches(off, bad_results)
-    print(f"NO_DBUF+POISON on {backend.name}: {bad} of {len(prompts)} requests mismatched")
+    print(f"unguarded+poison on {backend.name}: {bad} of {len(prompts)} requests mismatched")
     assert bad > 0
 
 
-def test_no_dbuf_races_on_a_delayed_sim_even_without_poison(delayed_sim):
-    """NO_DBUF alone: Refresh(N+1) overwrites the slot before Replay(N)'s H2D ran."""
+def test_unguarded_races_on_a_delayed_sim_even_without_poison(delayed_sim):
+    """Mode unguarded alone: Refresh(N+1) overwrites the slot before Replay(N)'s H2D ran."""
     prompts, budgets = workload(16, seed=4)
     off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
-    raced, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16, no_dbuf=True)
+    raced, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16, mode="unguarded")
     bad = mismatches(off, raced)
-    print(f"NO_DBUF on a delayed sim: {bad} of {len(prompts)} requests mismatched")
+    print(f"unguarded on a delayed sim: {bad} of {len(prompts)} requests mismatched")
     assert bad > 0
 
 
-@pytest.mark.parametrize("h2d", ["graph", "staged"])
-def test_ring_with_poison_matches_off_on_a_delayed_sim(delayed_sim, h2d):
+@pytest.mark.parametrize("mode", ["ring", "staged"])
+def test_ring_with_poison_matches_off_on_a_delayed_sim(delayed_sim, mode):
     """The same race conditions as above, with the ring: no mismatch."""
     prompts, budgets = workload(16, seed=4)
     off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
-    # k = 2 (the default): the slot a step reuses is the one of the step before the last,
-    # often still queued, so the guard has to block
-    ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, async_executor=True,
-                       poison=True, h2d=h2d, ring_depth=2)
+    # Two slots: the slot a step reuses is the one of the step before the last, often still
+    # queued, so the guard has to block
+    ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, mode=mode, hooks=Poison())
     assert mismatches(off, ring) == 0
-    if h2d == "graph":   # staged slots wait only for their short out-of-graph copy
+    if mode == "ring":   # staged slots wait only for their short out-of-graph copy
         assert st["ring_waits"] > 0   # the guard had to block: it was exercised
 
 
@@ -86,16 +88,17 @@ def test_eager_only_matches_graphs(backend):
     assert mismatches(graphs, eager) == 0
 
 
-@pytest.mark.parametrize("async_executor", [False, True], ids=["off", "ring"])
-def test_mixed_steps_replay_the_decode_graph(backend, async_executor):
+@pytest.mark.parametrize("mode", ["drain", "ring"])
+def test_mixed_steps_replay_the_decode_graph(backend, mode):
     """A mixed step (prefill + decode) runs its decode rows as their captured graph: every
     graph replay is a graph step or a mixed step, and the tokens and recorded logits bytes
     equal an all-eager run's (the decode rows' logits are copied out of the graph's block)."""
     prompts, budgets = workload(24, seed=8)
     eager, _ = run_toy(backend, prompts, budgets, serving_conc=6, capture_sizes=())
-    config = ExecutorConfig(serving_conc=6, async_executor=async_executor, poison=async_executor)
+    config = ExecutorConfig(serving_conc=6, mode=mode)
     toy = ToyForward(backend, vocab=VOCAB)
-    with Engine(backend, toy.step_model(), config, record_logits=True) as eng:
+    hooks = Poison() if config.guarded else None
+    with Engine(backend, toy.step_model(), config, hooks=hooks, record_logits=True) as eng:
         mixed = eng.generate(prompts, max_new_tokens=budgets)
         st = eng.stats()
         replays = sum(slot.output.generation for ring in eng.runner.driver.rings.values()
@@ -110,7 +113,7 @@ def test_oversize_batch_falls_back_to_eager(backend):
     prompts, budgets = workload(12, seed=7)
     ref, _ = run_toy(backend, prompts, budgets, serving_conc=12)
     small, st = run_toy(backend, prompts, budgets, serving_conc=12, capture_sizes=(1, 2, 4),
-                        async_executor=True)
+                        mode="ring")
     assert st["eager_steps"] > 0 and st["graph_steps"] > 0
     assert max(st["steps_by_size"]) <= 4
     assert mismatches(ref, small) == 0
@@ -128,7 +131,7 @@ def test_serving_run_makes_no_driver_malloc_after_warm_up(backend, capture_sizes
     lengths = [1, 2, 3, 64, 63, 33, 17, 5] + [int(n) for n in rng.integers(1, 65, size=16)]
     prompts = [rng.integers(0, toy.vocab, size=n) for n in lengths]
     budgets = [min(int(b), 65 - n) for b, n in zip(rng.integers(2, 10, size=len(prompts)), lengths)]
-    config = ExecutorConfig(async_executor=True, serving_conc=8, capture_sizes=capture_sizes)
+    config = ExecutorConfig(mode="ring", serving_conc=8, capture_sizes=capture_sizes)
     with Engine(backend, toy.step_model(), config) as eng:
         before = backend.pool.stats()
         results = eng.generate(prompts, max_new_tokens=budgets)
@@ -149,5 +152,5 @@ def test_ring_wait_is_load_bearing(delayed_sim, monkeypatch):
     prompts, budgets = workload(16, seed=5)
     off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
     broken, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16,
-                        async_executor=True, poison=True, ring_depth=2)
+                        mode="ring", hooks=Poison())
     assert mismatches(off, broken) > 0

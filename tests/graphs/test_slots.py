@@ -8,22 +8,28 @@ from vt.graphs import DecodeGraphDriver, GraphSettings, StaleLogitsError
 from vt.knobs import ExecutorConfig
 from vt.step.contract import DecodeRows
 from vt.forward.toy import ToyForward
+from vt.testing import NULL_HOOKS, NoPoolPreGrow
 
 
-def _driver(be, **cfg):
+def _driver(be, mode="drain", hooks=NULL_HOOKS):
+    """The driver of `mode`'s config (its slots per size, guard and H2D path)."""
     toy = ToyForward(be, vocab=32)
     model = toy.step_model()
     g = toy.geometry
-    c = ExecutorConfig(**{"capture_sizes": (1, 2, 4, 8), **cfg})
+    c = ExecutorConfig(mode=mode, capture_sizes=(1, 2, 4, 8))
     settings = GraphSettings(sizes=c.capture_sizes, slots_per_size=c.slots_per_size,
-                             guarded=c.async_executor, staged=c.h2d == "staged",
-                             reserve_pool=not c.skip_pool_reserve)
+                             guarded=c.guarded, staged=c.staged_h2d)
 
     def step(stream, inputs, logits, out_tokens):
         model.decode(stream, inputs, logits)
         model.sample(stream, logits, inputs, out_tokens)
     return DecodeGraphDriver(be, be.stream(name="test"), step, vocab=32, max_blocks=g.max_blocks,
-                             pad=g.pad, settings=settings), toy
+                             pad=g.pad, settings=settings, hooks=hooks), toy
+
+
+def _acquire(drv, n):
+    """The slot of a step of n rows through its ring's guard, and the seconds it waited."""
+    return drv.ring_for(n).acquire()
 
 
 def _rows(n, position=0):
@@ -42,7 +48,7 @@ def _launch(drv, slot, rows):
 
 def test_ring_on_without_pool_pre_grow_fails_at_the_second_capture(backend):
     """Slot 0 takes the warm-up's freed logits block; slot 1 needs a new one: refused."""
-    drv, _ = _driver(backend, async_executor=True, skip_pool_reserve=True)
+    drv, _ = _driver(backend, "ring", hooks=NoPoolPreGrow())
     with pytest.raises(CaptureAllocationError, match=r"S=8 slot=1") as err:
         drv.capture()
     assert backend.pool.stats().mallocs_during_capture == 0
@@ -56,23 +62,23 @@ def test_ring_on_without_pool_pre_grow_fails_at_the_second_capture(backend):
 
 def test_off_path_needs_no_pre_grow(backend):
     """One slot per size: the warm-up's block serves its single capture."""
-    drv, _ = _driver(backend, skip_pool_reserve=True)
+    drv, _ = _driver(backend, hooks=NoPoolPreGrow())
     drv.capture()
     assert sorted(drv.rings) == [1, 2, 4, 8]
     drv.close()
 
 
-@pytest.mark.parametrize("h2d", ["graph", "staged"])
-def test_capture_with_warm_up_makes_no_malloc_during_capture(backend, h2d):
-    """Warm-up + pre-grow: every size (4 of them), k=3 slots, 0 driver calls while
+@pytest.mark.parametrize("mode", ["ring", "staged"])
+def test_capture_with_warm_up_makes_no_malloc_during_capture(backend, mode):
+    """Warm-up + pre-grow: every size (4 of them), k=2 slots, 0 driver calls while
     capturing; staged captures one graph per size."""
-    drv, _ = _driver(backend, async_executor=True, h2d=h2d, ring_depth=3)
+    drv, _ = _driver(backend, mode)
     before = backend.pool.stats()
     drv.capture()
     after = backend.pool.stats()
     assert after.mallocs_during_capture == 0
-    assert after.captures - before.captures == (4 if h2d == "staged" else 12)
-    assert all(len(r.slots) == 3 for r in drv.rings.values())
+    assert after.captures - before.captures == (4 if mode == "staged" else 8)
+    assert all(len(r.slots) == 2 for r in drv.rings.values())
     drv.close()
 
 
@@ -81,7 +87,7 @@ def test_padded_size_is_the_smallest_captured_size_that_fits(sim_backend):
     drv, _ = _driver(sim_backend)
     drv.capture()
     assert [drv.padded_size(n) for n in (1, 3, 4, 5, 8, 9)] == [1, 4, 4, 8, 8, None]
-    assert drv.acquire(9) == (None, 0.0)
+    assert drv.ring_for(9) is None
     drv.close()
 
 
@@ -89,7 +95,7 @@ def test_padded_rows_point_at_the_scratch_row(sim_backend):
     """Rows past n in a slot's host vectors hold the pad row after Refresh."""
     drv, toy = _driver(sim_backend)
     drv.capture()
-    slot, _ = drv.acquire(3)
+    slot, _ = _acquire(drv, 3)
     slot.host.fill(_rows(3), toy.geometry.pad)
     inp = slot.host.inputs
     assert inp.token_rows.tolist() == [0, 1, 2, toy.geometry.max_seqs]
@@ -104,7 +110,7 @@ def test_the_graph_returns_the_sampled_tokens_in_the_slot_pinned_output(backend)
     """One launch: inputs in, forward, sampling, token table updated, tokens back on the host."""
     drv, toy = _driver(backend)
     drv.capture()
-    slot, _ = drv.acquire(2)
+    slot, _ = _acquire(drv, 2)
     slot.out_host[...] = -1
     out = _launch(drv, slot, _rows(2))
     slot.done.synchronize()
@@ -118,18 +124,15 @@ def test_the_graph_returns_the_sampled_tokens_in_the_slot_pinned_output(backend)
 
 
 def test_ring_alternates_slots(sim_backend):
-    """k=2: acquisitions of one size go slot 0, 1, 0; k=3: 0, 1, 2, 0; OFF always slot 0."""
-    ring_drv, _ = _driver(sim_backend, async_executor=True, ring_depth=2)
-    ring_drv.capture()
-    assert [ring_drv.acquire(4)[0].index for _ in range(3)] == [0, 1, 0]
-    ring_drv.close()
-    ring_drv, _ = _driver(sim_backend, async_executor=True, ring_depth=3)
-    ring_drv.capture()
-    assert [ring_drv.acquire(4)[0].index for _ in range(4)] == [0, 1, 2, 0]
-    ring_drv.close()
+    """The ring modes: acquisitions of one size go slot 0, 1, 0; drain always slot 0."""
+    for mode in ("ring", "staged"):
+        ring_drv, _ = _driver(sim_backend, mode)
+        ring_drv.capture()
+        assert [_acquire(ring_drv, 4)[0].index for _ in range(3)] == [0, 1, 0]
+        ring_drv.close()
     off_drv, _ = _driver(sim_backend)
     off_drv.capture()
-    assert [off_drv.acquire(4)[0].index for _ in range(3)] == [0, 0, 0]
+    assert [_acquire(off_drv, 4)[0].index for _ in range(3)] == [0, 0, 0]
     off_drv.close()
 
 
@@ -137,13 +140,13 @@ def test_ring_acquire_blocks_until_the_slot_replay_finished():
     """The guard waits on the reuse event of the slot's last replay (blocking)."""
     from vt.backend import get_backend
     be = get_backend("sim")
-    drv, toy = _driver(be, async_executor=True, ring_depth=2)
+    drv, toy = _driver(be, "ring")
     drv.capture()
-    slot, _ = drv.acquire(1)
+    slot, _ = _acquire(drv, 1)
     be.busy_wait(drv.stream, 0.05)
     _launch(drv, slot, _rows(1))
-    drv.acquire(1)                      # slot 1: free
-    again, waited = drv.acquire(1)      # slot 0 again: its replay is behind 50 ms of work
+    _acquire(drv, 1)                    # slot 1: free
+    again, waited = _acquire(drv, 1)    # slot 0 again: its replay is behind 50 ms of work
     assert again is slot and waited > 0.02
     drv.close()
     be.close()
@@ -151,15 +154,15 @@ def test_ring_acquire_blocks_until_the_slot_replay_finished():
 
 def test_reading_a_stale_logits_view_raises(backend):
     """A graph view is valid until its slot is replayed again, then raises (k=2)."""
-    drv, _ = _driver(backend, async_executor=True, ring_depth=2)
+    drv, _ = _driver(backend, "ring")
     drv.capture()
-    a, _ = drv.acquire(2)
+    a, _ = _acquire(drv, 2)
     first = _launch(drv, a, _rows(2))
     assert first.non_owning_view
-    b, _ = drv.acquire(2)
+    b, _ = _acquire(drv, 2)
     second = _launch(drv, b, _rows(2))
     first.array                                   # slot 1 replayed: slot 0's view still valid
-    c, _ = drv.acquire(2)
+    c, _ = _acquire(drv, 2)
     assert c is a
     _launch(drv, c, _rows(2, position=1))
     with pytest.raises(StaleLogitsError, match=r"S=2 slot=0 generation 1 is stale"):
@@ -175,4 +178,14 @@ def test_closed_driver_refuses_use(sim_backend):
     drv.close()
     drv.close()
     with pytest.raises(ClosedError, match="closed"):
-        drv.acquire(1)
+        drv.capture()
+
+
+@pytest.mark.parametrize("slots,error", [(0, ValueError), (3, ValueError), (2.0, TypeError),
+                                         (True, TypeError)])
+def test_graph_settings_take_one_or_two_slots_per_size(slots, error):
+    """A depth-2 pipeline never needs a third slot (vt/knobs.py RING_SLOTS)."""
+    with pytest.raises(error, match=r"slots_per_size must be an integer in \[1, 2\]"):
+        GraphSettings(sizes=(1, 2), slots_per_size=slots, guarded=True, staged=False)
+    assert GraphSettings(sizes=(np.int64(1),), slots_per_size=np.int64(2), guarded=True,
+                         staged=False).slots_per_size == 2

@@ -14,8 +14,11 @@ VT = pathlib.Path(__file__).resolve().parents[2] / "vt"
 
 RANK = {
     "env": -1,                # the VT_* variables' registry and parser: below everything
+    "validate": -1,           # the one integer check of the constructors
     "backend": 0, "knobs": 0,
     "step": 1,
+    "testing": 2,             # test arms as hooks: wraps the step contract, the graphs and
+                              # the runner call its null hooks
     "sampling": 0.5,          # pure: the step contract holds its SamplingParams
     "graphs": 3, "model": 3,
     "forward": 4,

@@ -7,6 +7,7 @@ import torch
 
 from vt.engine import Engine
 from vt.knobs import ExecutorConfig
+from vt.testing import Poison
 from vt.step import KVGeometry
 from vt.torch import TorchForwardModel, TorchInputs, torch_device
 from vt.torch.llama import LlamaConfig, LlamaDecoder
@@ -40,8 +41,8 @@ def prompts(n, seed, vocab=TINY.vocab, max_len=7):
 
 def generate(be, model, mode, ps, new, *, sampling=None, conc=4, poison=False,
              sizes=(1, 2, 4, 8)):
-    cfg = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=sizes, poison=poison)
-    with Engine(be, model, cfg) as eng:
+    cfg = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=sizes)
+    with Engine(be, model, cfg, hooks=Poison() if poison else None) as eng:
         res = eng.generate(ps, max_new_tokens=new, sampling=sampling)
         assert eng.stats()["graph_steps"] > 0
     return [list(map(int, r.tokens)) for r in res]

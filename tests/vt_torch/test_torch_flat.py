@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install
 from vt.engine import Engine  # noqa: E402
 from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
+from vt.testing import Poison  # noqa: E402
 from vt.torch import TorchForwardModel  # noqa: E402
 
 from _torch_util import GEO, eager_greedy, prompts, tiny_llama  # noqa: E402
@@ -25,10 +26,11 @@ def _model(be, module, prefill="flat", forward=None, geometry=GEO):
                              prefill=prefill)
 
 
-def _run(be, model, mode, ps, new, *, max_prefill_tokens=None, conc=4, record=False, **kw):
-    cfg = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=SIZES, **kw)
-    with Engine(be, model, cfg, max_prefill_tokens=max_prefill_tokens,
-                record_logits=record) as eng:
+def _run(be, model, mode, ps, new, *, max_prefill_tokens=None, conc=4, record=False,
+         poison=False):
+    cfg = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=SIZES)
+    with Engine(be, model, cfg, max_prefill_tokens=max_prefill_tokens, record_logits=record,
+                hooks=Poison() if poison else None) as eng:
         res = eng.generate(ps, max_new_tokens=new)
         stats = eng.stats()
     return res, stats

@@ -2,7 +2,8 @@
 
 The default is what a new user should see first: the default backend (cuda when a GPU is
 present, else sim), a preset that suits it, the executor mode from the environment
-(VT_ASYNC_EXECUTOR*, default drain), greedy decoding of random prompts. Every flag and
+(VT_ASYNC_EXECUTOR, VT_ASYNC_EXECUTOR_NO_DBUF; default drain), greedy decoding of random
+prompts. Every flag and
 VT_* variable is checked before a backend is opened or a model built (check_run): a bad one
 is a one-line UsageError, which `vt` turns into exit code 2.
 """
@@ -18,10 +19,10 @@ import numpy as np
 from vt.cli.common import (OutputError, UsageError, _what_to_do, backend_name, build_model, check_output_path,  # noqa: F401
                            pick_backend, pick_preset, random_prompts)
 
-# Printed to stderr by every run in the no_dbuf mode (it needs --unsafe-no-dbuf to start).
-_UNSAFE_WARNING = ("vt run: WARNING: mode no_dbuf skips the drain without the slot ring: the host "
-                   "overwrites inputs the device has not read yet, so the tokens below are WRONG "
-                   "on purpose (hazard-C test arm)")
+# Printed to stderr by every run in the unguarded mode (it needs --unsafe-unguarded to start).
+_UNSAFE_WARNING = ("vt run: WARNING: mode unguarded skips the drain without the slot ring: the "
+                   "host overwrites inputs the device has not read yet, so the tokens below are "
+                   "WRONG on purpose (the host-overwrite hazard's test arm)")
 
 
 def _log(msg: str) -> None:
@@ -46,35 +47,32 @@ def check_run_args(args: argparse.Namespace) -> None:
 
 
 def _config(args: argparse.Namespace):
-    """The executor config: VT_* variables, then the flags. Raises UsageError on bad values."""
-    from vt.knobs import MODES, ExecutorConfig
+    """The executor config and test hooks: VT_* variables, then the flags (a --mode replaces
+    the mode variables). Raises UsageError on bad values."""
+    from vt.knobs import ExecutorConfig
+    from vt.testing import hooks_from_env
 
     overrides = {}
     if args.concurrency is not None:
         overrides["serving_conc"] = args.concurrency
     if args.mode is not None:
-        # The mode is the whole mode: the VT_* variables of the others must not leak into it.
-        default = ExecutorConfig()
-        overrides.update({f: getattr(default, f) for m in MODES.values() for f in m})
-        overrides.update(MODES[args.mode])
-    if args.h2d is not None:
-        overrides["h2d"] = args.h2d
+        overrides["mode"] = args.mode
     if args.trace is not None:
         overrides["trace"] = args.trace
     try:
-        return ExecutorConfig.from_env(**overrides)
+        return ExecutorConfig.from_env(**overrides), hooks_from_env()
     except ValueError as e:
         raise UsageError(f"vt run: {e}; {_what_to_do(e, 'vt run')}") from None
 
 
 def check_unsafe_opt_in(config, args: argparse.Namespace) -> None:
-    """The no_dbuf arm produces wrong tokens by design: it runs only when asked for twice."""
-    if not config.no_dbuf or args.unsafe_no_dbuf:
+    """The unguarded arm produces wrong tokens by design: it runs only when asked for twice."""
+    if config.safe or args.unsafe_unguarded:
         return
-    source = "--mode no_dbuf" if args.mode == "no_dbuf" else "VT_ASYNC_EXECUTOR_NO_DBUF=1"
+    source = "--mode unguarded" if args.mode == "unguarded" else "VT_ASYNC_EXECUTOR_NO_DBUF=1"
     raise UsageError(f"vt run: {source} is the unsafe test arm (it skips the drain without the "
-                     f"slot ring, so the tokens are wrong: hazard-C); add --unsafe-no-dbuf to "
-                     f"run it anyway, or pick a safe --mode")
+                     f"slot ring, so the tokens are wrong: the host-overwrite hazard); add "
+                     f"--unsafe-unguarded to run it anyway, or pick a safe --mode")
 
 
 def check_trace_path(path: str | None, source: str) -> None:
@@ -103,9 +101,9 @@ def check_capture_sizes(config) -> None:
 # ---------------------------------------------------------------- the run
 def check_run(args: argparse.Namespace):
     """Every check `vt run` can make before it opens a backend or builds a model:
-    (config, backend name, preset name, ModelConfig). Raises UsageError."""
+    (config, test hooks, backend name, preset name, ModelConfig). Raises UsageError."""
     check_run_args(args)
-    config = _config(args)
+    config, hooks = _config(args)
     check_capture_sizes(config)   # vt run sets no sizes itself: they come from VT_CAPTURE_SIZES
     check_unsafe_opt_in(config, args)
     check_trace_path(config.trace, "--trace" if args.trace is not None else "VT_ASYNC_EXECUTOR_TRACE")
@@ -115,26 +113,27 @@ def check_run(args: argparse.Namespace):
                          "uses cuda; drop it or add --backend sim")
     preset, cfg = pick_preset(backend, args.preset, args.prompt_len + args.steps, "vt run",
                               force=args.force)
-    return config, backend, preset, cfg
+    return config, hooks, backend, preset, cfg
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    config, backend, preset, cfg = check_run(args)
-    if config.no_dbuf:
+    config, hooks, backend, preset, cfg = check_run(args)
+    if not config.safe:
         print(_UNSAFE_WARNING, file=sys.stderr, flush=True)
     be = pick_backend(backend, args.sim_delay_ms, who="vt run")
     conc = config.serving_conc
     n_requests = 2 * conc if args.requests is None else args.requests
     try:
-        _log(f"vt run: backend={be.name} preset={preset} mode={config.mode} conc={conc} "
-             f"requests={n_requests} prompt_len={args.prompt_len} new_tokens={args.steps}")
+        _log(f"vt run: backend={be.name} preset={preset} mode={config.mode}{hooks.label} "
+             f"({config.describe()}) conc={conc} requests={n_requests} "
+             f"prompt_len={args.prompt_len} new_tokens={args.steps}")
         t0 = time.perf_counter()
         model = build_model(be, cfg, max_seqs=conc, context=args.prompt_len + args.steps,
                             seed=args.seed, log=_log)
         _log(f"  capturing decode graphs for sizes {list(config.capture_sizes)} "
              f"({config.slots_per_size} slot(s) per size) and warming the eager/prefill shapes ...")
         from vt.engine.engine import Engine   # here: a usage error or a refused preset needs none of it
-        with Engine(be, model, config, profile=True) as engine:
+        with Engine(be, model, config, hooks=hooks, profile=True) as engine:
             _log(f"  ready in {time.perf_counter() - t0:.1f} s; generating")
             prompts = random_prompts(np.random.default_rng(args.seed), cfg.vocab, n_requests,
                                      args.prompt_len)

@@ -24,7 +24,8 @@ def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
         p.add_argument("--model", required=True,
                        help="a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3)")
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
-    p.add_argument("--mode", default="ring", choices=["sync", "drain", "ring", "staged"],
+    from vt.knobs import SAFE_MODES
+    p.add_argument("--mode", default="ring", choices=list(SAFE_MODES),
                    help="executor mode (default: ring)")
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"requests decoded together, the rows of the batch (default: "

@@ -32,6 +32,7 @@ from typing import Callable
 
 from vt.forward.adapt import as_step_model
 from vt.knobs import ExecutorConfig
+from vt.testing import NULL_HOOKS, ExecutorHooks, hooks_from_env
 from vt.engine.call import GenerateCall
 from vt.engine.handle import RequestHandle, TokenStream
 from vt.engine.requests import RequestResult
@@ -50,15 +51,19 @@ class Engine:
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
     profile=True: device timing events around each step and the per-phase host split.
+    hooks: the test arms (vt.testing, e.g. Poison()); with config=None they come from the
+    environment too (VT_ASYNC_EXECUTOR_POISON).
     submit() and generate() may be called from any number of threads at once; the serving
     thread starts with start() or the first of them.
     """
 
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
                  record_logits: bool = False, max_prefill_tokens: int | None = None,
-                 profile: bool = False):
+                 profile: bool = False, hooks: ExecutorHooks | None = None):
         check_engine_args(backend, config, record_logits, max_prefill_tokens, profile)
         self.be = backend
+        if hooks is None:
+            hooks = hooks_from_env() if config is None else NULL_HOOKS
         self.config = config if config is not None else ExecutorConfig.from_env()
         self.model = as_step_model(backend, model_or_forward)
         geo = self.model.geometry
@@ -75,8 +80,8 @@ class Engine:
                                       max_prefill_tokens or geo.max_context if chunked else
                                       max(geo.max_context, max_prefill_tokens or 0))
         self.record_logits = record_logits
-        self.runner = Runner(backend, self.model, self.config, record_logits=record_logits,
-                             profile=profile)
+        self.runner = Runner(backend, self.model, self.config, hooks=hooks,
+                             record_logits=record_logits, profile=profile)
         self._model_key = model_key(self.model)
         try:
             with driving(self._model_key, "Engine(...)"):
@@ -178,8 +183,8 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        """The executor mode's name (vt.knobs.MODES), "+poison" when poisoning."""
-        return self.config.mode + ("+poison" if self.config.poison else "")
+        """The executor mode's name (vt.knobs.MODES), then the test hooks' ("+poison")."""
+        return self.config.mode + self.runner.hooks.label
 
     def device_ceiling_us(self, n: int, replays: int = 200) -> float:
         """µs per replay of the captured decode graph for n rows, back to back with no host

@@ -4,9 +4,9 @@ The loop is the same with and without them (each hook is behind one `if`), so th
 host split describes the path that serves. A busy period's first FIRST iterations and then
 one in EVERY (61) are timed (every one with a trace): a timed iteration is split into plan (the
 scheduler), the runner's acquire / refresh / launch / drain (timed inside the runner while
-`runner.timed` is set), collect (the tokens, their bookkeeping, the progress callback) and
-the rest ("other" in vt bench), and its step gets device timing events (every step that
-prefills gets them too, timed or not: the runner's _launch_eager says why).
+its timer is armed: vt/runner/timers.py), collect (the tokens, their bookkeeping, the
+progress callback) and the rest ("other" in vt bench), and its step gets device timing events
+(every step that prefills gets them too, timed or not: vt/runner/timers.py says why).
 
 The split is a stratified sample: a timed iteration stands for the iterations of its phase
 since that phase's previous timed one, and its times are weighted by their count, which
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import time
 
-# The runner's own timed parts (vt/runner/plan.py RunnerStats) that a phase accumulates.
-RUNNER_SPLIT = ("acquire_s", "refresh_s", "launch_s", "drain_s")
 FIRST = 16   # a busy period's first iterations, all timed: a short call still gets a split
 # Then one iteration in EVERY: a prime, not a power of two. A batch whose rows advance in
 # lockstep crosses a KV block (new blocks for every row: a slower plan) every block_size
@@ -33,16 +31,16 @@ EVERY = 61
 
 
 class LoopProfile:
-    __slots__ = ("_runner", "_rs", "_every", "_n", "_t0", "_t1", "_t2", "_before", "_last")
+    __slots__ = ("_timer", "_rs", "_every", "_n", "_t0", "_t1", "_t2", "_before", "_last")
 
     def __init__(self, runner):
-        self._runner, self._rs = runner, runner.stats
-        self._every = 1 if runner.tracer.enabled else EVERY
+        self._timer, self._rs = runner.timer, runner.stats
+        self._every = 1 if self._timer.every_step else EVERY
         self._n = 0
         self._t0 = self._t1 = self._t2 = 0.0
         self._before = (0.0,) * 4
         self._last: dict[int, int] = {}   # id(phase) -> its steps when it was last timed
-        runner.timed = False
+        self._timer.armed = False
 
     def start_call(self, phases) -> None:
         """A busy period starts: its first FIRST iterations are timed, and the iterations of
@@ -58,7 +56,7 @@ class LoopProfile:
             return False
         rs = self._rs
         self._before = (rs.acquire_s, rs.refresh_s, rs.launch_s, rs.drain_s)
-        self._runner.timed = True
+        self._timer.armed = True
         self._t0 = time.perf_counter()
         return True
 
@@ -67,7 +65,7 @@ class LoopProfile:
 
     def launched(self) -> None:
         self._t2 = time.perf_counter()
-        self._runner.timed = False   # the collect's waits count; nothing else launches
+        self._timer.armed = False   # the collect's waits count; nothing else launches
 
     def end(self, phase) -> None:
         """Add a timed iteration's split to `phase` (a vt.engine.progress.Phase), weighted by

@@ -56,17 +56,15 @@ def padded_lengths(chunk_lens: list[int], seqs: int, total: int) -> np.ndarray:
 
 
 class HybridStepModel(StepModel):
-    """device_work_s (hazard tests and tools): queue that much device time before each decode,
-    so the host runs ahead of the device on any backend (as the toy forward's option does)."""
+    """The bundled HybridModel as a step model."""
 
     chunked_prefill = True   # prefill() starts at PrefillSeq.start: a prompt may come in chunks
 
-    def __init__(self, be, model, *, device_work_s: float = 0.0, capture_prefill: bool | None = None):
+    def __init__(self, be, model, *, capture_prefill: bool | None = None):
         from vt.model import PrefillInputs
         self._PrefillInputs = PrefillInputs
         cfg = model.cfg
         self.be, self.m, self.vocab = be, model, cfg.vocab
-        self.device_work_s = device_work_s
         # The model's scratch block sits past its num_kv_blocks real ones.
         self.geometry = KVGeometry(max_seqs=model.max_seqs, num_kv_blocks=model.num_kv_blocks + 1,
                                    block_size=cfg.kv_block_size, max_context=cfg.max_context,
@@ -91,8 +89,6 @@ class HybridStepModel(StepModel):
         return self.m.token_table
 
     def decode(self, stream, inputs, logits_out) -> None:
-        if self.device_work_s:
-            self.be.busy_wait(stream, self.device_work_s)
         self.m.decode(stream, inputs, logits_out)
 
     def prefill(self, stream, seqs: list[PrefillSeq], logits_out) -> None:

@@ -12,20 +12,18 @@ import numpy as np
 
 from vt.backend.zeros import zeros
 from vt.forward.user import ForwardModel, KVGeometry, kv_slot
+from vt.validate import INT32_MAX, integer
 
 
 class ToyForward:
     """forward(stream, inputs, logits_out): launches two kernels, allocates one temporary.
-
-    device_work_s queues that much extra device time per forward (be.busy_wait) so that, on
-    any backend, the host runs ahead of the device: the regime where hazard-C shows.
-    """
+    (vt.testing.with_device_work adds device time per decode, so that the host runs ahead
+    of the device: the regime where the host-overwrite hazard shows.)"""
 
     DEFAULT_VOCAB = 64
 
-    def __init__(self, be, *, vocab: int = DEFAULT_VOCAB, geometry: KVGeometry | None = None,
-                 device_work_s: float = 0.0):
-        self.be, self.vocab, self.device_work_s = be, vocab, device_work_s
+    def __init__(self, be, *, vocab: int = DEFAULT_VOCAB, geometry: KVGeometry | None = None):
+        self.be, self.vocab = be, integer("ToyForward.vocab", vocab, 2, INT32_MAX)
         self.geometry = geometry or KVGeometry(max_seqs=64, num_kv_blocks=512, block_size=4,
                                                max_context=64)
         g = self.geometry
@@ -35,8 +33,6 @@ class ToyForward:
 
     def __call__(self, stream, inputs, logits_out) -> None:
         rows = len(inputs.token_rows)
-        if self.device_work_s:
-            self.be.busy_wait(stream, self.device_work_s)
         tmp = self.be.empty((rows, 2), np.float32)   # [S, (acc, state)]: scratch under capture
         self.be.launch(stream, _ATTEND, self.token_table, inputs.token_rows, inputs.positions,
                        inputs.seq_lens, inputs.slot_mapping, inputs.block_tables,

@@ -12,6 +12,7 @@ from vt.step.inputblock import InputBlock
 from vt.sampling import Sampler
 from vt.step.contract import (LOGITS_DTYPE, DecodeInputs, DecodeRows, KVGeometry, PadRow,  # noqa: F401
                      PrefillSeq, SamplingParams, StepModel, kv_slot)
+from vt.validate import INT32_MAX, integer
 
 
 PREFILL_MODES = ("positions", "flat")
@@ -40,7 +41,7 @@ class ForwardModel(StepModel):
         if len(token_table) < geometry.max_seqs + 1:
             raise ValueError(f"token_table has {len(token_table)} rows; it needs max_seqs + 1 = "
                              f"{geometry.max_seqs + 1} (the last one is the scratch row)")
-        self.be, self.forward, self.vocab = be, forward, vocab
+        self.be, self.forward, self.vocab = be, forward, int(vocab)
         self.token_table, self.geometry, self.pad = token_table, geometry, geometry.pad
         self.prefill_mode = prefill
         self.mixed_in_one_call = prefill == "flat"
@@ -147,11 +148,7 @@ def _check_args(forward, vocab, token_table, geometry) -> None:
     if not callable(forward):
         raise TypeError(f"ForwardModel: forward must be callable as forward(stream, inputs, "
                         f"logits_out), got {type(forward).__name__}")
-    if isinstance(vocab, bool) or not isinstance(vocab, (int, np.integer)):
-        raise TypeError(f"ForwardModel: vocab must be an int, got {vocab!r}")
-    if not 2 <= vocab <= np.iinfo(np.int32).max:
-        raise ValueError(f"ForwardModel: vocab must be in [2, 2**31 - 1] (token ids are int32), "
-                         f"got {vocab}")
+    integer("ForwardModel: vocab", vocab, 2, INT32_MAX)   # token ids are int32
     if not isinstance(geometry, KVGeometry):
         raise TypeError(f"ForwardModel: geometry must be a vt.KVGeometry, got {type(geometry).__name__}")
     shape, dtype = getattr(token_table, "shape", None), getattr(token_table, "dtype", None)

@@ -6,8 +6,9 @@ Per size, largest first (the scratch arena then only grows once):
   2. pre-grow: `pool.reserve(logits_bytes, count=k)`, one retained block per slot;
   3. capture each slot; the retained [S, vocab] block is allocated INSIDE the capture, so
      it is the graph's output and is served from the blocks pre-grown in 2.
-Skipping 2 with the ring on: slot 0 gets the block the warm-up returned, slot 1 finds no
-free block and the pool raises CaptureAllocationError (the test of the pre-grow).
+Skipping 2 with the ring on (vt.testing.NoPoolPreGrow): slot 0 gets the block the warm-up
+returned, slot 1 finds no free block and the pool raises CaptureAllocationError (the test of
+the pre-grow).
 
 A captured step is the whole decode step: [the input block's H2D, the inputs-read event,]
 the forward, the sampler (which also feeds the token table) and [the tokens' D2H into the
@@ -28,11 +29,11 @@ def logits_nbytes(size: int, vocab: int) -> int:
     return size * vocab * np.dtype(LOGITS_DTYPE).itemsize
 
 
-def warm_up(be, stream, step, slot, vocab: int, pad) -> None:
+def warm_up(be, stream, step, slot, vocab: int) -> None:
     """One eager step of an all-padding batch (writes only scratch rows), then wait.
 
     step(stream, inputs, logits, out_tokens): the forward and the sampler."""
-    slot.host.poison(pad)
+    slot.write_padding()
     # The input copy as the captured step makes it: in graph mode a kernel, whose module is
     # then loaded here and not inside the capture.
     slot.host.copy_to(be, slot.device, stream, mapped=not slot.staged)
@@ -47,8 +48,9 @@ def capture_slot(be, stream, step, slot, vocab: int, *, staged: bool) -> GraphOu
     """Capture one slot's decode step (see the module docstring) into a GraphOutput."""
     with be.capture(stream, name=slot.name) as cap:
         if not staged:
-            # Baked H2D: every replay re-reads slot.host when this node runs (hazard-C). A
-            # kernel reading the pinned block, not a memcpy node: the graph launches faster.
+            # Baked H2D: every replay re-reads slot.host when this node runs (the host-overwrite
+            # hazard). A kernel reading the pinned block, not a memcpy node: the graph
+            # launches faster.
             slot.host.copy_to(be, slot.device, stream, mapped=True)
         logits = be.empty((slot.size, vocab), LOGITS_DTYPE, retained=True)   # [S, vocab]
         step(stream, slot.device.inputs, logits, slot.out_device)

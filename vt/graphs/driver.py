@@ -3,8 +3,8 @@
 The step is `step(stream, inputs, logits_out, out_tokens)`: a forward that only launches work
 (capturable: no host sync, no allocation outside the backend's pool), reads its per-step
 inputs from `inputs` (DecodeInputs, device arrays) and writes `logits_out` [S, vocab] f32,
-followed by the sampler writing `out_tokens` [S]. Scheduling (drain, poison, token readback)
-is the runner's job; eager steps are vt/runner/eager.py's.
+followed by the sampler writing `out_tokens` [S]. Scheduling (drain, token readback) is the
+runner's job; eager steps are vt/runner/eager.py's.
 """
 from __future__ import annotations
 
@@ -16,26 +16,37 @@ from vt.graphs.capture import capture_slot, logits_nbytes, warm_up
 from vt.graphs.slot import SizeSlot, SlotRing
 from vt.step.contract import PadRow
 from vt.backend.timing import timed_ms
+from vt.testing import NULL_HOOKS, ExecutorHooks
+from vt.validate import integer
+
+MAX_SLOTS_PER_SIZE = 2   # a depth-2 pipeline has at most two steps in flight (vt/knobs.py)
 
 
 @dataclass(frozen=True)
 class GraphSettings:
-    """What the driver needs to know of the executor's configuration."""
+    """What the driver needs to know of the executor's configuration (ExecutorConfig's
+    properties of the same names)."""
     sizes: tuple[int, ...]        # padded batch sizes that get graphs, ascending
-    slots_per_size: int           # k: 2+ with the ring, 1 otherwise
+    slots_per_size: int           # k: 2 with the ring, 1 otherwise
     guarded: bool                 # acquire waits on the slot's event (the ring)
-    staged: bool                  # h2d="staged": out-of-graph copy, one graph per size
-    reserve_pool: bool = True     # pre-grow the pool before capture (off: a test hook)
-    poll_s: float = 0.0           # how long a guard polls before blocking (vt/backend/waits.py)
+    staged: bool                  # the staged H2D: out-of-graph copy, one graph per size
+
+    def __post_init__(self):
+        integer("GraphSettings.slots_per_size", self.slots_per_size, 1, MAX_SLOTS_PER_SIZE)
+        for s in self.sizes:
+            integer("GraphSettings.sizes entry", s, 1)
 
 
 class DecodeGraphDriver:
-    """Captures every size, picks the padded size of a step and hands out its next slot."""
+    """Captures every size, picks the padded size of a step and hands out its next slot.
+    `hooks` (vt.testing): the pool pre-grow goes through hooks.pre_grow_pool."""
 
     def __init__(self, be, stream, step, *, vocab: int, max_blocks: int, pad: PadRow,
-                 settings: GraphSettings):
+                 settings: GraphSettings, hooks: ExecutorHooks = NULL_HOOKS):
         self.be, self.stream, self.step = be, stream, step
-        self.vocab, self.max_blocks, self.pad, self.settings = vocab, max_blocks, pad, settings
+        self.vocab = integer("DecodeGraphDriver.vocab", vocab, 2)
+        self.max_blocks = integer("DecodeGraphDriver.max_blocks", max_blocks, 1)
+        self.pad, self.settings, self.hooks = pad, settings, hooks
         self.sizes = tuple(settings.sizes)
         self.rings: dict[int, SlotRing] = {}
         self._ring_by_rows: list[SlotRing | None] = []   # [n] -> the ring of padded_size(n)
@@ -46,15 +57,14 @@ class DecodeGraphDriver:
         self._check_open()
         st = self.settings
         for size in sorted(self.sizes, reverse=True):
-            first = SizeSlot(self.be, size, 0, self.max_blocks, staged=st.staged)
-            slots = [first] + [SizeSlot(self.be, size, i, self.max_blocks, staged=st.staged,
-                                        shared=first if st.staged else None)
+            first = SizeSlot(self.be, size, 0, self.max_blocks, self.pad, staged=st.staged)
+            slots = [first] + [SizeSlot(self.be, size, i, self.max_blocks, self.pad,
+                                        staged=st.staged, shared=first if st.staged else None)
                                for i in range(1, st.slots_per_size)]
             self.rings[size] = SlotRing(slots, guarded=st.guarded)   # close() frees it on failure
-            warm_up(self.be, self.stream, self.step, first, self.vocab, self.pad)
+            warm_up(self.be, self.stream, self.step, first, self.vocab)
             graphs = 1 if st.staged else len(slots)
-            if st.reserve_pool:
-                self.be.pool.reserve(logits_nbytes(size, self.vocab), count=graphs)
+            self.hooks.pre_grow_pool(self.be.pool, logits_nbytes(size, self.vocab), graphs)
             for i in range(graphs):
                 out = capture_slot(self.be, self.stream, self.step, slots[i], self.vocab,
                                    staged=st.staged)
@@ -73,12 +83,6 @@ class DecodeGraphDriver:
         """The ring that serves a batch of n rows (None: eager, or not captured yet)."""
         return self._ring_by_rows[n] if n < len(self._ring_by_rows) else None
 
-    def acquire(self, n: int) -> tuple[SizeSlot | None, float]:
-        """The slot for a batch of n rows (None: eager) and the seconds its guard waited."""
-        self._check_open()
-        ring = self.ring_for(n)
-        return (None, 0.0) if ring is None else ring.acquire(self.settings.poll_s)
-
     def ceiling_us(self, n: int, replays: int) -> float:
         """µs per replay of the decode graph for n rows, back to back with no host work, timed
         with events. It replays the slot's last real step (the longest context it served, so
@@ -93,7 +97,7 @@ class DecodeGraphDriver:
         slot = self.rings[size].slots[0]
         self.stream.synchronize()
         if slot.last_index < 0:
-            slot.host.poison(self.pad)
+            slot.write_padding()
         index = slot.last_index   # the replays repeat that step: the slot's state stays its
         ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size, index), replays,
                       1, warmup=1)

@@ -36,15 +36,12 @@ class ForwardLogits:
     that graph overwrites it); False when the step allocated its logits (eager, mixed).
     """
 
-    def __init__(self, array, n: int, *, output: GraphOutput | None = None, generation: int = 0):
+    def __init__(self, array, n: int, output: GraphOutput | None = None, generation: int = 0):
         self._array = array
         self.n = n
         self.output = output
         self.generation = generation
-
-    @property
-    def non_owning_view(self) -> bool:
-        return self.output is not None
+        self.non_owning_view = output is not None   # read by every launch's drain decision
 
     @property
     def stale(self) -> bool:

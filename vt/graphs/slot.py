@@ -1,10 +1,15 @@
 """SizeSlot and SlotRing: what keeps Refresh(N+1) from writing host vectors Replay(N) has not
-read yet (hazard-C, docs/design.md)."""
+read yet (the host-overwrite hazard, docs/design.md).
+
+A step on a slot, graph step or a mixed step's decode rows alike: `ring.acquire()` (the
+guard), `slot.write(rows)` (the refresh), `slot.launch(stream, n, index)`, and once the host
+saw it done, `slot.collected(index)`."""
 from __future__ import annotations
 
 import numpy as np
 
 from vt.graphs.logits import ForwardLogits, GraphOutput
+from vt.step.contract import PadRow
 from vt.step.inputblock import InputBlock
 from vt.backend.waits import wait_event
 
@@ -14,15 +19,15 @@ class SizeSlot:
     graph (with its retained logits), the pinned tokens it returns and the events that say
     when the host may write the block again and when the step is done.
 
-    h2d="graph": the graph's own H2D node reads `host` AT REPLAY, so `host` is busy until the
-    replay has run (`done`).
-    h2d="staged": slots of one size share `device`, `out_device` and `output`; the out-of-graph
+    H2D in the graph: the graph's own H2D node reads `host` AT REPLAY, so `host` is busy until
+    the replay has run (`done`).
+    Staged H2D: slots of one size share `device`, `out_device` and `output`; the out-of-graph
     copy reads `host`, so `host` is busy until that copy has run (`staged_read`).
     """
 
-    def __init__(self, be, size: int, index: int, max_blocks: int, *, staged: bool,
+    def __init__(self, be, size: int, index: int, max_blocks: int, pad: PadRow, *, staged: bool,
                  shared: "SizeSlot | None" = None):
-        self.be, self.size, self.index, self.staged = be, size, index, staged
+        self.be, self.size, self.index, self.pad, self.staged = be, size, index, pad, staged
         self.name = f"S={size} slot={index}"
         self.host = InputBlock(be.pinned_empty, size, max_blocks)
         self.device = shared.device if shared else InputBlock(be.empty, size, max_blocks)
@@ -44,6 +49,16 @@ class SizeSlot:
             return 0.0
         return wait_event(self.staged_read or self.done, poll_s)
 
+    def write(self, rows) -> None:
+        """Refresh: the step's rows (DecodeRows, or anything with write_into(block, pad))
+        into the host block, the tail padded. Only once the guard (or the drain) passed."""
+        rows.write_into(self.host, self.pad)
+
+    def write_padding(self) -> None:
+        """Every row of the host block redirected to the scratch row: a replay of it writes
+        only scratch."""
+        self.host.poison(self.pad)
+
     def launch(self, stream, n: int, index: int) -> ForwardLogits:
         """Replay step `index` (the runner's count) on `stream`; `done` completes once the
         tokens are in out_host (graph mode: the graph's last node records it; staged: recorded
@@ -58,7 +73,12 @@ class SizeSlot:
             self.done.record(stream)
         else:
             gen = self.output.launch(stream)
-        return ForwardLogits(self.output.logits, n, output=self.output, generation=gen)
+        return ForwardLogits(self.output.logits, n, self.output, gen)
+
+    def copy_tokens(self, dst, stream) -> None:
+        """The last launch's sampled tokens [len(dst)] into the device array `dst`, on
+        `stream` (a mixed step gathers its decode rows' tokens with its prefill's)."""
+        self.be.copy_d2d(dst, self.out_device[:len(dst)], stream)
 
     def collected(self, index: int) -> None:
         """The host saw step `index` done: if it is still this slot's last step, the slot is
@@ -76,7 +96,8 @@ class SizeSlot:
 class SlotRing:
     """k SizeSlots of one size used in turn. With `guarded`, acquiring a slot first waits on
     its event, so the host never rewrites a block a queued replay will still read. Unguarded
-    (k=1) is the drain path, whose drain protects the slot, or NO_DBUF, the unsafe arm."""
+    (k=1) is the drain path, whose drain protects the slot, or the unguarded mode, the unsafe
+    arm."""
 
     def __init__(self, slots: list[SizeSlot], guarded: bool):
         self.slots, self.guarded, self._next = slots, guarded, 0
@@ -84,20 +105,6 @@ class SlotRing:
     def peek(self) -> SizeSlot:
         """The slot the next acquire returns."""
         return self.slots[self._next]
-
-    def poison_next(self, pad, poll_s: float, drain) -> bool:
-        """Test knob POISON: overwrite the block the next acquire hands out, as soon as this
-        ring lets the host write it: guarded, after that slot's guard; unguarded, after
-        `drain()` (the drain path) or at once (`drain` None: NO_DBUF, the unsafe arm). A sound
-        mode never lets a replay read the poison. Returns whether the guard had to wait."""
-        nxt = self.peek()
-        waited = False
-        if self.guarded:
-            waited = nxt.wait_reusable(poll_s) > 0
-        elif drain is not None:
-            drain()
-        nxt.host.poison(pad)
-        return waited
 
     def acquire(self, poll_s: float = 0.0) -> tuple[SizeSlot, float]:
         slot = self.slots[self._next]

@@ -72,10 +72,10 @@ class EagerPath:
             launch_prefill(self.stream, block[:n])
             inputs = self._upload(self._decode, n_dec)
             model.sample(self.stream, block[:n_dec], inputs, out[:n_dec])
-        elif n_dec and slot is not None:
-            decode.write_into(slot.host, model.pad)
+        elif n_dec and slot is not None:   # a graph step's write and launch (vt/graphs/slot.py)
+            slot.write(decode)
             view = slot.launch(self.stream, n_dec, index)
-            self.be.copy_d2d(out[:n_dec], slot.out_device[:n_dec], self.stream)
+            slot.copy_tokens(out[:n_dec], self.stream)
             if keep_logits:
                 self.be.copy_d2d(block[:n_dec], view.rows, self.stream)
         elif n_dec:

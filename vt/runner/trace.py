@@ -54,6 +54,10 @@ class Tracer:
             json.dump({"traceEvents": meta + self.events, "displayTimeUnit": "ms"}, f)
         return self.path
 
+    def close(self) -> None:
+        if self._anchor is not None:
+            self._anchor.close()
+
     def _us(self, t: float) -> float:
         return (t - self._t0) * 1e6
 

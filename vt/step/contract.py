@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vt.sampling.params import GREEDY, SamplingParams, row_vectors  # noqa: F401  (part of the contract)
+from vt.validate import integer
 
 LOGITS_DTYPE = np.float32   # [S, vocab] logits of every step, graph or eager
 
@@ -60,9 +61,9 @@ class KVGeometry:
 
     def __post_init__(self):
         for name in ("max_seqs", "num_kv_blocks", "block_size", "max_context"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"KVGeometry.{name} must be a positive int, got {v!r}")
+            object.__setattr__(self, name, integer(f"KVGeometry.{name}", getattr(self, name), 1))
+        object.__setattr__(self, "scratch_block",
+                           integer("KVGeometry.scratch_block", self.scratch_block, 0))
         if self.num_kv_blocks < 2 or not 0 <= self.scratch_block < self.num_kv_blocks:
             raise ValueError(f"KVGeometry: num_kv_blocks={self.num_kv_blocks} must hold the scratch "
                              f"block {self.scratch_block} and at least one more")

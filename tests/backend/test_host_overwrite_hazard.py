@@ -1,4 +1,5 @@
-"""Hazard-C primitive: a replay reads its baked host vector when the copy runs, not at launch."""
+"""The host-overwrite hazard's primitive: a replay reads its baked host vector when the copy
+runs, not at launch."""
 import time
 
 import numpy as np
@@ -20,7 +21,7 @@ def _count_corruptions(be, guarded: bool) -> int:
     d = be.empty((N,), np.int32)
     seen = be.pinned_empty((N,), np.int32)
     reuse = be.event(blocking_sync=True)
-    with be.capture(s, name="hazard-c") as cap:
+    with be.capture(s, name="host-overwrite-hazard") as cap:
         be.copy_h2d(d, h, s)
     corrupted = 0
     for trial in range(TRIALS):
@@ -40,10 +41,12 @@ def _count_corruptions(be, guarded: bool) -> int:
 
 @pytest.mark.needs_overlap
 def test_unguarded_overwrite_after_launch_corrupts_the_replay(backend, record_property):
-    """Without a wait, the replay reads the host's next-step data (hazard-C reproduced)."""
+    """Without a wait, the replay reads the host's next-step data (the host-overwrite hazard
+    reproduced)."""
     corrupted = _count_corruptions(backend, guarded=False)
-    print(f"\n[{backend.name}] hazard-C unguarded: {corrupted}/{TRIALS} replays read overwritten data")
-    record_property("hazard_c_unguarded_corrupted", f"{corrupted}/{TRIALS}")
+    print(f"\n[{backend.name}] host-overwrite hazard, unguarded: {corrupted}/{TRIALS} replays "
+          f"read overwritten data")
+    record_property("host_overwrite_unguarded_corrupted", f"{corrupted}/{TRIALS}")
     assert corrupted >= TRIALS - 2
 
 
@@ -51,8 +54,9 @@ def test_waiting_on_a_blocking_sync_event_before_overwriting_prevents_corruption
                                                                                  record_property):
     """Waiting on the reuse event recorded after the replay: never any corruption."""
     corrupted = _count_corruptions(backend, guarded=True)
-    print(f"\n[{backend.name}] hazard-C event-guarded: {corrupted}/{TRIALS} replays read overwritten data")
-    record_property("hazard_c_guarded_corrupted", f"{corrupted}/{TRIALS}")
+    print(f"\n[{backend.name}] host-overwrite hazard, event-guarded: {corrupted}/{TRIALS} "
+          f"replays read overwritten data")
+    record_property("host_overwrite_guarded_corrupted", f"{corrupted}/{TRIALS}")
     assert corrupted == 0
 
 
