@@ -1,4 +1,4 @@
-"""Thin wrapper: `python3 tools/bench.py ARGS` is `vt bench ARGS` (vt/cli/bench/, README "vt bench")."""
+"""Thin wrapper: `python3 tools/bench.py ARGS` is `vt bench ARGS` (vt/cli/bench/; docs/cli.md, "vt bench")."""
 from __future__ import annotations
 
 import sys

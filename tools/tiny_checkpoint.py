@@ -9,7 +9,7 @@ PreTrainedTokenizerFast with a chat template. Every file is written by save_pret
 
   python3 tools/tiny_checkpoint.py /tmp/tiny-llama     # then: vt serve --model /tmp/tiny-llama
 
-Needs torch, transformers and tokenizers (pip install "vt[serve]").
+Needs torch, transformers and tokenizers (python3 -m pip install ".[serve]": transformers brings tokenizers).
 """
 from __future__ import annotations
 

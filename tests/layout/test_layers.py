@@ -1,5 +1,6 @@
 """The package's layers, checked from the source: imports only point down, and no two
-modules import each other through any chain (docs/architecture.md draws the picture).
+modules import each other through any chain (docs/architecture.md draws the picture, and a test
+here holds the drawing to RANK).
 
 Ranks, bottom up; a module may import its own package and any package of a lower rank.
 Imports inside functions count too (they are still arrows), except `vt/__init__.py`'s lazy
@@ -7,6 +8,7 @@ public names, which are the top of the tree by design.
 """
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -132,3 +134,31 @@ def test_no_module_is_long(path):
     assert n <= MAX_MODULE_LINES, f"{path.relative_to(VT)}: {n} lines; split it on its concepts"
     if n > SOFT_MODULE_LINES:
         warnings.warn(f"{path.relative_to(VT)} has {n} lines: does it hold a second concept?")
+
+
+def _drawn_layers() -> list[list[str]]:
+    """The rows of docs/architecture.md's layer drawing, top down: each row's leading
+    `vt/<package>/` or `vt/<module>.py` names (its description follows them)."""
+    doc = (VT.parent / "docs" / "architecture.md").read_text()
+    block = re.search(r"^## The layers, top down\n+```text\n(.*?)^```", doc, re.S | re.M).group(1)
+    rows = []
+    for line in block.splitlines():
+        lead = re.match(r"((?:vt/\w+(?:/|\.py)(?:\s+|$))+)", line)
+        if lead:
+            rows.append(re.findall(r"vt/(\w+)", lead.group(1)))
+    return rows
+
+
+def test_the_architecture_doc_draws_the_ranks():
+    """Every ranked package once; packages of one rank on one row; rows top down by rank."""
+    rows = _drawn_layers()
+    drawn = [name for row in rows for name in row]
+    assert sorted(drawn) == sorted(RANK), (f"drawn, not ranked: {sorted(set(drawn) - set(RANK))}; "
+                                           f"ranked, not drawn: {sorted(set(RANK) - set(drawn))}")
+    assert len(drawn) == len(set(drawn)), f"drawn twice: {drawn}"
+    ranks = []
+    for row in rows:
+        assert len({RANK[name] for name in row}) == 1, f"one row, several ranks: {row}"
+        ranks.append(RANK[row[0]])
+    assert ranks == sorted(set(ranks), reverse=True), \
+        "rows out of RANK's order: " + ", ".join(f"{r} ({RANK[r[0]]})" for r in rows)
