@@ -261,16 +261,18 @@ def test_a_real_process_exits_2_with_one_line():
 
 
 # ------------------------------------------------------------------ the model's sizes
-@pytest.mark.parametrize("kwargs,needle", [
-    (dict(max_seqs=0), "max_seqs must be a positive int, or None for the default, got 0"),
-    (dict(max_seqs=-1), "max_seqs must be a positive int"),
-    (dict(max_seqs=2.5), "got 2.5"),
-    (dict(max_seqs=True), "got True"),
-    (dict(num_kv_blocks=-5), "num_kv_blocks must be a positive int, or None for the default, got -5"),
-    (dict(num_kv_blocks=0), "num_kv_blocks must be a positive int"),
+@pytest.mark.parametrize("kwargs,error,needle", [
+    (dict(max_seqs=0), ValueError, "max_seqs (None: the default) must be an integer in [1, 2147483647], got 0"),
+    (dict(max_seqs=-1), ValueError, "got -1"),
+    (dict(max_seqs=2.5), TypeError, "got 2.5"),
+    (dict(max_seqs=True), TypeError, "got True"),
+    (dict(num_kv_blocks=-5), ValueError, "num_kv_blocks (None: the default) must be an integer in [1, "),
+    (dict(num_kv_blocks=0), ValueError, "num_kv_blocks (None: the default) must be an integer"),
 ])
-def test_hybrid_model_rejects_bad_sizes(sim_backend, kwargs, needle):
+def test_hybrid_model_rejects_bad_sizes(sim_backend, kwargs, error, needle):
+    """vt.validate's one message: a non-integer is a TypeError, an integer out of range a
+    ValueError."""
     cfg = PRESETS["tiny-dense"]
-    with pytest.raises(ValueError, match="HybridModel: ") as e:
+    with pytest.raises(error, match="HybridModel: ") as e:
         HybridModel(sim_backend, cfg, init_weights(cfg), **kwargs)
     assert needle in str(e.value)

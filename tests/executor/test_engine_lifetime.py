@@ -233,13 +233,14 @@ def test_sim_delays_that_cannot_be_slept_are_refused_and_workers_survive(delay):
     (dict(config="ring"), TypeError, "config must be a vt.ExecutorConfig"),
     (dict(profile=1), TypeError, "profile must be a bool"),
     (dict(record_logits="yes"), TypeError, "record_logits must be a bool"),
-    (dict(max_prefill_tokens=2.5), TypeError, "max_prefill_tokens must be an int"),
-    (dict(max_prefill_tokens=0), ValueError, "max_prefill_tokens must be a positive int"),
+    (dict(max_prefill_tokens=2.5), TypeError, "max_prefill_tokens (None: the default) must be an integer"),
+    (dict(max_prefill_tokens=0), ValueError, "max_prefill_tokens (None: the default) must be an integer in [1, "),
 ])
 def test_engine_argument_errors_name_the_argument(sim_backend, kwargs, error, needle):
     toy = ToyForward(sim_backend, vocab=VOCAB)
-    with pytest.raises(error, match=needle):
+    with pytest.raises(error) as e:
         Engine(sim_backend, toy.step_model(), **kwargs)
+    assert needle in str(e.value)
 
 
 def test_engine_refuses_a_backend_that_is_not_one(sim_backend):

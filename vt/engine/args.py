@@ -4,6 +4,7 @@ argument, raised before anything is allocated or launched."""
 from __future__ import annotations
 
 from vt.knobs import ExecutorConfig
+from vt.validate import integer
 
 _BACKEND_CALLS = ("stream", "event", "empty", "pinned_empty", "launch", "capture")
 
@@ -19,12 +20,8 @@ def check_engine_args(backend, config, record_logits, max_prefill_tokens, profil
     for name, value in (("record_logits", record_logits), ("profile", profile)):
         if not isinstance(value, bool):
             raise TypeError(f"Engine: {name} must be a bool, got {value!r}")
-    if max_prefill_tokens is not None and (isinstance(max_prefill_tokens, bool) or
-                                           not isinstance(max_prefill_tokens, int)):
-        raise TypeError(f"Engine: max_prefill_tokens must be an int or None, got "
-                        f"{max_prefill_tokens!r}")
-    if max_prefill_tokens is not None and max_prefill_tokens < 1:
-        raise ValueError(f"Engine: max_prefill_tokens must be a positive int, got {max_prefill_tokens!r}")
+    if max_prefill_tokens is not None:
+        integer("Engine: max_prefill_tokens (None: the default)", max_prefill_tokens, 1)
 
 
 def check_generate_args(prompts, progress) -> None:

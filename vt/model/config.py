@@ -5,6 +5,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
+from vt.validate import integer
 
 _DTYPES = ("float16", "bfloat16")
 
@@ -48,9 +49,8 @@ class ModelConfig:
         pos = {k: getattr(self, k) for k in ("hidden", "layers", "heads", "head_dim", "kv_heads",
                                              "gdn_heads", "gdn_dk", "gdn_dv", "vocab",
                                              "kv_block_size", "max_seqs", "max_context")}
-        bad = {k: v for k, v in pos.items() if not (isinstance(v, int) and v > 0)}
-        if bad:
-            raise ValueError(f"ModelConfig: these sizes must be positive ints: {bad}")
+        for k, v in pos.items():
+            integer(f"ModelConfig.{k}", v, 1)
         if not self.layer_pattern or set(self.layer_pattern) - {"G", "A"}:
             raise ValueError(f"ModelConfig: layer_pattern {self.layer_pattern!r} must be a "
                              f"non-empty string of 'G' (GDN) and 'A' (attention)")

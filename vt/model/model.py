@@ -23,6 +23,7 @@ from .inputs import DecodeInputs, PrefillInputs
 from .kernels.attention import invariant_splits
 from .kernels.gemm import WORKSPACE_BYTES
 from .weights import check_weights
+from vt.validate import integer
 from vt import env
 from vt.sampling import Sampler
 
@@ -41,9 +42,8 @@ class HybridModel:
         # None means "the default"; anything else must be a real size. Checked first: 0 used to
         # become the default silently and a negative count failed deep inside the pool.
         for name, v in (("max_seqs", max_seqs), ("num_kv_blocks", num_kv_blocks)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise ValueError(f"HybridModel: {name} must be a positive int, or None for the "
-                                 f"default, got {v!r}")
+            if v is not None:
+                integer(f"HybridModel: {name} (None: the default)", v, 1)
         if batch_invariant is None:
             batch_invariant = env.get("VT_BATCH_INVARIANT")
         if not isinstance(batch_invariant, bool):

@@ -17,6 +17,7 @@ import numbers
 from pathlib import Path
 
 from vt.torch.llama import LlamaConfig
+from vt.validate import integer
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 DEFAULT_ROPE_THETA = 10000.0   # transformers' RotaryEmbeddingConfigMixin.default_theta
@@ -138,9 +139,10 @@ def _positive_int(hf: dict, field: str, where: str, default=None) -> int:
         value = default
     if value is None:
         raise ValueError(f"{where}: {field} is missing (a positive int)")
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{where}: {field}={value!r} must be a positive int")
-    return value
+    try:
+        return integer(f"{where}: {field}", value, 1)
+    except TypeError as exc:   # a config.json field of the wrong type is a bad value of the file
+        raise ValueError(str(exc)) from None
 
 
 def _number(value, field: str, where: str) -> float:

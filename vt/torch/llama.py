@@ -38,6 +38,7 @@ from vt.step import KVGeometry
 from vt.torch import fused
 from vt.torch.attention import AttentionContext, attend, build_context
 from vt.torch.views import TorchInputs
+from vt.validate import integer
 
 
 @dataclass(frozen=True)
@@ -62,9 +63,7 @@ class LlamaConfig:
 
     def __post_init__(self):
         for name in ("vocab", "hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LlamaConfig.{name} must be a positive int, got {v!r}")
+            integer(f"LlamaConfig.{name}", getattr(self, name), 1)
         if self.heads % self.kv_heads:
             raise ValueError(f"LlamaConfig: heads={self.heads} must be a multiple of "
                              f"kv_heads={self.kv_heads} (grouped-query attention)")

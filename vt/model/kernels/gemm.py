@@ -36,6 +36,7 @@ import numpy as np
 from vt import env
 
 from ._common import cuda_function, f32, f64, i32, store
+from vt.validate import integer
 
 WORKSPACE_BYTES = 32 << 20  # cuBLAS's recommended workspace on Hopper
 
@@ -66,10 +67,7 @@ class Gemm:
     name = "gemm"
 
     def __init__(self, workspaces=(), rows_block: int | None = None):
-        if rows_block is not None and (isinstance(rows_block, bool) or not isinstance(rows_block, int)
-                                       or rows_block < 1):
-            raise ValueError(f"Gemm: rows_block must be a positive int or None, got {rows_block!r}")
-        self.rows_block = rows_block
+        self.rows_block = None if rows_block is None else integer("Gemm: rows_block", rows_block, 1)
         self._free_ws = list(workspaces)  # device uint8 arrays of WORKSPACE_BYTES
         self._used_ws: dict[int, object] = {}  # stream handle -> its handle's workspace
         self._handles: dict[int, int] = {}     # stream handle -> cuBLAS handle
