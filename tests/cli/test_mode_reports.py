@@ -15,15 +15,9 @@ import vt.engine.engine
 from vt.cli.main import main
 from vt.forward.toy import ToyForward
 from vt.testing import Poison
+from mode_table import EXPECTED_MODES
 
-# mode -> (depth, slots per size, guarded, staged H2D, graph steps skip the drain)
-EXPECTED = {
-    "sync": (1, 1, False, False, False),
-    "drain": (2, 1, False, False, False),
-    "ring": (2, 2, True, False, True),
-    "staged": (2, 2, True, True, True),
-    "unguarded": (2, 1, False, False, True),
-}
+EXPECTED = EXPECTED_MODES   # (depth, slots per size, guarded, staged H2D, drain skip)
 RUN = ["run", "--backend", "sim", "--steps", "2", "--requests", "3", "--concurrency", "2",
        "--prompt-len", "4"]
 SWITCH = (None, "0", "1")   # a variable unset, 0 or 1

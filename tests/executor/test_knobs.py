@@ -9,16 +9,9 @@ from vt import env
 from vt.knobs import DEFAULT_CAPTURE_SIZES, MODES, RING_SLOTS, SAFE_MODES, ExecutorConfig
 from vt.step.contract import KVGeometry
 from vt.validate import integer
+from mode_table import EXPECTED_MODES
 
-# What each mode must run, written out independently of vt/knobs.py's derivation:
-# (depth, slots per size, guarded, staged H2D, graph steps skip the drain).
-EXPECTED = {
-    "sync": (1, 1, False, False, False),
-    "drain": (2, 1, False, False, False),
-    "ring": (2, 2, True, False, True),
-    "staged": (2, 2, True, True, True),
-    "unguarded": (2, 1, False, False, True),
-}
+EXPECTED = EXPECTED_MODES   # (depth, slots per size, guarded, staged H2D, drain skip)
 
 
 def _behaviour(c: ExecutorConfig):
