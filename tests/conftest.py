@@ -1,6 +1,8 @@
 """Shared fixtures: the same test functions run on every available backend; and a suite-wide
 check that no pool, on any backend, ever called the driver's malloc while a graph was captured."""
 
+import gc
+
 import pytest
 
 from vt import env
@@ -44,6 +46,15 @@ def delayed_sim():
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", default=False,
                      help="run the tests marked slow (the long fuzz and soak; also VT_SLOW=1)")
+
+
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, hypothesis, every test module) lives for
+    the whole run: moved out of the cyclic collector's reach (gc.freeze), so that a full
+    collection, the automatic ones and the tests' own gc.collect() calls, scans only what the
+    tests made since. Nothing a test made is frozen: leaks and finalizers are seen as before."""
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

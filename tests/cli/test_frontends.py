@@ -291,20 +291,48 @@ RUN_CMD = [sys.executable, "-m", "vt", "run", "--backend", "sim", "--steps", "12
 BENCH_CMD = [sys.executable, "-m", "vt", "bench", "--backend", "sim", "--conc", "2",
              "--device-us", "0", "50", "--modes", "drain", "ring", "--steps", "6", "--repeats", "1",
              "--no-bar", "--json", "bench.json"]
+COMMANDS = {"run": (RUN_CMD, "trace.json"), "bench": (BENCH_CMD, "bench.json")}
+
+
+def _cli_env():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VT_")}
+    env["VT_CAPTURE_SIZES"] = "1,2"
+    return env
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """run(which): the command left alone, once per module: (its wall time on this machine,
+    startup included; the finished process; its output path)."""
+    done = {}
+
+    def run(which):
+        if which not in done:
+            cmd, out = COMMANDS[which]
+            cwd = tmp_path_factory.mktemp(f"{which}-whole")
+            t0 = time.perf_counter()
+            p = subprocess.run(cmd, cwd=cwd, env=_cli_env(), capture_output=True, text=True,
+                               timeout=120)
+            done[which] = (time.perf_counter() - t0, p, cwd / out)
+        return done[which]
+    return run
 
 
 @settings(max_examples=8, deadline=None, derandomize=True)
 @given(which=st.sampled_from(["run", "bench"]), at=st.floats(0.1, 1.1),
        second=st.one_of(st.none(), st.floats(0.0, 0.3)))
-def test_interrupted_runs_leave_whole_or_absent_outputs(tmp_path_factory, which, at, second):
+def test_interrupted_runs_leave_whole_or_absent_outputs(tmp_path_factory, uninterrupted, which,
+                                                        at, second):
     """SIGINT once, or twice, at a random moment of a real run: every output file is absent
-    or valid JSON. `at` is a fraction of the run's uninterrupted time."""
+    or valid JSON. `at` is a fraction of the run's uninterrupted time, measured on this
+    machine (startup included), so that it lands before, in and after the moment the output
+    is written."""
+    full_s = uninterrupted(which)[0]
     cwd = tmp_path_factory.mktemp(which)
-    cmd = RUN_CMD if which == "run" else BENCH_CMD
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VT_")}
-    env["VT_CAPTURE_SIZES"] = "1,2"
-    p = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    time.sleep(at * _FULL_S[which])
+    cmd, out = COMMANDS[which]
+    p = subprocess.Popen(cmd, cwd=cwd, env=_cli_env(), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE)
+    time.sleep(at * full_s)
     p.send_signal(signal.SIGINT)
     if second is not None:
         time.sleep(second)
@@ -314,24 +342,16 @@ def test_interrupted_runs_leave_whole_or_absent_outputs(tmp_path_factory, which,
     except subprocess.TimeoutExpired:
         p.kill()
         raise
-    out = cwd / ("trace.json" if which == "run" else "bench.json")
+    out = cwd / out
     if out.exists():
         json.loads(out.read_text())   # whole, or this raises
 
 
-# About how long each command runs uninterrupted on a 2-core machine (startup included), so
-# that `at` lands before, in and after the moment the output is written.
-_FULL_S = {"run": 4.0, "bench": 1.5}
-
-
-@pytest.mark.parametrize("cmd,out", [(RUN_CMD, "trace.json"), (BENCH_CMD, "bench.json")])
-def test_an_uninterrupted_run_writes_its_output(tmp_path, cmd, out):
-    """The twin of the interrupt test: the same commands do write valid JSON when left alone
-    (so "absent" above is not the only outcome the test ever sees)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VT_")}
-    env["VT_CAPTURE_SIZES"] = "1,2"
-    t0 = time.perf_counter()
-    p = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+@pytest.mark.parametrize("which", ["run", "bench"])
+def test_an_uninterrupted_run_writes_its_output(uninterrupted, which):
+    """The twin of the interrupt test (the very runs it measured): the same commands do write
+    valid JSON when left alone (so "absent" above is not the only outcome the test ever sees)."""
+    wall, p, out = uninterrupted(which)
     assert p.returncode == 0, p.stderr
-    assert json.loads((tmp_path / out).read_text())
-    assert time.perf_counter() - t0 < 60
+    assert json.loads(out.read_text())
+    assert wall < 60

@@ -1,6 +1,7 @@
 """Shared helpers: a seeded workload and one engine run on the toy forward."""
 import numpy as np
 
+from vt.backend import get_backend
 from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
 from vt.forward.toy import ToyForward
@@ -36,6 +37,25 @@ def run_toy(be, prompts, budgets, *, device_work_s=0.0, record_logits=True, stop
         results = eng.generate(prompts, max_new_tokens=budgets, stop_token=stop_token)
         stats = eng.stats()
     return results, stats
+
+
+_UNDELAYED = {}
+
+
+def undelayed_reference(prompts, budgets, **cfg):
+    """run_toy's results and stats on a sim without device delay, made once per workload and
+    config in a session: what a run on a delayed sim is compared with. The OFF path's tokens
+    and logits do not depend on how fast the device is (tools/fuzz.py's reference runs
+    undelayed too); on the delayed sim it would only take ~20x longer."""
+    key = (tuple(tuple(int(t) for t in p) for p in prompts), tuple(budgets),
+           tuple(sorted(cfg.items())))
+    if key not in _UNDELAYED:
+        be = get_backend("sim")
+        try:
+            _UNDELAYED[key] = run_toy(be, prompts, budgets, **cfg)
+        finally:
+            be.close()
+    return _UNDELAYED[key]
 
 
 def mismatches(ref, got):

@@ -46,6 +46,16 @@ def _vt_threads() -> int:
     return sum(t.name.startswith("vt-") for t in threading.enumerate())
 
 
+def _vt_threads_once_serving_ended(since) -> int:
+    """_vt_threads() once the serving threads started after `since` (a set of threads) ended:
+    a dropped engine's finalizer wakes its serving thread, which ends a moment later. Each is
+    waited for up to 5 s; one still running then is counted."""
+    for t in threading.enumerate():
+        if t.name == "vt-engine" and t not in since:
+            t.join(5)
+    return _vt_threads()
+
+
 def test_engines_dropped_in_a_loop_keep_threads_and_memory_flat(sim_backend):
     """Dropped without close(): the finalizer closes the runner (its stream thread ends) and
     nothing the engine allocated stays: vt threads, pool bytes in use and Python memory
@@ -58,17 +68,19 @@ def test_engines_dropped_in_a_loop_keep_threads_and_memory_flat(sim_backend):
         eng.generate(prompts, max_new_tokens=budgets)
         return weakref.ref(eng)
 
+    started = set(threading.enumerate())
     tracemalloc.start()
     try:
         for _ in range(2):
             one_engine()
         gc.collect()
-        threads, in_use = _vt_threads(), sim_backend.pool.stats().bytes_in_use
+        threads = _vt_threads_once_serving_ended(started)
+        in_use = sim_backend.pool.stats().bytes_in_use
         py_bytes = tracemalloc.get_traced_memory()[0]
         refs = [one_engine() for _ in range(8)]
         gc.collect()
         assert all(r() is None for r in refs), "a dropped Engine is still alive"
-        assert _vt_threads() == threads
+        assert _vt_threads_once_serving_ended(started) == threads
         assert sim_backend.pool.stats().bytes_in_use == in_use
         grown = tracemalloc.get_traced_memory()[0] - py_bytes
     finally:
@@ -167,6 +179,7 @@ def test_the_second_engine_is_refused_while_the_first_drives_the_model(delayed_s
     first = Engine(delayed_sim, toy.step_model(), CONFIG)
     second = Engine(delayed_sim, toy.step_model(), CONFIG)   # first is idle: allowed
     prompts, budgets = workload(2, seed=3)
+    want = _reference(delayed_sim, prompts, budgets)
     busy = first.submit([1, 2], max_new_tokens=40)      # ~40 steps of >= 1 ms each
     next(iter(busy.stream()))                          # its first token: the first serves now
     seen = []
@@ -178,12 +191,11 @@ def test_the_second_engine_is_refused_while_the_first_drives_the_model(delayed_s
     assert not busy.done()                             # the refusals came while it served
     busy.result()
     assert len(seen) == 2 and all("give each thread its own Engine" not in m for m in seen)
-    assert [r.tokens for r in second.generate(prompts, max_new_tokens=budgets)] == \
-        _reference(delayed_sim, prompts, budgets)
+    assert [r.tokens for r in second.generate(prompts, max_new_tokens=budgets)] == want
     nested = []   # one Engine serves calls from any thread, its own progress callback too
     first.generate(prompts, max_new_tokens=budgets, progress=lambda p: nested.append(
         [r.tokens for r in first.generate(prompts, max_new_tokens=budgets)]) if not nested else None)
-    assert nested == [_reference(delayed_sim, prompts, budgets)]
+    assert nested == [want]
     first.close()
     second.close()
 

@@ -10,7 +10,7 @@ from vt.forward.toy import ToyForward
 from vt.knobs import SAFE_MODES, ExecutorConfig
 from vt.testing import Poison
 
-from ._util import VOCAB, mismatches, run_toy, workload
+from ._util import VOCAB, mismatches, run_toy, undelayed_reference, workload
 
 DEVICE_WORK_S = 0.002
 
@@ -35,7 +35,7 @@ def test_ring_with_poison_matches_off_with_the_host_far_ahead(delayed_sim, mode)
     """The host far ahead of the device and POISON writing every next slot as early as the
     ring allows: every decode step is guarded."""
     prompts, budgets = workload(16, seed=22, max_new=(4, 24))
-    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    off, _ = undelayed_reference(prompts, budgets, serving_conc=16)
     ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, mode=mode,
                        hooks=Poison())
     assert st["graph_steps"] > 0

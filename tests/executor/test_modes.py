@@ -12,7 +12,7 @@ from vt.forward.toy import ToyForward
 from vt.knobs import ExecutorConfig
 from vt.testing import Poison
 
-from ._util import VOCAB, mismatches, run_toy, workload
+from ._util import VOCAB, mismatches, run_toy, undelayed_reference, workload
 
 DEVICE_WORK_S = 0.002
 
@@ -59,7 +59,7 @@ def test_unguarded_with_poison_is_detected(backend):
 def test_unguarded_races_on_a_delayed_sim_even_without_poison(delayed_sim):
     """Mode unguarded alone: Refresh(N+1) overwrites the slot before Replay(N)'s H2D ran."""
     prompts, budgets = workload(16, seed=4)
-    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    off, _ = undelayed_reference(prompts, budgets, serving_conc=16)
     raced, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16, mode="unguarded")
     bad = mismatches(off, raced)
     print(f"unguarded on a delayed sim: {bad} of {len(prompts)} requests mismatched")
@@ -70,7 +70,7 @@ def test_unguarded_races_on_a_delayed_sim_even_without_poison(delayed_sim):
 def test_ring_with_poison_matches_off_on_a_delayed_sim(delayed_sim, mode):
     """The same race conditions as above, with the ring: no mismatch."""
     prompts, budgets = workload(16, seed=4)
-    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    off, _ = undelayed_reference(prompts, budgets, serving_conc=16)
     # Two slots: the slot a step reuses is the one of the step before the last, often still
     # queued, so the guard has to block
     ring, st = run_toy(delayed_sim, prompts, budgets, serving_conc=16, mode=mode, hooks=Poison())
@@ -150,7 +150,7 @@ def test_ring_wait_is_load_bearing(delayed_sim, monkeypatch):
     from vt.graphs.slot import SizeSlot
     monkeypatch.setattr(SizeSlot, "wait_reusable", lambda self, poll_s=0.0: 0.0)
     prompts, budgets = workload(16, seed=5)
-    off, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16)
+    off, _ = undelayed_reference(prompts, budgets, serving_conc=16)
     broken, _ = run_toy(delayed_sim, prompts, budgets, serving_conc=16,
                         mode="ring", hooks=Poison())
     assert mismatches(off, broken) > 0

@@ -39,8 +39,11 @@ def prompts(n, seed, vocab=TINY.vocab, max_len=7):
     return [rng.integers(0, vocab, size=int(rng.integers(1, max_len + 1))).tolist() for _ in range(n)]
 
 
-def generate(be, model, mode, ps, new, *, sampling=None, conc=4, poison=False,
-             sizes=(1, 2, 4, 8)):
+def generate(be, model, mode, ps, new, *, sampling=None, conc=4, poison=False, sizes=None):
+    """Tokens of one generate() in `mode`; graphs of sizes 1, 2, 4, 8 up to `conc` unless given
+    (no decode batch is larger than conc: a bigger graph would be captured, never replayed)."""
+    if sizes is None:
+        sizes = tuple(s for s in (1, 2, 4, 8) if s <= conc)
     cfg = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=sizes)
     with Engine(be, model, cfg, hooks=Poison() if poison else None) as eng:
         res = eng.generate(ps, max_new_tokens=new, sampling=sampling)
