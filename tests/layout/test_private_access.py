@@ -24,6 +24,7 @@ _CUDA_BACKEND = "the cuda backend's Stream/Event/Graph and their helpers share o
 _SIM_BACKEND = "the sim backend mirrors the cuda one: its Stream/Event/Graph/memory share one protocol"
 _SAME_CLASS = "another instance of the same class (elapsed_ms between two events)"
 _THIRD_PARTY = "a third-party library's private name: it has no public one for this"
+_WRAPPED_GEMM = "RoutedGemm launches through the cuBLAS handle and alpha of the Gemm it wraps"
 
 # (module path under vt/, the expression as ast.unparse writes it) -> why it stays
 ALLOWED = {
@@ -48,21 +49,13 @@ ALLOWED = {
     ("backend/sim/backend.py", "stream._require_open"): _SIM_BACKEND,
     ("backend/sim/backend.py", "cap._graph"): _SIM_BACKEND,
     ("backend/sim/backend.py", "s._worker"): _SIM_BACKEND,
-    ("model/kernels/gemm.py", "self._gemm._handle"):
-        "RoutedGemm launches through the cuBLAS handle and alpha of the Gemm it wraps",
-    ("model/kernels/gemm.py", "self._gemm._alpha"):
-        "RoutedGemm launches through the cuBLAS handle and alpha of the Gemm it wraps",
+    ("model/kernels/gemm.py", "self._gemm._handle"): _WRAPPED_GEMM,
+    ("model/kernels/gemm.py", "self._gemm._alpha"): _WRAPPED_GEMM,
     ("model/kernels/gemm.py", "RoutedGemm._per_slot"):
         "the float64 reference beside RoutedGemm, in its module, reuses its slot helper",
     ("cli/bench/torch_ttft.py", "model.config._attn_implementation"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch.ops.aten._local_scalar_dense"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch._subclasses"): _THIRD_PARTY,
-    ("cli/bench/sampler.py", "from vt.cli.bench.run import _commit"):
-        "vt bench's commit stamp, shared by its result writers",
-    ("cli/bench/serve_run.py", "from vt.cli.bench.run import _commit"):
-        "vt bench's commit stamp, shared by its result writers",
-    ("cli/run.py", "from vt.cli.common import _what_to_do"):
-        "the CLI's shared hint for a failed run, used by vt run",
 }
 
 

@@ -155,7 +155,7 @@ def _drop_stdout() -> None:
         pass
 
 
-def _what_to_do(error: Exception, who: str) -> str:
+def what_to_do(error: Exception, who: str) -> str:
     """The end of a usage message: a VT_* variable named in the error is the thing to fix."""
     return "fix or unset the variable" if re.search(r"\bVT_\w+", str(error)) else f"see {who} --help"
 
@@ -183,7 +183,7 @@ def pick_backend(name: str, sim_delay_ms: float = 0.0, *, who: str = "vt"):
     try:
         return get_backend(name, **({"device_delay_s": sim_delay_ms / 1e3} if sim_delay_ms else {}))
     except ValueError as e:   # get_backend's own checks, made before it opens anything
-        raise UsageError(f"{who}: {e}; {_what_to_do(e, who)}") from None
+        raise UsageError(f"{who}: {e}; {what_to_do(e, who)}") from None
     except RuntimeError as e:
         if name == "cuda" and "cuda" not in available_backends():
             raise UsageError(f"{who}: {e}; run with --backend sim (or auto) here") from None

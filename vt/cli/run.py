@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from vt.cli.common import (OutputError, UsageError, _what_to_do, backend_name, build_model, check_output_path,  # noqa: F401
+from vt.cli.common import (OutputError, UsageError, what_to_do, backend_name, build_model, check_output_path,  # noqa: F401
                            pick_backend, pick_preset, random_prompts)
 
 # Printed to stderr by every run in the unguarded mode (it needs --unsafe-unguarded to start).
@@ -62,7 +62,7 @@ def _config(args: argparse.Namespace):
     try:
         return ExecutorConfig.from_env(**overrides), hooks_from_env()
     except ValueError as e:
-        raise UsageError(f"vt run: {e}; {_what_to_do(e, 'vt run')}") from None
+        raise UsageError(f"vt run: {e}; {what_to_do(e, 'vt run')}") from None
 
 
 def check_unsafe_opt_in(config, args: argparse.Namespace) -> None:

@@ -152,7 +152,7 @@ def run(args, progress_factory) -> dict:
     return dict(
         format="vt-bench/1", workload=args.workload, backend=be.name,
         device=str(info.get("device", "")), host=platform.node(), python=platform.python_version(),
-        vt_commit=_commit(), started=started,
+        vt_commit=vt_commit(), started=started,
         wall_s=time.perf_counter() - t0,
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
         vocab=args.vocab[0] if args.workload == "synthetic" else None,
@@ -180,7 +180,7 @@ def warm_up_device(be, seconds: float) -> None:
             stream.close()
 
 
-def _commit() -> str | None:
+def vt_commit() -> str | None:
     """VT_COMMIT when set (a copied tree's .git can lag its files), else git's HEAD."""
     import subprocess
     from pathlib import Path

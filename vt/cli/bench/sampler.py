@@ -133,9 +133,9 @@ def run(S_list, V_list, modes, seed: int = 0) -> dict:
     """The whole sweep as vt bench's result: the rows and what they ran on."""
     import torch
 
-    from vt.cli.bench.run import _commit
+    from vt.cli.bench.run import vt_commit
     rows = run_sampler_bench(S_list, V_list, modes, seed, log=lambda line: None)
-    return dict(workload="sampler", commit=_commit(), device=torch.cuda.get_device_name(),
+    return dict(workload="sampler", commit=vt_commit(), device=torch.cuda.get_device_name(),
                 torch=torch.__version__, calls_per_graph=CALLS, repeats=REPEATS, rows=rows)
 
 

@@ -85,15 +85,10 @@ def _serve_model(be, name: str, conc: int, context: int, seed: int):
     beside them), so its tokens are not compared across modes."""
     from vt.cli.bench import torch_workload
     if name in torch_workload.PRESETS:
-        import gc
         cfg = torch_workload.model_config(name)
-        module, model = torch_workload.build(be, conc, context, seed, cfg=cfg)
-
-        def close() -> None:
-            nonlocal module, model
-            module = model = None
-            gc.collect()   # the next preset's weights need the memory
-        return name, cfg.vocab, model, close, False
+        _, model = torch_workload.build(be, conc, context, seed, cfg=cfg)
+        # Nothing to close: its tensors go when the last reference does (run_serve drops them).
+        return name, cfg.vocab, model, lambda: None, False
     from vt.cli.common import build_model, resolve_preset
     preset, cfg = resolve_preset(be, name, context, "vt bench")
     model = build_model(be, cfg, max_seqs=conc, context=context, seed=seed)
@@ -150,12 +145,15 @@ def run_serve(args, progress_factory) -> dict:
                     for eng in engines.values():
                         eng.close()
                     close_model()
+                    # The next preset's weights need the memory: no engine or name keeps this one.
+                    engines.clear()
+                    model = close_model = None
         info = be.info()
     finally:
         be.close()
     _compare(cells, compare_tokens=all(invariant))
-    from vt.cli.bench.run import _commit
-    return dict(format="vt-bench-serve/1", workload="serve", backend=be.name, vt_commit=_commit(),
+    from vt.cli.bench.run import vt_commit
+    return dict(format="vt-bench-serve/1", workload="serve", backend=be.name, vt_commit=vt_commit(),
                 device=str(info.get("device", "")), host=platform.node(),
                 python=platform.python_version(), started=started,
                 wall_s=time.perf_counter() - t0, presets=list(args.preset), modes=list(args.modes),

@@ -108,6 +108,7 @@ def run(args) -> dict:
 def _run_vt(be, cfg, dtype, args, out) -> None:
     import torch
 
+    from vt.cli.bench.torch_ttft import seeded_prompts
     from vt.cli.bench.torch_workload import TorchLlamaPeer
     from vt.engine import Engine
     from vt.knobs import ExecutorConfig
@@ -123,8 +124,8 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
     module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels)
     out["kernels"] = module.kernels
     out["weight_bytes"] = weight_bytes(module)
-    out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * _itemsize(dtype)
-    out["embed_row_bytes"] = cfg.hidden * _itemsize(dtype)
+    out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * dtype.itemsize
+    out["embed_row_bytes"] = cfg.hidden * dtype.itemsize
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
     config = ExecutorConfig.for_mode(args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
     peer_ok = be.name == "cuda" and not args.no_peer
@@ -135,7 +136,7 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
         for live in args.live:
             for S in rows:
                 tc = time.perf_counter()
-                prompts = _prompts(cfg.vocab, S, live - args.steps // 2, seed=S * 100003 + live)
+                prompts = seeded_prompts(cfg.vocab, S, live - args.steps // 2, S * 100003 + live)
                 _decode_tpot(eng, prompts, args.steps, args.prefill_chunk)   # warm
                 tpot = statistics.median(_decode_tpot(eng, prompts, args.steps, args.prefill_chunk)
                                          for _ in range(args.repeats))
@@ -225,7 +226,7 @@ def bandwidths() -> dict:
 
 def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
     """transformers' eager generate per --hf-rows and live context: TPOT (or why not)."""
-    from vt.cli.bench.torch_ttft import hf_generate_s, hf_llama
+    from vt.cli.bench.torch_ttft import hf_generate_s, hf_llama, seeded_prompts
     try:
         model, label = hf_llama(cfg, dtype, "cuda" if cuda else "cpu", args.max_context)
     except ImportError as exc:   # the peer is optional
@@ -234,7 +235,7 @@ def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
     out = dict(impl=label, cells=[])
     for live in args.live:
         for S in args.hf_rows:
-            ids = torch.tensor(_prompts(cfg.vocab, S, live - args.steps // 2, seed=live),
+            ids = torch.tensor(seeded_prompts(cfg.vocab, S, live - args.steps // 2, live),
                                device=model.device)
 
             generate_s = lambda tokens: hf_generate_s(model, ids, tokens)   # noqa: E731
@@ -245,16 +246,6 @@ def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
             print(f"  transformers S={S} live={live}: {1e3 * out['cells'][-1]['tpot_s']:.2f} ms",
                   flush=True)
     return out
-
-
-def _prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
-    import numpy as np
-    return np.random.default_rng(seed).integers(0, vocab, size=(n, length)).tolist()
-
-
-def _itemsize(dtype) -> int:
-    import torch
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def format_table(r: dict) -> str:

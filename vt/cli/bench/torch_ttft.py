@@ -101,14 +101,14 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < args.conc) + (args.conc,)
     config = ExecutorConfig.for_mode(args.mode, serving_conc=args.conc, capture_sizes=sizes)
-    prompts = _prompts(cfg.vocab, args.conc, args.prompt_len)
+    prompts = seeded_prompts(cfg.vocab, args.conc, args.prompt_len)
     new = args.context - args.prompt_len
     with Engine(be, model, config, max_prefill_tokens=args.conc * args.prompt_len) as eng:
         setup_s = time.perf_counter() - t0
         _first_tokens(eng, prompts)   # warm: every prompt shape once more, outside the timing
         single = {}
         for P in args.single:
-            one_prompt = _prompts(cfg.vocab, 1, P)
+            one_prompt = seeded_prompts(cfg.vocab, 1, P)
             _first_tokens(eng, one_prompt)   # warm: this prompt's shape
             single[str(P)] = statistics.median(_first_tokens(eng, one_prompt)[0]
                                                for _ in range(args.repeats))
@@ -183,11 +183,11 @@ def _run_peer(cfg, dtype, device, args) -> dict | str:
         return f"transformers does not import ({exc})"
     new = args.context - args.prompt_len
     generate_s = lambda ids, tokens: hf_generate_s(model, ids, tokens)   # noqa: E731
-    ids = torch.tensor(_prompts(cfg.vocab, args.conc, args.prompt_len), device=device)
+    ids = torch.tensor(seeded_prompts(cfg.vocab, args.conc, args.prompt_len), device=device)
     generate_s(ids[:1], 2), generate_s(ids, 2)   # warm-up
     single = {}
     for P in args.single:
-        one_ids = torch.tensor(_prompts(cfg.vocab, 1, P), device=device)
+        one_ids = torch.tensor(seeded_prompts(cfg.vocab, 1, P), device=device)
         generate_s(one_ids, 1)
         single[str(P)] = statistics.median(generate_s(one_ids, 1) for _ in range(args.repeats))
     many = statistics.median(generate_s(ids, 1) for _ in range(args.repeats))
@@ -212,9 +212,12 @@ def _gemm_tflops(m: int = 8192, k: int = 4096, n: int = 14336, reps: int = 20) -
     return 2 * m * k * n * reps / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
-def _prompts(vocab: int, n: int, length: int) -> list[list[int]]:
+def seeded_prompts(vocab: int, n: int, length: int, seed: int = 1) -> list[list[int]]:
+    """n random prompts of `length` tokens, the same for a seed (vt's run and its peer's)."""
     import numpy as np
-    return np.random.default_rng(1).integers(0, vocab, size=(n, length)).tolist()
+
+    from vt.cli.common import random_prompts
+    return random_prompts(np.random.default_rng(seed), vocab, n, length)
 
 
 def _sync(device) -> None:
