@@ -26,6 +26,7 @@ RANK = {
     "forward": 4,
     "torch": 4.5,             # vt.torch adapts torch forwards through ForwardModel
     "runner": 5,
+    "parallel": 5.5,          # tensor parallelism: wraps the runner, the engine composes it
     "engine": 6,
     "serve": 6.5,             # vt serve's HTTP front end over the engine (and vt.torch models)
     "cli": 7,

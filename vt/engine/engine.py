@@ -37,6 +37,7 @@ from vt.engine.call import GenerateCall
 from vt.engine.handle import RequestHandle, TokenStream
 from vt.engine.requests import RequestResult
 from vt.runner.runner import Runner
+from vt.validate import integer
 from vt.engine.serving import ServingLoop
 from vt.engine.progress import Progress
 from vt.engine.submit import check_one_request, make_requests
@@ -59,12 +60,30 @@ class Engine:
 
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
                  record_logits: bool = False, max_prefill_tokens: int | None = None,
-                 profile: bool = False, hooks: ExecutorHooks | None = None):
+                 profile: bool = False, hooks: ExecutorHooks | None = None,
+                 tensor_parallel: int = 1):
         check_engine_args(backend, config, record_logits, max_prefill_tokens, profile)
         self.be = backend
         if hooks is None:
             hooks = hooks_from_env() if config is None else NULL_HOOKS
         self.config = config if config is not None else ExecutorConfig.from_env()
+        group = None
+        if integer("Engine: tensor_parallel", tensor_parallel, 1) > 1:
+            # model_or_forward is build(backend, tp): every rank builds its own shard
+            from vt.parallel import RankGroup
+            group = RankGroup(backend, model_or_forward, tensor_parallel, config=self.config,
+                              hooks=hooks)
+            model_or_forward = group.model
+        try:
+            self._construct(backend, model_or_forward, group, hooks, record_logits,
+                            max_prefill_tokens, profile)
+        except BaseException:
+            if group is not None:
+                group.stop("rank 0's Engine failed while starting")
+            raise
+
+    def _construct(self, backend, model_or_forward, group, hooks, record_logits,
+                   max_prefill_tokens, profile) -> None:
         self.model = as_step_model(backend, model_or_forward)
         geo = self.model.geometry
         if self.config.serving_conc > geo.max_seqs:
@@ -80,8 +99,12 @@ class Engine:
                                       max_prefill_tokens or geo.max_context if chunked else
                                       max(geo.max_context, max_prefill_tokens or 0))
         self.record_logits = record_logits
-        self.runner = Runner(backend, self.model, self.config, hooks=hooks,
-                             record_logits=record_logits, profile=profile)
+        runner_args = dict(hooks=hooks, record_logits=record_logits, profile=profile)
+        if group is None:
+            self.runner = Runner(backend, self.model, self.config, **runner_args)
+        else:
+            from vt.parallel import RankZeroRunner
+            self.runner = RankZeroRunner(group, backend, self.model, self.config, **runner_args)
         self._model_key = model_key(self.model)
         try:
             with driving(self._model_key, "Engine(...)"):
@@ -106,6 +129,7 @@ class Engine:
         or a collection of ids (any of them ends the request). sampling: None (greedy) or a
         vt.SamplingParams. Thread-safe."""
         self._loop.check_open()
+        self.runner.check_usable()
         check_one_request(max_new_tokens, sampling)
         (req,) = make_requests([prompt], max_new_tokens, stop_token, sampling,
                                self.model.geometry, self.model.vocab, self._loop.kv_capacity)
@@ -147,6 +171,7 @@ class Engine:
         engine is closed meanwhile.
         """
         self._loop.check_open()
+        self.runner.check_usable()
         check_generate_args(prompts, progress)
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
                              self.model.vocab, self._loop.kv_capacity)
@@ -192,7 +217,7 @@ class Engine:
         that size (all padding if none ran yet). Call it while the engine is idle."""
         self._loop.check_open()
         with driving(self._model_key, "Engine.device_ceiling_us()"):
-            return self.runner.driver.ceiling_us(n, replays)
+            return self.runner.ceiling_us(n, replays)
 
     def close(self, *, finish: bool = False) -> str | None:
         """Stop serving and free the engine (idempotent). finish=False: requests queued or

@@ -108,16 +108,8 @@ class Runner:
         """Launch one step: a graph replay when its rows are decode-only and a captured size
         fits, else the eager path. Drains first unless the skip applies (its logits are a
         graph's view and the mode skips the drain: module docstring)."""
-        if self._closed:
-            raise ClosedError("Runner is closed")
+        self.check_launch(plan)
         n = plan.n
-        if n == 0:
-            raise ValueError("an empty step: nothing to decode or prefill")
-        if n > self.capacity:
-            raise ValueError(f"a step of {n} rows exceeds max_seqs={self.capacity}")
-        if len(self._inflight) >= 2:
-            raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
-                               f"not collected; collect the oldest before launching (depth 2)")
         prev = self._last
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
@@ -128,6 +120,24 @@ class Runner:
         self._inflight.append(handle)
         self._steps += 1
         return handle
+
+    def check_usable(self) -> None:
+        """Raise what makes this runner unable to take steps (a stopped tensor-parallel group:
+        vt/parallel/rank.py); a Runner has no such state."""
+
+    def check_launch(self, plan: StepPlan) -> None:
+        """What launch() refuses before it does anything: a closed runner, an empty or
+        oversize step, a third step in flight."""
+        if self._closed:
+            raise ClosedError("Runner is closed")
+        n = plan.n
+        if n == 0:
+            raise ValueError("an empty step: nothing to decode or prefill")
+        if n > self.capacity:
+            raise ValueError(f"a step of {n} rows exceeds max_seqs={self.capacity}")
+        if len(self._inflight) >= 2:
+            raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
+                               f"not collected; collect the oldest before launching (depth 2)")
 
     def _launch_graph(self, ring, plan: StepPlan) -> StepHandle:
         """Acquire the ring's next slot (its guard), write the rows into it, replay it."""
@@ -220,6 +230,11 @@ class Runner:
             st.token_wait_s += waited
 
     # -- recovery, measurement, teardown ------------------------------------------------
+    def ceiling_us(self, n: int, replays: int) -> float:
+        """µs per replay of the captured graph for n rows, back to back (Engine.device_ceiling_us)."""
+        self._check_open()
+        return self.driver.ceiling_us(n, replays)
+
     def abort(self) -> BaseException | None:
         """After a failure mid-run: wait for the stream, drop the steps in flight. Returns the
         device-side error the wait raised, if any (the sim reports a failed op this way)."""

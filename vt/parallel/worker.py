@@ -1,0 +1,108 @@
+"""A worker rank: build the shard, then make every runner call rank 0 makes, in its order.
+
+worker_main runs in a process RankGroup spawned. It joins torch.distributed's group, builds
+the rank's model with the user's build(backend, tp), makes a Runner with the engine's
+config and hooks, and reports "ready" through its status pipe. Then it replays rank 0's
+runner calls (vt/parallel/wire.py) until CLOSE, STOP, or rank 0's end. Any exception is
+sent to rank 0 as ("error", message) before the process exits with code 1: rank 0's
+monitor turns it into the group's failure (vt/parallel/group.py).
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from collections import deque
+
+import numpy as np
+
+import vt.parallel.wire as wire
+from vt.parallel.channel import Broadcast
+from vt.parallel.errors import RanksDivergedError
+
+
+def worker_main(spec) -> None:
+    os.environ.update(spec.env)   # before anything initializes CUDA
+    status = spec.status
+    try:
+        status.send(("started",))
+        _serve(spec, status)
+    except BaseException as exc:   # noqa: BLE001 (reported to rank 0, then the process ends)
+        detail = traceback.format_exc(limit=8)
+        try:
+            status.send(("error", f"tensor-parallel rank {spec.rank} failed: "
+                                  f"{type(exc).__name__}: {exc}\n{detail}"))
+        except OSError:
+            pass
+        os._exit(1)
+
+
+def _serve(spec, status) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from vt.backend import get_backend
+    from vt.forward.adapt import as_step_model
+    from vt.parallel.communicator import warm_communicator
+    from vt.runner.runner import Runner
+    from vt.torch.tensor_parallel import TensorParallel
+
+    if spec.backend == "sim":   # the ranks share the host's cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.size))
+    dist.init_process_group(spec.dist_backend, init_method=spec.init_method, rank=spec.rank,
+                            world_size=spec.size,
+                            timeout=timedelta(seconds=spec.collective_timeout_s))
+    be = get_backend(spec.backend)
+    warm_communicator(be)
+    model = as_step_model(be, spec.build(be, TensorParallel(spec.rank, spec.size)))
+    runner = Runner(be, model, spec.config, hooks=spec.hooks)
+    channel = Broadcast.attach(spec.channel, spec.size - 1, spec.rank - 1)
+    try:
+        status.send(("ready",))
+        be.bind_thread()
+        replay(runner, channel, model.geometry.max_blocks,
+               alive=lambda: os.getppid() == spec.parent_pid,
+               spin_s=2e-4 if spec.backend == "cuda" else 0.0)
+    finally:
+        try:
+            runner.close()
+        finally:
+            channel.detach()
+            dist.destroy_process_group()
+
+
+def replay(runner, channel: Broadcast, max_blocks: int, *, alive, spin_s: float) -> str:
+    """Make rank 0's runner calls on `runner` until CLOSE ("closed"), STOP ("stopped") or
+    the channel's end ("closed"). A COLLECT whose tokens differ from this rank's raises
+    RanksDivergedError."""
+    rows = wire.MirrorRows(runner.capacity, max_blocks)
+    inflight: deque = deque()
+    while True:
+        message = channel.receive(alive=alive, spin_s=spin_s)
+        if message is None:
+            return "closed"
+        op, _, n, value = wire.header(message)
+        if op == wire.LAUNCH:
+            inflight.append(runner.launch(wire.decode_launch(message, rows)))
+        elif op == wire.COLLECT:
+            handle = inflight.popleft()
+            tokens = runner.collect(handle)
+            expected = np.frombuffer(wire.body(message), np.int32)
+            if not np.array_equal(tokens, expected):
+                raise RanksDivergedError(f"step {handle.index}: this rank sampled "
+                                         f"{tokens.tolist()[:8]}..., rank 0 "
+                                         f"{expected.tolist()[:8]}...")
+        elif op == wire.CAPTURE:
+            runner.capture()
+        elif op == wire.WARM_UP:
+            runner.warm_up(value)
+        elif op == wire.CEILING:
+            runner.ceiling_us(n, value)
+        elif op == wire.STOP:
+            runner.abort()
+            return "stopped"
+        elif op == wire.CLOSE:
+            return "closed"
+        else:
+            raise ValueError(f"unknown runner call {op} from rank 0")
