@@ -23,12 +23,9 @@ import time
 import numpy as np
 import pytest
 
-from tool_loader import load_tool
+from tools import fuzz, fuzz_faults as faults
 from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
 from vt.forward.toy import ToyForward
-
-faults = load_tool("fuzz_faults")
-fuzz = load_tool("fuzz")
 
 GEO = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
 VOCAB = 64
