@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_step import warmed_step                                       # noqa: E402
+from tools.bench_step import warmed_step                                 # noqa: E402
 from vt.backend import get_backend                                       # noqa: E402
 from vt.model import PRESETS, HybridModel, init_weights, upload_decode_inputs   # noqa: E402
 from vt.model.kernels._common import to_storage                         # noqa: E402

@@ -415,8 +415,7 @@ def _count_mismatches(m: dict, mms: list[dict]) -> None:
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--faults" in argv:   # the fault fuzz has its own options (tools/fuzz_faults.py)
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import fuzz_faults
+        from tools import fuzz_faults
         return fuzz_faults.main([a for a in argv if a != "--faults"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

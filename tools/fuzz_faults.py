@@ -43,8 +43,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # tools/fuzz.py beside it
-import fuzz as base  # noqa: E402
+from tools import fuzz as base  # noqa: E402
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
 from vt.forward.toy import ToyForward  # noqa: E402

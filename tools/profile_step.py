@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # bench_step, next to this file
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt, from a checkout
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # vt and tools, from a checkout
 
-from bench_step import bench_inputs, copy_bandwidth            # noqa: E402
+from tools.bench_step import bench_inputs, copy_bandwidth      # noqa: E402
 from vt.backend import get_backend                             # noqa: E402
 from vt.backend.timing import timed_ms                            # noqa: E402
 from vt.graphs import capture_warmed                              # noqa: E402

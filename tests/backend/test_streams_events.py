@@ -172,10 +172,15 @@ def test_dropped_handles_are_collected(backend):
     gc.collect()
     assert [name for name, r in refs.items() if r() is not None] == []
     backend.synchronize()
-    s2 = backend.stream()   # new handles after the releases
+    s2 = backend.stream()   # new handles after the releases compute what they should
+    x, out = backend.pinned_empty((N,), np.float32), backend.pinned_empty((N,), np.float32)
+    x[:] = np.arange(N)
+    backend.copy_h2d(d, x, s2)
     backend.launch(s2, Axpb(), d, d, a=2.0, b=1.0)
+    backend.copy_d2h(out, d, s2)
     s2.synchronize()
     s2.close()
+    np.testing.assert_array_equal(out, 2.0 * np.arange(N, dtype=np.float32) + 1.0)
 
 
 def test_info_names_the_backend(backend):

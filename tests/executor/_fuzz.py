@@ -4,10 +4,8 @@ backed by hypothesis, so hypothesis draws (and shrinks) the same distribution of
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
-from tool_loader import load_tool
+from tools import fuzz as harness
 from vt import env
-
-harness = load_tool("fuzz")
 
 Case, run_case, numpy_case, UNSAFE = harness.Case, harness.run_case, harness.numpy_case, harness.UNSAFE
 SIM_DELAYS = (0.0, 0.0, 1e-4, 3e-4)

@@ -21,7 +21,7 @@ from vt.knobs import ExecutorConfig
 from vt.model import PRESETS, HybridModel
 from vt.step import GREEDY, SamplingParams
 
-from ._util import preset_weights
+from engine_runs import preset_weights
 
 BATCH_MODES = ("sync", "drain", "ring", "staged")
 MAX_SEQS = 16

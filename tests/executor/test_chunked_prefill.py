@@ -19,7 +19,7 @@ from vt.knobs import ExecutorConfig
 from vt.model import PRESETS, HybridModel
 from vt.step import GREEDY, PrefillSeq, SamplingParams
 
-from ._util import mismatches, preset_weights
+from engine_runs import mismatches, preset_weights
 
 PRESET_IDS = ["tiny-dense", "tiny-moe"]
 BUDGET = 7    # prompt tokens per step: every prompt longer than that comes in chunks

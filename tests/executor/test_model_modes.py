@@ -8,7 +8,7 @@ from vt.knobs import ExecutorConfig
 from vt.model import PRESETS, HybridModel
 from vt.testing import NULL_HOOKS, Poison, with_device_work
 
-from ._util import mismatches, preset_weights
+from engine_runs import mismatches, preset_weights
 
 DEVICE_WORK_S = 0.002
 

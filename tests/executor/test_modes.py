@@ -12,7 +12,7 @@ from vt.forward.toy import ToyForward
 from vt.knobs import ExecutorConfig
 from vt.testing import Poison
 
-from ._util import VOCAB, mismatches, run_toy, undelayed_reference, workload
+from engine_runs import VOCAB, mismatches, run_toy, undelayed_reference, workload
 
 DEVICE_WORK_S = 0.002
 

@@ -12,7 +12,7 @@ from vt.forward.hybrid import HybridStepModel, prefill_graphs_default
 from vt.knobs import ExecutorConfig
 from vt.model import PRESETS, HybridModel
 
-from ._util import mismatches, preset_weights
+from engine_runs import mismatches, preset_weights
 from .test_chunked_prefill import _requests
 
 

@@ -12,7 +12,7 @@ from vt.forward.toy import ToyForward
 from vt.knobs import ExecutorConfig
 from vt.runner.timers import NULL_TIMER, SampledTimer, TracingTimer
 
-from ._util import VOCAB, mismatches, run_toy, workload
+from engine_runs import VOCAB, mismatches, run_toy, workload
 
 
 def _engine(be, **kw):

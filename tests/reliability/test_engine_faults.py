@@ -23,12 +23,9 @@ import time
 import numpy as np
 import pytest
 
-from tool_loader import load_tool
+from tools import fuzz, fuzz_faults as faults
 from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
 from vt.forward.toy import ToyForward
-
-faults = load_tool("fuzz_faults")
-fuzz = load_tool("fuzz")
 
 GEO = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
 VOCAB = 64
@@ -92,7 +89,7 @@ def test_after_a_failed_step_a_new_request_streams_only_its_own_tokens(sim_backe
 def test_nan_on_a_last_token_fails_that_request_and_serves_the_next_in_its_row(backend, mode):
     """R1's last token comes from NaN logits and R2 takes R1's row next (one row serves; at
     depth 2, before R1's last token is stored): R1 ends "error" with the tokens before it,
-    R2 is served whole. Twelve such pairs (the depth-1 run: tests/executor/test_error_rows)."""
+    R2 is served whole. Twelve such pairs (the depth-1 run: tests/engine/test_error_rows)."""
     with _count_up_engine(backend, mode, nan_token=4, serving_conc=1) as eng:
         res = eng.generate([[1], [10]] * 12, max_new_tokens=4)
     for k in range(0, len(res), 2):

@@ -157,7 +157,7 @@ def test_engine_serves_a_tiny_temperature_as_greedy(sim_backend):
     from vt.knobs import ExecutorConfig
     from vt.model import PRESETS, HybridModel
 
-    from tests.executor._util import preset_weights
+    from engine_runs import preset_weights
 
     cfg = PRESETS["tiny-dense"]
     rng = np.random.default_rng(5)

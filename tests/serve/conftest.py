@@ -12,7 +12,7 @@ for _mod, _why in (("fastapi", "vt serve needs FastAPI (pip install 'vt[serve]')
                    ("prometheus_client", "/metrics is parsed with prometheus_client")):
     pytest.importorskip(_mod, reason=_why)
 
-from tool_loader import load_tool  # noqa: E402
+from tools import tiny_checkpoint  # noqa: E402
 
 from ._live import spawn_server, stop_server  # noqa: E402
 
@@ -23,7 +23,7 @@ SERVER_FLAGS = ["--backend", "sim", "--max-context", str(CONTEXT), "--block-size
 
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
-    return load_tool("tiny_checkpoint").build(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+    return tiny_checkpoint.build(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
 @pytest.fixture(scope="session")

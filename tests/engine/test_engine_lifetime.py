@@ -37,7 +37,7 @@ from vt.engine.errors import EngineBusyError
 from vt.forward.user import ForwardModel, KVGeometry
 from vt.forward.toy import ToyForward
 
-from ._util import VOCAB, workload
+from engine_runs import VOCAB, workload
 
 CONFIG = ExecutorConfig(mode="ring", serving_conc=4, capture_sizes=(1, 2, 4))
 

@@ -4,13 +4,10 @@ import json
 
 import numpy as np
 
+from tools import bench
 from vt.backend import get_backend
 from vt.cli.bench.measure import make_engine, run_vt
 from vt.model import PRESETS, HybridModel, init_weights
-
-from tool_loader import load_tool
-
-bench = load_tool("bench")
 
 
 def test_tools_bench_is_vt_bench(tmp_path):

@@ -21,7 +21,7 @@ from vt.step.contract import SamplingParams
 from vt.forward.user import ForwardModel, KVGeometry
 from vt.forward.toy import ToyForward
 
-from ._util import mismatches
+from engine_runs import mismatches
 
 VOCAB = 64
 GEO = KVGeometry(max_seqs=8, num_kv_blocks=40, block_size=4, max_context=32)

@@ -5,11 +5,8 @@ uses it too); CI runs a short soak, `--run-slow` / VT_SLOW=1 the 10,000-step one
 
 import pytest
 
+from tools import soak as soak_tool
 from vt.backend import get_backend
-
-from tool_loader import load_tool
-
-soak_tool = load_tool("soak")
 
 
 def _soak(steps, mode, **kw):

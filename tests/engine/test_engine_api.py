@@ -11,7 +11,7 @@ from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestT
 from vt.forward.user import KVGeometry
 from vt.forward.toy import ToyForward
 
-from ._util import run_toy, workload
+from engine_runs import run_toy, workload
 
 
 def _engine(be, profile=False, **cfg):

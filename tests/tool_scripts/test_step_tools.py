@@ -2,7 +2,8 @@
 sim at toy sizes, through the one replay timer (vt.backend.timing)."""
 import json
 
-from tool_loader import load_tool
+from tools import bench_step, profile_prefill, profile_step, sampler_ablation
+
 
 def _small_copy(monkeypatch, mod):
     orig = mod.copy_bandwidth   # not 1 GiB on the CPU
@@ -10,7 +11,6 @@ def _small_copy(monkeypatch, mod):
 
 
 def test_bench_step_on_the_sim(tmp_path, capsys, monkeypatch):
-    bench_step = load_tool("bench_step")
     _small_copy(monkeypatch, bench_step)
     out = tmp_path / "rows.json"
     bench_step.main(["--backend", "sim", "--preset", "tiny-dense", "--batch", "1", "2",
@@ -21,7 +21,6 @@ def test_bench_step_on_the_sim(tmp_path, capsys, monkeypatch):
 
 
 def test_profile_step_on_the_sim(capsys, monkeypatch):
-    profile_step = load_tool("profile_step")
     _small_copy(monkeypatch, profile_step)
     monkeypatch.setattr(profile_step, "_L2_BYTES", 1 << 16)
     profile_step.main(["--backend", "sim", "--preset", "tiny-dense", "--batch", "2",
@@ -33,7 +32,6 @@ def test_profile_step_on_the_sim(capsys, monkeypatch):
 def test_profile_prefill_on_the_sim(tmp_path):
     """Each (seqs, prompt length) prefills eagerly and from a captured graph, with no driver
     malloc during the capture (the fixture counts them), and reports all three times."""
-    profile_prefill = load_tool("profile_prefill")
     out = tmp_path / "prefill.json"
     assert profile_prefill.main(["--backend", "sim", "--preset", "tiny-dense", "--max-seqs", "4",
                                  "--seqs", "1", "2", "--prompt-len", "5", "--iters", "2",
@@ -46,6 +44,5 @@ def test_profile_prefill_on_the_sim(tmp_path):
 def test_sampler_ablation_edits_still_match_the_kernel(capsys):
     """Each variant of tools/sampler_ablation.py edits the kernel source text exactly once: a
     kernel change that moves a stage fails here, not on the GPU by timing the wrong thing."""
-    tool = load_tool("sampler_ablation")
-    assert tool.main(["--check"]) == 0
-    assert f"{len(tool.VARIANTS)} variants apply" in capsys.readouterr().out
+    assert sampler_ablation.main(["--check"]) == 0
+    assert f"{len(sampler_ablation.VARIANTS)} variants apply" in capsys.readouterr().out

@@ -1,4 +1,5 @@
-"""Shared helpers: a seeded workload and one engine run on the toy forward."""
+"""Helpers the engine, executor and reliability tests share: a seeded workload, one engine
+run on the toy forward, the bundled presets' weights, and how many results differ."""
 import numpy as np
 
 from vt.backend import get_backend
