@@ -34,6 +34,9 @@ from typing import Callable
 import numpy as np
 
 SLOTS = 64
+# How long a rank on a GPU spins for the next message before it sleeps: about a decode step,
+# so that a worker launches each step within microseconds of rank 0 (one core per rank).
+SPIN_S = 0.05
 SLOT_BYTES = 64 * 1024
 _HEAD_WORDS = 4          # seq, nbytes, last, pad
 _MAX_SLEEP_S = 1e-3

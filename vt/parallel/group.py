@@ -33,7 +33,7 @@ from datetime import timedelta
 from typing import Callable
 
 import vt.parallel.wire as wire
-from vt.parallel.channel import Broadcast, PeerLostError
+from vt.parallel.channel import SPIN_S, Broadcast, PeerLostError
 from vt.parallel.communicator import abort_communicators, warm_communicator
 from vt.parallel.errors import TensorParallelError
 from vt.parallel.worker import worker_main
@@ -116,7 +116,7 @@ class RankGroup:
         self.model = None
         self.failure: str | None = None
         self.dist_backend = "nccl" if backend.name == "cuda" else "gloo"
-        self.spin_s = 2e-4 if backend.name == "cuda" else 0.0
+        self.spin_s = SPIN_S if backend.name == "cuda" else 0.0
         self._procs: list = []
         self._status: list = []
         self._channel: Broadcast | None = None
@@ -282,7 +282,13 @@ class RankGroup:
             dist.destroy_process_group()
             self._dist_up = False
 
+    @property
+    def worker_pids(self) -> list[int]:
+        """The worker processes' ids, rank 1 first."""
+        return [p.pid for p in self._procs]
+
     def worker_exit_codes(self) -> list:
+        """Each worker's exit code, rank 1 first (None while it runs)."""
         return [p.exitcode for p in self._procs]
 
 

@@ -33,7 +33,7 @@ OP_NAMES = {CAPTURE: "capture", WARM_UP: "warm_up", LAUNCH: "launch", COLLECT: "
             CEILING: "ceiling", STOP: "stop", CLOSE: "close"}
 
 _HEAD = struct.Struct("<BBHIQ")          # op, flags, pad, n, value (an int argument)
-_HAS_ROWS, _STATIC, _HAS_PROMPTS = 1, 2, 4
+_HAS_ROWS, STATIC, _HAS_PROMPTS = 1, 2, 4   # LAUNCH's flags (STATIC: the rows changed)
 # The block's vectors that change only with the batch, in the order they travel.
 _STATIC_FIELDS = ("token_rows", "state_idx", "top_k", "temperature", "top_p", "min_p", "seed",
                   "block_tables")
@@ -85,7 +85,7 @@ class PlanEncoder:
             flags |= _HAS_ROWS
             filled = block.filled
             if filled is None or filled != self._sent:
-                flags |= _STATIC
+                flags |= STATIC
                 inp = block.inputs
                 parts += [getattr(inp, f)[:n].tobytes() for f in _STATIC_FIELDS]
                 self._sent = filled
@@ -113,7 +113,7 @@ class MirrorRows:
         """Take a LAUNCH's rows; returns the rest of the payload (the prompts)."""
         inp, at = self.block.inputs, 0
         self.n = n
-        if flags & _STATIC:
+        if flags & STATIC:
             for f in _STATIC_FIELDS:
                 dst = getattr(inp, f)[:n]
                 size = dst.nbytes

@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 
 import vt.parallel.wire as wire
-from vt.parallel.channel import Broadcast
+from vt.parallel.channel import SPIN_S, Broadcast
 from vt.parallel.errors import RanksDivergedError
 
 
@@ -63,7 +63,7 @@ def _serve(spec, status) -> None:
         be.bind_thread()
         replay(runner, channel, model.geometry.max_blocks,
                alive=lambda: os.getppid() == spec.parent_pid,
-               spin_s=2e-4 if spec.backend == "cuda" else 0.0)
+               spin_s=SPIN_S if spec.backend == "cuda" else 0.0)
     finally:
         try:
             runner.close()

@@ -1,0 +1,123 @@
+"""Engine(..., tensor_parallel=2) on the sim: two processes, gloo collectives inside every
+step's forward, rank 0's plans replayed by rank 1. Its tokens must equal the one-process
+model's in every mode (with the poison arm, and chunked prefill splitting the prompts), and
+a rank that fails or dies must stop the engine with a clear error within a bound."""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("this PyTorch build has no torch.distributed", allow_module_level=True)
+
+from ._models import VOCAB, build, build_failing_on_rank_1, reference  # noqa: E402
+from vt.backend import get_backend  # noqa: E402
+from vt.engine import Engine  # noqa: E402
+from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.parallel import TensorParallelError  # noqa: E402
+from vt.testing import Poison  # noqa: E402
+
+MAX_PREFILL = 8     # prompts of up to 19 tokens: most are split over steps
+
+
+def _prompts(seed=0, n=6):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, VOCAB, size=int(rng.integers(1, 20))).tolist() for _ in range(n)]
+
+
+def _config(mode):
+    return ExecutorConfig.for_mode(mode, serving_conc=4, capture_sizes=(1, 2, 4))
+
+
+@functools.lru_cache(maxsize=None)
+def _expected(new: int) -> list:
+    be = get_backend("sim")
+    with Engine(be, reference(be), _config("sync"), max_prefill_tokens=MAX_PREFILL) as eng:
+        return [list(map(int, r.tokens)) for r in eng.generate(_prompts(), max_new_tokens=new)]
+
+
+@pytest.mark.parametrize("mode", SAFE_MODES)
+def test_tokens_equal_one_process_in_every_mode_with_poison(mode):
+    be = get_backend("sim")
+    eng = Engine(be, build, _config(mode), max_prefill_tokens=MAX_PREFILL, hooks=Poison(),
+                 tensor_parallel=2)
+    try:
+        got = [list(map(int, r.tokens)) for r in eng.generate(_prompts(), max_new_tokens=10)]
+        st = eng.stats()
+        group = eng.runner.group
+    finally:
+        eng.close()
+    assert got == _expected(10)
+    # the step kinds the comparison covers: graphs, and prompts in chunks beside decodes
+    assert st["graph_steps"] > 0 and st["mixed_steps"] + st["prefill_steps"] > 0
+    assert group.worker_exit_codes() == [0]
+
+
+def test_a_killed_worker_stops_the_engine_within_30s():
+    be = get_backend("sim", device_delay_s=0.002)   # steps long enough to kill one midway
+    eng = Engine(be, build, _config("ring"), tensor_parallel=2)
+    try:
+        handle = eng.submit([1, 2, 3], max_new_tokens=40)
+        deadline = time.monotonic() + 30
+        while len(handle.snapshot()[0]) < 2:
+            assert time.monotonic() < deadline, "no token before the kill"
+            time.sleep(0.005)
+        (pid,) = eng.runner.group.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(Exception) as failure:
+            handle.result(timeout=30)
+        assert time.monotonic() - killed < 30
+        assert "rank 1" in str(failure.value) or "rank 1" in str(eng.runner.group.failure)
+        with pytest.raises(TensorParallelError, match="rank 1 .*died: killed by signal 9"):
+            eng.submit([1, 2], max_new_tokens=2)
+    finally:
+        t0 = time.monotonic()
+        eng.close()
+        assert time.monotonic() - t0 < 30
+
+
+def test_a_worker_killed_while_idle_is_reported_at_the_next_submit():
+    be = get_backend("sim")
+    eng = Engine(be, build, _config("drain"), tensor_parallel=2)
+    try:
+        assert eng.generate([[5, 6]], max_new_tokens=3)[0].finish_reason == "length"
+        (pid,) = eng.runner.group.worker_pids
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while eng.runner.group.failure is None:
+            assert time.monotonic() < deadline, "the monitor did not see the death"
+            time.sleep(0.01)
+        with pytest.raises(TensorParallelError, match="killed by signal 9"):
+            eng.generate([[5, 6]], max_new_tokens=3)
+    finally:
+        eng.close()
+
+
+def test_a_worker_that_fails_to_build_fails_the_engine_with_its_error():
+    be = get_backend("sim")
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError, match="rank 1 failed: RuntimeError: this rank "
+                                                  "cannot load its shard"):
+        Engine(be, build_failing_on_rank_1, _config("ring"), tensor_parallel=2)
+    assert time.monotonic() - t0 < 60
+    assert not dist.is_initialized()   # rank 0 left the process group it joined
+
+
+def test_the_builder_must_be_picklable():
+    be = get_backend("sim")
+    with pytest.raises(TypeError, match="build must be picklable"):
+        Engine(be, lambda be, tp: build(be, tp), _config("ring"), tensor_parallel=2)
+
+
+@pytest.mark.parametrize("value, error", [(0, ValueError), (True, TypeError), (1.5, TypeError)])
+def test_tensor_parallel_is_a_positive_int(value, error):
+    with pytest.raises(error, match="tensor_parallel"):
+        Engine(get_backend("sim"), build, _config("ring"), tensor_parallel=value)
