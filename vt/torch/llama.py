@@ -171,10 +171,11 @@ class LlamaDecoder(nn.Module):
     (their qkv rows and o columns, their KV cache), intermediate / size of the MLP, and
     vocab / size rows of the head (vocab padded up to a multiple of size with zero rows);
     the norms, the row-parallel layers' biases and the embedding are replicated (the
-    vocab-parallel embedding would add a masked lookup and an all-reduce per step for
-    memory a decoder of this size does not need back). o and down are summed over the ranks
-    (TensorParallel.row_parallel), the logits gathered (TensorParallel.all_gather): every
-    rank's logits_out is the same, bit for bit. shard_state_dict makes a rank's weights."""
+    embedding: the simplest; a vocab-parallel one would save (size - 1) / size of its
+    vocab * hidden per rank at the cost of a masked lookup and an all-reduce per step).
+    o and down are summed over the ranks (TensorParallel.row_parallel), the logits
+    gathered (TensorParallel.all_gather): every rank's logits_out is the same, bit for bit.
+    shard_state_dict makes a rank's weights."""
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", tp: TensorParallel | None = None):
