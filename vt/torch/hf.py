@@ -18,15 +18,20 @@ import torch
 
 from vt.step import KVGeometry
 from vt.torch.hfconfig import FAMILIES, config_from_hf, read_config  # noqa: F401 (re-exported)
-from vt.torch.llama import LlamaConfig, LlamaDecoder
+from vt.torch.llama import LlamaConfig, LlamaDecoder, shard_state_dict
+from vt.torch.tensor_parallel import TensorParallel
 
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
-def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None) -> LlamaDecoder:
+def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
+         tp: TensorParallel | None = None) -> LlamaDecoder:
     """A LlamaDecoder with the checkpoint's weights, its KV cache sized for `geometry`.
     device: where its tensors go; by default the device of the backend vt.backend.get_backend()
-    picks here (cuda when a GPU is usable, else cpu: the sim's)."""
+    picks here (cuda when a GPU is usable, else cpu: the sim's). tp: rank tp.rank's shard
+    of a tensor-parallel decoder (vt.torch.llama.shard_state_dict); the files are read
+    whole on the host and sliced there, so each rank needs host memory for the full
+    checkpoint while it loads, and device memory for its shard only."""
     path = Path(path)
     cfg = read_config(path)
     files = _read_safetensors(path)
@@ -35,8 +40,11 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None) -> Ll
         if EMBED not in files:   # transformers ties the missing one to the one present
             files[EMBED] = files[HEAD]
     model = LlamaDecoder(cfg, geometry, dtype=dtype, device=default_device() if device is None
-                         else device)
-    model.load_state_dict(_to_vt_names(cfg, files, path), strict=True)
+                         else device, tp=tp)
+    state = _to_vt_names(cfg, files, path)
+    if tp is not None:
+        state = shard_state_dict(state, cfg, tp)
+    model.load_state_dict(state, strict=True)
     return model
 
 

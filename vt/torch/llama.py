@@ -24,10 +24,15 @@ and rope_and_cache unless qk_norm, whose norm sits between the projection and Ro
 a captured (fake-tensor) step refuses it. Steps with prompt tokens use the torch ops always. A step with prompt tokens runs eagerly: serve the decoder with
 TorchForwardModel(..., prefill="flat") so that a prompt chunk, or a whole mixed step, is one
 call. vt.torch.hf loads Hugging Face checkpoints into it.
+
+With `tp` (a vt.torch.tensor_parallel.TensorParallel of more than one rank) each rank holds
+its share of the heads, the KV cache, the MLP and the head; `o` and `down` end in an
+all-reduce and the logits in an all-gather (LlamaDecoder's docstring; docs/torch.md).
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +42,7 @@ from torch import nn
 from vt.step import KVGeometry
 from vt.torch import fused
 from vt.torch.attention import AttentionContext, attend, build_context
+from vt.torch.tensor_parallel import TensorParallel
 from vt.torch.views import TorchInputs
 from vt.validate import integer
 
@@ -85,30 +91,32 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
-        self.cfg = cfg
-        q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.cfg, self.tp = cfg, tp
+        # This rank's heads: qkv is column-parallel (its heads' rows), o row-parallel.
+        self.heads, self.kv_heads = tp.local(cfg.heads, "heads"), tp.local(cfg.kv_heads, "kv_heads")
+        q, kv = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden, q + 2 * kv, bias=cfg.qkv_bias)   # fused q, k, v
         self.o = nn.Linear(q, cfg.hidden, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
     def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
-        c = self.cfg
+        hd, heads, kv_heads = self.cfg.head_dim, self.heads, self.kv_heads
         T = x.shape[0]
         p = ctx.paged
         if p is not None and self.q_norm is None:
             # RoPE and the paged KV write in one pass over the fused projection.
             q = fused.rope_and_cache(self.qkv(x), p.positions, p.cos_table, p.sin_table,
-                                     k_cache, v_cache, ctx.slot_mapping, heads=c.heads,
-                                     kv_heads=c.kv_heads, head_dim=c.head_dim)
-            return self.o(attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1))
-        q, k, v = self.qkv(x).split([c.heads * c.head_dim, c.kv_heads * c.head_dim,
-                                     c.kv_heads * c.head_dim], dim=-1)
-        q = q.view(T, c.heads, c.head_dim)
-        k = k.view(T, c.kv_heads, c.head_dim)
-        v = v.view(T, c.kv_heads, c.head_dim)
+                                     k_cache, v_cache, ctx.slot_mapping, heads=heads,
+                                     kv_heads=kv_heads, head_dim=hd)
+            out = attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1)
+            return self.tp.row_parallel(self.o, out)
+        q, k, v = self.qkv(x).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        q = q.view(T, heads, hd)
+        k = k.view(T, kv_heads, hd)
+        v = v.view(T, kv_heads, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, ctx.cos, ctx.sin), rope(k, ctx.cos, ctx.sin)
@@ -116,29 +124,33 @@ class Attention(nn.Module):
         # scratch block), before attention, which reads the cache.
         k_cache.index_copy_(0, ctx.slot_mapping, k)
         v_cache.index_copy_(0, ctx.slot_mapping, v)
-        return self.o(attend(q, k, v, k_cache, v_cache, ctx).reshape(T, c.heads * c.head_dim))
+        out = attend(q, k, v, k_cache, v_cache, ctx).reshape(T, heads * hd)
+        return self.tp.row_parallel(self.o, out)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
-        self.gate_up = nn.Linear(cfg.hidden, 2 * cfg.intermediate, bias=cfg.mlp_bias)   # fused
-        self.down = nn.Linear(cfg.intermediate, cfg.hidden, bias=cfg.mlp_bias)
+        self.tp = tp
+        # This rank's share of the intermediate: gate_up column-parallel, down row-parallel.
+        inter = tp.local(cfg.intermediate, "intermediate")
+        self.gate_up = nn.Linear(cfg.hidden, 2 * inter, bias=cfg.mlp_bias)   # fused [gate | up]
+        self.down = nn.Linear(inter, cfg.hidden, bias=cfg.mlp_bias)
 
     def forward(self, x, fused_ops: bool = False):
         if fused_ops:
-            return self.down(fused.silu_mul(self.gate_up(x)))
+            return self.tp.row_parallel(self.down, fused.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.tp.row_parallel(self.down, F.silu(gate) * up)
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, tp)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
         if ctx.paged is not None:   # a decode step on vt's kernels
@@ -152,22 +164,38 @@ class Layer(nn.Module):
 
 class LlamaDecoder(nn.Module):
     """The decoder and its paged KV cache ([num_kv_blocks * block_size, kv_heads, head_dim] per
-    layer, K and V) for a vt geometry. Call it as vt's forward(inputs, logits_out)."""
+    layer, K and V) for a vt geometry. Call it as vt's forward(inputs, logits_out).
+
+    tp: rank tp.rank of a tensor-parallel group (vt.torch.tensor_parallel; None: one rank,
+    no collective). Each rank holds heads / size query heads and kv_heads / size KV heads
+    (their qkv rows and o columns, their KV cache), intermediate / size of the MLP, and
+    vocab / size rows of the head (vocab padded up to a multiple of size with zero rows);
+    the norms, the row-parallel layers' biases and the embedding are replicated (the
+    embedding: the simplest; a vocab-parallel one would save (size - 1) / size of its
+    vocab * hidden per rank at the cost of a masked lookup and an all-reduce per step).
+    o and down are summed over the ranks (TensorParallel.row_parallel), the logits
+    gathered (TensorParallel.all_gather): every rank's logits_out is the same, bit for bit.
+    shard_state_dict makes a rank's weights."""
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
-                 device="cuda", kernels: str = "auto"):
+                 device="cuda", kernels: str = "auto", tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = TensorParallel(0, 1) if tp is None else tp
+        check_tensor_parallel(cfg, self.tp)
         self.cfg, self.geometry = cfg, geometry
         self.kernels = decode_kernels(kernels, torch.device(device), cfg.head_dim)
         factory = dict(dtype=dtype, device=device)
-        self.embed = nn.Embedding(cfg.vocab, cfg.hidden, **factory)
+        self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
+        # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
+        rows = self.vocab_shard * self.tp.size if cfg.tie_embeddings else cfg.vocab
+        self.embed = nn.Embedding(rows, cfg.hidden, **factory)
         with torch.device(device):
-            self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.layers)).to(dtype)
+            self.layers = nn.ModuleList(Layer(cfg, self.tp) for _ in range(cfg.layers)).to(dtype)
             self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
-            self.lm_head = None if cfg.tie_embeddings else nn.Linear(cfg.hidden, cfg.vocab, bias=False,
-                                                                     **factory)
+            self.lm_head = None if cfg.tie_embeddings else nn.Linear(
+                cfg.hidden, self.vocab_shard, bias=False, **factory)
         slots = geometry.num_kv_blocks * geometry.block_size
-        kv = (cfg.layers, slots, cfg.kv_heads, cfg.head_dim)
+        kv = (cfg.layers, slots, self.tp.local(cfg.kv_heads, "kv_heads"), cfg.head_dim)
         self.register_buffer("k_cache", torch.zeros(kv, **factory), persistent=False)
         self.register_buffer("v_cache", torch.zeros(kv, **factory), persistent=False)
         cos, sin = rope_table(cfg, geometry.max_context)
@@ -193,8 +221,82 @@ class LlamaDecoder(nn.Module):
         if not inputs.is_decode:   # a decode step's tokens are its sequences
             x = x[inputs.logits_indices.long()]
         x = self.norm(x)
-        head = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        logits_out.copy_(F.linear(x, head))
+        logits = F.linear(x, self.head_weight())   # [B, vocab_shard]: this rank's vocab shard
+        # The vocab-parallel head: the ranks' shards side by side, the padding dropped.
+        logits_out.copy_(self.tp.all_gather(logits, dim=-1)[:, :self.cfg.vocab])
+
+    def head_weight(self) -> torch.Tensor:
+        """[vocab_shard, hidden]: lm_head's, or (tied) the embedding's rows of this shard."""
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        return self.embed.weight[self.tp.shard(self.embed.weight.shape[0], "vocab")]
+
+
+def check_tensor_parallel(cfg: LlamaConfig, tp: TensorParallel) -> None:
+    """ValueError, naming the count, if tp.size does not divide the heads, the KV heads or
+    the intermediate size (each rank holds an equal share of each)."""
+    for name in ("heads", "kv_heads", "intermediate"):
+        try:
+            tp.local(getattr(cfg, name), f"LlamaConfig.{name}")
+        except ValueError as exc:
+            raise ValueError(f"LlamaDecoder: {exc}") from None
+
+
+def vocab_shard(cfg: LlamaConfig, tp: TensorParallel) -> int:
+    """Rows of the head per rank: vocab / size, rounded up (the last ranks' tail is padding)."""
+    return -(-cfg.vocab // tp.size)
+
+
+# A layer's parameters that every rank holds whole: the norms (Qwen3's q_norm and k_norm
+# too) and the row-parallel layers' biases, added once after the reduce.
+_REPLICATED = frozenset({"attn_norm.weight", "mlp_norm.weight", "attn.q_norm.weight",
+                         "attn.k_norm.weight", "attn.o.bias", "mlp.down.bias"})
+
+
+def shard_state_dict(state_dict: dict, cfg: LlamaConfig, tp: TensorParallel) -> dict:
+    """A full (one-rank) LlamaDecoder state dict to rank tp.rank's: qkv's rows of its heads
+    ([its q heads | its k heads | its v heads], bias likewise), o's columns of its heads,
+    gate_up's rows of its share of gate and of up, down's columns of that share, lm_head's
+    rows of its vocab shard (zero rows past vocab); the rest whole (a tied embedding padded
+    with zero rows to vocab_shard * size). The tensors may be views of the given ones."""
+    check_tensor_parallel(cfg, tp)
+    hd, q, kv = cfg.head_dim, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    heads, kv_heads = tp.shard(cfg.heads, "heads"), tp.shard(cfg.kv_heads, "kv_heads")
+    inter = tp.shard(cfg.intermediate, "intermediate")
+    rows = vocab_shard(cfg, tp)
+
+    def per_head(s: slice) -> slice:
+        return slice(s.start * hd, s.stop * hd)
+
+    def qkv(t):
+        tq, tk, tv = t.split([q, kv, kv])
+        return torch.cat([tq[per_head(heads)], tk[per_head(kv_heads)], tv[per_head(kv_heads)]])
+
+    def gate_up(t):
+        gate, up = t.chunk(2)
+        return torch.cat([gate[inter], up[inter]])
+
+    def padded_vocab(t):   # [vocab, hidden] -> [rows * size, hidden], zero rows past vocab
+        return F.pad(t, (0, 0, 0, rows * tp.size - t.shape[0]))
+
+    layer_rules = {"attn.qkv.weight": qkv, "attn.qkv.bias": qkv,
+                   "attn.o.weight": lambda t: t[:, per_head(heads)],
+                   "mlp.gate_up.weight": gate_up, "mlp.gate_up.bias": gate_up,
+                   "mlp.down.weight": lambda t: t[:, inter]}
+    out = {}
+    for name, t in state_dict.items():
+        layer = re.fullmatch(r"layers\.\d+\.(.+)", name)
+        if layer is not None and layer[1] in layer_rules:
+            out[name] = layer_rules[layer[1]](t)
+        elif layer is not None and layer[1] in _REPLICATED or name == "norm.weight":
+            out[name] = t
+        elif name == "lm_head.weight":
+            out[name] = padded_vocab(t)[rows * tp.rank:rows * (tp.rank + 1)]
+        elif name == "embed.weight":
+            out[name] = padded_vocab(t) if cfg.tie_embeddings else t
+        else:
+            raise ValueError(f"shard_state_dict: {name!r} is not a LlamaDecoder parameter")
+    return out
 
 
 def decode_kernels(kernels: str, device: torch.device, head_dim: int) -> str:
