@@ -39,6 +39,9 @@ def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache (auto: bfloat16 on cuda, float32 on sim)")
     p.add_argument("--seed", type=int, default=0, help="--preset: seed of the random weights")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="--model: shard it over N processes, one GPU each on cuda "
+                        "(docs/parallel.md; default 1)")
 
 
 def check_model_arguments(args, who: str) -> None:
@@ -46,6 +49,12 @@ def check_model_arguments(args, who: str) -> None:
         v = getattr(args, flag)
         if v is not None and v < 1:
             raise UsageError(f"{who}: --{flag.replace('_', '-')} must be a positive integer, got {v}")
+    if args.tensor_parallel < 1:
+        raise UsageError(f"{who}: --tensor-parallel must be a positive integer, got "
+                         f"{args.tensor_parallel}")
+    if args.tensor_parallel > 1 and getattr(args, "preset", None):
+        raise UsageError(f"{who}: --tensor-parallel needs --model: a bundled preset runs in one "
+                         f"process")
     if args.max_concurrency is not None and args.max_concurrency > 1024:
         raise UsageError(f"{who}: --max-concurrency must be at most 1024, got {args.max_concurrency}")
 
@@ -69,7 +78,8 @@ def open_served(args, who: str, log):
             served = load_checkpoint(be, args.model, max_seqs=conc, max_context=args.max_context,
                                      block_size=args.block_size, kv_blocks=args.kv_blocks,
                                      dtype=args.dtype,
-                                     name=getattr(args, "served_model_name", None) or args.model)
+                                     name=getattr(args, "served_model_name", None) or args.model,
+                                     tensor_parallel=args.tensor_parallel)
     except ValueError as e:
         be.close()
         raise UsageError(f"{who}: {e}") from None
@@ -80,7 +90,8 @@ def open_served(args, who: str, log):
     try:
         log(f"{who}: capturing the decode graphs ({args.mode}, sizes {', '.join(map(str, sizes))}) ...")
         engine = Engine(be, served.step_model, ExecutorConfig.for_mode(
-            args.mode, serving_conc=conc, capture_sizes=sizes))
+            args.mode, serving_conc=conc, capture_sizes=sizes),
+            tensor_parallel=args.tensor_parallel)
     except BaseException:
         served.close()
         be.close()

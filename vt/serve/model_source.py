@@ -4,6 +4,7 @@ vt.torch.hf into vt.torch's Llama decoder, its tokenizer, its EOS ids) or a bund
 drives, its geometry, and the text side when there is one."""
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,10 +37,13 @@ def geometry_for(max_seqs: int, max_context: int, block_size: int,
 
 def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                     block_size: int = 16, kv_blocks: int | None = None, dtype: str = "auto",
-                    name: str | None = None, wrap_forward=None) -> ServedModel:
+                    name: str | None = None, wrap_forward=None,
+                    tensor_parallel: int = 1) -> ServedModel:
     """The checkpoint at `path` on backend `be` (cuda: bfloat16 by default; sim: CPU float32).
     max_context None: the config's max_position_embeddings, at most 4096. wrap_forward:
-    called with the loaded module, returns the forward the engine runs (tests inject faults)."""
+    called with the loaded module, returns the forward the engine runs (tests inject faults).
+    tensor_parallel > 1: `step_model` is the builder Engine(..., tensor_parallel=N) takes,
+    each rank loading its shard (docs/parallel.md); nothing is loaded here."""
     import torch
 
     from vt.torch import TorchForwardModel, hf, torch_device
@@ -55,10 +59,28 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     if dtype == "auto":
         dtype = "bfloat16" if be.name == "cuda" else "float32"
     geo = geometry_for(max_seqs, max_context, block_size, kv_blocks)
+    if tensor_parallel > 1:
+        if wrap_forward is not None:
+            raise ValueError("wrap_forward and tensor_parallel together are not supported")
+        from vt.torch.llama import check_tensor_parallel
+        from vt.torch.tensor_parallel import TensorParallel
+        check_tensor_parallel(cfg, TensorParallel(0, tensor_parallel))   # before any spawn
+        build = functools.partial(checkpoint_shard, str(path), geo, dtype)
+        return ServedModel(name or path.name, build, geo, cfg.vocab, text, eos_token_ids(path))
     module = hf.load(path, geo, dtype=getattr(torch, dtype), device=torch_device(be))
     forward = module if wrap_forward is None else wrap_forward(module)
     step = TorchForwardModel(be, forward, vocab=cfg.vocab, geometry=geo)
     return ServedModel(name or path.name, step, geo, cfg.vocab, text, eos_token_ids(path))
+
+
+def checkpoint_shard(path: str, geometry: KVGeometry, dtype: str, be, tp):
+    """Rank tp.rank's step model of the checkpoint (Engine's tensor-parallel build)."""
+    import torch
+
+    from vt.torch import TorchForwardModel, hf, torch_device
+
+    module = hf.load(path, geometry, dtype=getattr(torch, dtype), device=torch_device(be), tp=tp)
+    return TorchForwardModel(be, module, vocab=module.cfg.vocab, geometry=geometry)
 
 
 def load_preset(be, preset: str, *, max_seqs: int, max_context: int | None = None,

@@ -1,0 +1,106 @@
+"""A Llama-shaped decoder served over N tensor-parallel ranks (Engine(..., tensor_parallel=N)),
+its greedy tokens checked against the same weights in one process, and its decode speed.
+
+Each rank builds the full model from the seed (on the host, float32 unless --dtype says
+otherwise) and keeps its shard (vt.torch.llama.shard_state_dict), so every rank and the
+one-process reference hold the same weights. Prompts of random lengths up to --prompt-len
+are split into chunks of --max-prefill tokens. Printed: the tokens' agreement, and for each
+engine its output tokens/s and TPOT (the median gap between a request's tokens). Exit 1 when
+the tokens differ.
+
+  python3 tools/tp_generate.py --tensor-parallel 2                       # sim, tiny, ~10 s
+  python3 tools/tp_generate.py --backend cuda --tensor-parallel 2 --preset small --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+
+from vt.backend import get_backend
+from vt.engine import Engine
+from vt.knobs import MODES, ExecutorConfig
+from vt.step import KVGeometry
+from vt.torch import TorchForwardModel, torch_device
+from vt.torch.llama import LlamaConfig, LlamaDecoder, shard_state_dict
+from vt.torch.tensor_parallel import TensorParallel
+
+PRESETS = {
+    "tiny": LlamaConfig(vocab=97, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2,
+                        head_dim=16),
+    "small": LlamaConfig(vocab=32000, hidden=1024, intermediate=2816, layers=8, heads=16,
+                         kv_heads=8, head_dim=64, rope_theta=500000.0),
+}
+
+
+def build(preset: str, dtype: str, seed: int, geometry: KVGeometry, be, tp: TensorParallel):
+    """Rank tp.rank's model: the full seeded decoder built on the host, then its shard."""
+    cfg = PRESETS[preset]
+    torch.manual_seed(seed)
+    full = LlamaDecoder(cfg, geometry, dtype=torch.float32, device="cpu", kernels="torch")
+    with torch.no_grad():
+        for p in full.parameters():
+            if p.ndim == 2:   # spread logits: greedy tokens with clear winners
+                p.normal_(0.0, 2.0 / p.shape[1] ** 0.5)
+    model = LlamaDecoder(cfg, geometry, dtype=getattr(torch, dtype), device=torch_device(be),
+                         tp=tp)
+    model.load_state_dict(shard_state_dict(full.state_dict(), cfg, tp))
+    return TorchForwardModel(be, model, prefill="flat")
+
+
+def serve(be, model, args, size: int) -> dict:
+    cfg = ExecutorConfig.for_mode(args.mode, serving_conc=args.requests)
+    rng = np.random.default_rng(args.seed)
+    vocab = PRESETS[args.preset].vocab
+    prompts = [rng.integers(0, vocab, int(rng.integers(1, args.prompt_len + 1))).tolist()
+               for _ in range(args.requests)]
+    with Engine(be, model, cfg, max_prefill_tokens=args.max_prefill,
+                tensor_parallel=size) as eng:
+        t0 = time.perf_counter()
+        results = eng.generate(prompts, max_new_tokens=args.new)
+        wall = time.perf_counter() - t0
+    gaps = np.concatenate([np.diff(r.token_times) for r in results if len(r.token_times) > 1])
+    return dict(tensor_parallel=size, tokens=[list(map(int, r.tokens)) for r in results],
+                tokens_per_s=round(sum(len(r.tokens) for r in results) / wall, 1),
+                tpot_ms_p50=round(float(np.median(gaps)) * 1e3, 3) if len(gaps) else None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensor-parallel", type=int, default=2)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    ap.add_argument("--mode", choices=MODES, default="ring")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=24)
+    ap.add_argument("--max-prefill", type=int, default=16)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the result here")
+    args = ap.parse_args(argv)
+    be = get_backend(args.backend)
+    geometry = KVGeometry(max_seqs=max(args.requests, 1), num_kv_blocks=1 + args.requests * 16,
+                          block_size=16, max_context=256)
+    make = functools.partial(build, args.preset, args.dtype, args.seed, geometry)
+    sharded = serve(be, make, args, args.tensor_parallel)
+    single = serve(be, make(be, TensorParallel(0, 1)), args, 1)
+    same = sharded["tokens"] == single["tokens"]
+    for r in (single, sharded):
+        print(f"tensor_parallel={r['tensor_parallel']}: {r['tokens_per_s']} tokens/s, TPOT p50 "
+              f"{r['tpot_ms_p50']} ms")
+    print(f"greedy tokens {'equal' if same else 'DIFFER'} ({args.requests} requests x "
+          f"{args.new} tokens, {be.name}, {args.preset}, {args.dtype}, mode {args.mode})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(vars(args), same=same, single=single, sharded=sharded), f, indent=1)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
