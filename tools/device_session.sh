@@ -2,7 +2,8 @@
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
 # Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
-#   sampler profile serve serve-ab torch prefill llama8b llama8b-serve
+#   sampler profile serve serve-ab torch prefill llama8b llama8b-serve tp2 tp4
+# (tp2, tp4: tensor parallelism, on a machine of 2 or 4 GPUs)
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
 OUT=${OUT:-/tmp/vt-out}; mkdir -p "$OUT"
@@ -92,6 +93,20 @@ for s in "${stages[@]}"; do
                      --preset torch-llama3-8b --modes drain ring --arrival closed --clients 16 32 \
                      --prompt-range 256 2048 --output-len 128 --requests 96 --repeats 2 --no-bar \
                      --json "$OUT/llama8b-serve.json" ;;
+    tp2|tp4) n=${s#tp}
+             stage "$s-tests" python3 -m pytest -q tests/parallel tests/vt_torch/test_tensor_parallel.py
+             stage "$s-broadcast" python3 tools/plan_broadcast_cost.py --rows 1 8 64 \
+               --json "$OUT/$s-broadcast.json"
+             stage "$s-small" python3 tools/tp_generate.py --backend cuda --tensor-parallel "$n" \
+               --preset small --dtype bfloat16 --json "$OUT/$s-small.json"
+             stage "$s-8b" python3 tools/tp_generate.py --backend cuda --tensor-parallel "$n" \
+               --preset llama3-8b --dtype bfloat16 --requests 1 --prompt-len 256 --new 128 \
+               --max-context 4096 --json "$OUT/$s-8b.json"
+             if [ "$n" = 4 ]; then
+               stage "$s-70b" python3 tools/tp_generate.py --backend cuda --tensor-parallel 4 \
+                 --preset llama3-70b --dtype bfloat16 --requests 1 --prompt-len 256 --new 128 \
+                 --max-context 4096 --no-single --json "$OUT/$s-70b.json"
+             fi ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac
 done

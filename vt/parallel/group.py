@@ -243,8 +243,10 @@ class RankGroup:
             self.check()
 
     def stop(self, reason: str) -> None:
-        """A step failed on rank 0: stop every rank (module docstring)."""
-        self.fail(reason)
+        """A step failed on rank 0: stop every rank (module docstring). A worker found dead
+        by then is the better reason (a collective with it is what failed)."""
+        dead = [rank for rank, p in enumerate(self._procs, start=1) if not p.is_alive()]
+        self.fail(self._death(dead[0]) if dead and not self._closing.is_set() else reason)
         self._shut_down(wire.stop(reason), STOP_GRACE_S)
 
     def close(self) -> None:
