@@ -1,7 +1,8 @@
 """Every VT_* environment variable vt reads: its name, type, default and meaning, and the one
 strict parser that reads them.
 
-This is the only module that looks at os.environ for VT_* names. Everything else asks
+This is the only module that looks at os.environ (for VT_* names, and through foreign() and
+set_foreign() for the few variables of other libraries vt reads or sets). Everything else asks
 `get(name)` (the parsed value, or the default when the variable is unset), so a value is
 spelled one way everywhere: a switch is exactly "0" or "1" (not "yes", not "2"), a size is a
 positive integer, and anything else is a ValueError that names the variable and the value.
@@ -164,6 +165,25 @@ def raw(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     if name not in VARIABLES:
         raise KeyError(name)
     return (os.environ if environ is None else environ).get(name)
+
+
+def foreign(name: str) -> str | None:
+    """A variable that is not vt's own but that vt must read, as set (None when unset): what
+    another library is configured by (CUDA_VISIBLE_DEVICES for the ranks vt spawns)."""
+    if name.startswith("VT_"):
+        raise KeyError(f"{name}: read vt's own variables with get()")
+    return os.environ.get(name)
+
+
+def set_foreign(values: Mapping[str, str], *, keep_set: bool = False) -> None:
+    """Set variables of other libraries for this process and the ones it starts (NCCL's
+    settings, a spawned rank's visible GPU). keep_set: leave those already set as they are
+    (the user's choice wins)."""
+    for name, value in values.items():
+        if name.startswith("VT_"):
+            raise KeyError(f"{name}: vt's own variables are the user's to set")
+        if not (keep_set and name in os.environ):
+            os.environ[name] = value
 
 
 def refuse_removed(environ: Mapping[str, str] | None = None) -> None:

@@ -412,3 +412,17 @@ def test_ci_runs_the_readmes_test_commands():
     for line in block.strip().splitlines():
         assert line in ci, line
     assert "python3 -m venv /tmp/vt-ci-venv" in ci and "rm -rf /tmp/vt-ci-venv" in ci
+
+
+def test_other_libraries_variables_go_through_vt_env_too(monkeypatch):
+    """vt reads CUDA_VISIBLE_DEVICES and sets NCCL's switches only through vt.env, which
+    keeps a user's setting when asked to and refuses to touch vt's own variables."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.setenv("NVSHMEM_DISABLE_NVLS", "")   # so that the teardown restores it
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS")
+    env.set_foreign({"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}, keep_set=True)
+    assert env.foreign("NCCL_NVLS_ENABLE") == "1" and env.foreign("NVSHMEM_DISABLE_NVLS") == "1"
+    with pytest.raises(KeyError, match="get()"):
+        env.foreign("VT_ASYNC_EXECUTOR")
+    with pytest.raises(KeyError, match="the user's to set"):
+        env.set_foreign({"VT_ASYNC_EXECUTOR": "1"})

@@ -33,6 +33,7 @@ from datetime import timedelta
 from typing import Callable
 
 import vt.parallel.wire as wire
+from vt import env
 from vt.parallel.channel import SPIN_S, Broadcast, PeerLostError
 from vt.parallel.communicator import abort_communicators, warm_communicator
 from vt.parallel.errors import TensorParallelError
@@ -86,7 +87,7 @@ def _check_picklable(build) -> None:
 def _worker_env(rank: int, backend: str) -> dict:
     env = dict(NCCL_ENV) if backend == "cuda" else {}
     if backend == "cuda":   # each worker sees its own GPU as device 0
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        visible = env.foreign("CUDA_VISIBLE_DEVICES")
         ids = visible.split(",") if visible else [str(i) for i in range(rank + 1)]
         if rank >= len(ids):
             raise ValueError(f"tensor_parallel: rank {rank} has no GPU (CUDA_VISIBLE_DEVICES="
@@ -134,8 +135,7 @@ class RankGroup:
         import torch.distributed as dist
         from vt.torch.tensor_parallel import TensorParallel
         if self.dist_backend == "nccl":
-            for key, value in NCCL_ENV.items():
-                os.environ.setdefault(key, value)
+            env.set_foreign(NCCL_ENV, keep_set=True)
         self._channel = Broadcast.create(self.size - 1)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         ctx = multiprocessing.get_context("spawn")

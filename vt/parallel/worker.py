@@ -16,12 +16,13 @@ from collections import deque
 import numpy as np
 
 import vt.parallel.wire as wire
+from vt import env
 from vt.parallel.channel import SPIN_S, Broadcast
 from vt.parallel.errors import RanksDivergedError
 
 
 def worker_main(spec) -> None:
-    os.environ.update(spec.env)   # before anything initializes CUDA
+    env.set_foreign(spec.env)   # before anything initializes CUDA
     status = spec.status
     try:
         status.send(("started",))

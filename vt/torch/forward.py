@@ -64,7 +64,7 @@ class TorchForwardModel(ForwardModel):
             forward.eval()
         if token_table is None:
             token_table = zeros(be, (geometry.max_seqs + 1,), np.int32)
-        super().__init__(be, TorchStep(be, forward, token_table), vocab=vocab,
+        super().__init__(be, TorchForwardCall(be, forward, token_table), vocab=vocab,
                          token_table=token_table, geometry=geometry, prefill=prefill)
 
     def release_stream(self, stream) -> None:
@@ -85,8 +85,11 @@ class _StreamState:
     warmed: set = field(default_factory=set)   # batch sizes warmed on a side stream
 
 
-class TorchStep:
-    """The callable ForwardModel drives: forward(stream, inputs, logits_out) with vt's arrays."""
+class TorchForwardCall:
+    """A call of the torch forward on a vt stream: what ForwardModel drives as its forward
+    (stream, inputs, logits_out) with vt's arrays. On cuda it runs the forward on the stream
+    (torch's ExternalStream) over torch views of the arrays, into the stream's private pool
+    while vt captures; on the sim it is a sim kernel, or the record a sim capture replays."""
 
     def __init__(self, be, fn, token_table):
         self.be, self.fn, self.token_table = be, fn, token_table

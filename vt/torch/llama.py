@@ -17,7 +17,8 @@ A decode step's shapes are fixed by B and the geometry, so it has no host sync a
 it as it is. `kernels` picks its attention and layer ops: "torch" reads max_context slots per
 row and masks those at or beyond seq_lens (plain torch); "vt" runs
 vt.torch.paged_attention.paged_decode_attention (each row's live tokens only) and the fused
-ops of vt.torch.fused (rms_norm, add_rms_norm for the residual and the MLP's norm, silu_mul,
+ops of vt.torch.fused (rms_norm, add_rms_norm for each residual add and the norm after
+it, the next layer's or the final one, silu_mul,
 and rope_and_cache unless qk_norm, whose norm sits between the projection and RoPE); "auto"
 (the default) is "vt" on CUDA with a power-of-two head_dim (the Triton kernels' shape), else
 "torch". On the CPU "vt" computes the same in plain torch but reads seq_lens on the host, so
@@ -152,14 +153,24 @@ class Layer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
+    def forward(self, x, ctx: AttentionContext, k_cache, v_cache, delta=None):
+        """The layer over the residual stream x + delta (delta: the previous layer's MLP
+        output, not added yet; None: nothing pending). Returns the same pair for the next
+        layer: on vt's kernels the residual add of each MLP output is made by the next norm's
+        kernel (add_rms_norm), one kernel less per layer; the torch ops add it at once."""
         if ctx.paged is not None:   # a decode step on vt's kernels
             a, m = self.attn_norm, self.mlp_norm
-            attn_out = self.attn(fused.rms_norm(x, a.weight, a.eps), ctx, k_cache, v_cache)
+            if delta is None:
+                h = fused.rms_norm(x, a.weight, a.eps)
+            else:
+                x, h = fused.add_rms_norm(x, delta, a.weight, a.eps)
+            attn_out = self.attn(h, ctx, k_cache, v_cache)
             x, h = fused.add_rms_norm(x, attn_out, m.weight, m.eps)
-            return x + self.mlp(h, fused_ops=True)
+            return x, self.mlp(h, fused_ops=True)
+        if delta is not None:
+            x = x + delta
         x = x + self.attn(self.attn_norm(x), ctx, k_cache, v_cache)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x)), None
 
 
 class LlamaDecoder(nn.Module):
@@ -215,12 +226,15 @@ class LlamaDecoder(nn.Module):
         sequence's logits_indices token (a decode step's are all of its tokens)."""
         ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context,
                             paged=self.kernels == "vt")
-        x = self.embed(inputs.input_ids.long())
+        x, delta = self.embed(inputs.input_ids.long()), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, ctx, self.k_cache[i], self.v_cache[i])
-        if not inputs.is_decode:   # a decode step's tokens are its sequences
-            x = x[inputs.logits_indices.long()]
-        x = self.norm(x)
+            x, delta = layer(x, ctx, self.k_cache[i], self.v_cache[i], delta)
+        if delta is not None:   # vt's kernels (a decode step): the last add in the final norm
+            x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+        else:
+            if not inputs.is_decode:   # a decode step's tokens are its sequences
+                x = x[inputs.logits_indices.long()]
+            x = self.norm(x)
         logits = F.linear(x, self.head_weight())   # [B, vocab_shard]: this rank's vocab shard
         # The vocab-parallel head: the ranks' shards side by side, the padding dropped.
         logits_out.copy_(self.tp.all_gather(logits, dim=-1)[:, :self.cfg.vocab])
