@@ -30,7 +30,7 @@ import numpy as np
 from vt.engine.batch import BatchStep, DecodeBatch
 from vt.parallel import wire
 from vt.parallel.channel import Broadcast
-from vt.runner.plan import StepPlan
+from vt.executor.plan import StepPlan
 from vt.step import KVGeometry
 from vt.step.contract import GREEDY
 from vt.step.inputblock import InputBlock

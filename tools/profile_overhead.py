@@ -18,7 +18,7 @@ import sys
 
 def _patch(variant: str) -> None:
     if variant == "noevents":
-        import vt.runner.timers as timers
+        import vt.executor.timers as timers
         timers.SampledTimer._start = lambda self: None   # no device timing events
         timers.SampledTimer._end = lambda self, handle, pair: None
     elif variant == "nosplit":

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import vt.cli.bench.run
 import vt.cli.run
 from vt.cli import limits as lim
-from vt.runner.atomic_file import atomic_open
+from vt.executor.atomic_file import atomic_open
 from vt.cli.main import main
 from vt.knobs import MODES
 from vt.model import PRESETS

@@ -95,7 +95,7 @@ def _profiled_plan(monkeypatch, costs):
 
     import vt.engine.profile as profile
     from vt.engine.progress import Phase
-    from vt.runner.plan import RunnerStats
+    from vt.executor.plan import RunnerStats
 
     clock = [0.0]
     monkeypatch.setattr(profile.time, "perf_counter", lambda: clock[0])

@@ -1,4 +1,4 @@
-"""Runner (vt/runner/runner.py) alone, without an engine, on the toy forward: hand-made step
+"""Runner (vt/executor/runner.py) alone, without an engine, on the toy forward: hand-made step
 plans go to the path that fits them (a captured graph, the eager path, a prefill, a mixed
 step), every path gives the tokens the others give for the same rows, the depth-2 launch and
 collect contract refuses what it must, and the drain is skipped exactly where the mode says."""
@@ -9,8 +9,8 @@ from vt.backend import ClosedError
 from vt.forward.toy import ToyForward
 from vt.graphs.slot import SizeSlot
 from vt.knobs import ExecutorConfig
-from vt.runner.plan import StepPlan
-from vt.runner.runner import Runner
+from vt.executor.plan import StepPlan
+from vt.executor.runner import Runner
 from vt.step.contract import DecodeRows, KVGeometry, PrefillSeq, kv_slot
 
 GEO = KVGeometry(max_seqs=8, num_kv_blocks=40, block_size=4, max_context=16)

@@ -1,4 +1,4 @@
-"""The runner's profiling is its timer (vt/runner/timers.py): unprofiled, the hot path reads
+"""The runner's profiling is its timer (vt/executor/timers.py): unprofiled, the hot path reads
 no clock and records no timing event; profiled, armed graph steps and every eager step get
 their split and events; a trace adds every span; and the slot API the graph and mixed steps
 share is the runner's only way to write a slot."""
@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-import vt.runner.timers as timers
+import vt.executor.timers as timers
 from vt.engine.engine import Engine
 from vt.forward.toy import ToyForward
 from vt.knobs import ExecutorConfig
-from vt.runner.timers import NULL_TIMER, SampledTimer, TracingTimer
+from vt.executor.timers import NULL_TIMER, SampledTimer, TracingTimer
 
 from engine_runs import VOCAB, mismatches, run_toy, workload
 
@@ -57,8 +57,8 @@ def test_a_standalone_runner_times_every_step(sim_backend, mode):
     split and device events, read once the host waited for it."""
     import numpy as np
 
-    from vt.runner.plan import StepPlan
-    from vt.runner.runner import Runner
+    from vt.executor.plan import StepPlan
+    from vt.executor.runner import Runner
     from vt.step.contract import DecodeRows
     toy = ToyForward(sim_backend, vocab=VOCAB)
     runner = Runner(sim_backend, toy.step_model(),
@@ -109,7 +109,7 @@ def test_graph_and_mixed_steps_share_the_slot_api(sim_backend, monkeypatch):
     (its host block, its device buffers) themselves."""
     import pathlib
 
-    import vt.runner
+    import vt.executor
     from vt.graphs.slot import SizeSlot
     calls = []
     write, launch = SizeSlot.write, SizeSlot.launch
@@ -122,6 +122,6 @@ def test_graph_and_mixed_steps_share_the_slot_api(sim_backend, monkeypatch):
         st = eng.stats()
     assert st["mixed_steps"] > 0 and st["graph_steps"] > 0
     assert calls == ["w", "l"] * (st["graph_steps"] + st["mixed_steps"])
-    for path in pathlib.Path(vt.runner.__file__).parent.glob("*.py"):
+    for path in pathlib.Path(vt.executor.__file__).parent.glob("*.py"):
         text = path.read_text()
         assert "slot.host" not in text and "slot.device" not in text, path

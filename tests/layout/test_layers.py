@@ -25,7 +25,7 @@ RANK = {
     "graphs": 3, "model": 3,
     "forward": 4,
     "torch": 4.5,             # vt.torch adapts torch forwards through ForwardModel
-    "runner": 5,
+    "executor": 5,            # the executor: the runner, the eager path, the step plan, timers, trace
     "parallel": 5.5,          # tensor parallelism: wraps the runner, the engine composes it
     "engine": 6,
     "serve": 6.5,             # vt serve's HTTP front end over the engine (and vt.torch models)

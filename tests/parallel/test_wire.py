@@ -12,7 +12,7 @@ import pytest
 from vt.engine.batch import BatchStep, DecodeBatch
 from vt.parallel import wire
 from vt.parallel.channel import SLOT_BYTES, SLOTS, Broadcast, PeerLostError
-from vt.runner.plan import StepPlan
+from vt.executor.plan import StepPlan
 from vt.sampling.params import SamplingParams
 from vt.step.contract import GREEDY, DecodeRows, PrefillSeq
 from vt.step.inputblock import InputBlock

@@ -161,8 +161,8 @@ def what_to_do(error: Exception, who: str) -> str:
 
 
 def check_output_path(who: str, source: str, path: str) -> None:
-    """UsageError now, not after the work, when `path` cannot be written (vt/runner/atomic_file.py)."""
-    from vt.runner.atomic_file import output_path_problem
+    """UsageError now, not after the work, when `path` cannot be written (vt/executor/atomic_file.py)."""
+    from vt.executor.atomic_file import output_path_problem
     why = output_path_problem(path)
     if why:
         raise UsageError(f"{who}: {source} {path!r} {why}")

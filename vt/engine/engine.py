@@ -36,7 +36,7 @@ from vt.testing import NULL_HOOKS, ExecutorHooks, hooks_from_env
 from vt.engine.call import GenerateCall
 from vt.engine.handle import RequestHandle, TokenStream
 from vt.engine.requests import RequestResult
-from vt.runner.runner import Runner
+from vt.executor.runner import Runner
 from vt.validate import integer
 from vt.engine.serving import ServingLoop
 from vt.engine.progress import Progress

@@ -4,9 +4,9 @@ The loop is the same with and without them (each hook is behind one `if`), so th
 host split describes the path that serves. A busy period's first FIRST iterations and then
 one in EVERY (61) are timed (every one with a trace): a timed iteration is split into plan (the
 scheduler), the runner's acquire / refresh / launch / drain (timed inside the runner while
-its timer is armed: vt/runner/timers.py), collect (the tokens, their bookkeeping, the
+its timer is armed: vt/executor/timers.py), collect (the tokens, their bookkeeping, the
 progress callback) and the rest ("other" in vt bench), and its step gets device timing events
-(every step that prefills gets them too, timed or not: vt/runner/timers.py says why).
+(every step that prefills gets them too, timed or not: vt/executor/timers.py says why).
 
 The split is a stratified sample: a timed iteration stands for the iterations of its phase
 since that phase's previous timed one, and its times are weighted by their count, which

@@ -21,7 +21,7 @@ from vt.engine.kv_blocks import BlockAllocator
 from vt.engine.requests import Request
 from vt.engine.rows import RowAllocator
 from vt.step.contract import KVGeometry, PrefillSeq
-from vt.runner.plan import StepPlan
+from vt.executor.plan import StepPlan
 
 
 class StepTag:

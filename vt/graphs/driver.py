@@ -4,7 +4,7 @@ The step is `step(stream, inputs, logits_out, out_tokens)`: a forward that only 
 (capturable: no host sync, no allocation outside the backend's pool), reads its per-step
 inputs from `inputs` (DecodeInputs, device arrays) and writes `logits_out` [S, vocab] f32,
 followed by the sampler writing `out_tokens` [S]. Scheduling (drain, token readback) is the
-runner's job; eager steps are vt/runner/eager.py's.
+runner's job; eager steps are vt/executor/eager.py's.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 import vt.parallel.wire as wire
 from vt.parallel.errors import TensorParallelError
 from vt.parallel.group import RankGroup
-from vt.runner.plan import StepHandle, StepPlan
-from vt.runner.runner import Runner
+from vt.executor.plan import StepHandle, StepPlan
+from vt.executor.runner import Runner
 
 
 class RankZeroRunner(Runner):

@@ -25,7 +25,7 @@ import struct
 
 import numpy as np
 
-from vt.runner.plan import StepPlan
+from vt.executor.plan import StepPlan
 from vt.step.inputblock import InputBlock
 
 CAPTURE, WARM_UP, LAUNCH, COLLECT, CEILING, STOP, CLOSE = range(1, 8)

@@ -46,7 +46,7 @@ def _serve(spec, status) -> None:
     from vt.backend import get_backend
     from vt.forward.adapt import as_step_model
     from vt.parallel.communicator import warm_communicator
-    from vt.runner.runner import Runner
+    from vt.executor.runner import Runner
     from vt.torch.tensor_parallel import TensorParallel
 
     if spec.backend == "sim":   # the ranks share the host's cores

@@ -12,7 +12,7 @@ block, or the unguarded test arm, unsafe because nothing does). Eager, mixed and
 steps own their logits and always drain.
 
 Every step goes through launch() and collect(). Profiling is the timer's
-(vt/runner/timers.py): the runner calls its hooks at fixed points of every step, and with
+(vt/executor/timers.py): the runner calls its hooks at fixed points of every step, and with
 profile off they do nothing, so a profiled run times the path that serves.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ from __future__ import annotations
 import numpy as np
 
 from vt.backend.errors import ClosedError
-from vt.runner.eager import EagerPath
+from vt.executor.eager import EagerPath
 from vt.graphs import DecodeGraphDriver, GraphSettings
-from vt.runner.logits_record import LogitsRecord
-from vt.runner.plan import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
-from vt.runner.timers import NULL_TIMER, SampledTimer, TracingTimer
+from vt.executor.logits_record import LogitsRecord
+from vt.executor.plan import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
+from vt.executor.timers import NULL_TIMER, SampledTimer, TracingTimer
 from vt.backend.waits import DEFAULT_POLL_US, wait_event
 from vt.testing import NULL_HOOKS, ExecutorHooks
 
@@ -42,7 +42,7 @@ def _decode_and_sample(model):
 class Runner:
     """Launches steps of a step model (vt.step.contract.StepModel): graphs through the driver,
     the rest through the eager path. With profile=True (or a trace) `timer` is a sampled
-    timer (vt/runner/timers.py), else the null one. `hooks`: the test arms (vt/testing.py),
+    timer (vt/executor/timers.py), else the null one. `hooks`: the test arms (vt/testing.py),
     called at fixed points; the default does nothing there."""
 
     def __init__(self, be, model, config, *, hooks: ExecutorHooks = NULL_HOOKS,
@@ -160,7 +160,7 @@ class Runner:
         return handle
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
-        """Prefill, mixed and oversize steps (vt/runner/eager.py), with their own logits."""
+        """Prefill, mixed and oversize steps (vt/executor/eager.py), with their own logits."""
         timer, index, n, parity = self.timer, self._steps, plan.n, self._steps % 2
         timer.eager_begin()
         slot = self._mixed_decode_slot(plan)

@@ -17,7 +17,7 @@ timer the runner holds decides what they cost:
   times a refill's), so a sample would misstate them all. Once the host waited for a step
   with events, their device time is read (device_ms, and per engine phase).
 - TracingTimer (VT_ASYNC_EXECUTOR_TRACE): the sampled timer that also writes every span into
-  the Chrome trace (vt/runner/trace.py), the waits' included; LoopProfile arms every
+  the Chrome trace (vt/executor/trace.py), the waits' included; LoopProfile arms every
   iteration (`every_step`).
 
 The profile's own work stays out of what it measures: the start event is recorded between
@@ -28,7 +28,7 @@ from __future__ import annotations
 import time
 
 from vt.backend.waits import wait_event
-from vt.runner.trace import Tracer
+from vt.executor.trace import Tracer
 
 _clock = time.perf_counter
 
@@ -176,7 +176,7 @@ class SampledTimer(NullTimer):
 
 
 class TracingTimer(SampledTimer):
-    """The sampled timer writing every span into a Chrome trace at `path` (vt/runner/trace.py)."""
+    """The sampled timer writing every span into a Chrome trace at `path` (vt/executor/trace.py)."""
 
     every_step = True
 
