@@ -43,6 +43,7 @@ from vt.validate import integer
 STARTUP_TIMEOUT_S = 600.0     # a rank building its shard (reading a checkpoint) may take minutes
 STOP_GRACE_S = 5.0            # workers still running this long after STOP are terminated
 CLOSE_TIMEOUT_S = 60.0        # a clean close: each worker closes its runner and exits
+DEATH_WAIT_S = 1.0            # how long a failed step waits to see whether a worker died
 # NVLink multicast (NVLS) stays off: the machines vt runs on do not lend it to every process.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
@@ -245,8 +246,14 @@ class RankGroup:
     def stop(self, reason: str) -> None:
         """A step failed on rank 0: stop every rank (module docstring). A worker found dead
         by then is the better reason (a collective with it is what failed)."""
-        dead = [rank for rank, p in enumerate(self._procs, start=1) if not p.is_alive()]
-        self.fail(self._death(dead[0]) if dead and not self._closing.is_set() else reason)
+        if self.failure is None and not self._closing.is_set():
+            # A killed worker's sockets close before its exit can be seen: a collective with it
+            # may fail first. Give a dying worker a moment to show as dead.
+            multiprocessing.connection.wait([p.sentinel for p in self._procs], DEATH_WAIT_S)
+            dead = [rank for rank, p in enumerate(self._procs, start=1) if not p.is_alive()]
+            if dead:
+                reason = self._death(dead[0])
+        self.fail(reason)
         self._shut_down(wire.stop(reason), STOP_GRACE_S)
 
     def close(self) -> None:
