@@ -60,6 +60,12 @@ def test_tokens_equal_one_process_in_every_mode_with_poison(mode):
     # the step kinds the comparison covers: graphs, and prompts in chunks beside decodes
     assert st["graph_steps"] > 0 and st["mixed_steps"] + st["prefill_steps"] > 0
     assert group.worker_exit_codes() == [0]
+    # rank 1 launched what rank 0 did, graph for graph, and grew no pool after its warm-up
+    (rank1,) = group.worker_reports.values()
+    for key in ("steps", "graph_steps", "eager_steps", "mixed_steps", "prefill_steps"):
+        assert rank1[key] == st[key], key
+    assert rank1["steps_by_size"] == st["steps_by_size"]
+    assert rank1["driver_mallocs_since_warm_up"] == 0 == st["driver_mallocs_since_warm_up"]
 
 
 def test_a_killed_worker_stops_the_engine_within_30s():

@@ -126,6 +126,7 @@ class RankGroup:
         self._closing = threading.Event()
         self._dist_up = False
         self._lock = threading.Lock()
+        self.worker_reports: dict[int, dict] = {}   # rank -> its report at a clean close
         try:
             self._spawn(backend, build, config, hooks, collective_timeout_s, startup_timeout_s)
         except BaseException:
@@ -282,7 +283,13 @@ class RankGroup:
                 proc.join(2.0)
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(2.0)
-        for conn in self._status:
+        for rank, conn in enumerate(self._status, start=1):
+            while True:
+                message = _read(conn) if conn.poll() else None
+                if message is None:
+                    break
+                if message[0] == "report":
+                    self.worker_reports[rank] = message[1]
             conn.close()
         if self._channel is not None:
             self._channel.close()

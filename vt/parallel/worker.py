@@ -62,9 +62,11 @@ def _serve(spec, status) -> None:
     try:
         status.send(("ready",))
         be.bind_thread()
-        replay(runner, channel, model.geometry.max_blocks,
-               alive=lambda: os.getppid() == spec.parent_pid,
-               spin_s=SPIN_S if spec.backend == "cuda" else 0.0)
+        how, warm_mallocs = replay(runner, channel, model.geometry.max_blocks,
+                                   alive=lambda: os.getppid() == spec.parent_pid,
+                                   spin_s=SPIN_S if spec.backend == "cuda" else 0.0)
+        if how == "closed":
+            status.send(("report", report(runner, be, warm_mallocs)))
     finally:
         try:
             runner.close()
@@ -73,16 +75,30 @@ def _serve(spec, status) -> None:
             dist.destroy_process_group()
 
 
-def replay(runner, channel: Broadcast, max_blocks: int, *, alive, spin_s: float) -> str:
+def report(runner, be, warm_mallocs: int | None) -> dict:
+    """What a worker tells rank 0 at a clean close: the steps it ran by kind and size, and
+    the driver mallocs since its warm-up (0: no capture or step of this rank grew the pool)."""
+    st = runner.stats
+    return dict(steps=st.steps, graph_steps=st.graph_steps, eager_steps=st.eager_steps,
+                mixed_steps=st.mixed_steps, prefill_steps=st.prefill_steps,
+                steps_by_size=dict(st.steps_by_size),
+                driver_mallocs_since_warm_up=None if warm_mallocs is None else
+                be.pool.stats().driver_mallocs - warm_mallocs)
+
+
+def replay(runner, channel: Broadcast, max_blocks: int, *, alive,
+           spin_s: float) -> tuple[str, int | None]:
     """Make rank 0's runner calls on `runner` until CLOSE ("closed"), STOP ("stopped") or
-    the channel's end ("closed"). A COLLECT whose tokens differ from this rank's raises
+    the channel's end ("closed"); returns that and the pool's driver mallocs after the
+    warm-up (None: none came). A COLLECT whose tokens differ from this rank's raises
     RanksDivergedError."""
     rows = wire.MirrorRows(runner.capacity, max_blocks)
+    warm_mallocs = None
     inflight: deque = deque()
     while True:
         message = channel.receive(alive=alive, spin_s=spin_s)
         if message is None:
-            return "closed"
+            return "closed", warm_mallocs
         op, _, n, value = wire.header(message)
         if op == wire.LAUNCH:
             inflight.append(runner.launch(wire.decode_launch(message, rows)))
@@ -98,12 +114,13 @@ def replay(runner, channel: Broadcast, max_blocks: int, *, alive, spin_s: float)
             runner.capture()
         elif op == wire.WARM_UP:
             runner.warm_up(value)
+            warm_mallocs = runner.be.pool.stats().driver_mallocs
         elif op == wire.CEILING:
             runner.ceiling_us(n, value)
         elif op == wire.STOP:
             runner.abort()
-            return "stopped"
+            return "stopped", warm_mallocs
         elif op == wire.CLOSE:
-            return "closed"
+            return "closed", warm_mallocs
         else:
             raise ValueError(f"unknown runner call {op} from rank 0")
