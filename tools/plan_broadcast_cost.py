@@ -56,6 +56,7 @@ def _echo(down: str, up: str, capacity: int, max_blocks: int, parent: int) -> No
         plan.decode.write_into(block, pad)
         _publish_up(tx, alive)
     rx.detach()
+    tx.detach()
 
 
 def _publish_up(tx: Broadcast, alive) -> None:

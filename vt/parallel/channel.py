@@ -31,8 +31,6 @@ import time
 from multiprocessing import shared_memory
 from typing import Callable
 
-import numpy as np
-
 SLOTS = 64
 # How long a rank on a GPU spins for the next message before it sleeps: about a decode step,
 # so that a worker launches each step within microseconds of rank 0 (one core per rank).
@@ -60,16 +58,13 @@ class Broadcast:
     def __init__(self, shm: shared_memory.SharedMemory, readers: int, reader: int | None,
                  owner: bool):
         self.shm, self.readers, self.reader, self.owner = shm, readers, reader, owner
-        words = np.ndarray((shm.size // 8,), np.int64, buffer=shm.buf)
-        self.consumed = words[:readers]
-        self._closed_flag = words[readers:readers + 1]
-        base = readers + 1
-        stride = _HEAD_WORDS + SLOT_BYTES // 8
-        self._heads = [words[base + i * stride: base + i * stride + _HEAD_WORDS] for i in range(SLOTS)]
-        raw = np.ndarray((shm.size,), np.uint8, buffer=shm.buf)
-        self._payloads = [raw[(base + i * stride + _HEAD_WORDS) * 8:
-                              (base + i * stride + _HEAD_WORDS) * 8 + SLOT_BYTES]
-                          for i in range(SLOTS)]
+        # Plain memoryviews: an item or a slice store through one costs tens of nanoseconds,
+        # a numpy call on a few words a microsecond.
+        self._bytes = shm.buf
+        self._words = shm.buf.cast("q")
+        self._closed_at = readers                        # the word of the closed flag
+        self._base = readers + 1                         # the first slot's first word
+        self._stride = _HEAD_WORDS + SLOT_BYTES // 8     # words per slot
         self.chunks = 0          # chunks written (writer) or read (reader) so far
         self.closed = False
 
@@ -80,7 +75,7 @@ class Broadcast:
             raise ValueError(f"Broadcast needs at least one reader, got {readers}")
         size = 8 * (readers + 1 + SLOTS * (_HEAD_WORDS + SLOT_BYTES // 8))
         shm = shared_memory.SharedMemory(create=True, size=size)
-        np.ndarray((size // 8,), np.int64, buffer=shm.buf)[:] = 0
+        shm.buf[:size] = bytes(size)
         return cls(shm, readers, None, owner=True)
 
     @classmethod
@@ -104,22 +99,27 @@ class Broadcast:
                 timeout_s: float = 60.0, check_s: float = 0.5) -> None:
         """Write one message (bytes-like) for every reader."""
         view = memoryview(payload).cast("B")
-        total, at = len(view), 0
+        words, total, at = self._words, len(view), 0
         while True:
             k = self.chunks
-            if k - int(self.consumed.min()) >= SLOTS:
-                _wait(lambda: k - int(self.consumed.min()) < SLOTS, alive, spin_s, timeout_s,
+            if k - self._slowest() >= SLOTS:
+                _wait(lambda: k - self._slowest() < SLOTS, alive, spin_s, timeout_s,
                       check_s, "a tensor-parallel rank stopped reading the step plans")
-            slot = k % SLOTS
+            head = self._base + (k % SLOTS) * self._stride
             n = min(SLOT_BYTES, total - at)
-            self._payloads[slot][:n] = np.frombuffer(view[at:at + n], np.uint8)
-            head = self._heads[slot]
-            head[1], head[2] = n, at + n == total
-            head[0] = k + 1                      # publish: after the payload and length
+            start = (head + _HEAD_WORDS) * 8
+            self._bytes[start:start + n] = view[at:at + n]
+            words[head + 1], words[head + 2] = n, at + n == total
+            words[head] = k + 1                  # publish: after the payload and length
             self.chunks = k + 1
             at += n
             if at == total:
                 return
+
+    def _slowest(self) -> int:
+        """The fewest chunks any reader has consumed."""
+        words = self._words
+        return min(words[r] for r in range(self.readers)) if self.readers > 1 else words[0]
 
     def close(self) -> None:
         """Tell readers the writer is done, then drop the segment (the writer's, at the end)."""
@@ -127,7 +127,7 @@ class Broadcast:
             return
         self.closed = True
         if self.owner:
-            self._closed_flag[0] = 1
+            self._words[self._closed_at] = 1
         self._release()
         if self.owner:
             try:
@@ -139,20 +139,21 @@ class Broadcast:
     def receive(self, *, alive: Callable[[], bool], spin_s: float = 0.0,
                 timeout_s: float | None = None, check_s: float = 0.5) -> bytes | None:
         """The next message, or None once the writer has closed the channel."""
-        parts = []
+        words, parts = self._words, []
         while True:
             k = self.chunks
-            head = self._heads[k % SLOTS]
-            if head[0] != k + 1:
-                ready = lambda: head[0] == k + 1 or self._closed_flag[0]   # noqa: E731
-                _wait(ready, alive, spin_s, timeout_s, check_s,
-                      "rank 0 stopped sending step plans")
-                if head[0] != k + 1:
+            head = self._base + (k % SLOTS) * self._stride
+            if words[head] != k + 1:
+                closed = self._closed_at
+                _wait(lambda: words[head] == k + 1 or words[closed], alive, spin_s, timeout_s,
+                      check_s, "rank 0 stopped sending step plans")
+                if words[head] != k + 1:
                     return None                  # closed
-            n, last = int(head[1]), bool(head[2])
-            parts.append(self._payloads[k % SLOTS][:n].tobytes())
+            n, last = words[head + 1], words[head + 2]
+            start = (head + _HEAD_WORDS) * 8
+            parts.append(bytes(self._bytes[start:start + n]))
             self.chunks = k + 1
-            self.consumed[self.reader] = k + 1   # the slot is the writer's again
+            words[self.reader] = k + 1           # the slot is the writer's again
             if last:
                 return parts[0] if len(parts) == 1 else b"".join(parts)
 
@@ -162,10 +163,17 @@ class Broadcast:
             self.closed = True
             self._release()
 
+    def __del__(self):
+        # Dropped without close()/detach(): let go of the word view, or the segment's own
+        # finalizer cannot unmap it.
+        words = getattr(self, "_words", None)
+        if words is not None:
+            words.release()
+
     def _release(self) -> None:
-        # numpy views into the buffer must go before the mapping can close
-        self.consumed = self._closed_flag = None
-        self._heads = self._payloads = []
+        # views into the buffer must go before the mapping can close
+        self._words.release()
+        self._bytes = self._words = None
         try:
             self.shm.close()
         except BufferError:   # a view still held by a caller: the mapping goes with the process
