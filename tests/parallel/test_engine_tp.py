@@ -129,3 +129,52 @@ def test_the_builder_must_be_picklable():
 def test_tensor_parallel_is_a_positive_int(value, error):
     with pytest.raises(error, match="tensor_parallel"):
         Engine(get_backend("sim"), build, _config("ring"), tensor_parallel=value)
+
+
+def test_online_submits_cancels_and_sampling_keep_the_ranks_together():
+    """Requests submitted from threads at random moments, some cancelled midway, greedy and
+    seeded sampling mixed: rank 0 alone decides every step, so rank 1 replays them whatever
+    the timing, and every request gets the one-process model's tokens (a cancelled one a
+    prefix of them)."""
+    import threading
+
+    from vt.sampling.params import GREEDY, SamplingParams
+
+    prompts = _prompts(seed=5, n=10)
+    sampling = [GREEDY if i % 2 else SamplingParams(temperature=0.9, top_k=20, seed=100 + i)
+                for i in range(len(prompts))]
+    be = get_backend("sim")
+    with Engine(be, reference(be), _config("sync"), max_prefill_tokens=MAX_PREFILL) as eng:
+        expected = [list(map(int, r.tokens)) for r in
+                    eng.generate(prompts, max_new_tokens=16, sampling=sampling)]
+    rng = np.random.default_rng(9)
+    delays = rng.uniform(0, 0.05, size=len(prompts))
+    eng = Engine(be, build, _config("ring"), max_prefill_tokens=MAX_PREFILL, hooks=Poison(),
+                 tensor_parallel=2)
+    handles = [None] * len(prompts)
+    try:
+        def client(i):
+            time.sleep(delays[i])
+            handles[i] = eng.submit(prompts[i], max_new_tokens=16, sampling=sampling[i])
+            if i % 3 == 0:   # cancel once it has a token or two
+                deadline = time.monotonic() + 30
+                while len(handles[i].snapshot()[0]) < 2 and not handles[i].done():
+                    assert time.monotonic() < deadline
+                    time.sleep(0.001)
+                handles[i].cancel()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        results = [h.result(timeout=60) for h in handles]
+        group = eng.runner.group
+    finally:
+        eng.close()
+    for i, r in enumerate(results):
+        if r.finish_reason == "cancelled":
+            assert list(r.tokens) == expected[i][:len(r.tokens)], i
+        else:
+            assert r.finish_reason == "length" and list(r.tokens) == expected[i], i
+    assert any(r.finish_reason == "cancelled" for r in results)
+    assert group.worker_exit_codes() == [0]

@@ -85,6 +85,16 @@ def _check_picklable(build) -> None:
                         f"process. Pickling it failed: {exc}") from exc
 
 
+def _check_gpus(size: int) -> None:
+    """One GPU per rank, refused before anything starts where there are fewer."""
+    import torch
+    count = torch.cuda.device_count()
+    if count < size:
+        raise ValueError(f"tensor_parallel={size} needs {size} GPUs, one per rank; this process "
+                         f"sees {count} (CUDA_VISIBLE_DEVICES="
+                         f"{env.foreign('CUDA_VISIBLE_DEVICES')!r})")
+
+
 def _worker_env(rank: int, backend: str) -> dict:
     env = dict(NCCL_ENV) if backend == "cuda" else {}
     if backend == "cuda":   # each worker sees its own GPU as device 0
@@ -114,6 +124,8 @@ class RankGroup:
             raise RuntimeError("tensor_parallel: torch.distributed is already initialized in "
                                "this process; vt starts its own process group for the ranks "
                                "it spawns")
+        if backend.name == "cuda":
+            _check_gpus(size)
         self.size = size
         self.model = None
         self.failure: str | None = None
