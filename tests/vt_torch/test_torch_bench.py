@@ -92,7 +92,9 @@ def test_the_decode_floor_tool_prints_its_table_on_the_sim(capsys, tmp_path):
     cells = {(c["rows"], c["live"]): c for c in result["cells"]}
     assert set(cells) == {(1, 8), (3, 8), (1, 20), (3, 20)}
     assert all(c["tpot_s"] > 0 and c["ceiling_s"] > 0 for c in cells.values())
-    assert {(c["rows"], c["live"]) for c in result["hf"]["cells"]} == {(1, 8), (1, 20)}
+    assert {(c["rows"], c["live"], c["cache"]) for c in result["hf"]["cells"]} == {
+        (1, 8, "dynamic"), (1, 20, "dynamic"), (1, 8, "static"), (1, 20, "static")}
+    assert all(c["tpot_s"] > 0 for c in result["hf"]["cells"])
     assert png is None or png.stat().st_size > 0
 
 

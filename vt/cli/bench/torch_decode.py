@@ -24,8 +24,10 @@ decoder of geometry max_context --max-context:
   `vt bench --workload torch` (torch_workload.TorchLlamaPeer, argmax as its sampler), timed
   over the same positions. Its cache holds no prompt (a decode step's cost does not depend on
   the cached values), so it runs no prefill;
-- transformers `generate`, eager, where it imports and --hf-rows has S: (generate of
-  --steps + 1 new tokens - generate of 1) / steps after an L - steps/2 token prompt.
+- transformers `generate` where it imports and --hf-rows has S: (generate of --steps + 1 new
+  tokens - generate of 1) / steps after an L - steps/2 token prompt; eager (its dynamic
+  cache) and with its static cache, which on a GPU compiles the decode forward into CUDA
+  graphs (`--hf-cache`; the first, longest generate is the compile's warm-up).
 
 `--preset tiny` runs a small fp32 decoder anywhere (the sim too, with no floor): the tool's own
 test. `--png` draws TPOT against rows with the floor for each live context.
@@ -54,6 +56,10 @@ def main(argv=None) -> int:
                    help="max_prefill_tokens of the engine (default 16384)")
     p.add_argument("--hf-rows", type=int, nargs="*", default=[1],
                    help="rows at which transformers' eager generate is timed (default 1; none: skip)")
+    p.add_argument("--hf-cache", nargs="+", choices=["dynamic", "static"],
+                   default=["dynamic", "static"],
+                   help="transformers' caches to time: dynamic (eager) and static (compiled on "
+                        "a GPU); default both")
     p.add_argument("--no-peer", action="store_true", help="leave the torch graph loop out")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--png", default=None, help="also draw TPOT against rows here (matplotlib)")
@@ -233,18 +239,20 @@ def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
         return dict(error=f"transformers does not import ({exc})")
     import torch
     out = dict(impl=label, cells=[])
-    for live in args.live:
-        for S in args.hf_rows:
-            ids = torch.tensor(seeded_prompts(cfg.vocab, S, live - args.steps // 2, live),
-                               device=model.device)
-
-            generate_s = lambda tokens: hf_generate_s(model, ids, tokens)   # noqa: E731
-            generate_s(2)   # warm
-            one = statistics.median(generate_s(1) for _ in range(args.repeats))
-            full = statistics.median(generate_s(args.steps + 1) for _ in range(args.repeats))
-            out["cells"].append(dict(rows=S, live=live, tpot_s=(full - one) / args.steps))
-            print(f"  transformers S={S} live={live}: {1e3 * out['cells'][-1]['tpot_s']:.2f} ms",
-                  flush=True)
+    for cache in args.hf_cache:
+        for live in args.live:
+            for S in args.hf_rows:
+                ids = torch.tensor(seeded_prompts(cfg.vocab, S, live - args.steps // 2, live),
+                                   device=model.device)
+                static = None if cache == "dynamic" else cache
+                generate_s = lambda tokens: hf_generate_s(model, ids, tokens, static)   # noqa: E731
+                generate_s(args.steps + 1)   # warm (the static cache's compile: longest first)
+                one = statistics.median(generate_s(1) for _ in range(args.repeats))
+                full = statistics.median(generate_s(args.steps + 1) for _ in range(args.repeats))
+                out["cells"].append(dict(rows=S, live=live, cache=cache,
+                                         tpot_s=(full - one) / args.steps))
+                print(f"  transformers {cache} cache S={S} live={live}: "
+                      f"{1e3 * out['cells'][-1]['tpot_s']:.2f} ms", flush=True)
     return out
 
 
@@ -256,22 +264,27 @@ def format_table(r: dict) -> str:
              + (f", floor rate {rate / 1e12:.2f} TB/s (copy {r['copy_Bps'] / 1e12:.2f}, read "
                 f"{r['read_Bps'] / 1e12:.2f})" if rate else ", no floor on this backend"),
              f"{'S':>3} {'live':>5} {'vt ms':>8} {'floor ms':>8} {'/floor':>6} {'ceiling':>8} "
-             f"{'vt/ceil':>7} {'loop ms':>8} {'loop/vt':>7} {'hf ms':>8} {'hf/vt':>6}"]
-    hf = {(c["rows"], c["live"]): c["tpot_s"] for c in (r.get("hf") or {}).get("cells", [])}
+             f"{'vt/ceil':>7} {'loop ms':>8} {'loop/vt':>7} {'hf ms':>8} {'hf/vt':>6} "
+             f"{'static':>8} {'st/vt':>6}"]
+    hf = {(c["rows"], c["live"], c.get("cache", "dynamic")): c["tpot_s"]
+          for c in (r.get("hf") or {}).get("cells", [])}
     for c in r["cells"]:
         S, live, vt = c["rows"], c["live"], c["tpot_s"]
         fl = floor_s(r, S, live)
         loop = c.get("graph_loop_s")
-        h = hf.get((S, live))
+        h, st = hf.get((S, live, "dynamic")), hf.get((S, live, "static"))
         lines.append(
             f"{S:3d} {live:5d} {1e3 * vt:8.3f} "
             + (f"{1e3 * fl:8.3f} {vt / fl:6.2f} " if fl else f"{'-':>8} {'-':>6} ")
             + f"{1e3 * c['ceiling_s']:8.3f} {c['ceiling_s'] / vt:7.3f} "
             + (f"{1e3 * loop:8.3f} {loop / vt:7.3f} " if loop else f"{'-':>8} {'-':>7} ")
-            + (f"{1e3 * h:8.2f} {h / vt:6.2f}" if h else f"{'-':>8} {'-':>6}"))
+            + (f"{1e3 * h:8.2f} {h / vt:6.2f} " if h else f"{'-':>8} {'-':>6} ")
+            + (f"{1e3 * st:8.2f} {st / vt:6.2f}" if st else f"{'-':>8} {'-':>6}"))
     hf_r = r.get("hf") or {}
     lines.append("vt/ceil: the captured graph's own time over vt's step (1.0: the host adds "
-                 "nothing); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster)")
+                 "nothing); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster); "
+                 "hf: transformers generate, its dynamic cache (eager) and its static cache "
+                 "(compiled on a GPU)")
     lines.append(f"hf: {hf_r.get('impl') or hf_r.get('error') or 'left out'}")
     return "\n".join(lines)
 

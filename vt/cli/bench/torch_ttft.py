@@ -161,15 +161,20 @@ def hf_llama(cfg, dtype, device, max_context: int):
                    f"({model.config._attn_implementation} attention)")
 
 
-def hf_generate_s(model, ids, tokens: int) -> float:
+def hf_generate_s(model, ids, tokens: int, cache: str | None = None) -> float:
     """Seconds of one greedy transformers generate of exactly `tokens` new tokens after `ids`
-    [batch, prompt] (the device synchronized on both sides)."""
+    [batch, prompt] (the device synchronized on both sides). cache: None (its dynamic cache,
+    eager) or "static": its static cache, with which generate compiles the decode forward on
+    a GPU (torch.compile, mode reduce-overhead: CUDA graphs). The static cache is sized for
+    the longest generate so far, so run the longest first and later ones reuse the compiled
+    forward."""
     import torch
+    extra = {} if cache is None else dict(cache_implementation=cache)
     _sync(ids.device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                       max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+                       max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0, **extra)
     _sync(ids.device)
     return time.perf_counter() - t0
 
