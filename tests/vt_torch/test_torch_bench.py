@@ -94,7 +94,6 @@ def test_the_decode_floor_tool_prints_its_table_on_the_sim(capsys, tmp_path):
     assert all(c["tpot_s"] > 0 and c["ceiling_s"] > 0 for c in cells.values())
     assert {(c["rows"], c["live"], c["cache"]) for c in result["hf"]["cells"]} == {
         (1, 8, "dynamic"), (1, 20, "dynamic"), (1, 8, "static"), (1, 20, "static")}
-    assert all(c["tpot_s"] > 0 for c in result["hf"]["cells"])
     assert png is None or png.stat().st_size > 0
 
 
