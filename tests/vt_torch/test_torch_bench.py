@@ -66,7 +66,9 @@ def test_the_ttft_tool_prints_its_table_on_the_sim(capsys, tmp_path):
         assert row in table
     result = json.loads(out.read_text())
     assert all(result[side][k] > 0 for side in ("vt", "peer") for k in ("ttft_n_last_s", "tpot_s"))
-    assert all(result[side]["ttft_single_s"][n] > 0 for side in ("vt", "peer") for n in ("6", "20"))
+    assert all(result[side]["ttft_single_s"][n] > 0 for side in ("vt", "peer", "peer_static")
+               for n in ("6", "20"))
+    assert "static cache" in result["peer_static"]["impl"] and "static: transformers" in table
     assert result["vt"]["steps"]["prefill"] >= 3
 
 

@@ -10,7 +10,9 @@ What is measured (each the median of --repeats runs, on a warm engine and a warm
   (tokens - 1), the median over the requests;
 - the peer: transformers `generate(do_sample=False)`, eager (its default attention, dynamic
   cache, no compile): TTFT = a generate of one new token, batch 1 and batch --conc;
-  TPOT = (generate of N new tokens - generate of 1) / (N - 1), batch --conc;
+  TPOT = (generate of N new tokens - generate of 1) / (N - 1), batch --conc; and the same
+  with its static cache, with which generate compiles the decode forward on a GPU
+  (torch.compile, CUDA graphs; --no-static leaves it out);
 - on cuda, the bf16 GEMM throughput of one large matmul, the compute ceiling of a prefill:
   vt's prefill FLOP/s counts 2 x non-embedding parameters x prompt tokens over its TTFT (for
   the --conc requests, and for each --single prompt).
@@ -41,6 +43,8 @@ def main(argv=None) -> int:
                    help="prompt + output tokens of the TPOT run (default 512)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-peer", action="store_true", help="leave transformers out")
+    p.add_argument("--no-static", action="store_true",
+                   help="leave out transformers with its static cache (compiled on a GPU)")
     p.add_argument("--json", default=None, help="also write the results here")
     args = p.parse_args(argv)
     args.single = args.single or [args.prompt_len]
@@ -72,8 +76,10 @@ def run(args) -> dict:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()   # the peer's weights need the memory
-        out["peer"] = None if args.no_peer else _run_peer(cfg, dtype, torch.device(
-            "cuda" if cuda else "cpu"), args)
+        device = torch.device("cuda" if cuda else "cpu")
+        out["peer"] = None if args.no_peer else _run_peer(cfg, dtype, device, args)
+        out["peer_static"] = (None if args.no_peer or args.no_static else
+                              _run_peer(cfg, dtype, device, args, cache="static"))
         out["gemm_tflops"] = _gemm_tflops() if cuda else None
     finally:
         be.close()
@@ -179,17 +185,22 @@ def hf_generate_s(model, ids, tokens: int, cache: str | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def _run_peer(cfg, dtype, device, args) -> dict | str:
-    """transformers generate on the same shape (random weights of its own), eager."""
+def _run_peer(cfg, dtype, device, args, cache: str | None = None) -> dict | str:
+    """transformers generate on the same shape (random weights of its own): eager with its
+    dynamic cache, or with `cache` ("static": compiled on a GPU)."""
     import torch
     try:
         model, label = hf_llama(cfg, dtype, device, args.context)
     except ImportError as exc:
         return f"transformers does not import ({exc})"
+    if cache is not None:
+        label = label.replace("eager", f"{cache} cache, compiled" if device.type == "cuda"
+                              else f"{cache} cache (no compile off a GPU)")
     new = args.context - args.prompt_len
-    generate_s = lambda ids, tokens: hf_generate_s(model, ids, tokens)   # noqa: E731
+    generate_s = lambda ids, tokens: hf_generate_s(model, ids, tokens, cache)   # noqa: E731
     ids = torch.tensor(seeded_prompts(cfg.vocab, args.conc, args.prompt_len), device=device)
-    generate_s(ids[:1], 2), generate_s(ids, 2)   # warm-up
+    # warm-up, the longest generate first (a static cache is sized by it, and compiled once)
+    generate_s(ids, new), generate_s(ids[:1], 2), generate_s(ids, 2)
     single = {}
     for P in args.single:
         one_ids = torch.tensor(seeded_prompts(cfg.vocab, 1, P), device=device)
@@ -232,22 +243,29 @@ def _sync(device) -> None:
 
 
 def format_table(r: dict) -> str:
-    vt, peer = r["vt"], r["peer"]
+    vt, peers = r["vt"], [r["peer"], r.get("peer_static")]
     n, P = r["conc"], r["prompt_len"]
-    peer_ok = isinstance(peer, dict)
+
+    def of(peer, key, sub=None):
+        if not isinstance(peer, dict):
+            return None
+        return peer[key] if sub is None else peer[key][sub]
     rows = [(f"TTFT, 1 request of {L} tokens", vt["ttft_single_s"][L],
-             peer["ttft_single_s"][L] if peer_ok else None) for L in vt["ttft_single_s"]]
+             [of(q, "ttft_single_s", L) for q in peers]) for L in vt["ttft_single_s"]]
     rows += [(f"TTFT, {n} requests of {P} tokens (last)", vt["ttft_n_last_s"],
-              peer["ttft_n_last_s"] if peer_ok else None),
+              [of(q, "ttft_n_last_s") for q in peers]),
              (f"TPOT, {n} requests, context {r['context']}", vt["tpot_s"],
-              peer["tpot_s"] if peer_ok else None)]
+              [of(q, "tpot_s") for q in peers])]
     lines = [f"{r['preset']}: {r['params'] / 1e9:.2f} B parameters (non-embedding), {r['dtype']}, "
              f"on {r['device']} ({r['backend']}); vt mode {r['mode']}, prefill=flat",
-             f"{'':44s} {'vt':>10s} {'peer':>10s} {'vt/peer':>8s}"]
+             f"{'':44s} {'vt':>10s} {'peer':>10s} {'vt/peer':>8s} {'static':>10s} "
+             f"{'vt/static':>9s}"]
     for label, mine, theirs in rows:
-        p = f"{theirs * 1e3:8.1f} ms" if theirs else f"{'-':>10s}"
-        ratio = f"{mine / theirs:8.2f}" if theirs else f"{'-':>8s}"
-        lines.append(f"{label:44s} {mine * 1e3:7.1f} ms {p} {ratio}")
+        cells = [f"{label:44s} {mine * 1e3:7.1f} ms"]
+        for t, width in zip(theirs, (8, 9)):
+            cells.append(f"{t * 1e3:7.1f} ms {mine / t:{width}.2f}" if t else
+                         f"{'-':>10s} {'-':>{width}s}")
+        lines.append(" ".join(cells))
     lines.append(f"{'TTFT, ' + str(n) + ' requests (median)':44s} {vt['ttft_n_median_s'] * 1e3:7.1f} ms")
     flops = 2 * r["params"] * n * P / vt["ttft_n_last_s"] / 1e12
     gemm = r.get("gemm_tflops")
@@ -257,7 +275,8 @@ def format_table(r: dict) -> str:
         one = 2 * r["params"] * int(L) / t / 1e12
         share = f" = {100 * one / gemm:.0f} %" if gemm else ""
         lines.append(f"vt prefill of 1 x {L} tokens: {one:.1f} TFLOP/s{share}")
-    lines.append(f"peer: {peer['impl'] if peer_ok else peer or 'left out (--no-peer)'}")
+    for name, q in zip(("peer", "static"), peers):
+        lines.append(f"{name}: {q['impl'] if isinstance(q, dict) else q or 'left out'}")
     lines.append(f"vt steps: {vt['steps']}; engine set up in {vt['setup_s']:.1f} s")
     return "\n".join(lines)
 
