@@ -5,8 +5,10 @@ Each rank builds the full model from the seed (on the host, float32 unless --dty
 otherwise) and keeps its shard (vt.torch.llama.shard_state_dict), so every rank and the
 one-process reference hold the same weights. Prompts of random lengths up to --prompt-len
 are split into chunks of --max-prefill tokens. Printed: the tokens' agreement, and for each
-engine its output tokens/s and TPOT (the median gap between a request's tokens). Exit 1 when
-the tokens differ.
+engine its output tokens/s, TPOT (the median gap between a request's tokens), its decode
+graph of all the requests' rows replayed back to back (the ceiling; over TPOT: how close
+the ring runs to it) and every rank's driver mallocs since its warm-up (0 expected). Exit 1
+when the tokens differ.
 
   python3 tools/tp_generate.py --tensor-parallel 2                       # sim, tiny, ~10 s
   python3 tools/tp_generate.py --backend cuda --tensor-parallel 2 --preset small --dtype bfloat16
@@ -84,10 +86,21 @@ def serve(be, model, args, size: int) -> dict:
         t0 = time.perf_counter()
         results = eng.generate(prompts, max_new_tokens=args.new)
         wall = time.perf_counter() - t0
+        # the graph of all the requests' rows replayed back to back, on every rank
+        ceiling_ms = eng.device_ceiling_us(len(prompts), replays=50) / 1e3
+        mallocs = {0: eng.stats()["driver_mallocs_since_warm_up"]}
+        group = getattr(eng.runner, "group", None)
+    if group is not None:   # each worker's report, given at the close
+        mallocs.update({r: rep["driver_mallocs_since_warm_up"]
+                        for r, rep in group.worker_reports.items()})
     gaps = np.concatenate([np.diff(r.token_times) for r in results if len(r.token_times) > 1])
+    tpot_ms = float(np.median(gaps)) * 1e3 if len(gaps) else None
     return dict(tensor_parallel=size, tokens=[list(map(int, r.tokens)) for r in results],
                 tokens_per_s=round(sum(len(r.tokens) for r in results) / wall, 1),
-                tpot_ms_p50=round(float(np.median(gaps)) * 1e3, 3) if len(gaps) else None)
+                tpot_ms_p50=round(tpot_ms, 3) if tpot_ms else None,
+                ceiling_ms=round(ceiling_ms, 3),
+                ceiling_over_tpot=round(ceiling_ms / tpot_ms, 3) if tpot_ms else None,
+                mallocs_since_warm_up_by_rank=mallocs)
 
 
 def main(argv=None) -> int:
@@ -119,7 +132,9 @@ def main(argv=None) -> int:
         runs.insert(0, single)
     for r in runs:
         print(f"tensor_parallel={r['tensor_parallel']}: {r['tokens_per_s']} tokens/s, TPOT p50 "
-              f"{r['tpot_ms_p50']} ms")
+              f"{r['tpot_ms_p50']} ms, its graph alone {r['ceiling_ms']} ms (ceiling / TPOT "
+              f"{r['ceiling_over_tpot']}), driver mallocs since warm-up by rank "
+              f"{r['mallocs_since_warm_up_by_rank']}")
     comparable = single is not None and args.preset in SHARED_WEIGHTS
     same = sharded["tokens"] == single["tokens"] if comparable else None
     if single is not None and single["tpot_ms_p50"] and sharded["tpot_ms_p50"]:
