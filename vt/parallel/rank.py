@@ -68,6 +68,10 @@ class RankZeroRunner(Runner):
         return super().abort()
 
     def close(self) -> str | None:
+        if self.group.failure is not None:
+            # Stop the workers first: a step of this rank still waiting in a collective with
+            # one of them then fails at once instead of waiting out the collective's timeout.
+            self.group.stop(self.group.failure)
         try:
             return super().close()   # the graphs go before the communicator they use
         finally:
