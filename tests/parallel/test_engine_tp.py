@@ -178,3 +178,59 @@ def test_online_submits_cancels_and_sampling_keep_the_ranks_together():
             assert r.finish_reason == "length" and list(r.tokens) == expected[i], i
     assert any(r.finish_reason == "cancelled" for r in results)
     assert group.worker_exit_codes() == [0]
+
+
+RANK_0_SCRIPT = """
+import sys, time
+from tests.parallel._models import build
+from vt.backend import get_backend
+from vt.engine import Engine
+from vt.knobs import ExecutorConfig
+
+if __name__ == "__main__":
+    eng = Engine(get_backend("sim"), build, ExecutorConfig.for_mode("ring", serving_conc=2,
+                 capture_sizes=(1, 2)), tensor_parallel=2)
+    eng.generate([[1, 2, 3]], max_new_tokens=3)
+    print(eng.runner.group.worker_pids[0], flush=True)
+    time.sleep(300)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether the process runs (a zombie nobody reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc to see the worker end")
+def test_the_workers_end_when_rank_0_is_killed(tmp_path):
+    """Rank 0's process killed while its engine is idle: its worker, reparented, finds its
+    parent gone at its next wait for a plan and exits, well within 30 s."""
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK_0_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script)], cwd=root, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert line.strip().isdigit(), proc.stderr.read() if proc.poll() is not None else line
+        worker = int(line)
+        assert _running(worker)
+        proc.kill()
+        proc.wait(10)
+        killed = time.monotonic()
+        while _running(worker):
+            assert time.monotonic() - killed < 30, "the worker outlived rank 0 by 30 s"
+            time.sleep(0.1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
