@@ -219,6 +219,7 @@ def test_the_workers_end_when_rank_0_is_killed(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.Popen([sys.executable, "-W", "ignore", str(script)], cwd=root, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    worker = None
     try:
         line = proc.stdout.readline()
         assert line.strip().isdigit(), proc.stderr.read() if proc.poll() is not None else line
@@ -234,3 +235,5 @@ def test_the_workers_end_when_rank_0_is_killed(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        if worker is not None and _running(worker):   # failed: leave no orphan behind
+            os.kill(worker, signal.SIGKILL)
