@@ -127,3 +127,14 @@ def test_a_lost_peer_is_an_error_not_a_hang():
         writer.publish(b"x", alive=lambda: True, timeout_s=0.05, check_s=0.01)
     reader.detach()
     writer.close()
+
+
+def test_each_cuda_worker_sees_its_own_gpu_as_device_0(monkeypatch):
+    from vt.parallel.group import NCCL_ENV, worker_env
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert worker_env(1, "sim") == {}
+    assert worker_env(3, "cuda") == dict(NCCL_ENV, CUDA_VISIBLE_DEVICES="3")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4, 6,7")
+    assert worker_env(1, "cuda")["CUDA_VISIBLE_DEVICES"] == "6"
+    with pytest.raises(ValueError, match="rank 3 has no GPU"):
+        worker_env(3, "cuda")

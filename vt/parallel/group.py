@@ -95,16 +95,19 @@ def _check_gpus(size: int) -> None:
                          f"{env.foreign('CUDA_VISIBLE_DEVICES')!r})")
 
 
-def _worker_env(rank: int, backend: str) -> dict:
-    env = dict(NCCL_ENV) if backend == "cuda" else {}
-    if backend == "cuda":   # each worker sees its own GPU as device 0
-        visible = env.foreign("CUDA_VISIBLE_DEVICES")
-        ids = visible.split(",") if visible else [str(i) for i in range(rank + 1)]
-        if rank >= len(ids):
-            raise ValueError(f"tensor_parallel: rank {rank} has no GPU (CUDA_VISIBLE_DEVICES="
-                             f"{visible!r})")
-        env["CUDA_VISIBLE_DEVICES"] = ids[rank]
-    return env
+def worker_env(rank: int, backend: str) -> dict:
+    """The variables a worker sets before anything else: on cuda, NCCL's switches and its own
+    GPU as its device 0 (the rank-th of rank 0's visible ones)."""
+    if backend != "cuda":
+        return {}
+    values = dict(NCCL_ENV)
+    visible = env.foreign("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",")] if visible else [str(i) for i in range(rank + 1)]
+    if rank >= len(ids):
+        raise ValueError(f"tensor_parallel: rank {rank} has no GPU (CUDA_VISIBLE_DEVICES="
+                         f"{visible!r})")
+    values["CUDA_VISIBLE_DEVICES"] = ids[rank]
+    return values
 
 
 class RankGroup:
@@ -158,7 +161,7 @@ class RankGroup:
             recv, send = ctx.Pipe(duplex=False)
             spec = WorkerSpec(rank, self.size, backend.name, self.dist_backend, init_method,
                               self._channel.name, build, worker_config, hooks, os.getpid(),
-                              collective_timeout_s, _worker_env(rank, backend.name), send)
+                              collective_timeout_s, worker_env(rank, backend.name), send)
             proc = ctx.Process(target=worker_main, args=(spec,), name=f"vt-rank{rank}",
                                daemon=True)
             proc.start()
