@@ -109,3 +109,25 @@ def test_flat_prefill_equals_transformers_generate_for_prompts_of_1_to_300_token
             got = [list(map(int, r.tokens)) for r in eng.generate(ps, max_new_tokens=new)]
             assert eng.stats()["mixed_steps"] > 0
         assert got == expect, f"max_prefill_tokens={mpt}"
+
+
+def test_the_loader_holds_one_parameter_of_the_checkpoint_at_a_time(tmp_path, monkeypatch):
+    """The files are read a parameter at a time into the module: while it loads, the host holds
+    at most the three tensors of one fused parameter (q, k and v of one layer), never the
+    checkpoint (which the ranks of a tensor-parallel engine could not each hold)."""
+    import weakref
+
+    reference = _save(tmp_path, CONFIGS["llama-bias-tied"], "cpu")
+    alive, peak, reads = [], [0], [0]
+    read = hf._Tensor.read
+
+    def counted(self):
+        t = read(self)
+        alive[:] = [r for r in alive if r() is not None] + [weakref.ref(t)]
+        peak[0], reads[0] = max(peak[0], len(alive)), reads[0] + 1
+        return t
+    monkeypatch.setattr(hf._Tensor, "read", counted)
+    module = hf.load(tmp_path, GEO, dtype=torch.float32, device="cpu")
+    assert reads[0] > 20 and peak[0] <= 3, (reads[0], peak[0])
+    q = reference.model.layers[1].self_attn.q_proj.weight   # what went where
+    assert torch.equal(module.layers[1].attn.qkv.weight[:q.shape[0]], q)

@@ -8,6 +8,12 @@ the files lack, a wrong shape, a tensor the decoder does not use) is a one-line 
 naming the file and the tensor. Tied embeddings follow transformers: with
 `tie_word_embeddings` true and an `lm_head.weight` in the files, the files' head is used
 (transformers ties only what is missing, and keeps both when both are present).
+
+The files are read lazily: the names and shapes first (every check above runs before any
+weight is read), then one parameter at a time, which goes (sliced to the rank's shard under
+tensor parallelism) into the module at once. The host holds one parameter of the full model
+at a time (a fused q/k/v or gate/up of one layer at most), not the checkpoint, so the ranks
+of a tensor-parallel engine can each load their shard of a model larger than host memory.
 """
 from __future__ import annotations
 
@@ -29,9 +35,9 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
     """A LlamaDecoder with the checkpoint's weights, its KV cache sized for `geometry`.
     device: where its tensors go; by default the device of the backend vt.backend.get_backend()
     picks here (cuda when a GPU is usable, else cpu: the sim's). tp: rank tp.rank's shard
-    of a tensor-parallel decoder (vt.torch.llama.shard_state_dict); the files are read
-    whole on the host and sliced there, so each rank needs host memory for the full
-    checkpoint while it loads, and device memory for its shard only."""
+    of a tensor-parallel decoder (vt.torch.llama.shard_state_dict): each parameter is read
+    whole on the host and sliced there, one at a time (module docstring), so a rank needs
+    device memory for its shard only."""
     path = Path(path)
     cfg = read_config(path)
     files = _read_safetensors(path)
@@ -41,10 +47,21 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
             files[EMBED] = files[HEAD]
     model = LlamaDecoder(cfg, geometry, dtype=dtype, device=default_device() if device is None
                          else device, tp=tp)
-    state = _to_vt_names(cfg, files, path)
-    if tp is not None:
-        state = shard_state_dict(state, cfg, tp)
-    model.load_state_dict(state, strict=True)
+    readers = _to_vt_names(cfg, files, path)
+    params = model.state_dict()
+    if set(readers) != set(params):   # a bug here, not in the checkpoint: say both sides
+        raise RuntimeError(f"vt.torch.hf: the names read {sorted(set(readers) - set(params))} "
+                           f"and the module's {sorted(set(params) - set(readers))} differ")
+    with torch.no_grad():
+        for name, read in readers.items():
+            t = read()
+            if tp is not None:
+                t = shard_state_dict({name: t}, cfg, tp)[name]
+            if t.shape != params[name].shape:
+                raise RuntimeError(f"vt.torch.hf: {name} read as {list(t.shape)}, the module "
+                                   f"holds {list(params[name].shape)}")
+            params[name].copy_(t)
+            del t
     return model
 
 
@@ -82,41 +99,53 @@ def hf_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 class _Tensor:
-    """A checkpoint tensor and the file it came from (for the errors)."""
+    """A checkpoint tensor by name: its file and shape, read only by read()."""
 
-    def __init__(self, tensor: torch.Tensor, file: Path):
-        self.tensor, self.file = tensor, file
+    def __init__(self, handle, name: str, file: Path):
+        self.handle, self.name, self.file = handle, name, file
+        self.shape = tuple(handle.get_slice(name).get_shape())
+
+    def read(self) -> torch.Tensor:
+        from safetensors import SafetensorError
+        try:
+            return self.handle.get_tensor(self.name)
+        except (SafetensorError, OSError) as exc:
+            raise ValueError(f"{self.file}: tensor {self.name!r} cannot be read "
+                             f"({type(exc).__name__}: {_first_line(exc)})") from None
 
 
 def _read_safetensors(path: Path) -> dict[str, _Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    """Every tensor of the directory's safetensors files by name (headers only: no data)."""
+    from safetensors import SafetensorError, safe_open
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ValueError(f"checkpoint path {str(path)!r} has no *.safetensors file")
     out: dict[str, _Tensor] = {}
     for f in files:
         try:
-            tensors = load_file(str(f))
+            handle = safe_open(str(f), framework="pt")
+            names = list(handle.keys())
+            tensors = [_Tensor(handle, name, f) for name in names]
         except (SafetensorError, OSError) as exc:
             raise ValueError(f"{f}: not a readable safetensors file ({type(exc).__name__}: "
                              f"{_first_line(exc)})") from None
-        for name, t in tensors.items():
-            if name in out:
-                raise ValueError(f"{f}: tensor {name!r} is also in {out[name].file.name}")
-            out[name] = _Tensor(t, f)
+        for t in tensors:
+            if t.name in out:
+                raise ValueError(f"{f}: tensor {t.name!r} is also in {out[t.name].file.name}")
+            out[t.name] = t
     return out
 
 
-def _to_vt_names(cfg: LlamaConfig, files: dict[str, _Tensor], path: Path) -> dict[str, torch.Tensor]:
-    """Hugging Face's parameter names to LlamaDecoder's, each tensor checked against the config's
-    shape: q, k, v and gate, up concatenated into the fused projections."""
+def _to_vt_names(cfg: LlamaConfig, files: dict[str, _Tensor], path: Path) -> dict:
+    """Hugging Face's parameter names to LlamaDecoder's, each tensor's shape checked against
+    the config's: a reader (no arguments) per LlamaDecoder parameter that reads it from the
+    files, q, k, v and gate, up concatenated into the fused projections."""
     shapes = hf_shapes(cfg)
     for name, shape in shapes.items():
         if name not in files:
             raise ValueError(f"{path}: tensor {name!r} is missing from the safetensors files"
                              f"{_why(cfg, name)}")
-        got = tuple(files[name].tensor.shape)
+        got = files[name].shape
         if got != shape:
             raise ValueError(f"{files[name].file}: tensor {name!r} has shape {list(got)}; "
                              f"config.json implies {list(shape)}")
@@ -125,27 +154,32 @@ def _to_vt_names(cfg: LlamaConfig, files: dict[str, _Tensor], path: Path) -> dic
     if left:
         raise ValueError(f"{files[left[0]].file}: tensor {left[0]!r} is not used by the decoder "
                          f"(config.json does not imply it; {len(left)} such tensors)")
-    hf = {k.removeprefix("model."): v.tensor for k, v in files.items()}
-    out = {"embed.weight": hf["embed_tokens.weight"], "norm.weight": hf["norm.weight"]}
+    hf = {k.removeprefix("model."): v for k, v in files.items()}
+
+    def one(name):
+        return hf[name].read
+
+    def cat(*names):
+        return lambda: torch.cat([hf[n].read() for n in names])
+    out = {"embed.weight": one("embed_tokens.weight"), "norm.weight": one("norm.weight")}
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = hf[HEAD]
+        out["lm_head.weight"] = one(HEAD)
     for i in range(cfg.layers):
         p = f"layers.{i}."   # the same prefix in both namings
         att, mlp = p + "self_attn.", p + "mlp."
         for kind in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-            out[p + f"attn.qkv.{kind}"] = torch.cat([hf[att + f"{n}_proj.{kind}"] for n in "qkv"])
-        out[p + "attn.o.weight"] = hf[att + "o_proj.weight"]
+            out[p + f"attn.qkv.{kind}"] = cat(*(att + f"{n}_proj.{kind}" for n in "qkv"))
+        out[p + "attn.o.weight"] = one(att + "o_proj.weight")
         if cfg.o_bias:
-            out[p + "attn.o.bias"] = hf[att + "o_proj.bias"]
+            out[p + "attn.o.bias"] = one(att + "o_proj.bias")
         if cfg.qk_norm:
-            out[p + "attn.q_norm.weight"] = hf[att + "q_norm.weight"]
-            out[p + "attn.k_norm.weight"] = hf[att + "k_norm.weight"]
+            out[p + "attn.q_norm.weight"] = one(att + "q_norm.weight")
+            out[p + "attn.k_norm.weight"] = one(att + "k_norm.weight")
         for kind in ("weight", "bias") if cfg.mlp_bias else ("weight",):
-            out[p + f"mlp.gate_up.{kind}"] = torch.cat([hf[mlp + f"gate_proj.{kind}"],
-                                                        hf[mlp + f"up_proj.{kind}"]])
-            out[p + f"mlp.down.{kind}"] = hf[mlp + f"down_proj.{kind}"]
-        out[p + "attn_norm.weight"] = hf[p + "input_layernorm.weight"]
-        out[p + "mlp_norm.weight"] = hf[p + "post_attention_layernorm.weight"]
+            out[p + f"mlp.gate_up.{kind}"] = cat(mlp + f"gate_proj.{kind}", mlp + f"up_proj.{kind}")
+            out[p + f"mlp.down.{kind}"] = one(mlp + f"down_proj.{kind}")
+        out[p + "attn_norm.weight"] = one(p + "input_layernorm.weight")
+        out[p + "mlp_norm.weight"] = one(p + "post_attention_layernorm.weight")
     return out
 
 
