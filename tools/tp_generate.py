@@ -7,8 +7,9 @@ one-process reference hold the same weights. Prompts of random lengths up to --p
 are split into chunks of --max-prefill tokens. Printed: the tokens' agreement, and for each
 engine its output tokens/s, TPOT (the median gap between a request's tokens), its decode
 graph of all the requests' rows replayed back to back (the ceiling; over TPOT: how close
-the ring runs to it) and every rank's driver mallocs since its warm-up (0 expected). Exit 1
-when the tokens differ.
+the ring runs to it), every rank's driver mallocs since its warm-up (0 expected), and on cuda
+TPOT against the floor of one rank's weight bytes (the embedding's S rows aside) over the
+faster of an eager device copy and read measured in the run. Exit 1 when the tokens differ.
 
   python3 tools/tp_generate.py --tensor-parallel 2                       # sim, tiny, ~10 s
   python3 tools/tp_generate.py --backend cuda --tensor-parallel 2 --preset small --dtype bfloat16
@@ -75,6 +76,16 @@ def build(preset: str, dtype: str, seed: int, geometry: KVGeometry, be, tp: Tens
     return TorchForwardModel(be, model, prefill="flat")
 
 
+def weight_bytes_per_rank(cfg: LlamaConfig, size: int, itemsize: int) -> tuple[int, int]:
+    """(what one rank's decode step reads of its weights, the embedding table it holds whole
+    and reads S rows of): its share of every projection and of the head, the norms whole."""
+    h, hd = cfg.hidden, cfg.head_dim
+    layer = (h * (cfg.heads + 2 * cfg.kv_heads) * hd + h * cfg.heads * hd
+             + 3 * h * cfg.intermediate) // size + 2 * h
+    head = 0 if cfg.tie_embeddings else -(-cfg.vocab // size) * h
+    return (cfg.layers * layer + h + head) * itemsize, cfg.vocab * h * itemsize
+
+
 def serve(be, model, args, size: int) -> dict:
     cfg = ExecutorConfig.for_mode(args.mode, serving_conc=args.requests)
     rng = np.random.default_rng(args.seed)
@@ -95,12 +106,15 @@ def serve(be, model, args, size: int) -> dict:
                         for r, rep in group.worker_reports.items()})
     gaps = np.concatenate([np.diff(r.token_times) for r in results if len(r.token_times) > 1])
     tpot_ms = float(np.median(gaps)) * 1e3 if len(gaps) else None
+    cfg = PRESETS[args.preset]
+    itemsize = torch.tensor([], dtype=getattr(torch, args.dtype)).element_size()
+    weights, _ = weight_bytes_per_rank(cfg, size, itemsize)
     return dict(tensor_parallel=size, tokens=[list(map(int, r.tokens)) for r in results],
                 tokens_per_s=round(sum(len(r.tokens) for r in results) / wall, 1),
                 tpot_ms_p50=round(tpot_ms, 3) if tpot_ms else None,
                 ceiling_ms=round(ceiling_ms, 3),
                 ceiling_over_tpot=round(ceiling_ms / tpot_ms, 3) if tpot_ms else None,
-                mallocs_since_warm_up_by_rank=mallocs)
+                mallocs_since_warm_up_by_rank=mallocs, weight_bytes_per_rank=weights)
 
 
 def main(argv=None) -> int:
@@ -130,7 +144,17 @@ def main(argv=None) -> int:
     single = None if args.no_single else serve(be, make(be, TensorParallel(0, 1)), args, 1)
     if single is not None:
         runs.insert(0, single)
+    rate = None
+    if be.name == "cuda":   # the floor: a rank's weights over the faster eager copy or read
+        from vt.cli.bench.torch_decode import bandwidths
+        rate = max(bandwidths().values())
     for r in runs:
+        if rate and r["tpot_ms_p50"]:
+            r["floor_ms"] = round(r["weight_bytes_per_rank"] / rate * 1e3, 3)
+            r["tpot_over_floor"] = round(r["tpot_ms_p50"] / r["floor_ms"], 3)
+            print(f"tensor_parallel={r['tensor_parallel']}: weights per GPU "
+                  f"{r['weight_bytes_per_rank'] / 1e9:.2f} GB over {rate / 1e12:.2f} TB/s = "
+                  f"{r['floor_ms']} ms; TPOT / that floor {r['tpot_over_floor']}")
         print(f"tensor_parallel={r['tensor_parallel']}: {r['tokens_per_s']} tokens/s, TPOT p50 "
               f"{r['tpot_ms_p50']} ms, its graph alone {r['ceiling_ms']} ms (ceiling / TPOT "
               f"{r['ceiling_over_tpot']}), driver mallocs since warm-up by rank "
