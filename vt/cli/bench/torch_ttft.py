@@ -76,10 +76,13 @@ def run(args) -> dict:
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()   # the peer's weights need the memory
-        device = torch.device("cuda" if cuda else "cpu")
-        out["peer"] = None if args.no_peer else _run_peer(cfg, dtype, device, args)
-        out["peer_static"] = (None if args.no_peer or args.no_static else
-                              _run_peer(cfg, dtype, device, args, cache="static"))
+        out["peer"] = out["peer_static"] = None
+        if not args.no_peer:
+            caches = [None] if args.no_static else [None, "static"]
+            peers = _run_peers(cfg, dtype, torch.device("cuda" if cuda else "cpu"), args, caches)
+            out["peer"] = peers[0]
+            if len(peers) > 1:
+                out["peer_static"] = peers[1]
         out["gemm_tflops"] = _gemm_tflops() if cuda else None
     finally:
         be.close()
@@ -185,14 +188,19 @@ def hf_generate_s(model, ids, tokens: int, cache: str | None = None) -> float:
     return time.perf_counter() - t0
 
 
-def _run_peer(cfg, dtype, device, args, cache: str | None = None) -> dict | str:
-    """transformers generate on the same shape (random weights of its own): eager with its
-    dynamic cache, or with `cache` ("static": compiled on a GPU)."""
-    import torch
+def _run_peers(cfg, dtype, device, args, caches: list) -> list:
+    """transformers generate on the same shape (random weights of its own, one model for
+    every cache): per cache of `caches`, None (eager, its dynamic cache) or "static"
+    (compiled on a GPU), its times; or, for each, why there are none."""
     try:
         model, label = hf_llama(cfg, dtype, device, args.context)
     except ImportError as exc:
-        return f"transformers does not import ({exc})"
+        return [f"transformers does not import ({exc})"] * len(caches)
+    return [_time_peer(model, label, cfg, device, args, cache) for cache in caches]
+
+
+def _time_peer(model, label: str, cfg, device, args, cache: str | None) -> dict:
+    import torch
     if cache is not None:
         label = label.replace("eager", f"{cache} cache, compiled" if device.type == "cuda"
                               else f"{cache} cache (no compile off a GPU)")
