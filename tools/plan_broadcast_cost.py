@@ -46,21 +46,16 @@ class _Req:
 def _echo(down: str, up: str, capacity: int, max_blocks: int, parent: int) -> None:
     """The worker: receive, apply, write into a block, answer with one byte."""
     rx, tx = Broadcast.attach(down, 1, 0), Broadcast.attach(up, 1, 0)
-    tx.owner = False
     mirror = wire.MirrorRows(capacity, max_blocks)
-    block = InputBlock(lambda shape, dtype: np.zeros(shape, dtype), capacity, max_blocks)
+    block = InputBlock(np.zeros, capacity, max_blocks)
     alive = lambda: os.getppid() == parent   # noqa: E731
     pad = KVGeometry(max_seqs=capacity, num_kv_blocks=2, block_size=1, max_context=1).pad
     while (message := rx.receive(alive=alive, spin_s=SPIN_S)) is not None:
         plan = wire.decode_launch(message, mirror)
         plan.decode.write_into(block, pad)
-        _publish_up(tx, alive)
+        tx.publish(b"\x01", alive=alive, spin_s=SPIN_S)
     rx.detach()
     tx.detach()
-
-
-def _publish_up(tx: Broadcast, alive) -> None:
-    tx.publish(b"\x01", alive=alive, spin_s=SPIN_S)
 
 
 def measure(rows: int, max_context: int, block_size: int, steps: int) -> dict:

@@ -17,7 +17,7 @@ PAD = PadRow(token_row=CAP, position=0, seq_len=1, slot=0, block=0, state_idx=CA
 
 def _check_step(batch: DecodeBatch, live: dict) -> None:
     """Fill a block for the step at batch.t and compare every row with the direct formula."""
-    block = InputBlock(lambda shape, dtype: np.zeros(shape, dtype), CAP, MAX_BLOCKS)
+    block = InputBlock(np.zeros, CAP, MAX_BLOCKS)
     BatchStep(batch).write_into(block, PAD)
     inp = block.inputs
     for i in range(batch.n):

@@ -28,7 +28,7 @@ class _Req:
 
 
 def _block():
-    return InputBlock(lambda shape, dtype: np.zeros(shape, dtype), CAP, MB)
+    return InputBlock(np.zeros, CAP, MB)
 
 
 def test_a_worker_writes_the_blocks_rank_0_writes_while_the_batch_changes():

@@ -37,6 +37,7 @@ SLOTS = 64
 SPIN_S = 0.05
 SLOT_BYTES = 64 * 1024
 _HEAD_WORDS = 4          # seq, nbytes, last, pad
+_SLOT_WORDS = _HEAD_WORDS + SLOT_BYTES // 8
 _MAX_SLEEP_S = 1e-3
 
 
@@ -64,7 +65,6 @@ class Broadcast:
         self._words = shm.buf.cast("q")
         self._closed_at = readers                        # the word of the closed flag
         self._base = readers + 1                         # the first slot's first word
-        self._stride = _HEAD_WORDS + SLOT_BYTES // 8     # words per slot
         self.chunks = 0          # chunks written (writer) or read (reader) so far
         self.closed = False
 
@@ -73,7 +73,7 @@ class Broadcast:
         _check_platform()
         if readers < 1:
             raise ValueError(f"Broadcast needs at least one reader, got {readers}")
-        size = 8 * (readers + 1 + SLOTS * (_HEAD_WORDS + SLOT_BYTES // 8))
+        size = 8 * (readers + 1 + SLOTS * _SLOT_WORDS)
         shm = shared_memory.SharedMemory(create=True, size=size)
         shm.buf[:size] = bytes(size)
         return cls(shm, readers, None, owner=True)
@@ -105,7 +105,7 @@ class Broadcast:
             if k - self._slowest() >= SLOTS:
                 _wait(lambda: k - self._slowest() < SLOTS, alive, spin_s, timeout_s,
                       check_s, "a tensor-parallel rank stopped reading the step plans")
-            head = self._base + (k % SLOTS) * self._stride
+            head = self._base + (k % SLOTS) * _SLOT_WORDS
             n = min(SLOT_BYTES, total - at)
             start = (head + _HEAD_WORDS) * 8
             self._bytes[start:start + n] = view[at:at + n]
@@ -142,7 +142,7 @@ class Broadcast:
         words, parts = self._words, []
         while True:
             k = self.chunks
-            head = self._base + (k % SLOTS) * self._stride
+            head = self._base + (k % SLOTS) * _SLOT_WORDS
             if words[head] != k + 1:
                 closed = self._closed_at
                 _wait(lambda: words[head] == k + 1 or words[closed], alive, spin_s, timeout_s,

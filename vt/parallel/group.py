@@ -145,7 +145,7 @@ class RankGroup:
         try:
             self._spawn(backend, build, config, hooks, collective_timeout_s, startup_timeout_s)
         except BaseException:
-            self._shut_down(wire.stop("rank 0 failed while starting"), STOP_GRACE_S)
+            self._shut_down(wire.simple(wire.STOP), STOP_GRACE_S)
             raise
 
     def _spawn(self, backend, build, config, hooks, collective_timeout_s, startup_timeout_s):
@@ -270,7 +270,7 @@ class RankGroup:
             if dead:
                 reason = self._death(dead[0])
         self.fail(reason)
-        self._shut_down(wire.stop(reason), STOP_GRACE_S)
+        self._shut_down(wire.simple(wire.STOP), STOP_GRACE_S)
 
     def close(self) -> None:
         """Clean close: every worker closes its runner and exits; then rank 0 leaves the
@@ -282,7 +282,7 @@ class RankGroup:
             return
         self._closing.set()
         if self._channel is not None and any(p.is_alive() for p in self._procs):
-            try:   # never wait on a full ring here: a stuck worker is terminated below
+            try:   # a ring a stuck worker keeps full is waited on for the grace only
                 self._channel.publish(message, alive=self.alive, timeout_s=grace_s)
             except PeerLostError:
                 pass

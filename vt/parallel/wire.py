@@ -8,7 +8,7 @@ each of its runner calls is replayed on the other ranks in the same order (vt/pa
     LAUNCH   rows, prompts      Runner.launch(StepPlan(rows, prompts))
     COLLECT  tokens             Runner.collect(oldest); its tokens must equal rank 0's
     CEILING  n, replays         Runner.ceiling_us(n, replays)
-    STOP     reason             a step failed on rank 0: abort and exit
+    STOP                        a step failed on rank 0: abort and exit
     CLOSE                       Runner.close() and exit
 
 A LAUNCH carries a decode step's rows in the input block's own layout (vt/step/inputblock.py):
@@ -40,16 +40,12 @@ _STATIC_FIELDS = ("token_rows", "state_idx", "top_k", "temperature", "top_p", "m
 
 
 def simple(op: int, value: int = 0) -> bytes:
-    """A message with at most one int argument (CAPTURE, WARM_UP, CLOSE)."""
+    """A message with at most one int argument (CAPTURE, WARM_UP, STOP, CLOSE)."""
     return _HEAD.pack(op, 0, 0, 0, value)
 
 
 def ceiling(n: int, replays: int) -> bytes:
     return _HEAD.pack(CEILING, 0, 0, n, replays)
-
-
-def stop(reason: str) -> bytes:
-    return _HEAD.pack(STOP, 0, 0, 0, 0) + reason.encode("utf-8", "replace")
 
 
 def collect(tokens: np.ndarray) -> bytes:
@@ -72,7 +68,7 @@ class PlanEncoder:
     (the same write the runner does into its slots), sent as the block's [:n] bytes."""
 
     def __init__(self, capacity: int, max_blocks: int, pad):
-        self.block = InputBlock(lambda shape, dtype: np.zeros(shape, dtype), capacity, max_blocks)
+        self.block = InputBlock(np.zeros, capacity, max_blocks)
         self.pad = pad
         self._sent = None     # the block's `filled` at the last LAUNCH that sent the statics
 
@@ -102,7 +98,7 @@ class MirrorRows:
     changed since that block's last fill, else the three moving vectors."""
 
     def __init__(self, capacity: int, max_blocks: int):
-        self.block = InputBlock(lambda shape, dtype: np.zeros(shape, dtype), capacity, max_blocks)
+        self.block = InputBlock(np.zeros, capacity, max_blocks)
         self.n = 0
         self.version = 0
 
