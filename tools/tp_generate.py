@@ -53,27 +53,28 @@ SHARED_WEIGHTS = ("tiny", "small")   # built whole and sharded: tokens comparabl
 
 
 def build(preset: str, dtype: str, seed: int, geometry: KVGeometry, be, tp: TensorParallel):
-    """Rank tp.rank's model: the full seeded decoder built on the host, then its shard."""
+    """Rank tp.rank's model: the shard of the full seeded decoder built on the host, or, for a
+    timing shape, the rank's own seeded draw."""
     cfg = PRESETS[preset]
-    if preset not in SHARED_WEIGHTS:
-        torch.manual_seed(seed + tp.rank)
-        model = LlamaDecoder(cfg, geometry, dtype=getattr(torch, dtype), device=torch_device(be),
-                             tp=tp)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 2:
-                    p.normal_(0.0, 2.0 / p.shape[1] ** 0.5)
-        return TorchForwardModel(be, model, prefill="flat")
-    torch.manual_seed(seed)
-    full = LlamaDecoder(cfg, geometry, dtype=torch.float32, device="cpu", kernels="torch")
-    with torch.no_grad():
-        for p in full.parameters():
-            if p.ndim == 2:   # spread logits: greedy tokens with clear winners
-                p.normal_(0.0, 2.0 / p.shape[1] ** 0.5)
     model = LlamaDecoder(cfg, geometry, dtype=getattr(torch, dtype), device=torch_device(be),
                          tp=tp)
-    model.load_state_dict(shard_state_dict(full.state_dict(), cfg, tp))
+    if preset in SHARED_WEIGHTS:
+        torch.manual_seed(seed)
+        full = LlamaDecoder(cfg, geometry, dtype=torch.float32, device="cpu", kernels="torch")
+        _spread(full)
+        model.load_state_dict(shard_state_dict(full.state_dict(), cfg, tp))
+    else:
+        torch.manual_seed(seed + tp.rank)
+        _spread(model)
     return TorchForwardModel(be, model, prefill="flat")
+
+
+def _spread(module) -> None:
+    """Random matrices scaled to spread the logits: greedy tokens with clear winners."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 2.0 / p.shape[1] ** 0.5)
 
 
 def weight_bytes_per_rank(cfg: LlamaConfig, size: int, itemsize: int) -> tuple[int, int]:
