@@ -98,20 +98,30 @@ def forward_unfused(W, kc, vc, cos, sin, st: Step, paged: bool):
     st.logits.copy_(F.linear(rms(x, W["norm"]), W["head"]))
 
 
-def forward_fused(W, kc, vc, cos, sin, st: Step):
+def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear):
     S = st.ids.shape[0]
     x = W["embed"][st.ids]
     layers = W["layers"]
     h = fused.rms_norm(x, layers[0]["attn_norm"], EPS)
     for i, L in enumerate(layers):
-        q = fused.rope_and_cache(F.linear(h, L["qkv"]), st.positions, cos, sin, kc[i], vc[i],
+        q = fused.rope_and_cache(lin(h, L["qkv"]), st.positions, cos, sin, kc[i], vc[i],
                                  st.slots, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
         a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
-        x, h = fused.add_rms_norm(x, F.linear(a.view(S, -1), L["o"]), L["mlp_norm"], EPS)
-        d = F.linear(fused.silu_mul(F.linear(h, L["gate_up"])), L["down"])
+        x, h = fused.add_rms_norm(x, lin(a.view(S, -1), L["o"]), L["mlp_norm"], EPS)
+        d = lin(fused.silu_mul(lin(h, L["gate_up"])), L["down"])
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else W["norm"]
         x, h = fused.add_rms_norm(x, d, nxt, EPS)
-    st.logits.copy_(F.linear(h, W["head"]))
+    st.logits.copy_(lin(h, W["head"]))
+
+
+def forward_linears(W, st: Step, lin=F.linear):
+    """The step's linear layers alone, in its order, on static inputs: its GEMM time."""
+    S = st.ids.shape[0]
+    h = torch.full((S, HIDDEN), 0.01, device="cuda", dtype=torch.bfloat16)
+    m = torch.full((S, INTER), 0.01, device="cuda", dtype=torch.bfloat16)
+    for L in W["layers"]:
+        lin(h, L["qkv"]), lin(h, L["o"]), lin(h, L["gate_up"]), lin(m, L["down"])
+    st.logits.copy_(lin(h, W["head"]))
 
 
 def make_step(S, live, max_context):
@@ -150,10 +160,10 @@ def replay_ms(fn, replays=20):
     return statistics.median(times)
 
 
-def gemm_table(W, rate):
+def gemm_table(W, rate, tgemv=None):
     L = W["layers"][0]
     print(f"\nGEMM weight bytes/s (floor rate {rate / 1e12:.2f} TB/s)")
-    print(f"{'linear':>8} {'shape':>12} " + " ".join(f"{'S=' + str(s):>14}" for s in (1, 8, 32)))
+    print(f"{'linear':>8} {'shape':>12}  torch (and triton) at S = 1, 8, 32")
     for name, w in (("qkv", L["qkv"]), ("o", L["o"]), ("gate_up", L["gate_up"]),
                     ("down", L["down"]), ("lm_head", W["head"])):
         cells = []
@@ -165,6 +175,13 @@ def gemm_table(W, rate):
                                     for i in range(20)]) * 1e3 / 20
             bw = w.numel() * 2 / (us / 1e6)
             cells.append(f"{us:6.1f}us {bw / rate:4.0%}")
+            if tgemv and S <= tgemv.MAX_ROWS:
+                err = ((tgemv.linear(x, w).float() - F.linear(x, w).float()).norm()
+                       / F.linear(x, w).float().norm()).item()
+                us = replay_ms(lambda: [tgemv.linear(x, copies[i % len(copies)])
+                                        for i in range(20)]) * 1e3 / 20
+                bw = w.numel() * 2 / (us / 1e6)
+                cells.append(f"triton {us:6.1f}us {bw / rate:4.0%} (rel {err:.0e})")
         del copies
         print(f"{name:>8} {str(tuple(w.shape)):>12} " + " ".join(f"{c:>14}" for c in cells))
 
@@ -176,7 +193,12 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["1:192", "1:2048", "32:2048"],
                     help="S:live_tokens pairs")
     ap.add_argument("--gemms", action="store_true")
+    ap.add_argument("--no-triton", action="store_true",
+                    help="leave out vt.torch.triton_gemv (the Triton linear for few rows)")
     args = ap.parse_args()
+    tgemv = None
+    if not args.no_triton:
+        from vt.torch import triton_gemv as tgemv
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
           f"layers {args.layers}, max_context {args.max_context}")
@@ -205,18 +227,28 @@ def main():
             variants = {
                 "dense-unfused": lambda: forward_unfused(W, kc, vc, cos, sin, st, paged=False),
                 "paged-unfused": lambda: forward_unfused(W, kc, vc, cos, sin, st, paged=True),
-                "paged-fused": lambda: forward_fused(W, kc, vc, cos, sin, st)}
+                "paged-fused": lambda: forward_fused(W, kc, vc, cos, sin, st),
+                "linears-only": lambda: forward_linears(W, st)}
+            if tgemv and S <= tgemv.MAX_ROWS:
+                variants["fused-tgemv"] = lambda: forward_fused(W, kc, vc, cos, sin, st,
+                                                                lin=tgemv.linear)
+                variants["linears-tgemv"] = lambda: forward_linears(W, st, lin=tgemv.linear)
+            bases = {"paged-fused": "paged-unfused", "fused-tgemv": "paged-fused"}
             for name, fn in variants.items():
                 ms = replay_ms(fn)
                 fn()
                 outs[name] = st.logits.clone()
+                if name.startswith("linears"):   # random inputs: no logits to compare
+                    print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
+                          f"{ms / floor_ms:>7.2f}", flush=True)
+                    continue
                 # each variant against the one it changes: paged vs dense, fused vs unfused
-                base = "paged-unfused" if name == "paged-fused" else "dense-unfused"
+                base = bases.get(name, "dense-unfused")
                 err = ((outs[name] - outs[base]).norm() / outs[base].norm()).item()
                 print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
                       f"{ms / floor_ms:>7.2f} {err:>9.1e} vs {base}", flush=True)
     if args.gemms:
-        gemm_table(W, rate)
+        gemm_table(W, rate, tgemv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""vt.torch.triton_gemv: the Triton linear for few rows against a float64 reference on fresh
+random bf16 inputs: 1e-2 relative overall (the output is rounded once to bf16, whose ulp is
+2**-8 ~ 4e-3), at the 8B shape's widths and at widths that fill no block evenly."""
+import pytest
+
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (77, 1000)])
+def test_triton_linear_matches_float64(S, N, K):
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from vt.torch import triton_gemv
+    x = torch.randn(S, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    y = triton_gemv.linear(x, w)
+    assert y.shape == (S, N) and y.dtype == torch.bfloat16
+    assert rel_err(y, x.double() @ w.double().T) < 1e-2
+
+
+@pytest.mark.gpu
+def test_triton_linear_refuses_more_rows_than_it_holds():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from vt.torch import triton_gemv
+    x = torch.zeros(triton_gemv.MAX_ROWS + 1, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="S <= 16"):
+        triton_gemv.linear(x, torch.zeros(32, 64, device="cuda", dtype=torch.bfloat16))
