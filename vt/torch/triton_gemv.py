@@ -6,7 +6,7 @@ N x K weights), so what matters is how close the kernel's weight reads come to t
 bandwidth. Each program owns BLOCK_N output columns over the whole K, so no partial sums go
 through memory: its [BLOCK_N, BLOCK_K] weight tiles stream through a software pipeline
 (num_stages deep) and meet the [16, BLOCK_K] row tile (rows past S masked to zero) in a
-tensor-core dot. Block shapes are autotuned per (S, N, K) on the first call, which must come
+tensor-core dot (one row: a float32 reduction instead). Block shapes are autotuned per (S, N, K) on the first call, which must come
 before any capture (a warm-up does it). Accumulation is float32; the output is rounded once
 to w's dtype, as torch's bf16 GEMM does.
 """
@@ -31,7 +31,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
     if S:
         _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
-            x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0), ROWS=MAX_ROWS)
+            x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0),
+            ROWS=1 if S == 1 else MAX_ROWS)
     return y
 
 
@@ -58,7 +59,10 @@ def _gemv(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
             kk = k0 + rk
             w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
             x = tl.load(x_ptr, mask=(rs[:, None] < S) & (kk[None, :] < K), other=0.0)
-        acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        if ROWS == 1:   # one row: a reduction on the CUDA cores (a dot would pad it to 16)
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        else:
+            acc += tl.dot(x.to(w.dtype), tl.trans(w))
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
     tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
