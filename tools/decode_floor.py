@@ -11,6 +11,9 @@ device-to-device copy (bytes read + written over time) and an eager read
                   float32 and back, RoPE halves, index_copy KV write, silu(gate) * up
   paged-unfused   the same, attention by vt.torch.paged_attention (live tokens only)
   paged-fused     plus vt.torch.fused: add_rms_norm, rope_and_cache, silu_mul
+fused-tgemv     paged-fused with vt.torch.triton_gemv's linear (at most 16 rows)
+fused-tgemv-silu  and its down projection with silu_mul computed as it reads (one kernel)
+linears-*       the step's linear layers alone (cuBLAS; tgemv: the Triton linear)
 --gemms: each linear's achieved weight bytes/s at S = 1, 8, 32 (a graph of 20 calls over
 copies of the weight that L2 cannot hold), as a fraction of the floor rate.
 This is evidence for wiring the kernels into vt.torch.llama; it does not go through vt
@@ -98,7 +101,7 @@ def forward_unfused(W, kc, vc, cos, sin, st: Step, paged: bool):
     st.logits.copy_(F.linear(rms(x, W["norm"]), W["head"]))
 
 
-def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear):
+def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear, silu_mul_down=None):
     S = st.ids.shape[0]
     x = W["embed"][st.ids]
     layers = W["layers"]
@@ -108,7 +111,10 @@ def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear):
                                  st.slots, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
         a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
         x, h = fused.add_rms_norm(x, lin(a.view(S, -1), L["o"]), L["mlp_norm"], EPS)
-        d = lin(fused.silu_mul(lin(h, L["gate_up"])), L["down"])
+        if silu_mul_down is None:
+            d = lin(fused.silu_mul(lin(h, L["gate_up"])), L["down"])
+        else:
+            d = silu_mul_down(lin(h, L["gate_up"]), L["down"])
         nxt = layers[i + 1]["attn_norm"] if i + 1 < len(layers) else W["norm"]
         x, h = fused.add_rms_norm(x, d, nxt, EPS)
     st.logits.copy_(lin(h, W["head"]))
@@ -232,8 +238,11 @@ def main():
             if tgemv and S <= tgemv.MAX_ROWS:
                 variants["fused-tgemv"] = lambda: forward_fused(W, kc, vc, cos, sin, st,
                                                                 lin=tgemv.linear)
+                variants["fused-tgemv-silu"] = lambda: forward_fused(
+                    W, kc, vc, cos, sin, st, lin=tgemv.linear, silu_mul_down=tgemv.silu_mul_linear)
                 variants["linears-tgemv"] = lambda: forward_linears(W, st, lin=tgemv.linear)
-            bases = {"paged-fused": "paged-unfused", "fused-tgemv": "paged-fused"}
+            bases = {"paged-fused": "paged-unfused", "fused-tgemv": "paged-fused",
+                     "fused-tgemv-silu": "paged-fused"}
             for name, fn in variants.items():
                 ms = replay_ms(fn)
                 fn()

@@ -26,6 +26,19 @@ def test_triton_linear_matches_float64(S, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("S", [1, 5, 16])
+def test_silu_mul_linear_matches_silu_mul_then_float64(S):
+    """The activation with torch's roundings (vt.torch.fused.silu_mul), then the product."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from vt.torch import fused, triton_gemv
+    gate_up = torch.randn(S, 2 * 14336, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, 14336, device="cuda", dtype=torch.bfloat16) * 14336 ** -0.5
+    y = triton_gemv.silu_mul_linear(gate_up, w)
+    assert rel_err(y, fused.silu_mul(gate_up).double() @ w.double().T) < 1e-2
+
+
+@pytest.mark.gpu
 def test_triton_linear_refuses_more_rows_than_it_holds():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
