@@ -9,6 +9,15 @@ PreTrainedTokenizerFast with a chat template. Every file is written by save_pret
 
   python3 tools/tiny_checkpoint.py /tmp/tiny-llama     # then: vt serve --model /tmp/tiny-llama
 
+`--shape llama3-8b` writes Llama-3-8B's shape instead (32 layers, hidden 4096, 32 heads, 8 KV
+heads, MLP 14336, rope_theta 500000, 8192 positions), bf16 random weights, 16 GB: what the
+serving benchmarks run on without downloading the model (tools/serve_http_ab.py). Its
+config's vocab_size is the real model's 128256, padded past the trained tokenizer's few
+hundred tokens as real checkpoints pad theirs: the weights and the logits have the 8B's
+size, and an id the tokenizer does not know decodes to no text. Its weights are drawn
+tensor by tensor on the GPU when there is one (else the CPU) and written in safetensors
+shards with their index, the names and shapes those vt.torch.hf loads.
+
 Needs torch, transformers and tokenizers (python3 -m pip install ".[serve]": transformers brings tokenizers).
 """
 from __future__ import annotations
@@ -34,6 +43,12 @@ CORPUS = [
 MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
              rope_theta=10000.0, tie_word_embeddings=False)
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                 initializer_range=0.02, rope_theta=500000.0, tie_word_embeddings=False,
+                 vocab_size=128256)
+SHAPES = {"tiny": MODEL, "llama3-8b": LLAMA3_8B}
+SHARD_BYTES = 4 << 30   # a safetensors file per ~4 GiB, as Hugging Face exports shard
 
 
 def train_tokenizer(vocab_size: int = 400):
@@ -59,34 +74,97 @@ def train_tokenizer(vocab_size: int = 400):
     return fast
 
 
-def build(path, *, seed: int = 0) -> Path:
-    """Write the checkpoint directory at `path` (created if missing); returns it."""
+def build(path, *, seed: int = 0, shape: str = "tiny", log=None) -> Path:
+    """Write the checkpoint directory at `path` (created if missing); returns it. shape:
+    "tiny" (transformers' own model, fp32) or "llama3-8b" (bf16 weights drawn directly,
+    write_random_weights). log: called with progress lines (the 8B shape takes a while)."""
     import torch
     import transformers
 
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; choose from {', '.join(SHAPES)}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer()
     eos = tokenizer.convert_tokens_to_ids(EOS)
     bos = tokenizer.convert_tokens_to_ids(BOS)
-    cfg = transformers.LlamaConfig(vocab_size=len(tokenizer), bos_token_id=bos, eos_token_id=eos,
-                                   pad_token_id=eos, **MODEL)
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
-    model.generation_config = transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[eos],
-                                                            pad_token_id=eos)
-    model.save_pretrained(path)
+    dims = dict(SHAPES[shape])
+    vocab = dims.pop("vocab_size", len(tokenizer))
+    cfg = transformers.LlamaConfig(vocab_size=vocab, bos_token_id=bos, eos_token_id=eos,
+                                   pad_token_id=eos, **dims)
+    generation = transformers.GenerationConfig(bos_token_id=bos, eos_token_id=[eos],
+                                               pad_token_id=eos)
+    if shape == "tiny":
+        torch.manual_seed(seed)
+        model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
+        model.generation_config = generation
+        model.save_pretrained(path)
+    else:
+        cfg.torch_dtype = "bfloat16"
+        cfg.save_pretrained(path)
+        generation.save_pretrained(path)
+        write_random_weights(path, seed=seed, std=cfg.initializer_range, log=log)
     tokenizer.save_pretrained(path)
     return path
+
+
+def write_random_weights(path: Path, *, seed: int, std: float, log=None) -> None:
+    """Every tensor the config.json at `path` implies (vt.torch.hf.hf_shapes: the names and
+    shapes the loader checks), bf16: matrices normal(0, std), norms 1. Each is drawn on the
+    GPU when there is one (a second of work for 8B parameters, against minutes on the CPU),
+    copied to the host and written into ~SHARD_BYTES safetensors files with
+    model.safetensors.index.json, one shard in host memory at a time."""
+    import json
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    from vt.torch.hf import hf_shapes, read_config
+
+    log = log or (lambda msg: None)
+    shapes = hf_shapes(read_config(path))
+    shards, size = [[]], 0
+    for name, shape in shapes.items():
+        nbytes = 2 * int(torch.Size(shape).numel())
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    t0, total = time.perf_counter(), 0
+    for i, (names, file) in enumerate(zip(shards, files)):
+        tensors = {}
+        for name in names:
+            if len(shapes[name]) == 1:   # a norm's weight
+                t = torch.ones(shapes[name], dtype=torch.bfloat16)
+            else:
+                t = torch.randn(shapes[name], generator=gen, device=device,
+                                dtype=torch.bfloat16).mul_(std).cpu()
+            tensors[name] = t
+        save_file(tensors, str(path / file), metadata={"format": "pt"})
+        total += sum(t.numel() * 2 for t in tensors.values())
+        log(f"tiny_checkpoint: wrote {file} ({total / 2**30:.1f} GiB, "
+            f"{time.perf_counter() - t0:.0f} s, weights drawn on {device.type})")
+        del tensors
+    index = {"metadata": {"total_size": total},
+             "weight_map": {name: file for names, file in zip(shards, files) for name in names}}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("path", help="the checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--shape", default="tiny", choices=list(SHAPES),
+                        help="tiny (default), or llama3-8b: Llama-3-8B's shape, bf16, 16 GB")
     args = parser.parse_args(argv)
-    out = build(args.path, seed=args.seed)
-    print(f"tiny Llama checkpoint written to {out}")
+    out = build(args.path, seed=args.seed, shape=args.shape,
+                log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(f"{args.shape} Llama checkpoint written to {out}")
     return 0
 
 

@@ -173,15 +173,15 @@ def test_png_without_matplotlib_is_refused_up_front(monkeypatch, capsys):
 def test_tokens_are_compared_only_where_the_model_is_batch_invariant():
     """On cuda's default model a request's batch (and so its logits bits) depends on timing
     that differs between modes: a token difference there is not a wrong token."""
-    from vt.cli.bench.serve_run import _compare
+    from vt.cli.bench.serve_run import compare_to_drain
     def cells():
         base = dict(preset="p", arrival="closed", load=2, output_tok_per_s=1.0, tpot_ms_p50=1.0,
                     ttft_ms_p99=1.0, **{f"{k}_runs": [1.0] for k in
                                         ("output_tok_per_s", "tpot_ms_p50", "ttft_ms_p99")})
         return [dict(base, mode="drain", token_ids=[[1, 2]]), dict(base, mode="ring", token_ids=[[1, 3]])]
     checked, unchecked = cells(), cells()
-    _compare(checked, compare_tokens=True)
-    _compare(unchecked, compare_tokens=False)
+    compare_to_drain(checked, compare_tokens=True)
+    compare_to_drain(unchecked, compare_tokens=False)
     assert [c["tokens_identical_to_drain"] for c in checked] == [True, False]
     assert [c["tokens_identical_to_drain"] for c in unchecked] == [None, None]
 

@@ -59,10 +59,18 @@ def check_model_arguments(args, who: str) -> None:
         raise UsageError(f"{who}: --max-concurrency must be at most 1024, got {args.max_concurrency}")
 
 
+def serving_config(mode: str, conc: int):
+    """The engine config of vt serve (and of the in-process side of tools/serve_http_ab.py, so
+    that both serve with the same graphs): `conc` rows, a graph per default size below it and
+    one of `conc` itself."""
+    from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig
+    sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s < conc) + (conc,)
+    return ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=sizes)
+
+
 def open_served(args, who: str, log):
     """(backend, ServedModel, Engine) for the parsed flags; the caller closes them in reverse."""
     from vt.engine.engine import Engine
-    from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig
     from vt.serve.model_source import load_checkpoint, load_preset
 
     name = backend_name(args.backend)
@@ -86,12 +94,11 @@ def open_served(args, who: str, log):
     except BaseException:
         be.close()
         raise
-    sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s < conc) + (conc,)
+    config = serving_config(args.mode, conc)
     try:
-        log(f"{who}: capturing the decode graphs ({args.mode}, sizes {', '.join(map(str, sizes))}) ...")
-        engine = Engine(be, served.step_model, ExecutorConfig.for_mode(
-            args.mode, serving_conc=conc, capture_sizes=sizes),
-            tensor_parallel=args.tensor_parallel)
+        log(f"{who}: capturing the decode graphs ({args.mode}, sizes "
+            f"{', '.join(map(str, config.capture_sizes))}) ...")
+        engine = Engine(be, served.step_model, config, tensor_parallel=args.tensor_parallel)
     except BaseException:
         served.close()
         be.close()

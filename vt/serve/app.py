@@ -46,7 +46,8 @@ def create_app(service: GenerationService) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": model.name, "object": "model", "created": 0,
                                             "owned_by": "vt",
-                                            "max_model_len": model.geometry.max_context}]}
+                                            "max_model_len": model.geometry.max_context,
+                                            "vocab_size": model.vocab}]}
 
     @app.get("/metrics")
     async def metrics():

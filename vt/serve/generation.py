@@ -120,14 +120,15 @@ class Generation:
                     self._first_at = self._last_at
                 tokens.append(tok)
                 piece = text.push([tok]) if text is not None else ""
+                # Every token is a delta, its text "" while the detokenizer holds it back (a
+                # partial UTF-8 character, a possible stop string, an id the tokenizer has
+                # no text for): a client sees each token when the engine made it, and the
+                # ids of the deltas add up to the completion.
+                yield Delta(piece, [tok])
                 if text is not None and text.stopped:
                     self._handle.cancel()
-                    if piece:
-                        yield Delta(piece, [tok])
                     self._finish("stop", tokens[:text.tokens])
                     return
-                if piece or text is None:
-                    yield Delta(piece, [tok])
             result = self._handle.result(timeout=5.0)
             if result.finish_reason == "error":
                 raise GenerationFailed(result.error or "the model's logits could not be sampled")

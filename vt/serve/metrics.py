@@ -60,7 +60,7 @@ class ServeMetrics:
 
     def render(self, engine: dict, in_flight: int) -> str:
         """The exposition text; `engine` is Engine.stats(), `in_flight` the server's requests."""
-        running = engine["requests_running"]
+        running, mode = engine["requests_running"], engine["mode"]
         blocks_in_use = engine["kv_blocks_total"] - engine["kv_blocks_free"]
         out = []
 
@@ -94,6 +94,8 @@ class ServeMetrics:
         family("vt_drained_steps", "counter",
                "Steps whose host waited for the previous step before preparing the next.",
                [f"vt_drained_steps_total {engine['drains']}"])
+        family("vt_engine_info", "gauge", "The engine's executor mode (the label; always 1).",
+               [f'vt_engine_info{{mode="{mode}"}} 1'])
         family("vt_failed_steps", "counter", "Steps that failed (their requests got an error).",
                [f"vt_failed_steps_total {engine['failed_steps']}"])
         return "\n".join(out) + "\n"

@@ -14,6 +14,9 @@ from vt.serve.text import TextCodec, eos_token_ids
 from vt.step import KVGeometry
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# The decoder takes a prompt chunk (or a whole mixed step) in one forward call: a prompt of P
+# tokens costs ceil(P / max_prefill_tokens) calls, not P (docs/torch.md).
+PREFILL = "flat"
 
 
 @dataclass
@@ -69,7 +72,7 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
         return ServedModel(name or path.name, build, geo, cfg.vocab, text, eos_token_ids(path))
     module = hf.load(path, geo, dtype=getattr(torch, dtype), device=torch_device(be))
     forward = module if wrap_forward is None else wrap_forward(module)
-    step = TorchForwardModel(be, forward, vocab=cfg.vocab, geometry=geo)
+    step = TorchForwardModel(be, forward, vocab=cfg.vocab, geometry=geo, prefill=PREFILL)
     return ServedModel(name or path.name, step, geo, cfg.vocab, text, eos_token_ids(path))
 
 
@@ -80,7 +83,7 @@ def checkpoint_shard(path: str, geometry: KVGeometry, dtype: str, be, tp):
     from vt.torch import TorchForwardModel, hf, torch_device
 
     module = hf.load(path, geometry, dtype=getattr(torch, dtype), device=torch_device(be), tp=tp)
-    return TorchForwardModel(be, module, vocab=module.cfg.vocab, geometry=geometry)
+    return TorchForwardModel(be, module, vocab=module.cfg.vocab, geometry=geometry, prefill=PREFILL)
 
 
 def load_preset(be, preset: str, *, max_seqs: int, max_context: int | None = None,

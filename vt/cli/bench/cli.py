@@ -22,6 +22,7 @@ EXAMPLES = """examples:
   vt bench --workload torch --conc 1 32 --json t.json
   vt bench --from-json small.json dense.json moe.json --png presets.png
   vt bench --workload serve --preset bench-small --clients 16 32 --modes drain ring --json s.json
+  vt bench --workload serve --url http://127.0.0.1:8000 --clients 16 32 --json http.json
 """
 
 
@@ -129,7 +130,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
     else:
         given = [flag for flag, v in (("--clients", args.clients), ("--rate", args.rate),
                                       ("--requests", args.requests), ("--output-len", args.output_len),
-                                      ("--prompt-range", args.prompt_range),
+                                      ("--prompt-range", args.prompt_range), ("--url", args.url),
                                       ("--arrival", None if args.arrival == ["closed"] else args.arrival))
                  if v is not None]
         if given:
@@ -301,8 +302,14 @@ def _cmd_serve(args: argparse.Namespace, error) -> int:
     from vt.cli.bench import serve_report
     from vt.cli.bench.progress import ProgressBar
     from vt.cli.bench.serve_run import run_serve
-    _resolve(args, error)
-    res = run_serve(args, lambda total: ProgressBar(total, bar=False if args.no_bar else None))
+    progress = lambda total: ProgressBar(total, bar=False if args.no_bar else None)  # noqa: E731
+    if args.url is not None:
+        from vt.cli.bench.serve_http import resolve_http, run_serve_http
+        resolve_http(args, error)
+        res = run_serve_http(args, progress)
+    else:
+        _resolve(args, error)
+        res = run_serve(args, progress)
     return _emit_serve(res, serve_report.table(res), args)
 
 

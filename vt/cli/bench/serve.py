@@ -42,6 +42,15 @@ def draw_requests(rng, n: int, vocab: int, prompt_len: tuple[int, int],
     return out
 
 
+def draw_work(seed: int, loads, requests: int, vocab: int, prompt_len: tuple[int, int],
+              output_len: tuple[int, int], conc: int) -> tuple[dict, list]:
+    """({load: its requests}, the warm-up requests) of one model, seeded: the in-process and the
+    HTTP bench (vt/cli/bench/serve_http.py) draw the same ones from the same flags."""
+    rng = np.random.default_rng(seed)
+    work = {load: draw_requests(rng, requests, vocab, prompt_len, output_len) for load in loads}
+    return work, draw_requests(rng, conc, vocab, prompt_len, (2, 4))
+
+
 CELL_TIMEOUT_S = 600.0   # the longest a cell may take; every wait in it has this deadline
 
 
@@ -117,20 +126,14 @@ def _late(what: str, finished: int, total: int, timeout_s: float):
                          f"deadline: {finished} of {total} requests finished")
 
 
+# The engine's counters a cell reports (their change over the cell).
+ENGINE_COUNTS = ("steps", "graph_steps", "eager_steps", "mixed_steps", "prefill_steps", "drains",
+                 "drain_s", "device_ms", "token_wait_s", "ring_waits", "eager_launch_s")
+
+
 def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> dict:
-    ttft, tpot, itl = [], [], []
-    for h, r in zip(handles, results):
-        times = r.token_times
-        if times is None or not len(times):
-            continue
-        ttft.append(times[0] - h.submitted_at)
-        if len(times) > 1:
-            tpot.append((times[-1] - times[0]) / (len(times) - 1))
-            itl.extend(np.diff(times).tolist())
     tokens = sum(len(r.tokens) for r in results)
-    d = {k: after[k] - before[k] for k in ("steps", "graph_steps", "eager_steps", "mixed_steps",
-                                           "prefill_steps", "drains", "drain_s", "device_ms",
-                                           "token_wait_s", "ring_waits", "eager_launch_s")}
+    d = {k: after[k] - before[k] for k in ENGINE_COUNTS}
     drains_after = {k: v - before["drains_after"].get(k, 0) for k, v in after["drains_after"].items()}
     phases = {}
     for name in ("decode", "prefill"):
@@ -149,6 +152,25 @@ def cell_metrics(handles, results, wall: float, before: dict, after: dict) -> di
                gpu_busy=busy_ms / 1e3 / wall if busy_ms else None,
                drained_fraction=d["drains"] / d["steps"] if d["steps"] else 0.0,
                drains_after=drains_after, phases=phases, **d)
+    out.update(latency_metrics([h.submitted_at for h in handles],
+                               [r.token_times for r in results]))
+    return out
+
+
+def latency_metrics(sent_at, token_times) -> dict:
+    """TTFT, TPOT and ITL percentiles in ms (LATENCY_KEYS) of requests sent at `sent_at`
+    whose tokens arrived at `token_times` (one array or list per request, seconds on the same
+    clock): the in-process cells' (the engine's token times) and the HTTP cells' (the
+    client's arrival times of the streamed tokens) by one formula."""
+    ttft, tpot, itl = [], [], []
+    for sent, times in zip(sent_at, token_times):
+        if times is None or not len(times):
+            continue
+        ttft.append(times[0] - sent)
+        if len(times) > 1:
+            tpot.append((times[-1] - times[0]) / (len(times) - 1))
+            itl.extend(np.diff(times).tolist())
+    out = {}
     for name, xs in zip(LATENCY_METRICS, (ttft, tpot, itl)):
         for p in PCTS:
             out[f"{name}_p{p}"] = float(np.percentile(xs, p) * 1e3) if xs else None

@@ -1,5 +1,7 @@
 """The serve bench's outputs: the printed table and the PNG (latency percentiles against load,
-one line per mode)."""
+one line per mode). A cell's `via` says how its requests came: "engine" (Engine.submit in the
+bench's process) or "http" (streamed completions against a running vt serve); an HTTP cell
+has "-" where only the engine knows (device time, the prefill split, drain causes)."""
 from __future__ import annotations
 
 import json
@@ -15,20 +17,24 @@ def table(res: dict) -> str:
     tokens = ("tokens compared across modes (batch-invariant model)" if res.get("tokens_compared")
               else "tokens not compared across modes: the model is not batch-invariant here "
                    "(VT_BATCH_INVARIANT=1 makes the bundled model so; a torch model is not)")
+    profiled = "engines profiled (device timing events); " if res.get("profiled", True) else ""
+    if res.get("url"):
+        profiled = ""
+        tokens = f"through HTTP against {res['url']} (vt serve); tokens not compared"
     lines = [f"serve: {res['requests']} requests per cell, output {res['output_len']}, prompt "
-             f"{res['prompt_len']} tokens; engines profiled (device timing events); {tokens}",
-             f"{'preset':<12} {'arrival':<8} {'load':>5} {'mode':<7} {'tok/s':>8} {'x drain':>7} "
+             f"{res['prompt_len']} tokens; {profiled}{tokens}",
+             f"{'preset':<12} {'via':<6} {'arrival':<8} {'load':>5} {'mode':<7} {'tok/s':>8} {'x drain':>7} "
              f"{'req/s':>6} {'TTFT p50/p99 ms':>16} {'TPOT p50/p99 ms':>16} {'ITL p99':>8} "
              f"{'busy':>5} {'drained':>7} {'prefill dev/host ms':>19}  drains after"]
     for r in res["cells"]:
         lines.append(
-            f"{r['preset']:<12} {r['arrival']:<8} {r['load']:>5g} {r['mode']:<7} "
+            f"{r['preset']:<12} {r.get('via', 'engine'):<6} {r['arrival']:<8} {r['load']:>5g} {r['mode']:<7} "
             f"{r['output_tok_per_s']:8.1f} {_f(r['output_tok_per_s_to_drain'], '7.3f')} "
             f"{r['requests_per_s']:6.2f} "
             f"{_f(r['ttft_ms_p50'], '.1f'):>7}/{_f(r['ttft_ms_p99'], '.1f'):<8} "
             f"{_f(r['tpot_ms_p50'], '.2f'):>7}/{_f(r['tpot_ms_p99'], '.2f'):<8} "
             f"{_f(r['itl_ms_p99'], '8.2f')} {_f(r['gpu_busy'], '5.2f')} "
-            f"{r['drained_fraction']:7.3f} {_prefill_ms(r):>19}  {r['drains_after']}"
+            f"{_f(r['drained_fraction'], '7.3f')} {_prefill_ms(r):>19}  {r['drains_after'] or '-'}"
             + ("" if r["tokens_identical_to_drain"] is not False else "  WRONG TOKENS"))
     paired = [r for r in res["cells"] if len(r.get("output_tok_per_s_to_drain_runs") or []) > 1
               and r["mode"] != "drain"]
@@ -56,8 +62,8 @@ def _prefill_ms(r: dict) -> str:
     only, which a call's first wave dominates; older ones show '-')."""
     ph = r.get("phases", {}).get("prefill", {})
     dev = ph["device_ms"] / ph["device_steps"] if ph.get("device_steps") else None
-    n = r.get("mixed_steps", 0) + r.get("prefill_steps", 0)
-    if "eager_launch_s" in r and n and not r.get("eager_steps"):
+    n = (r.get("mixed_steps") or 0) + (r.get("prefill_steps") or 0)   # None: through HTTP
+    if r.get("eager_launch_s") is not None and n and not r.get("eager_steps"):
         host = 1e3 * r["eager_launch_s"] / n
     else:
         host = 1e3 * ph["launch_s"] / ph["timed_steps"] if ph.get("timed_steps") else None

@@ -16,9 +16,7 @@ import platform
 import statistics
 import time
 
-import numpy as np
-
-from vt.cli.bench.serve import LATENCY_KEYS, draw_requests, serve_cell
+from vt.cli.bench.serve import LATENCY_KEYS, draw_work, serve_cell
 
 SERVE_DEFAULTS = {   # backend -> (clients, rate, requests per cell, output len, prompt len)
     "cuda": ([16, 32], [40.0], 96, [128, 256], [16, 64]),
@@ -40,6 +38,10 @@ def add_serve_arguments(p) -> None:
     g.add_argument("--output-len", type=int, nargs="+", default=None, metavar="N",
                    help="max_new_tokens: N, or MIN MAX drawn uniformly with --seed "
                         "(default: 128 256 on cuda, 3 8 on sim)")
+    g.add_argument("--url", default=None,
+                   help="drive a running `vt serve` at this address (http://HOST:PORT) through "
+                        "streamed /v1/completions instead of an engine in this process: the same "
+                        "requests, its model and mode (vt/cli/bench/serve_http.py)")
     g.add_argument("--prompt-range", type=int, nargs="+", default=None, metavar="N",
                    help="prompt tokens: N, or MIN MAX (default: 16 64 on cuda, 2 6 on sim)")
 
@@ -113,10 +115,8 @@ def run_serve(args, progress_factory) -> dict:
                 preset, vocab, model, close_model, same_tokens = _serve_model(
                     be, name, conc, context, args.seed)
                 invariant.append(same_tokens)
-                rng = np.random.default_rng(args.seed)
-                work = {load: draw_requests(rng, args.requests, vocab, args.prompt_range,
-                                            args.output_len) for load in loads}
-                warm = draw_requests(rng, conc, vocab, args.prompt_range, (2, 4))
+                work, warm = draw_work(args.seed, loads, args.requests, vocab,
+                                       args.prompt_range, args.output_len, conc)
                 engines = {}
                 try:
                     for mode in args.modes:
@@ -136,7 +136,8 @@ def run_serve(args, progress_factory) -> dict:
                             for mode, eng in (order[::-1] if rep % 2 else order):
                                 row, tokens = serve_cell(eng, work[arrival, load], arrival, load,
                                                          args.seed)
-                                row.update(preset=preset, mode=mode, arrival=arrival, load=load)
+                                row.update(preset=preset, mode=mode, arrival=arrival, load=load,
+                                           via="engine")
                                 row["token_ids"] = tokens
                                 runs.setdefault((arrival, load, mode), []).append(row)
                                 progress.step(_line(row))
@@ -151,7 +152,7 @@ def run_serve(args, progress_factory) -> dict:
         info = be.info()
     finally:
         be.close()
-    _compare(cells, compare_tokens=all(invariant))
+    compare_to_drain(cells, compare_tokens=all(invariant))
     from vt.cli.bench.run import vt_commit
     return dict(format="vt-bench-serve/1", workload="serve", backend=be.name, vt_commit=vt_commit(),
                 device=str(info.get("device", "")), host=platform.node(),
@@ -182,13 +183,13 @@ def median_run(rows: list[dict]) -> dict:
     return row
 
 
-def _compare(cells: list[dict], compare_tokens: bool) -> None:
+def compare_to_drain(cells: list[dict], compare_tokens: bool) -> None:
     """Per (preset, arrival, load): ratios to drain, and the token check where the model is
     batch-invariant (else None); tokens dropped."""
     for row in cells:
         drain = next((c for c in cells if c["mode"] == "drain" and
-                      (c["preset"], c["arrival"], c["load"]) ==
-                      (row["preset"], row["arrival"], row["load"])), None)
+                      (c["preset"], c["arrival"], c["load"], c.get("via")) ==
+                      (row["preset"], row["arrival"], row["load"], row.get("via"))), None)
         row["tokens_identical_to_drain"] = (None if drain is None or not compare_tokens else
                                             row["token_ids"] == drain["token_ids"])
         for k in PER_RUN:
