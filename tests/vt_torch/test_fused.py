@@ -67,6 +67,16 @@ def test_silu_mul_matches_float64():
     assert rel_err(fused.silu_mul(gu), g * torch.sigmoid(g) * u) < 1e-6
 
 
+def test_linear_and_silu_mul_linear_match_float64():
+    """The CPU forms (F.linear; silu_mul then F.linear), the bias added."""
+    x, gu = torch.randn(3, 40), torch.randn(3, 2 * 40)
+    w, b = torch.randn(24, 40), torch.randn(24)
+    g, u = gu.double().chunk(2, dim=-1)
+    assert rel_err(fused.linear(x, w, b), x.double() @ w.double().T + b.double()) < 1e-6
+    assert rel_err(fused.silu_mul_linear(gu, w, b),
+                   (g * torch.sigmoid(g) * u) @ w.double().T + b.double()) < 1e-5
+
+
 @pytest.mark.parametrize("call,match", [
     (lambda: fused.add_rms_norm(torch.zeros(2, 8), torch.zeros(2, 4), torch.zeros(8), 1e-6), "hidden"),
     (lambda: fused.rms_norm(torch.zeros(2, 8), torch.zeros(8, dtype=torch.float64), 1e-6), "dtype"),

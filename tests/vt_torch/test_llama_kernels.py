@@ -1,7 +1,8 @@
 """LlamaDecoder's `kernels`: a decode step on vt's kernels ("vt": paged decode attention over
 the live tokens, the fused norm / SiLU / RoPE-and-cache ops) computes what the plain torch
-step ("torch": dense attention over max_context, masked) computes. On the CPU both run plain
-torch (the CI twin of the wiring); on CUDA "vt" runs the Triton kernels. Tolerances (relative
+step ("torch": dense attention over max_context, masked) computes, and so does "vt" with
+`linear="triton"` (vt.torch.triton_gemv's projections at <= 16 rows). On the CPU both run
+plain torch (the CI twin of the wiring); on CUDA "vt" runs the Triton kernels. Tolerances (relative
 Frobenius error of the logits): float32 1e-5; bf16 on CUDA 3e-2 (bf16 storage rounds each
 layer's activations; the paged kernel sums in float32, SDPA in its own order)."""
 import dataclasses
@@ -20,10 +21,10 @@ from _torch_util import (GEO, TINY, eager_greedy, generate, prompts, step_model,
 CONFIGS = {"llama": dataclasses.replace(TINY, qk_norm=False), "qwen3": TINY}
 
 
-def twin(module: LlamaDecoder, kernels: str) -> LlamaDecoder:
+def twin(module: LlamaDecoder, kernels: str, linear: str = "torch") -> LlamaDecoder:
     """The same weights and KV cache on the other kernels."""
     other = LlamaDecoder(module.cfg, module.geometry, dtype=module.embed.weight.dtype,
-                         device=module.k_cache.device, kernels=kernels)
+                         device=module.k_cache.device, kernels=kernels, linear=linear)
     other.load_state_dict(module.state_dict())
     with torch.no_grad():
         other.k_cache.copy_(module.k_cache)
@@ -55,10 +56,10 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def decode_both(ref: LlamaDecoder, lens, seed):
+def decode_both(ref: LlamaDecoder, lens, seed, linear: str = "torch"):
     """(vt's logits, torch's logits, the twin) of one random decode step; both caches after."""
     inputs = random_decode_step(ref, lens, seed)
-    fast = twin(ref, "vt")
+    fast = twin(ref, "vt", linear)
     outs = [torch.empty(len(lens), ref.cfg.vocab, device=ref.k_cache.device) for _ in range(2)]
     fast(inputs, outs[0])
     ref(inputs, outs[1])
@@ -73,6 +74,28 @@ def test_kernels_choice():
     assert decode_kernels("vt", torch.device("cpu"), 96) == "vt"
     with pytest.raises(ValueError, match="kernels='triton' must be"):
         decode_kernels("triton", torch.device("cpu"), 64)
+
+
+def test_linear_choice_is_checked(sim_backend):
+    ref = tiny_llama(sim_backend, cfg=CONFIGS["llama"], kernels="torch")
+    with pytest.raises(ValueError, match="linear='cublas' must be 'torch' or 'triton'"):
+        twin(ref, "vt", "cublas")
+    with pytest.raises(ValueError, match="needs kernels='vt'"):
+        twin(ref, "torch", "triton")
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_triton_linear_wiring_computes_the_torch_step_on_cpu(sim_backend, arch):
+    """On the CPU linear="triton" runs fused.linear's torch form: the same ops in the same
+    order as linear="torch", so the logits are equal bit for bit."""
+    ref = tiny_llama(sim_backend, cfg=CONFIGS[arch], kernels="torch")
+    inputs = random_decode_step(ref, [5, 17, 1, GEO.max_context], seed=3)
+    outs = []
+    for linear in ("torch", "triton"):
+        m = twin(ref, "vt", linear)
+        outs.append(torch.empty(4, ref.cfg.vocab))
+        m(inputs, outs[-1])
+    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
@@ -102,15 +125,16 @@ def _cuda():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("linear", ["torch", "triton"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_triton_decode_step_equals_dense_bf16_on_cuda(arch):
-    """bf16 on CUDA: the Triton step's logits within 3e-2 of the dense torch step's, on fresh
-    random caches and weights."""
+def test_triton_decode_step_equals_dense_bf16_on_cuda(arch, linear):
+    """bf16 on CUDA: the Triton step's logits (with cuBLAS's or the Triton linears) within
+    3e-2 of the dense torch step's, on fresh random caches and weights."""
     be = _cuda()
     try:
         ref = tiny_llama(be, cfg=CONFIGS[arch], dtype=torch.bfloat16, kernels="torch",
                          seed=int(torch.seed()) % 2**31)
-        got, want, _ = decode_both(ref, [5, 17, 1, GEO.max_context, 2], seed=2)
+        got, want, _ = decode_both(ref, [5, 17, 1, GEO.max_context, 2], seed=2, linear=linear)
         assert torch.isfinite(got).all()
         assert rel_err(got, want) < 3e-2
     finally:
@@ -119,14 +143,15 @@ def test_triton_decode_step_equals_dense_bf16_on_cuda(arch):
 
 @pytest.mark.gpu
 @pytest.mark.torch_allocator
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_greedy_tokens_equal_dense_on_cuda(dtype):
+@pytest.mark.parametrize("dtype,linear", [(torch.float32, "torch"), (torch.float16, "torch"),
+                                          (torch.float16, "triton")])
+def test_triton_greedy_tokens_equal_dense_on_cuda(dtype, linear):
     """float32 and float16 on CUDA: vt serving the Triton decoder (captured decode steps) gives
     the dense torch decoder's eager greedy tokens."""
     be = _cuda()
     try:
         ref = tiny_llama(be, cfg=CONFIGS["llama"], dtype=dtype, kernels="torch")
-        fast = twin(ref, "vt")
+        fast = twin(ref, "vt", linear)
         ps = prompts(4, seed=5)
         expect = [eager_greedy(ref, p, 8) for p in ps]
         assert [eager_greedy(fast, p, 8) for p in ps] == expect

@@ -8,6 +8,10 @@ kernel rounds it there too), so a fused step stays within float32 rounding of th
     add_rms_norm(x, delta, weight, eps)   h = x + delta; (h, rms_norm(h, weight, eps))
     rope_and_cache(qkv, ...)              q rotated; k rotated and v written to their slots
     silu_mul(gate_up)                     silu(gate) * up of the fused [gate | up] rows
+    linear(x, weight, bias)               F.linear; on CUDA at <= 16 rows of bf16/fp16, one
+                                          vt.torch.triton_gemv kernel (the bias added after)
+    silu_mul_linear(gate_up, weight, bias)  linear(silu_mul(gate_up), weight, bias); on CUDA
+                                          at <= 16 rows, one kernel
 
 Every shape is fixed by the inputs' shapes and nothing is read on the host, so each call
 captures in a CUDA graph as it is. Triton is imported only when a CUDA tensor arrives.
@@ -82,6 +86,29 @@ def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear(x, weight, bias). On CUDA, x [S, K] of at most triton_gemv.MAX_ROWS rows in
+    weight's dtype (bf16 or fp16) runs vt.torch.triton_gemv.linear, its bias (if any) added
+    after: the candidate against cuBLAS at a decode step's few rows (docs/torch.md says how
+    it is measured). Anything else: F.linear."""
+    if _gemv_fits(x, weight):
+        y = _gemv().linear(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """linear(silu_mul(gate_up), weight, bias): the MLP's down projection. On CUDA at most
+    triton_gemv.MAX_ROWS rows in weight's dtype (bf16 or fp16) are one kernel
+    (triton_gemv.silu_mul_linear: the activation computed as the rows are read, with
+    silu_mul's roundings); anything else is the two ops."""
+    if _gemv_fits(gate_up, weight):
+        y = _gemv().silu_mul_linear(gate_up, weight)
+        return y if bias is None else y + bias
+    return F.linear(silu_mul(gate_up), weight, bias)
+
+
 def _rms_norm_torch(x, weight, eps):
     # In float32, as Hugging Face's Llama does, then back to the storage dtype.
     xf = x.float()
@@ -113,6 +140,16 @@ def _check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads,
                          f"{tuple(positions.shape)} and {tuple(slot_mapping.shape)}")
     if k_cache.dtype != qkv.dtype:
         raise ValueError(f"rope_and_cache: qkv is {qkv.dtype}, the cache {k_cache.dtype}")
+
+
+def _gemv_fits(x, weight) -> bool:
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16))
+
+
+def _gemv():
+    from vt.torch import triton_gemv
+    return triton_gemv
 
 
 def _triton():

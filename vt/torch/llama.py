@@ -17,12 +17,19 @@ A decode step's shapes are fixed by B and the geometry, so it has no host sync a
 it as it is. `kernels` picks its attention and layer ops: "torch" reads max_context slots per
 row and masks those at or beyond seq_lens (plain torch); "vt" runs
 vt.torch.paged_attention.paged_decode_attention (each row's live tokens only) and the fused
-ops of vt.torch.fused (rms_norm, add_rms_norm for each residual add and the norm after
-it, the next layer's or the final one, silu_mul,
-and rope_and_cache unless qk_norm, whose norm sits between the projection and RoPE); "auto"
-(the default) is "vt" on CUDA with a power-of-two head_dim (the Triton kernels' shape), else
-"torch". On the CPU "vt" computes the same in plain torch but reads seq_lens on the host, so
-a captured (fake-tensor) step refuses it. Steps with prompt tokens use the torch ops always. A step with prompt tokens runs eagerly: serve the decoder with
+ops of vt.torch.fused (rms_norm, add_rms_norm for each residual add and the norm after it,
+the next layer's or the final one, silu_mul, and rope_and_cache unless qk_norm, whose norm
+sits between the projection and RoPE); "auto" (the default) is "vt" on CUDA with a
+power-of-two head_dim (the Triton kernels' shape), else "torch". On the CPU "vt" computes the
+same in plain torch but reads seq_lens on the host, so a captured (fake-tensor) step refuses
+it.
+
+`linear` picks what computes a decode step's projections on vt's kernels: "torch" (the
+default: nn.Linear, cuBLAS on CUDA) or "triton" (vt.torch.fused.linear: at most 16 rows in
+bf16/fp16 on CUDA run vt.torch.triton_gemv's kernel, and the down projection takes silu_mul
+into its kernel; more rows, or the CPU, compute the same with the torch ops).
+
+Steps with prompt tokens use the torch ops always, and run eagerly: serve the decoder with
 TorchForwardModel(..., prefill="flat") so that a prompt chunk, or a whole mixed step, is one
 call. vt.torch.hf loads Hugging Face checkpoints into it.
 
@@ -92,9 +99,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, gemv: bool = False):
         super().__init__()
         self.cfg, self.tp = cfg, tp
+        # gemv: a decode step on vt's kernels runs its projections through fused.linear
+        self.linear = fused.linear if gemv else F.linear
         # This rank's heads: qkv is column-parallel (its heads' rows), o row-parallel.
         self.heads, self.kv_heads = tp.local(cfg.heads, "heads"), tp.local(cfg.kv_heads, "kv_heads")
         q, kv = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
@@ -109,11 +118,12 @@ class Attention(nn.Module):
         p = ctx.paged
         if p is not None and self.q_norm is None:
             # RoPE and the paged KV write in one pass over the fused projection.
-            q = fused.rope_and_cache(self.qkv(x), p.positions, p.cos_table, p.sin_table,
+            qkv = self.linear(x, self.qkv.weight, self.qkv.bias)
+            q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table,
                                      k_cache, v_cache, ctx.slot_mapping, heads=heads,
                                      kv_heads=kv_heads, head_dim=hd)
             out = attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1)
-            return self.tp.row_parallel(self.o, out)
+            return self.tp.row_parallel(self.o, out, self.linear)
         q, k, v = self.qkv(x).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
         q = q.view(T, heads, hd)
         k = k.view(T, kv_heads, hd)
@@ -130,15 +140,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, gemv: bool = False):
         super().__init__()
-        self.tp = tp
+        self.tp, self.gemv = tp, gemv
         # This rank's share of the intermediate: gate_up column-parallel, down row-parallel.
         inter = tp.local(cfg.intermediate, "intermediate")
         self.gate_up = nn.Linear(cfg.hidden, 2 * inter, bias=cfg.mlp_bias)   # fused [gate | up]
         self.down = nn.Linear(inter, cfg.hidden, bias=cfg.mlp_bias)
 
     def forward(self, x, fused_ops: bool = False):
+        if fused_ops and self.gemv:   # the activation inside the down projection's kernel
+            gate_up = fused.linear(x, self.gate_up.weight, self.gate_up.bias)
+            return self.tp.row_parallel(self.down, gate_up, fused.silu_mul_linear)
         if fused_ops:
             return self.tp.row_parallel(self.down, fused.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -146,12 +159,12 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, gemv: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.attn = Attention(cfg, tp)
+        self.attn = Attention(cfg, tp, gemv)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.mlp = MLP(cfg, tp)
+        self.mlp = MLP(cfg, tp, gemv)
 
     def forward(self, x, ctx: AttentionContext, k_cache, v_cache, delta=None):
         """The layer over the residual stream x + delta (delta: the previous layer's MLP
@@ -189,19 +202,28 @@ class LlamaDecoder(nn.Module):
     shard_state_dict makes a rank's weights."""
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
-                 device="cuda", kernels: str = "auto", tp: TensorParallel | None = None):
+                 device="cuda", kernels: str = "auto", linear: str = "torch",
+                 tp: TensorParallel | None = None):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
         self.cfg, self.geometry = cfg, geometry
         self.kernels = decode_kernels(kernels, torch.device(device), cfg.head_dim)
+        if linear not in ("torch", "triton"):
+            raise ValueError(f"LlamaDecoder: linear={linear!r} must be 'torch' or 'triton'")
+        if linear == "triton" and self.kernels != "vt":
+            raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
+                             "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
+        self.linear = linear
+        gemv = linear == "triton"
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
         rows = self.vocab_shard * self.tp.size if cfg.tie_embeddings else cfg.vocab
         self.embed = nn.Embedding(rows, cfg.hidden, **factory)
         with torch.device(device):
-            self.layers = nn.ModuleList(Layer(cfg, self.tp) for _ in range(cfg.layers)).to(dtype)
+            self.layers = nn.ModuleList(Layer(cfg, self.tp, gemv)
+                                        for _ in range(cfg.layers)).to(dtype)
             self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
             self.lm_head = None if cfg.tie_embeddings else nn.Linear(
                 cfg.hidden, self.vocab_shard, bias=False, **factory)
@@ -231,11 +253,12 @@ class LlamaDecoder(nn.Module):
             x, delta = layer(x, ctx, self.k_cache[i], self.v_cache[i], delta)
         if delta is not None:   # vt's kernels (a decode step): the last add in the final norm
             x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+            head = fused.linear if self.linear == "triton" else F.linear
+            logits = head(x, self.head_weight())   # [B, vocab_shard]: this rank's vocab shard
         else:
             if not inputs.is_decode:   # a decode step's tokens are its sequences
                 x = x[inputs.logits_indices.long()]
-            x = self.norm(x)
-        logits = F.linear(x, self.head_weight())   # [B, vocab_shard]: this rank's vocab shard
+            logits = F.linear(self.norm(x), self.head_weight())
         # The vocab-parallel head: the ranks' shards side by side, the padding dropped.
         logits_out.copy_(self.tp.all_gather(logits, dim=-1)[:, :self.cfg.vocab])
 

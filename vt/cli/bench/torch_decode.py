@@ -127,8 +127,9 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
                      max_context=blocks * bs)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels)
-    out["kernels"] = module.kernels
+    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels,
+                          linear=args.linear)
+    out["kernels"], out["linear"] = module.kernels, module.linear
     out["weight_bytes"] = weight_bytes(module)
     out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * dtype.itemsize
     out["embed_row_bytes"] = cfg.hidden * dtype.itemsize
@@ -259,7 +260,7 @@ def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
 def format_table(r: dict) -> str:
     rate = r.get("floor_Bps")
     lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, kernels "
-             f"{r.get('kernels')}, vt mode {r['mode']}, max_context {r['max_context']}; weights "
+             f"{r.get('kernels')}, linear {r.get('linear', 'torch')}, vt mode {r['mode']}, max_context {r['max_context']}; weights "
              f"{r['weight_bytes'] / 1e9:.2f} GB, KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token"
              + (f", floor rate {rate / 1e12:.2f} TB/s (copy {r['copy_Bps'] / 1e12:.2f}, read "
                 f"{r['read_Bps'] / 1e12:.2f})" if rate else ", no floor on this backend"),

@@ -68,7 +68,7 @@ def run(args) -> dict:
     from vt.cli.bench.torch_workload import tool_setup
     be, cfg, dtype, common = tool_setup(args.preset, args.backend)
     cuda = be.name == "cuda"
-    out = dict(common, mode=args.mode, kernels=args.kernels, conc=args.conc,
+    out = dict(common, mode=args.mode, kernels=args.kernels, linear=args.linear, conc=args.conc,
                prompt_len=args.prompt_len, context=args.context)
     try:
         out["vt"] = _run_vt(be, cfg, dtype, args)
@@ -103,7 +103,8 @@ def _run_vt(be, cfg, dtype, args) -> dict:
                      max_context=blocks * bs)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels)
+    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels,
+                          linear=args.linear)
     params = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embed."))
     if module.lm_head is None:
         params += module.embed.weight.numel()

@@ -51,7 +51,8 @@ PRESETS = {
 
 
 def add_tool_arguments(p) -> None:
-    """The torch tools' shared flags: the model, the backend, vt's mode, the decoder's kernels."""
+    """The torch tools' shared flags: the model, the backend, vt's mode, the decoder's kernels
+    and linears."""
     p.add_argument("--preset", default="torch-llama3-8b",
                    choices=["tiny"] + [n for n in PRESETS if n != "torch-tiny"],
                    help="the decoder's shape (default torch-llama3-8b; tiny: a test size)")
@@ -59,6 +60,9 @@ def add_tool_arguments(p) -> None:
     p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
     p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
                    help="LlamaDecoder's decode attention and layer ops (default auto: vt's on CUDA)")
+    p.add_argument("--linear", default="torch", choices=["torch", "triton"],
+                   help="LlamaDecoder's linears in decode steps on vt's kernels: torch "
+                        "(cuBLAS, the default) or triton (vt.torch.triton_gemv at <= 16 rows)")
 
 
 def tool_setup(preset: str, backend: str):
