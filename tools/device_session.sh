@@ -2,7 +2,8 @@
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
 # Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
-#   sampler profile serve serve-ab torch prefill llama8b llama8b-serve tp2 tp4
+#   sampler profile serve serve-ab torch prefill llama8b llama8b-serve serve-http gemv faults
+#   tp2 tp4
 # (tp2, tp4: tensor parallelism, on a machine of 2 or 4 GPUs)
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
@@ -93,6 +94,16 @@ for s in "${stages[@]}"; do
                      --preset torch-llama3-8b --modes drain ring --arrival closed --clients 16 32 \
                      --prompt-range 256 2048 --output-len 128 --requests 96 --repeats 2 --no-bar \
                      --json "$OUT/llama8b-serve.json" ;;
+    serve-http) stage serve-http-ab python3 tools/serve_http_ab.py --shape llama3-8b \
+                  --checkpoint-dir /tmp/vt-llama3-8b-shape --json "$OUT/serve-http-ab.json" ;;
+    gemv) stage gemv-floor python3 tools/decode_floor.py --cases 1:256 1:2048 32:2048 --gemms
+          for lin in torch triton; do   # cuBLAS against the Triton linear, served by vt
+            stage "gemv-decode-$lin" python3 -m vt.cli.bench.torch_decode --rows 1 8 16 \
+              --live 256 2048 --max-context 4096 --steps 64 --repeats 2 --hf-rows --no-peer \
+              --linear $lin --json "$OUT/gemv-decode-$lin.json"
+          done ;;
+    faults) stage fault-fuzz python3 tools/fuzz.py --faults --time-budget-s 50 \
+              --json "$OUT/fuzz-faults.json" ;;
     tp2|tp4) n=${s#tp}
              stage "$s-tests" python3 -m pytest -q tests/parallel tests/vt_torch/test_tensor_parallel.py
              stage "$s-broadcast" python3 tools/plan_broadcast_cost.py --rows 1 8 64 \
