@@ -31,6 +31,30 @@ def test_incremental_text_is_always_a_prefix_of_the_whole_decode(codec, seed):
     assert sent + detok.flush() == whole
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_ids_without_text_keep_the_window_short_and_the_text_whole(codec, seed):
+    """Ids past the tokenizer's vocabulary (a padded embedding's rows) and special tokens
+    decode to nothing: mixed among real ids, the text is still the whole decode's, and the
+    decode window stays short instead of growing with every such id (it grows only while a
+    character waits for its bytes, until the next id with text: here, 300 ids, under 40)."""
+    rng = np.random.default_rng(seed)
+    vocab = len(codec.tokenizer)
+    ids = [int(i) if rng.random() < 0.2 else int(vocab + i)
+           for i in rng.integers(0, vocab, 300)]
+    windows = []
+
+    def decode(window):
+        windows.append(len(window))
+        return codec.decode(window)
+
+    detok, sent = IncrementalDetokenizer(decode), ""
+    for i in ids:
+        sent += detok.push([i])
+        assert codec.decode(ids).startswith(sent)
+    assert sent + detok.flush() == codec.decode(ids)
+    assert max(windows) < 40, max(windows)
+
+
 def test_a_character_split_over_tokens_waits_for_its_last_byte(codec):
     """An emoji whose four UTF-8 bytes are four tokens: nothing until the fourth."""
     tok = codec.tokenizer

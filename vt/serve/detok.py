@@ -6,7 +6,9 @@ and vLLM: decode the tokens from `prefix` on, subtract the text of the ones alre
 (`prefix`..`read`), and emit the rest only when it does not end in U+FFFD (a character whose
 bytes have not all arrived). Decoding a window rather than one token at a time keeps the
 tokenizer's context (spaces merged across tokens) and costs a few tokens per step, not the
-whole output. What is emitted is always a prefix of decoding every token at once.
+whole output. What is emitted is always a prefix of decoding every token at once. Tokens that
+add no text at all after their context leave the window at once, so a run of them (ids the
+tokenizer has no text for) costs the same per token as any other.
 
 StopStrings holds back the longest tail that could still begin a stop string, and cuts the
 text before the first stop string found, as OpenAI does (the stop string is not returned).
@@ -21,17 +23,25 @@ _REPLACEMENT = "\ufffd"
 class IncrementalDetokenizer:
     def __init__(self, decode: Callable[[list[int]], str]):
         self._decode = decode
-        self.tokens: list[int] = []
+        self.tokens: list[int] = []      # the decode window's ids (emitted context + pending)
         self._prefix = self._read = 0
 
     def push(self, ids) -> str:
         """Add tokens; the new complete text (possibly "")."""
+        start = len(self.tokens)
         self.tokens.extend(ids)
         done = self._decode(self.tokens[self._prefix:self._read])
         text = self._decode(self.tokens[self._prefix:])
         if len(text) > len(done) and not text.endswith(_REPLACEMENT):
             self._prefix, self._read = self._read, len(self.tokens)
             return text[len(done):]
+        if text == done and self._read == start:
+            # The new tokens add nothing after their context and no character waits for
+            # bytes (ids with no text: special tokens, ids past the tokenizer's vocabulary):
+            # drop them from the window, which would otherwise grow, and every push with it,
+            # for as long as such ids come. (While a character waits, an unchanged text
+            # proves nothing: its replacement character looks the same with more bytes.)
+            del self.tokens[start:]
         return ""
 
     def flush(self) -> str:
