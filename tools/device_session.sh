@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call that gathers the GPU evidence the issues ask for, each stage logged under $OUT.
 # Usage (on the GPU machine, repo root, .whl carried): tools/device_session.sh [stage ...]
-# Stages: info smoke tests memcheck bench hazard run synthetic presets fuzz soak sanitize
-#   sampler profile serve serve-ab torch prefill llama8b llama8b-serve serve-http gemv faults
-#   tp2 tp4
+# Stages: info smoke tests gpu-tests memcheck bench hazard run synthetic presets ring-check
+#   fuzz faults soak sanitize sampler profile serve serve-ab torch prefill llama8b
+#   (= llama8b-ttft llama8b-decode llama8b-ctx) llama8b-serve serve-http gemv tp2 tp4
 # (tp2, tp4: tensor parallelism, on a machine of 2 or 4 GPUs)
 # (default: info smoke tests memcheck bench hazard run, in that order).
 set -uo pipefail
@@ -30,6 +30,15 @@ for s in "${stages[@]}"; do
     info) stage info python3 -m vt info ;;
     smoke) stage smoke python3 tools/gpu_smoke.py ;;
     tests) stage tests python3 -m pytest -q -rs tests ;;
+    gpu-tests) stage gpu-tests python3 -m pytest -q -m gpu -rfE tests -p no:cacheprovider \
+                 --durations=12 ;;
+    ring-check)   # the synthetic workload and the presets, ring only: D=0, S=1 and 32, 3 repeats
+      stage ring-synthetic python3 -m vt bench --workload synthetic --device-us 0 --conc 1 32 \
+        --modes ring --repeats 3 --warmup-s 0.5 --vocab 32000 --no-bar \
+        --json "$OUT/ring-synthetic.json"
+      stage ring-presets python3 -m vt bench --workload model --preset bench-small bench-dense \
+        --conc 1 32 --modes ring --steps 160 --prompt-len 8 --repeats 3 --profile off --no-bar \
+        --json "$OUT/ring-presets.json" ;;
     memcheck) stage memcheck1 bash tools/memcheck.sh; stage memcheck2 bash tools/memcheck.sh ;;
     bench) stage bench-dense python3 tools/bench_step.py --preset bench-dense --batch 1 8 32
            stage bench-moe python3 tools/bench_step.py --preset bench-moe --batch 1 8 32 ;;
@@ -80,16 +89,23 @@ for s in "${stages[@]}"; do
            stage torch-memcheck bash tools/sanitize.sh memcheck tests/vt_torch
            stage torch-bench python3 -m vt bench --workload torch --conc 1 32 --steps 100 --repeats 2 \
              --profile off --no-bar --json "$OUT/torch.json" ;;
-    llama8b) stage llama8b-ttft python3 -m vt.cli.bench.torch_ttft --conc 32 --prompt-len 512 \
-               --context 640 --single 128 1024 4096 --repeats 3 --json "$OUT/llama8b-ttft.json"
-             stage llama8b-decode python3 -m vt.cli.bench.torch_decode --rows 1 8 32 64 \
-               --live 256 2048 --max-context 4096 --steps 64 --repeats 2 \
-               --json "$OUT/llama8b-decode.json" --png "$OUT/llama8b-decode.png"
-             for ctx in 512 32768; do   # TPOT must not grow with max_context
-               stage "llama8b-decode-ctx$ctx" python3 -m vt.cli.bench.torch_decode --rows 1 \
-                 --live 256 --max-context $ctx --steps 64 --repeats 3 --hf-rows --no-peer \
-                 --json "$OUT/llama8b-decode-ctx$ctx.json"
-             done ;;
+    llama8b|llama8b-ttft|llama8b-decode|llama8b-ctx)   # llama8b: all three
+      if [ $s = llama8b ] || [ $s = llama8b-ttft ]; then
+        stage llama8b-ttft python3 -m vt.cli.bench.torch_ttft --conc 32 --prompt-len 512 \
+          --context 640 --single 128 1024 4096 --repeats 3 --json "$OUT/llama8b-ttft.json"
+      fi
+      if [ $s = llama8b ] || [ $s = llama8b-decode ]; then
+        stage llama8b-decode python3 -m vt.cli.bench.torch_decode --rows 1 8 32 64 \
+          --live 256 2048 --max-context 4096 --steps 64 --repeats 2 \
+          --json "$OUT/llama8b-decode.json" --png "$OUT/llama8b-decode.png"
+      fi
+      if [ $s = llama8b ] || [ $s = llama8b-ctx ]; then
+        for ctx in 512 32768; do   # TPOT must not grow with max_context
+          stage "llama8b-decode-ctx$ctx" python3 -m vt.cli.bench.torch_decode --rows 1 \
+            --live 256 --max-context $ctx --steps 64 --repeats 3 --hf-rows --no-peer \
+            --json "$OUT/llama8b-decode-ctx$ctx.json"
+        done
+      fi ;;
     llama8b-serve) stage llama8b-serve python3 -m vt bench --workload serve \
                      --preset torch-llama3-8b --modes drain ring --arrival closed --clients 16 32 \
                      --prompt-range 256 2048 --output-len 128 --requests 96 --repeats 2 --no-bar \
