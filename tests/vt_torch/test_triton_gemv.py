@@ -39,6 +39,30 @@ def test_silu_mul_linear_matches_silu_mul_then_float64(S):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("S", [1, 7, 16])
+def test_add_rms_norm_linear_matches_the_fused_ops_then_float64(S, with_delta):
+    """h = x + delta bit for bit as fused.add_rms_norm makes it; the projection of the normed
+    rows (fused.rms_norm's roundings) within 1e-2 of float64."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from vt.torch import fused, triton_gemv
+    K, N = 4096, 6144
+    x = torch.randn(S, K, device="cuda", dtype=torch.bfloat16)
+    delta = torch.randn(S, K, device="cuda", dtype=torch.bfloat16) if with_delta else None
+    nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    h, y = triton_gemv.add_rms_norm_linear(x, delta, nw, 1e-5, w)
+    if with_delta:
+        h_ref, normed = fused.add_rms_norm(x, delta, nw, 1e-5)
+        assert torch.equal(h, h_ref)
+    else:
+        assert h is None
+        normed = fused.rms_norm(x, nw, 1e-5)
+    assert rel_err(y, normed.double() @ w.double().T) < 1e-2
+
+
+@pytest.mark.gpu
 def test_triton_linear_refuses_more_rows_than_it_holds():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")

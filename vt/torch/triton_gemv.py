@@ -6,9 +6,13 @@ N x K weights), so what matters is how close the kernel's weight reads come to t
 bandwidth. Each program owns BLOCK_N output columns over the whole K, so no partial sums go
 through memory: its [BLOCK_N, BLOCK_K] weight tiles stream through a software pipeline
 (num_stages deep) and meet the [16, BLOCK_K] row tile (rows past S masked to zero) in a
-tensor-core dot (one row: a float32 reduction instead). Block shapes are autotuned per (S, N, K) on the first call, which must come
-before any capture (a warm-up does it). Accumulation is float32; the output is rounded once
-to w's dtype, as torch's bf16 GEMM does.
+tensor-core dot (one row: a float32 reduction instead). Block shapes are autotuned per
+(S, N, K) on the first call, which must come before any capture (a warm-up does it).
+Accumulation is float32; the output is rounded once to w's dtype, as torch's bf16 GEMM does.
+
+Two variants take the op before the projection into the kernel, so that it costs no launch
+of its own: silu_mul_linear (the MLP's activation, then down) and add_rms_norm_linear (the
+residual add and RMSNorm, then qkv or gate_up).
 """
 from __future__ import annotations
 
@@ -29,6 +33,33 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     with its roundings to the storage dtype), @ weight[N, K].T: the MLP's down projection
     with the activation computed as the rows are read, one kernel instead of two."""
     return _launch(gate_up, weight, gate_up.shape[1] // 2, silu_mul=True)
+
+
+def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                        eps: float, weight: torch.Tensor):
+    """(h, rms_norm(h, norm_weight, eps) @ weight.T) with h = x + delta (None: h is x, and
+    None is returned for it): vt.torch.fused.add_rms_norm (or rms_norm) and the projection
+    after it in one kernel, with the fused ops' roundings to the storage dtype. Every
+    program computes the rows' norms itself (the rows are read from L2, twice); program 0
+    also writes h, the residual stream the next add reads."""
+    S, K = x.shape
+    N = weight.shape[0]
+    if (S > MAX_ROWS or weight.shape[1] != K or norm_weight.shape != (K,)
+            or (delta is not None and delta.shape != x.shape)):
+        raise ValueError(f"triton_gemv: x {tuple(x.shape)}, norm_weight "
+                         f"{tuple(norm_weight.shape)} and weight {tuple(weight.shape)}; needs "
+                         f"S <= {MAX_ROWS}, delta shaped as x, and matching K")
+    if any(t.stride(-1) != 1 for t in (x, weight, norm_weight) + ((delta,) if delta is not None else ())):
+        raise ValueError("triton_gemv: x, delta, norm_weight and weight need a contiguous last dim")
+    h = torch.empty_like(x) if delta is not None else None
+    y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
+    if S:
+        d = delta if delta is not None else x
+        _norm_gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+            x, d, norm_weight, h if h is not None else x, weight, y, S, N, K, x.stride(0),
+            d.stride(0), h.stride(0) if h is not None else 0, weight.stride(0), y.stride(0), eps,
+            ROWS=1 if S == 1 else MAX_ROWS, HAS_DELTA=delta is not None)
+    return h, y
 
 
 def _launch(x, weight, K: int, silu_mul: bool):
@@ -83,5 +114,57 @@ def _gemv(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
             acc += tl.dot(x.to(w.dtype), tl.trans(w))
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
+    tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rs[:, None] < S) & (rn[None, :] < N))
+
+
+@triton.jit
+def _residual(X, DELTA, rs, kk, stride_x, stride_d, mask, HAS_DELTA: tl.constexpr):
+    """Rows rs, columns kk of x + delta, rounded to x's dtype as torch's add is."""
+    x = tl.load(X + rs[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(DELTA + rs[:, None] * stride_d + kk[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
+    return x
+
+
+@triton.autotune(configs=_CONFIGS, key=["S", "N", "K", "HAS_DELTA"])
+@triton.jit
+def _norm_gemv(X, DELTA, NW, H, W, Y, S, N, K, stride_x, stride_d, stride_h, stride_w,
+               stride_y, eps, ROWS: tl.constexpr, HAS_DELTA: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rs = tl.arange(0, ROWS)
+    rk = tl.arange(0, BLOCK_K)
+    rows = rs[:, None] < S
+    # Pass 1: each row's sum of squares of h = x + delta (program 0 stores h).
+    sumsq = tl.zeros((ROWS,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        mask = rows & (kk[None, :] < K)
+        h = _residual(X, DELTA, rs, kk, stride_x, stride_d, mask, HAS_DELTA)
+        if HAS_DELTA:
+            if pid == 0:
+                tl.store(H + rs[:, None] * stride_h + kk[None, :], h, mask=mask)
+        hf = h.to(tl.float32)
+        sumsq += tl.sum(hf * hf, axis=1)
+    inv = tl.rsqrt(sumsq / K + eps)
+    # Pass 2: the normed rows (rounded as fused.rms_norm rounds them) against the weight.
+    w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        mask = rows & (kk[None, :] < K)
+        h = _residual(X, DELTA, rs, kk, stride_x, stride_d, mask, HAS_DELTA)
+        normed = (h.to(tl.float32) * inv[:, None]).to(h.dtype).to(tl.float32)
+        nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+        x = (nw[None, :] * normed).to(h.dtype)
+        w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        if ROWS == 1:
+            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+        else:
+            acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        w_ptr += BLOCK_K
     tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rs[:, None] < S) & (rn[None, :] < N))
