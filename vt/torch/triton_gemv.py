@@ -49,8 +49,10 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
         raise ValueError(f"triton_gemv: x {tuple(x.shape)}, norm_weight "
                          f"{tuple(norm_weight.shape)} and weight {tuple(weight.shape)}; needs "
                          f"S <= {MAX_ROWS}, delta shaped as x, and matching K")
-    if any(t.stride(-1) != 1 for t in (x, weight, norm_weight) + ((delta,) if delta is not None else ())):
-        raise ValueError("triton_gemv: x, delta, norm_weight and weight need a contiguous last dim")
+    operands = (x, weight, norm_weight) + ((delta,) if delta is not None else ())
+    if any(t.stride(-1) != 1 for t in operands):
+        raise ValueError("triton_gemv: x, delta, norm_weight and weight need a contiguous "
+                         "last dim")
     h = torch.empty_like(x) if delta is not None else None
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
     if S:
