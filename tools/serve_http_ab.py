@@ -113,16 +113,12 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from vt.cli.bench.serve import draw_work
+    from vt.cli.bench.serve import serve_loads
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vt-serve-ab-") as scratch:
         path = Path(args.model) if args.model else build_checkpoint(args, Path(scratch))
-        loads = [("closed", c) for c in args.clients if "closed" in args.arrival] + \
-                [("poisson", r) for r in args.rate if "poisson" in args.arrival]
         conc = max(args.clients)
-        engine_cells, vocab = in_process(args, path, loads, conc)
-        work, warm = draw_work(args.seed, loads, args.requests, vocab, args.prompt_range,
-                               args.output_len, conc)
+        engine_cells, vocab, work, warm = in_process(args, path, serve_loads(args), conc)
         http = through_http(args, path, work, warm, conc, vocab)
     res = result(args, path, engine_cells + http, time.perf_counter() - t0)
     from vt.cli.bench import serve_report
@@ -143,8 +139,9 @@ def build_checkpoint(args, scratch: Path) -> Path:
     return path
 
 
-def in_process(args, path: Path, loads, conc: int) -> tuple[list[dict], int]:
-    """The serve workload's cells on an engine in this process; (cells, the model's vocab).
+def in_process(args, path: Path, loads, conc: int) -> tuple[list[dict], int, dict, list]:
+    """The serve workload's cells on an engine in this process; (cells, the model's vocab,
+    the requests per load and the warm-up ones it served: the HTTP side sends the same).
     Everything it loaded is closed and freed before it returns."""
     from vt.cli.bench.progress import ProgressBar
     from vt.cli.bench.serve import draw_work, serve_cell
@@ -185,7 +182,7 @@ def in_process(args, path: Path, loads, conc: int) -> tuple[list[dict], int]:
         engine = served = None
         gc.collect()
         _empty_torch_cache()
-    return cells, vocab
+    return cells, vocab, work, warm
 
 
 def _empty_torch_cache() -> None:

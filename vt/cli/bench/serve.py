@@ -42,6 +42,13 @@ def draw_requests(rng, n: int, vocab: int, prompt_len: tuple[int, int],
     return out
 
 
+def serve_loads(args) -> list[tuple[str, float]]:
+    """The (arrival, load) cells of the parsed flags: each --clients count closed-loop, then
+    each --rate Poisson, for the arrivals asked for."""
+    return ([("closed", c) for c in args.clients if "closed" in args.arrival]
+            + [("poisson", r) for r in args.rate if "poisson" in args.arrival])
+
+
 def draw_work(seed: int, loads, requests: int, vocab: int, prompt_len: tuple[int, int],
               output_len: tuple[int, int], conc: int) -> tuple[dict, list]:
     """({load: its requests}, the warm-up requests) of one model, seeded: the in-process and the

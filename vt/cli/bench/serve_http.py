@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from vt.cli.bench.serve import CELL_TIMEOUT_S, ENGINE_COUNTS, draw_work, latency_metrics
+from vt.cli.bench.serve import (CELL_TIMEOUT_S, ENGINE_COUNTS, draw_work, latency_metrics,
+                                 serve_loads)
 
 # Poisson arrivals: at most this many requests in flight from the client (one thread and one
 # connection each); an arrival beyond them waits for one, and its TTFT counts from its
@@ -335,8 +336,7 @@ def run_serve_http(args, progress_factory) -> dict:
         raise _failed(f"--prompt-range up to {args.prompt_range[1]} and --output-len up to "
                       f"{args.output_len[1]} need a context of {longest}; the server's is "
                       f"{info.max_context}")
-    loads = [("closed", c) for c in args.clients if "closed" in args.arrival] + \
-            [("poisson", r) for r in args.rate if "poisson" in args.arrival]
+    loads = serve_loads(args)
     conc = max(args.clients)
     work, warm = draw_work(args.seed, loads, args.requests, info.vocab, args.prompt_range,
                            args.output_len, conc)

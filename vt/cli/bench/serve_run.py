@@ -16,7 +16,7 @@ import platform
 import statistics
 import time
 
-from vt.cli.bench.serve import LATENCY_KEYS, draw_work, serve_cell
+from vt.cli.bench.serve import LATENCY_KEYS, draw_work, serve_cell, serve_loads
 
 SERVE_DEFAULTS = {   # backend -> (clients, rate, requests per cell, output len, prompt len)
     "cuda": ([16, 32], [40.0], 96, [128, 256], [16, 64]),
@@ -103,8 +103,7 @@ def run_serve(args, progress_factory) -> dict:
     from vt.knobs import ExecutorConfig
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
     be = pick_backend(args.backend, args.sim_delay_ms)
-    loads = [("closed", c) for c in args.clients if "closed" in args.arrival] + \
-            [("poisson", r) for r in args.rate if "poisson" in args.arrival]
+    loads = serve_loads(args)
     conc = max(args.clients)
     context = args.prompt_range[1] + args.output_len[1]
     cells, invariant = [], []
