@@ -143,8 +143,9 @@ def _check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads,
 
 
 def _gemv_fits(x, weight) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= 16 and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16))
+    # is_cuda first: triton_gemv (and Triton) is imported only for a CUDA tensor
+    return (x.is_cuda and x.dim() == 2 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= _gemv().MAX_ROWS)
 
 
 def _gemv():

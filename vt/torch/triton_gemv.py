@@ -84,6 +84,16 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
             for bn in (16, 32, 64) for bk in (128, 256) for w in (4,) for s in (3, 5)]
 
 
+@triton.jit
+def _accumulate(acc, x, w, ROWS: tl.constexpr):
+    """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T."""
+    if ROWS == 1:   # one row: a reduction on the CUDA cores (a dot would pad it to 16)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
+    else:
+        acc += tl.dot(x.to(w.dtype), tl.trans(w))
+    return acc
+
+
 @triton.autotune(configs=_CONFIGS, key=["S", "N", "K", "SILU_MUL"])
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit
@@ -110,10 +120,7 @@ def _gemv(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
             g = x.to(tl.float32)
             act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
             x = (act * up.to(tl.float32)).to(up.dtype)
-        if ROWS == 1:   # one row: a reduction on the CUDA cores (a dot would pad it to 16)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-        else:
-            acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        acc = _accumulate(acc, x, w, ROWS)
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
     tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
@@ -163,10 +170,7 @@ def _norm_gemv(X, DELTA, NW, H, W, Y, S, N, K, stride_x, stride_d, stride_h, str
         nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
         x = (nw[None, :] * normed).to(h.dtype)
         w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        if ROWS == 1:
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-        else:
-            acc += tl.dot(x.to(w.dtype), tl.trans(w))
+        acc = _accumulate(acc, x, w, ROWS)
         w_ptr += BLOCK_K
     tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rs[:, None] < S) & (rn[None, :] < N))
