@@ -99,11 +99,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, gemv: bool = False):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, matmul=F.linear):
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        # gemv: a decode step on vt's kernels runs its projections through fused.linear
-        self.linear = fused.linear if gemv else F.linear
+        self.matmul = matmul   # a decode step's projections on vt's kernels (LlamaDecoder.linear)
         # This rank's heads: qkv is column-parallel (its heads' rows), o row-parallel.
         self.heads, self.kv_heads = tp.local(cfg.heads, "heads"), tp.local(cfg.kv_heads, "kv_heads")
         q, kv = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
@@ -118,12 +117,12 @@ class Attention(nn.Module):
         p = ctx.paged
         if p is not None and self.q_norm is None:
             # RoPE and the paged KV write in one pass over the fused projection.
-            qkv = self.linear(x, self.qkv.weight, self.qkv.bias)
+            qkv = self.matmul(x, self.qkv.weight, self.qkv.bias)
             q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table,
                                      k_cache, v_cache, ctx.slot_mapping, heads=heads,
                                      kv_heads=kv_heads, head_dim=hd)
             out = attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1)
-            return self.tp.row_parallel(self.o, out, self.linear)
+            return self.tp.row_parallel(self.o, out, self.matmul)
         q, k, v = self.qkv(x).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
         q = q.view(T, heads, hd)
         k = k.view(T, kv_heads, hd)
@@ -140,17 +139,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, gemv: bool = False):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, matmul=F.linear):
         super().__init__()
-        self.tp, self.gemv = tp, gemv
+        self.tp, self.matmul = tp, matmul
         # This rank's share of the intermediate: gate_up column-parallel, down row-parallel.
         inter = tp.local(cfg.intermediate, "intermediate")
         self.gate_up = nn.Linear(cfg.hidden, 2 * inter, bias=cfg.mlp_bias)   # fused [gate | up]
         self.down = nn.Linear(inter, cfg.hidden, bias=cfg.mlp_bias)
 
     def forward(self, x, fused_ops: bool = False):
-        if fused_ops and self.gemv:   # the activation inside the down projection's kernel
-            gate_up = fused.linear(x, self.gate_up.weight, self.gate_up.bias)
+        if fused_ops and self.matmul is fused.linear:   # SiLU inside the down projection
+            gate_up = self.matmul(x, self.gate_up.weight, self.gate_up.bias)
             return self.tp.row_parallel(self.down, gate_up, fused.silu_mul_linear)
         if fused_ops:
             return self.tp.row_parallel(self.down, fused.silu_mul(self.gate_up(x)))
@@ -159,12 +158,12 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, gemv: bool = False):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, matmul=F.linear):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.attn = Attention(cfg, tp, gemv)
+        self.attn = Attention(cfg, tp, matmul)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.mlp = MLP(cfg, tp, gemv)
+        self.mlp = MLP(cfg, tp, matmul)
 
     def forward(self, x, ctx: AttentionContext, k_cache, v_cache, delta=None):
         """The layer over the residual stream x + delta (delta: the previous layer's MLP
@@ -215,14 +214,14 @@ class LlamaDecoder(nn.Module):
             raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
                              "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
         self.linear = linear
-        gemv = linear == "triton"
+        self.matmul = fused.linear if linear == "triton" else F.linear
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
         rows = self.vocab_shard * self.tp.size if cfg.tie_embeddings else cfg.vocab
         self.embed = nn.Embedding(rows, cfg.hidden, **factory)
         with torch.device(device):
-            self.layers = nn.ModuleList(Layer(cfg, self.tp, gemv)
+            self.layers = nn.ModuleList(Layer(cfg, self.tp, self.matmul)
                                         for _ in range(cfg.layers)).to(dtype)
             self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
             self.lm_head = None if cfg.tie_embeddings else nn.Linear(
@@ -253,8 +252,7 @@ class LlamaDecoder(nn.Module):
             x, delta = layer(x, ctx, self.k_cache[i], self.v_cache[i], delta)
         if delta is not None:   # vt's kernels (a decode step): the last add in the final norm
             x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
-            head = fused.linear if self.linear == "triton" else F.linear
-            logits = head(x, self.head_weight())   # [B, vocab_shard]: this rank's vocab shard
+            logits = self.matmul(x, self.head_weight())   # [B, vocab_shard]: this rank's shard
         else:
             if not inputs.is_decode:   # a decode step's tokens are its sequences
                 x = x[inputs.logits_indices.long()]
