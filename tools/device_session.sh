@@ -118,8 +118,10 @@ for s in "${stages[@]}"; do
               --live 256 2048 --max-context 4096 --steps 64 --repeats 2 --hf-rows --no-peer \
               --linear $lin --json "$OUT/gemv-decode-$lin.json"
           done ;;
-    faults) stage fault-fuzz python3 tools/fuzz.py --faults --time-budget-s 50 \
-              --json "$OUT/fuzz-faults.json" ;;
+    faults) for b in sim cuda; do   # cuda: step faults at eager forwards, NaN rows everywhere
+              stage "fault-fuzz-$b" python3 tools/fuzz.py --faults --backend $b --time-budget-s 40 \
+                --json "$OUT/fuzz-faults-$b.json"
+            done ;;
     tp2|tp4) n=${s#tp}
              stage "$s-tests" python3 -m pytest -q tests/parallel tests/vt_torch/test_tensor_parallel.py
              stage "$s-broadcast" python3 tools/plan_broadcast_cost.py --rows 1 8 64 \

@@ -420,8 +420,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--faults", action="store_true",
-                    help="run the fault fuzz instead: random step faults and NaN rows on the sim "
-                         "(tools/fuzz_faults.py; its options: --faults --help)")
+                    help="run the fault fuzz instead: random step faults and NaN rows, on the sim or "
+                         "cuda (tools/fuzz_faults.py; its options: --faults --help)")
     ap.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     ap.add_argument("--models", default=None,
                     help="comma-separated: toy, tiny-dense, tiny-moe (default: toy on sim, all "

@@ -1,5 +1,6 @@
-"""Fault fuzz (`tools/fuzz.py --faults`): random step faults and NaN rows, on the sim, in drain,
-ring and staged; every request's streamed tokens and outcome checked against what it must be.
+"""Fault fuzz (`tools/fuzz.py --faults`): random step faults and NaN rows, in drain, ring and
+staged, on the sim or cuda; every request's streamed tokens and outcome checked against what it
+must be.
 
 A case is tools/fuzz.py's random workload (prompts, budgets, sampling, a stop token, KV geometry,
 capture sizes, concurrency, ring depth, sim device delay) served ONLINE: client threads submit
@@ -24,10 +25,14 @@ tokens depend only on its prompt, sampling and the model). Counted, per mode:
 Exit 1 when any count is nonzero.
 
   python3 tools/fuzz.py --faults                                   # sim, ~1-2 min
+  python3 tools/fuzz.py --faults --backend cuda --time-budget-s 60 # a GPU
   python3 tools/fuzz.py --faults --cases 4 --seed 7 --modes ring   # a few cases, one mode
 
-Step faults run on the sim only: on CUDA a graph replays without calling Python, so a kernel
-there cannot raise.
+On cuda a graph replays without calling Python, so a step fault there can only hit an eager
+forward (a prefill, an eager or a mixed step): the fault kernel raises at its launch, and is not
+captured. NaN rows reach every step, captured ones included (an in-place CuPy kernel). The
+reference then runs on the same cuda backend, since CuPy's float32 sin need not round as
+NumPy's does. The sim remains the full test: its replays call the fault kernel too.
 """
 from __future__ import annotations
 
@@ -98,12 +103,21 @@ class _NaNRows:
 
     name = "nan_rows"
 
+    def __init__(self):
+        self._cupy_kernel = None
+
     def run_numpy(self, table, rows, logits, *, token):
         logits[table[rows] == token] = np.nan
 
     def run_cupy(self, stream_handle, table, rows, logits, *, token):
-        import cupy as cp
-        logits[...] = cp.where((table[rows] == token)[:, None], cp.float32(cp.nan), logits)
+        # In place and allocation-free: it is captured into the step's graph.
+        if self._cupy_kernel is None:
+            import cupy as cp
+            self._cupy_kernel = cp.ElementwiseKernel(
+                "raw int32 table, raw int32 rows, int32 token, int32 V", "float32 logits",
+                "if (table[rows[i / V]] == token) logits = __int_as_float(0x7fc00000);",
+                "vt_fuzz_nan_rows")
+        self._cupy_kernel(table, rows, np.int32(token), np.int32(logits.shape[1]), logits)
 
 
 _NAN_ROWS = _NaNRows()
@@ -111,8 +125,8 @@ _NAN_ROWS = _NaNRows()
 
 class FaultyToy:
     """The toy forward (vt.forward.toy) plus the fault kernel (launched first in every
-    forward, captured or eager) and, when nan_token is set, NaN logits for the rows whose
-    input token it is. hold_next_eager(gate): the next eager forward (a prefill substep, an
+    forward: on the sim captured or eager, on cuda eager only) and, when nan_token is set, NaN
+    logits for the rows whose input token it is. hold_next_eager(gate): the next eager forward (a prefill substep, an
     eager or mixed step) waits on the host for the threading.Event `gate` first."""
 
     def __init__(self, be, *, vocab: int, geometry, nan_token: int | None = None):
@@ -128,11 +142,13 @@ class FaultyToy:
         return held
 
     def __call__(self, stream, inputs, logits_out) -> None:
-        if self._hold is not None and not self.be.is_capturing(stream):
+        capturing = self.be.is_capturing(stream)
+        if self._hold is not None and not capturing:
             (gate, held), self._hold = self._hold, None
             held.set()
             gate.wait(WAIT_S)
-        self.be.launch(stream, self.fault)
+        if not (capturing and self.be.name == "cuda"):   # a cuda replay cannot call it
+            self.be.launch(stream, self.fault)
         self.toy(stream, inputs, logits_out)
         if self.nan_token is not None:
             self.be.launch(stream, _NAN_ROWS, self.toy.token_table, inputs.token_rows,
@@ -280,10 +296,12 @@ class ModeReport:
 
 
 def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
-                 fault_gap_s: float, max_gap_s: float) -> tuple[dict, FaultKernel, dict]:
+                 fault_gap_s: float, max_gap_s: float, be=None) -> tuple[dict, FaultKernel, dict]:
     """The case's requests served online in `mode` on a FaultyToy under random step faults:
-    each request's Outcome, the fault kernel, the engine's stats."""
-    be = get_backend("sim", device_delay_s=case.sim_delay_s)
+    each request's Outcome, the fault kernel, the engine's stats. `be`: a backend to serve on
+    (kept open); None: a new sim backend with the case's device delay."""
+    own_be = be is None
+    be = get_backend("sim", device_delay_s=case.sim_delay_s) if own_be else be
     fwd = FaultyToy(be, vocab=case.vocab, geometry=case.geometry, nan_token=nan_token)
     outcomes, done = {}, threading.Event()
     try:
@@ -310,28 +328,32 @@ def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
             stats = dict(eng.stats(), idle=eng.idle())
     finally:
         done.set()
-        be.close()
+        if own_be:
+            be.close()
     return outcomes, fwd.fault, stats
 
 
 def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float = 0.15,
-                   max_gap_s: float = 0.003) -> list[ModeReport]:
-    """The reference (sync, clean toy), then each mode under faults; judged per request."""
+                   max_gap_s: float = 0.003, be=None) -> list[ModeReport]:
+    """The reference (sync, clean toy), then each mode under faults; judged per request.
+    `be`: one backend for all of them (cuda); None: fresh sim backends."""
     reqs, stop = case.rounds[0], case.stops[0]
-    ref_be = get_backend("sim")
+    ref_be = be or get_backend("sim")
     models = base.Models()
     try:
         ref = base.run_mode(ref_be, models, case, "sync", reference=True).rounds[0]
     finally:
         models.close()
-        ref_be.close()
+        if be is None:
+            ref_be.close()
     nan_token = pick_nan_token([r.prompt for r in reqs], [res.tokens for res in ref],
                                case.vocab, random.Random(seed))
     expected = [Expected.of(r.prompt, res.tokens, nan_token) for r, res in zip(reqs, ref)]
     reports = []
     for mode in modes:
         outcomes, kernel, stats = serve_faulty(case, mode, reqs, stop, nan_token, seed=seed,
-                                               fault_gap_s=fault_gap_s, max_gap_s=max_gap_s)
+                                               fault_gap_s=fault_gap_s, max_gap_s=max_gap_s,
+                                               be=be)
         counts = dict(stream_mismatch=0, misattributed=0, wrong_tokens=0, problem=0)
         kinds, failures = {}, []
         for i, exp in enumerate(expected):
@@ -363,6 +385,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", type=int, default=12, help="random cases (each in every mode)")
     ap.add_argument("--seed", type=int, default=0, help="case i uses seed + i")
     ap.add_argument("--modes", nargs="+", default=list(FAULT_MODES), choices=FAULT_MODES)
+    ap.add_argument("--backend", choices=("sim", "cuda"), default="sim",
+                    help="cuda: step faults hit eager forwards only (see above)")
     ap.add_argument("--max-requests", type=int, default=32, help="requests per case, at most")
     ap.add_argument("--fault-gap-ms", type=float, default=150.0,
                     help="mean time between two armings of the fault kernel")
@@ -373,6 +397,19 @@ def main(argv=None) -> int:
     if args.cases < 1 or args.max_requests < 1 or not args.fault_gap_ms > 0:
         ap.error("--cases and --max-requests must be positive, --fault-gap-ms > 0")
 
+    try:
+        be = get_backend("cuda") if args.backend == "cuda" else None
+    except RuntimeError as exc:
+        ap.error(str(exc))
+    try:
+        return _fuzz(args, be)
+    finally:
+        if be is not None:
+            be.close()
+
+
+def _fuzz(args, be) -> int:
+    """The cases of main's arguments; the table and the exit code (be: cuda's, or None)."""
     totals = {m: dict(requests=0, faults=0, failed_steps=0, stream_mismatch=0,
                       misattributed=0, wrong_tokens=0, problem=0, kinds={}) for m in args.modes}
     t0, ran, out_of_time = time.perf_counter(), 0, False
@@ -382,10 +419,10 @@ def main(argv=None) -> int:
             break
         seed = args.seed + i
         case = base.numpy_case(seed, max_requests=args.max_requests, max_rounds=1,
-                               sim_delays=(0.0, 1e-4, 3e-4))
+                               sim_delays=(0.0, 1e-4, 3e-4) if be is None else (0.0,))
         tc = time.perf_counter()
         reports = run_fault_case(case, modes=args.modes, seed=seed,
-                                 fault_gap_s=args.fault_gap_ms / 1e3)
+                                 fault_gap_s=args.fault_gap_ms / 1e3, be=be)
         ran += 1
         bad = [r for r in reports if any(r.counts.values())]
         print(f"case seed={seed} requests={case.requests} conc={case.serving_conc} "
@@ -405,9 +442,10 @@ def main(argv=None) -> int:
             for index, why in r.failures[:5]:
                 print(f"  {r.mode} request {index}: {'; '.join(why)}", flush=True)
         if bad:
-            print(f"  replay: python3 tools/fuzz.py --faults --seed {seed} --cases 1", flush=True)
+            print(f"  replay: python3 tools/fuzz.py --faults --backend {args.backend} --seed {seed} "
+                  f"--cases 1", flush=True)
 
-    print(f"\nfault fuzz on the sim: {ran} cases in {time.perf_counter() - t0:.1f}s"
+    print(f"\nfault fuzz on {args.backend}: {ran} cases in {time.perf_counter() - t0:.1f}s"
           f"{' (time budget reached)' if out_of_time else ''}")
     print(f"{'mode':<7} {'requests':>8} {'faults':>6} {'failed':>6} {'length':>6} {'stop':>5} "
           f"{'nan':>4} {'fault':>5} {'stream-mismatch':>15} {'misattributed':>13} "
@@ -424,7 +462,8 @@ def main(argv=None) -> int:
           f"errors attributed to the wrong request: {sums['misattributed']}; wrong tokens: "
           f"{sums['wrong_tokens']}; problems: {sums['problem']}")
     if args.json:
-        Path(args.json).write_text(json.dumps(dict(cases=ran, seed=args.seed, totals=totals,
+        Path(args.json).write_text(json.dumps(dict(cases=ran, seed=args.seed, backend=args.backend,
+                                                   totals=totals,
                                                    **sums), indent=1))
         print(f"wrote {args.json}")
     return 1 if any(sums.values()) else 0

@@ -235,3 +235,16 @@ def test_the_fault_fuzz_finds_no_stream_mismatch_and_no_misattributed_error(seed
     for rep in reports:
         assert rep.faults > 0, f"{rep.mode}: no fault fired: the fuzz tested nothing"
         assert not any(rep.counts.values()), (rep.mode, rep.counts, rep.failures[:5])
+
+
+def test_the_fault_fuzz_on_one_backend_of_each_kind(backend):
+    """The fault fuzz's case with one backend for the reference and every mode, as on cuda.
+    There a graph replay calls no Python: step faults hit the eager forwards only, and the NaN
+    rows come from a kernel captured into every step's graph."""
+    seed = 6
+    case = fuzz.numpy_case(seed, max_requests=24, max_rounds=1, sim_delays=(0.0,))
+    reports = faults.run_fault_case(case, seed=seed, fault_gap_s=0.04, be=backend)
+    for rep in reports:
+        assert rep.faults > 0, f"{rep.mode}: no fault fired: the fuzz tested nothing"
+        assert rep.outcomes.get("error", 0) > 0, f"{rep.mode}: no NaN row ended a request"
+        assert not any(rep.counts.values()), (rep.mode, rep.counts, rep.failures[:5])
