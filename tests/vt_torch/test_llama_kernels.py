@@ -21,10 +21,12 @@ from _torch_util import (GEO, TINY, eager_greedy, generate, prompts, step_model,
 CONFIGS = {"llama": dataclasses.replace(TINY, qk_norm=False), "qwen3": TINY}
 
 
-def twin(module: LlamaDecoder, kernels: str, linear: str = "torch") -> LlamaDecoder:
+def twin(module: LlamaDecoder, kernels: str, linear: str = "torch",
+         prompt_kernels: str = "torch") -> LlamaDecoder:
     """The same weights and KV cache on the other kernels."""
     other = LlamaDecoder(module.cfg, module.geometry, dtype=module.embed.weight.dtype,
-                         device=module.k_cache.device, kernels=kernels, linear=linear)
+                         device=module.k_cache.device, kernels=kernels, linear=linear,
+                         prompt_kernels=prompt_kernels)
     other.load_state_dict(module.state_dict())
     with torch.no_grad():
         other.k_cache.copy_(module.k_cache)
@@ -49,6 +51,34 @@ def random_decode_step(module: LlamaDecoder, lens, seed: int) -> TorchInputs:
     i32 = lambda t: t.int().to(dev)   # noqa: E731
     return TorchInputs.decode(i32(table), i32(torch.arange(S)), i32(pos), i32(pos + 1),
                               i32(slots), i32(tables), i32(torch.zeros(S)))
+
+
+def random_mixed_step(module: LlamaDecoder, decode_lens, chunks, seed: int) -> TorchInputs:
+    """A mixed step over a cache of random K and V: len(decode_lens) decode rows (row n at
+    position decode_lens[n] - 1), then one prompt chunk per (n, L) of `chunks`: its last n
+    of L context positions (n == L: a prompt's first chunk, its whole context)."""
+    g = torch.Generator().manual_seed(seed)
+    geo, dev = module.geometry, module.k_cache.device
+    with torch.no_grad():
+        module.k_cache.copy_(torch.randn(module.k_cache.shape, generator=g))
+        module.v_cache.copy_(torch.randn(module.v_cache.shape, generator=g))
+    B = len(decode_lens) + len(chunks)
+    blocks = 1 + torch.randperm(geo.num_kv_blocks - 1, generator=g)[:B * geo.max_blocks]
+    tables = blocks.view(B, geo.max_blocks).int()
+    spans = [(1, L) for L in decode_lens] + list(chunks)     # (new tokens, context after)
+    pos = torch.cat([torch.arange(L - n, L) for n, L in spans]).int()
+    seq = torch.cat([torch.full((n,), i) for i, (n, _) in enumerate(spans)])
+    slots = tables[seq, pos // geo.block_size] * geo.block_size + pos % geo.block_size
+    qsl = [0]
+    for n, _ in spans:
+        qsl.append(qsl[-1] + n)
+    lens = [L for _, L in spans]
+    table = torch.randint(0, module.cfg.vocab, (geo.max_seqs + 1,), generator=g).int()
+    ids = torch.randint(0, module.cfg.vocab, (qsl[-1],), generator=g).int()
+    i32 = lambda t: torch.as_tensor(t).int().to(dev)   # noqa: E731
+    return TorchInputs(i32(ids), i32(pos), i32(slots), i32(qsl), i32(lens), i32(tables),
+                       i32([q - 1 for q in qsl[1:]]), i32(torch.arange(B)), i32(torch.zeros(B)),
+                       i32(table), tuple(qsl), tuple(lens))
 
 
 def rel_err(a, b):
@@ -118,6 +148,37 @@ def test_vt_kernels_greedy_tokens_equal_torch_on_cpu(sim_backend, arch):
         assert eager_greedy(fast, p, 6) == eager_greedy(ref, p, 6)
 
 
+def mixed_both(ref: LlamaDecoder, seed: int):
+    """(logits with prompt_kernels="vt", logits of the torch ops, the vt twin) of one random
+    mixed step: two decode rows, a first chunk and a later one (its prefix cached)."""
+    inputs = random_mixed_step(ref, [5, GEO.max_context], [(6, 6), (3, 9)], seed)
+    fast = twin(ref, "vt", prompt_kernels="vt")
+    outs = [torch.empty(inputs.batch, ref.cfg.vocab, device=ref.k_cache.device)
+            for _ in range(2)]
+    fast(inputs, outs[0])
+    ref(inputs, outs[1])
+    return outs[0], outs[1], fast
+
+
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_vt_prompt_kernels_mixed_step_equals_torch_on_cpu(sim_backend, arch):
+    """prompt_kernels="vt" on the CPU, float32: a mixed step's logits within 1e-5 of the
+    torch ops', and the K and V it writes within 1e-5."""
+    ref = tiny_llama(sim_backend, cfg=CONFIGS[arch], kernels="torch")
+    got, want, fast = mixed_both(ref, seed=3)
+    assert rel_err(got, want) < 1e-5
+    torch.testing.assert_close(fast.k_cache, ref.k_cache, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.v_cache, ref.v_cache, rtol=1e-5, atol=1e-5)
+
+
+def test_prompt_kernels_choice_is_checked(sim_backend):
+    ref = tiny_llama(sim_backend, cfg=CONFIGS["llama"], kernels="torch")
+    with pytest.raises(ValueError, match="prompt_kernels='triton' must be 'torch' or 'vt'"):
+        twin(ref, "vt", prompt_kernels="triton")
+    with pytest.raises(ValueError, match="prompt_kernels='vt' needs kernels='vt'"):
+        twin(ref, "torch", prompt_kernels="vt")
+
+
 def _cuda():
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
@@ -156,5 +217,39 @@ def test_triton_greedy_tokens_equal_dense_on_cuda(dtype, linear):
         expect = [eager_greedy(ref, p, 8) for p in ps]
         assert [eager_greedy(fast, p, 8) for p in ps] == expect
         assert generate(be, step_model(be, fast), "ring", ps, 8) == expect
+    finally:
+        be.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", sorted(CONFIGS))
+def test_vt_prompt_kernels_mixed_step_within_bf16_of_the_torch_ops_on_cuda(arch):
+    """bf16 on CUDA: a mixed step on vt's kernels (prompt_kernels="vt") within 3e-2 of the
+    torch ops', on fresh random caches and weights."""
+    be = _cuda()
+    try:
+        ref = tiny_llama(be, cfg=CONFIGS[arch], dtype=torch.bfloat16, kernels="torch",
+                         seed=int(torch.seed()) % 2**31)
+        got, want, _ = mixed_both(ref, seed=4)
+        assert torch.isfinite(got).all()
+        assert rel_err(got, want) < 3e-2
+    finally:
+        be.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.torch_allocator
+def test_vt_prompt_kernels_serve_the_dense_greedy_tokens_on_cuda():
+    """float32 on CUDA: vt serving the decoder with prefill="flat" and prompt_kernels="vt"
+    (prompt chunks and mixed steps on vt's kernels) gives the dense decoder's eager tokens."""
+    from vt.torch import TorchForwardModel
+    be = _cuda()
+    try:
+        ref = tiny_llama(be, cfg=CONFIGS["llama"], dtype=torch.float32, kernels="torch")
+        fast = twin(ref, "vt", prompt_kernels="vt")
+        ps = prompts(4, seed=6)
+        expect = [eager_greedy(ref, p, 8) for p in ps]
+        model = TorchForwardModel(be, fast, vocab=fast.cfg.vocab, geometry=GEO, prefill="flat")
+        assert generate(be, model, "ring", ps, 8) == expect
     finally:
         be.close()

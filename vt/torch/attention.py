@@ -1,10 +1,11 @@
 """Attention over vt's paged KV cache for a flattened step (vt.torch.TorchInputs): the per-step
 context every layer shares, and the two kernels it picks between. The place a paged or flash
 attention kernel plugs in: replace `decode_attention` (one query per sequence, captured) or
-`prefill_attention` (a prompt chunk, eager). With `paged=True` (LlamaDecoder's `kernels`),
-a decode step's rows go through vt.torch.paged_attention.paged_decode_attention instead, which
-reads each row's live tokens only (on CUDA: Triton, capturable; the same function as the dense
-masked path).
+`prefill_attention` (a prompt chunk, eager). With `fused` set (LlamaDecoder's `kernels` and
+`prompt_kernels`), a step's decode rows go through
+vt.torch.paged_attention.paged_decode_attention instead, which reads each row's live tokens
+only (on CUDA: Triton, capturable; the same function as the dense masked path), and the layers
+use vt.torch.fused's RoPE-and-cache: this step's K and V are then read back from the cache.
 
 A step's tokens are decode rows (one token per sequence, leading the batch) and prompt chunks:
 - a decode step (inputs.is_decode: captured, shapes fixed by B) is all decode rows; each row
@@ -47,26 +48,28 @@ class AttentionContext:
     decode_slots: torch.Tensor | None   # [R, C] long: the cache slot of each row's first C positions
     decode_mask: torch.Tensor | None    # [R, 1, 1, C] bool: the positions each row sees
     chunks: tuple[Chunk, ...] = ()
-    paged: "PagedDecode | None" = None   # set: a decode step's rows use the paged kernel
+    fused: "FusedStep | None" = None   # set: the step runs on vt's kernels
+    is_decode: bool = False            # a decode step (TorchInputs.is_decode): captured
 
 
 @dataclass(frozen=True)
-class PagedDecode:
-    """What paged_decode_attention reads of a decode step (int32 views of the step's fields),
-    and what the fused RoPE kernel (vt.torch.fused.rope_and_cache) reads: positions and the
-    whole cos, sin tables."""
-    block_tables: torch.Tensor   # [B, max_blocks]
-    seq_lens: torch.Tensor       # [B]
-    positions: torch.Tensor      # [B]
+class FusedStep:
+    """What vt's kernels read of a step (int32 views of its fields): paged_decode_attention,
+    its decode rows' block tables and seq_lens; the fused RoPE kernel
+    (vt.torch.fused.rope_and_cache), every token's position and the whole cos, sin tables."""
+    block_tables: torch.Tensor   # [R, max_blocks]: the decode rows'
+    seq_lens: torch.Tensor       # [R]
+    positions: torch.Tensor      # [T]
     cos_table: torch.Tensor      # [max_context, head_dim] f32
     sin_table: torch.Tensor
     block_size: int
 
 
 def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor,
-                  paged: bool = False) -> AttentionContext:
+                  fused: bool = False, fused_prompts: bool = False) -> AttentionContext:
     """The step's AttentionContext; `context`: arange(max_blocks * block_size) on the device.
-    paged: a decode step's attention runs paged_decode_attention (no dense slots or mask)."""
+    fused: a decode step runs on vt's kernels (paged_decode_attention: no dense slots or
+    mask); fused_prompts: a step with prompt tokens too."""
     pos = inputs.positions.long()
     cos, sin = cos_table[pos].unsqueeze(1), sin_table[pos].unsqueeze(1)
     tables = inputs.block_tables.long()
@@ -75,20 +78,23 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         slots = context_slots(tables[rows], t, block_size)
         mask = (t < inputs.seq_lens[rows].unsqueeze(1))[:, None, None, :]
         return slots, mask
-    if inputs.is_decode and paged:
+    def kernel_inputs(rows: int) -> FusedStep:
+        return FusedStep(inputs.block_tables[:rows], inputs.seq_lens[:rows], inputs.positions,
+                         cos_table, sin_table, block_size)
+    if inputs.is_decode and fused:
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, None, None,
-                                paged=PagedDecode(inputs.block_tables, inputs.seq_lens,
-                                                  inputs.positions, cos_table, sin_table,
-                                                  block_size))
+                                fused=kernel_inputs(inputs.batch), is_decode=True)
     if inputs.is_decode:
         slots, mask = row_slots(slice(None), context)
-        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask)
+        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask,
+                                is_decode=True)
     qsl, lens = inputs.query_start_loc_cpu, inputs.seq_lens_cpu
     rows = 0
     while rows < len(lens) and qsl[rows + 1] - qsl[rows] == 1:
         rows += 1
+    fused_step = kernel_inputs(rows) if fused and fused_prompts else None
     slots = mask = None
-    if rows:
+    if rows and fused_step is None:
         longest = -(-max(lens[:rows]) // block_size) * block_size
         slots, mask = row_slots(slice(0, rows), context[:longest])
     chunks = []
@@ -97,29 +103,39 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         t = context[:L]
         chunks.append(Chunk(qsl[i], qsl[i + 1], L, None if n == L else
                             context_slots(tables[i:i + 1], t, block_size)[0]))
-    return AttentionContext(inputs.slot_mapping.long(), cos, sin, rows, slots, mask, tuple(chunks))
+    return AttentionContext(inputs.slot_mapping.long(), cos, sin, rows, slots, mask, tuple(chunks),
+                            fused_step)
 
 
 def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
     """[T, heads, head_dim]: every token's attention, this step's K and V already written to
-    the cache (k, v [T, kv_heads, head_dim] are those same values)."""
-    if ctx.paged is not None:
-        p = ctx.paged
-        return paged_decode_attention(q, k_cache, v_cache, p.block_tables, p.seq_lens,
-                                      block_size=p.block_size)
+    the cache (k, v [T, kv_heads, head_dim] are those same values, or None: read them from
+    the cache)."""
     if not ctx.chunks:
-        return decode_attention(q, k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
+        return _decode_rows(q, k_cache, v_cache, ctx)
     out = torch.empty_like(q)
     R = ctx.decode_rows
     if R:
-        out[:R] = decode_attention(q[:R], k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
+        out[:R] = _decode_rows(q[:R], k_cache, v_cache, ctx)
     for c in ctx.chunks:
-        if c.slots is None:
-            keys, vals = k[c.start:c.stop], v[c.start:c.stop]
-        else:
+        if c.slots is not None:
             keys, vals = k_cache[c.slots], v_cache[c.slots]
+        elif k is None:   # the chunk is its whole context: this step wrote it at slot_mapping
+            written = ctx.slot_mapping[c.start:c.stop]
+            keys, vals = k_cache[written], v_cache[written]
+        else:
+            keys, vals = k[c.start:c.stop], v[c.start:c.stop]
         out[c.start:c.stop] = prefill_attention(q[c.start:c.stop], keys, vals)
     return out
+
+
+def _decode_rows(q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+    """The step's decode rows (q [R, heads, hd]): paged on vt's kernels, else dense."""
+    f = ctx.fused
+    if f is not None:
+        return paged_decode_attention(q, k_cache, v_cache, f.block_tables, f.seq_lens,
+                                      block_size=f.block_size)
+    return decode_attention(q, k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
 
 
 def decode_attention(q, k_cache, v_cache, slots, mask) -> torch.Tensor:

@@ -29,9 +29,13 @@ default: nn.Linear, cuBLAS on CUDA) or "triton" (vt.torch.fused.linear: at most 
 bf16/fp16 on CUDA run vt.torch.triton_gemv's kernel, and the down projection takes silu_mul
 into its kernel; more rows, or the CPU, compute the same with the torch ops).
 
-Steps with prompt tokens use the torch ops always, and run eagerly: serve the decoder with
-TorchForwardModel(..., prefill="flat") so that a prompt chunk, or a whole mixed step, is one
-call. vt.torch.hf loads Hugging Face checkpoints into it.
+Steps with prompt tokens run eagerly: serve the decoder with TorchForwardModel(...,
+prefill="flat") so that a prompt chunk, or a whole mixed step, is one call. `prompt_kernels`
+picks their ops: "torch" (the default) or, with kernels="vt", "vt": the same fused ops as a
+decode step (about 15 launches a layer instead of about 45, which a short prompt pays in host
+time), the decode rows of a mixed step through the paged kernel, the prompt chunks through
+SDPA over K and V read back from the cache, and cuBLAS for the projections. A candidate
+until measured (docs/torch.md). vt.torch.hf loads Hugging Face checkpoints into it.
 
 With `tp` (a vt.torch.tensor_parallel.TensorParallel of more than one rank) each rank holds
 its share of the heads, the KV cache, the MLP and the head; `o` and `down` end in an
@@ -114,15 +118,16 @@ class Attention(nn.Module):
     def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
         hd, heads, kv_heads = self.cfg.head_dim, self.heads, self.kv_heads
         T = x.shape[0]
-        p = ctx.paged
+        p = ctx.fused
         if p is not None and self.q_norm is None:
             # RoPE and the paged KV write in one pass over the fused projection.
-            qkv = self.matmul(x, self.qkv.weight, self.qkv.bias)
+            matmul = self.matmul if ctx.is_decode else F.linear
+            qkv = matmul(x, self.qkv.weight, self.qkv.bias)
             q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table,
                                      k_cache, v_cache, ctx.slot_mapping, heads=heads,
                                      kv_heads=kv_heads, head_dim=hd)
             out = attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1)
-            return self.tp.row_parallel(self.o, out, self.matmul)
+            return self.tp.row_parallel(self.o, out, matmul)
         q, k, v = self.qkv(x).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
         q = q.view(T, heads, hd)
         k = k.view(T, kv_heads, hd)
@@ -147,8 +152,10 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden, 2 * inter, bias=cfg.mlp_bias)   # fused [gate | up]
         self.down = nn.Linear(inter, cfg.hidden, bias=cfg.mlp_bias)
 
-    def forward(self, x, fused_ops: bool = False):
-        if fused_ops and self.matmul is fused.linear:   # SiLU inside the down projection
+    def forward(self, x, fused_ops: bool = False, decode: bool = False):
+        """fused_ops: vt's SiLU-product kernel; with decode (a decode step) and the Triton
+        linears, the SiLU product inside the down projection's kernel."""
+        if fused_ops and decode and self.matmul is fused.linear:
             gate_up = self.matmul(x, self.gate_up.weight, self.gate_up.bias)
             return self.tp.row_parallel(self.down, gate_up, fused.silu_mul_linear)
         if fused_ops:
@@ -170,7 +177,7 @@ class Layer(nn.Module):
         output, not added yet; None: nothing pending). Returns the same pair for the next
         layer: on vt's kernels the residual add of each MLP output is made by the next norm's
         kernel (add_rms_norm), one kernel less per layer; the torch ops add it at once."""
-        if ctx.paged is not None:   # a decode step on vt's kernels
+        if ctx.fused is not None:   # a step on vt's kernels
             a, m = self.attn_norm, self.mlp_norm
             if delta is None:
                 h = fused.rms_norm(x, a.weight, a.eps)
@@ -178,7 +185,7 @@ class Layer(nn.Module):
                 x, h = fused.add_rms_norm(x, delta, a.weight, a.eps)
             attn_out = self.attn(h, ctx, k_cache, v_cache)
             x, h = fused.add_rms_norm(x, attn_out, m.weight, m.eps)
-            return x, self.mlp(h, fused_ops=True)
+            return x, self.mlp(h, fused_ops=True, decode=ctx.is_decode)
         if delta is not None:
             x = x + delta
         x = x + self.attn(self.attn_norm(x), ctx, k_cache, v_cache)
@@ -202,7 +209,7 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", linear: str = "torch",
-                 tp: TensorParallel | None = None):
+                 prompt_kernels: str = "torch", tp: TensorParallel | None = None):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
@@ -213,7 +220,13 @@ class LlamaDecoder(nn.Module):
         if linear == "triton" and self.kernels != "vt":
             raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
                              "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
-        self.linear = linear
+        if prompt_kernels not in ("torch", "vt"):
+            raise ValueError(f"LlamaDecoder: prompt_kernels={prompt_kernels!r} must be 'torch' "
+                             f"or 'vt'")
+        if prompt_kernels == "vt" and self.kernels != "vt":
+            raise ValueError("LlamaDecoder: prompt_kernels='vt' needs kernels='vt' (or 'auto' "
+                             "resolving to it)")
+        self.linear, self.prompt_kernels = linear, prompt_kernels
         self.matmul = fused.linear if linear == "triton" else F.linear
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
@@ -246,13 +259,17 @@ class LlamaDecoder(nn.Module):
         """Every token of the step through the layers; logits_out [B, vocab] of each
         sequence's logits_indices token (a decode step's are all of its tokens)."""
         ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context,
-                            paged=self.kernels == "vt")
+                            fused=self.kernels == "vt", fused_prompts=self.prompt_kernels == "vt")
         x, delta = self.embed(inputs.input_ids.long()), None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, ctx, self.k_cache[i], self.v_cache[i], delta)
-        if delta is not None:   # vt's kernels (a decode step): the last add in the final norm
+        if delta is not None:   # vt's kernels: the last add in the final norm
+            if not inputs.is_decode:   # a decode step's tokens are its sequences
+                wanted = inputs.logits_indices.long()
+                x, delta = x[wanted], delta[wanted]
             x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
-            logits = self.matmul(x, self.head_weight())   # [B, vocab_shard]: this rank's shard
+            matmul = self.matmul if inputs.is_decode else F.linear
+            logits = matmul(x, self.head_weight())   # [B, vocab_shard]: this rank's shard
         else:
             if not inputs.is_decode:   # a decode step's tokens are its sequences
                 x = x[inputs.logits_indices.long()]

@@ -115,21 +115,20 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
     import torch
 
     from vt.cli.bench.torch_ttft import seeded_prompts
-    from vt.cli.bench.torch_workload import TorchLlamaPeer
+    from vt.cli.bench.torch_workload import TorchLlamaPeer, tool_decoder
     from vt.engine import Engine
     from vt.knobs import ExecutorConfig
     from vt.step import KVGeometry
-    from vt.torch import TorchForwardModel, torch_device
-    from vt.torch.llama import LlamaDecoder
+    from vt.torch import TorchForwardModel
     bs, rows = 16, sorted(set(args.rows))
     blocks = -(-args.max_context // bs)
     geo = KVGeometry(max_seqs=rows[-1], num_kv_blocks=rows[-1] * blocks + 1, block_size=bs,
                      max_context=blocks * bs)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels,
-                          linear=args.linear)
+    module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode")
     out["kernels"], out["linear"] = module.kernels, module.linear
+    out["prompt_kernels"] = module.prompt_kernels
     out["weight_bytes"] = weight_bytes(module)
     out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * dtype.itemsize
     out["embed_row_bytes"] = cfg.hidden * dtype.itemsize

@@ -68,7 +68,8 @@ def run(args) -> dict:
     from vt.cli.bench.torch_workload import tool_setup
     be, cfg, dtype, common = tool_setup(args.preset, args.backend)
     cuda = be.name == "cuda"
-    out = dict(common, mode=args.mode, kernels=args.kernels, linear=args.linear, conc=args.conc,
+    out = dict(common, mode=args.mode, kernels=args.kernels, linear=args.linear,
+               prompt_kernels=args.prompt_kernels, conc=args.conc,
                prompt_len=args.prompt_len, context=args.context)
     try:
         out["vt"] = _run_vt(be, cfg, dtype, args)
@@ -95,16 +96,15 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     from vt.engine import Engine
     from vt.knobs import ExecutorConfig
     from vt.step import KVGeometry
-    from vt.torch import TorchForwardModel, torch_device
-    from vt.torch.llama import LlamaDecoder
+    from vt.cli.bench.torch_workload import tool_decoder
+    from vt.torch import TorchForwardModel
     bs = 16
     blocks = -(-max(args.context, max(args.single) + 1) // bs)   # a single prompt may be longer
     geo = KVGeometry(max_seqs=args.conc, num_kv_blocks=args.conc * blocks + 1, block_size=bs,
                      max_context=blocks * bs)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    module = LlamaDecoder(cfg, geo, dtype=dtype, device=torch_device(be), kernels=args.kernels,
-                          linear=args.linear)
+    module = tool_decoder(cfg, geo, dtype, be, args, "torch_ttft")
     params = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embed."))
     if module.lm_head is None:
         params += module.embed.weight.numel()
@@ -266,7 +266,8 @@ def format_table(r: dict) -> str:
              (f"TPOT, {n} requests, context {r['context']}", vt["tpot_s"],
               [of(q, "tpot_s") for q in peers])]
     lines = [f"{r['preset']}: {r['params'] / 1e9:.2f} B parameters (non-embedding), {r['dtype']}, "
-             f"on {r['device']} ({r['backend']}); vt mode {r['mode']}, prefill=flat",
+             f"on {r['device']} ({r['backend']}); vt mode {r['mode']}, prefill=flat, prompt "
+             f"kernels {r.get('prompt_kernels', 'torch')}",
              f"{'':44s} {'vt':>10s} {'peer':>10s} {'vt/peer':>8s} {'static':>10s} "
              f"{'vt/static':>9s}"]
     for label, mine, theirs in rows:

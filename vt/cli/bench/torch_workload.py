@@ -52,7 +52,7 @@ PRESETS = {
 
 def add_tool_arguments(p) -> None:
     """The torch tools' shared flags: the model, the backend, vt's mode, the decoder's kernels
-    and linears."""
+    (decode and prompt steps) and linears."""
     p.add_argument("--preset", default="torch-llama3-8b",
                    choices=["tiny"] + [n for n in PRESETS if n != "torch-tiny"],
                    help="the decoder's shape (default torch-llama3-8b; tiny: a test size)")
@@ -63,6 +63,9 @@ def add_tool_arguments(p) -> None:
     p.add_argument("--linear", default="torch", choices=["torch", "triton"],
                    help="LlamaDecoder's linears in decode steps on vt's kernels: torch "
                         "(cuBLAS, the default) or triton (vt.torch.triton_gemv at <= 16 rows)")
+    p.add_argument("--prompt-kernels", default="torch", choices=["torch", "vt"],
+                   help="LlamaDecoder's ops in steps with prompt tokens: torch (the default) "
+                        "or vt (the decode step's fused ops; needs kernels vt)")
 
 
 def tool_setup(preset: str, backend: str):
@@ -79,6 +82,19 @@ def tool_setup(preset: str, backend: str):
     common = dict(preset=preset, backend=be.name, dtype=str(dtype).split(".")[-1],
                   device=torch.cuda.get_device_name() if cuda else "cpu")
     return be, cfg, dtype, common
+
+
+def tool_decoder(cfg, geometry, dtype, be, args, tool: str):
+    """The torch tools' LlamaDecoder of --kernels, --linear and --prompt-kernels on `be`'s
+    device; a choice the device cannot take exits with one line that names it."""
+    from vt.torch import torch_device
+    from vt.torch.llama import LlamaDecoder
+    try:
+        return LlamaDecoder(cfg, geometry, dtype=dtype, device=torch_device(be),
+                            kernels=args.kernels, linear=args.linear,
+                            prompt_kernels=args.prompt_kernels)
+    except ValueError as exc:
+        raise SystemExit(f"{tool}: {exc}") from None
 
 
 def describe() -> list[str]:
