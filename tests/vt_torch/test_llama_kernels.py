@@ -1,7 +1,8 @@
 """LlamaDecoder's `kernels`: a decode step on vt's kernels ("vt": paged decode attention over
 the live tokens, the fused norm / SiLU / RoPE-and-cache ops) computes what the plain torch
 step ("torch": dense attention over max_context, masked) computes, and so does "vt" with
-`linear="triton"` (vt.torch.triton_gemv's projections at <= 16 rows). On the CPU both run
+`linear="triton"` (vt.torch.triton_gemv's projections at <= 16 rows), and so does a mixed
+step with `prompt_kernels="vt"` (prompt chunks and decode rows on those ops). On the CPU both run
 plain torch (the CI twin of the wiring); on CUDA "vt" runs the Triton kernels. Tolerances (relative
 Frobenius error of the logits): float32 1e-5; bf16 on CUDA 3e-2 (bf16 storage rounds each
 layer's activations; the paged kernel sums in float32, SDPA in its own order)."""
@@ -186,16 +187,19 @@ def _cuda():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("linear", ["torch", "triton"])
+@pytest.mark.parametrize("step,linear", [("decode", "torch"), ("decode", "triton"),
+                                         ("mixed", "torch")])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_triton_decode_step_equals_dense_bf16_on_cuda(arch, linear):
-    """bf16 on CUDA: the Triton step's logits (with cuBLAS's or the Triton linears) within
-    3e-2 of the dense torch step's, on fresh random caches and weights."""
+def test_triton_step_within_bf16_of_the_torch_ops_on_cuda(arch, step, linear):
+    """bf16 on CUDA: a decode step on the Triton kernels (with cuBLAS's or the Triton
+    linears), and a mixed step with prompt_kernels="vt", within 3e-2 of the torch ops'
+    logits, on fresh random caches and weights."""
     be = _cuda()
     try:
         ref = tiny_llama(be, cfg=CONFIGS[arch], dtype=torch.bfloat16, kernels="torch",
                          seed=int(torch.seed()) % 2**31)
-        got, want, _ = decode_both(ref, [5, 17, 1, GEO.max_context, 2], seed=2, linear=linear)
+        got, want, _ = (decode_both(ref, [5, 17, 1, GEO.max_context, 2], seed=2, linear=linear)
+                        if step == "decode" else mixed_both(ref, seed=4))
         assert torch.isfinite(got).all()
         assert rel_err(got, want) < 3e-2
     finally:
@@ -217,22 +221,6 @@ def test_triton_greedy_tokens_equal_dense_on_cuda(dtype, linear):
         expect = [eager_greedy(ref, p, 8) for p in ps]
         assert [eager_greedy(fast, p, 8) for p in ps] == expect
         assert generate(be, step_model(be, fast), "ring", ps, 8) == expect
-    finally:
-        be.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_vt_prompt_kernels_mixed_step_within_bf16_of_the_torch_ops_on_cuda(arch):
-    """bf16 on CUDA: a mixed step on vt's kernels (prompt_kernels="vt") within 3e-2 of the
-    torch ops', on fresh random caches and weights."""
-    be = _cuda()
-    try:
-        ref = tiny_llama(be, cfg=CONFIGS[arch], dtype=torch.bfloat16, kernels="torch",
-                         seed=int(torch.seed()) % 2**31)
-        got, want, _ = mixed_both(ref, seed=4)
-        assert torch.isfinite(got).all()
-        assert rel_err(got, want) < 3e-2
     finally:
         be.close()
 
