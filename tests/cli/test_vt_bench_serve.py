@@ -155,6 +155,10 @@ def test_median_run_is_the_middle_run_by_tokens_per_s_and_latency_the_median_ove
     (["--output-len", "5", "2"], "--output-len must be N or MIN MAX with 1 <= MIN <= MAX"),
     (["--prompt-range", "0"], "--prompt-range must be N or MIN MAX"),
     (["--clients", "0"], "--clients must be an integer in [1, 1024], got 0"),
+    (["--preset", "torch-tiny", "--prompt-kernels", "vt"],
+     "--prompt-kernels vt runs vt's kernels, which need the cuda backend"),
+    (["--preset", "tiny-dense", "--prompt-kernels", "vt"],
+     "--prompt-kernels applies to vt.torch presets only"),
 ])
 def test_bad_serve_arguments_are_refused_before_any_work(argv, needle, capsys):
     assert main(["--backend", "sim", "--workload", "serve", *argv]) == 2

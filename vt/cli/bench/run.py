@@ -157,6 +157,7 @@ def run(args, progress_factory) -> dict:
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
         vocab=args.vocab[0] if args.workload == "synthetic" else None,
         presets=list(args.preset) if args.workload != "synthetic" else None,
+        prompt_kernels=args.prompt_kernels if args.workload == "torch" else None,
         concs=list(args.conc), modes=list(args.modes), steps=args.steps, repeats=args.repeats,
         prompt_len=args.prompt_len, seed=args.seed, ceiling_replays=args.ceiling_replays,
         warmup_s=args.warmup_s,

@@ -80,15 +80,16 @@ def resolve_serve(args, backend: str, error) -> None:
         error("--png needs matplotlib, which is not installed (pip install matplotlib)")
 
 
-def _serve_model(be, name: str, conc: int, context: int, seed: int):
+def _serve_model(be, name: str, conc: int, context: int, seed: int, prompt_kernels: str):
     """(preset, vocab, step model, close(), whether every mode must give the same tokens) for
     a bundled preset or a torch preset (vt.torch.llama with seeded random weights, prefill
-    "flat"). A torch model's rows are not batch-invariant (its GEMMs' sums depend on the rows
+    "flat", its steps with prompt tokens on `prompt_kernels`). A torch model's rows are not batch-invariant (its GEMMs' sums depend on the rows
     beside them), so its tokens are not compared across modes."""
     from vt.cli.bench import torch_workload
     if name in torch_workload.PRESETS:
         cfg = torch_workload.model_config(name)
-        _, model = torch_workload.build(be, conc, context, seed, cfg=cfg)
+        _, model = torch_workload.build(be, conc, context, seed, cfg=cfg,
+                                        prompt_kernels=prompt_kernels)
         # Nothing to close: its tensors go when the last reference does (run_serve drops them).
         return name, cfg.vocab, model, lambda: None, False
     from vt.cli.common import build_model, resolve_preset
@@ -112,7 +113,7 @@ def run_serve(args, progress_factory) -> dict:
         with progress_factory(steps) as progress:
             for name in args.preset:
                 preset, vocab, model, close_model, same_tokens = _serve_model(
-                    be, name, conc, context, args.seed)
+                    be, name, conc, context, args.seed, args.prompt_kernels)
                 invariant.append(same_tokens)
                 work, warm = draw_work(args.seed, loads, args.requests, vocab,
                                        args.prompt_range, args.output_len, conc)
@@ -160,6 +161,7 @@ def run_serve(args, progress_factory) -> dict:
                 arrivals=list(args.arrival), clients=list(args.clients), rates=list(args.rate),
                 requests=args.requests, output_len=list(args.output_len),
                 prompt_len=list(args.prompt_range), seed=args.seed, serving_conc=conc,
+                prompt_kernels=args.prompt_kernels,
                 tokens_compared=all(invariant), cells=cells)
 
 

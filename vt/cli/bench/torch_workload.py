@@ -118,9 +118,10 @@ def unavailable_reason(be) -> str | None:
 
 
 def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=None,
-          prefill: str = "flat"):
+          prefill: str = "flat", prompt_kernels: str = "torch"):
     """(the LlamaDecoder with seeded random weights, its TorchForwardModel); cfg: default
-    model_config(). prefill: TorchForwardModel's (the decoder takes the flattened batch)."""
+    model_config(). prefill: TorchForwardModel's (the decoder takes the flattened batch);
+    prompt_kernels: the decoder's."""
     import torch
 
     from vt.step import KVGeometry
@@ -131,7 +132,8 @@ def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=
     geo = KVGeometry(max_seqs=max_seqs, num_kv_blocks=max_seqs * blocks + 1,
                      block_size=block_size, max_context=blocks * block_size)
     torch.manual_seed(seed)
-    module = LlamaDecoder(cfg, geo, dtype=torch.bfloat16, device=torch_device(be))
+    module = LlamaDecoder(cfg, geo, dtype=torch.bfloat16, device=torch_device(be),
+                          prompt_kernels=prompt_kernels)
     return module, TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill=prefill)
 
 
@@ -248,7 +250,8 @@ def run_torch(be, args, progress, reason: str | None) -> list[dict]:
     ctx = args.prompt_len + args.steps + 2
     for preset in args.preset:
         t0 = time.perf_counter()
-        module, model = build(be, max(args.conc), ctx, args.seed, cfg=model_config(preset))
+        module, model = build(be, max(args.conc), ctx, args.seed, cfg=model_config(preset),
+                              prompt_kernels=args.prompt_kernels)
         progress.step(f"{preset}: model set up in {time.perf_counter() - t0:.1f} s")
         for conc in args.conc:
             rng = np.random.default_rng(args.seed + conc)
