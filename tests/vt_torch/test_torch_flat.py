@@ -153,3 +153,17 @@ def test_prefill_mode_is_checked():
         from vt.backend import get_backend
         be = get_backend("sim")
         TorchForwardModel(be, lambda i, o: None, vocab=8, geometry=GEO, prefill="tokens")
+
+
+def test_the_flat_warm_up_runs_the_largest_step_a_prompt_can_make(sim_backend):
+    """warm_up_prefill runs every power of two tokens up to max_prefill_tokens and
+    max_prefill_tokens itself: no serving step is larger than one the forward (and on cuda
+    torch's caching allocator) has already run."""
+    module = tiny_llama(sim_backend)
+    counting = _Counting(module)
+    model = _model(sim_backend, module, forward=counting)
+    stream = sim_backend.stream()
+    logits = sim_backend.empty((GEO.max_seqs, module.cfg.vocab), np.float32)
+    model.warm_up_prefill(stream, 6, logits)
+    stream.synchronize()
+    assert [tokens for _, tokens, _ in counting.prompt_calls()] == [1, 2, 4, 6]

@@ -116,17 +116,19 @@ class ForwardModel(StepModel):
     def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out) -> None:
         """Prefill shapes once each, on scratch sequences only (the eager warm-up). "positions":
         one substep at every row bucket (a substep's shape depends on its live rows only).
-        "flat": a step of every power of two tokens up to max_prefill_tokens, in sequences of
-        at most max_context tokens."""
+        "flat": a step of every power of two tokens up to max_prefill_tokens, and one of
+        max_prefill_tokens itself (the largest a step can be, so the forward's allocator has
+        grown to it), in sequences of at most max_context tokens."""
         g = self.geometry
         scratch = lambda n: PrefillSeq(g.max_seqs, np.zeros(n, np.int32),   # noqa: E731
                                        np.full(g.max_blocks, g.scratch_block, np.int32), g.max_seqs)
         if self.prefill_mode == "flat":
-            steps, T = [], 1
-            while T <= min(max_prefill_tokens, self._flat.max_tokens):
+            top = min(max_prefill_tokens, self._flat.max_tokens)
+            sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
+            steps = []
+            for T in sizes:
                 full, rest = divmod(T, g.max_context)
                 steps.append([scratch(g.max_context)] * full + [scratch(rest)] * bool(rest))
-                T *= 2
         else:
             sizes = sorted({self.row_bucket(n) for n in range(1, g.max_seqs + 1)})
             steps = [[scratch(1)] * size for size in sizes]
