@@ -126,8 +126,9 @@ _NAN_ROWS = _NaNRows()
 class FaultyToy:
     """The toy forward (vt.forward.toy) plus the fault kernel (launched first in every
     forward: on the sim captured or eager, on cuda eager only) and, when nan_token is set, NaN
-    logits for the rows whose input token it is. hold_next_eager(gate): the next eager forward (a prefill substep, an
-    eager or mixed step) waits on the host for the threading.Event `gate` first."""
+    logits for the rows whose input token it is. hold_next_eager(gate): the next eager
+    forward (a prefill substep, an eager or mixed step) waits on the host for the
+    threading.Event `gate` first."""
 
     def __init__(self, be, *, vocab: int, geometry, nan_token: int | None = None):
         self.be, self.nan_token = be, nan_token

@@ -35,17 +35,24 @@ def twin(module: LlamaDecoder, kernels: str, linear: str = "torch",
     return other
 
 
-def random_decode_step(module: LlamaDecoder, lens, seed: int) -> TorchInputs:
-    """A decode step of len(lens) rows over a cache of random K and V: row n is at position
-    lens[n] - 1 of a table of distinct blocks (block 0, the scratch, unused)."""
-    g = torch.Generator().manual_seed(seed)
-    geo, dev = module.geometry, module.k_cache.device
+def random_cache_and_tables(module: LlamaDecoder, B: int, g) -> torch.Tensor:
+    """Random K and V in the module's cache; [B, max_blocks] tables of distinct blocks
+    (block 0, the scratch, unused)."""
+    geo = module.geometry
     with torch.no_grad():
         module.k_cache.copy_(torch.randn(module.k_cache.shape, generator=g))
         module.v_cache.copy_(torch.randn(module.v_cache.shape, generator=g))
+    blocks = 1 + torch.randperm(geo.num_kv_blocks - 1, generator=g)[:B * geo.max_blocks]
+    return blocks.view(B, geo.max_blocks).int()
+
+
+def random_decode_step(module: LlamaDecoder, lens, seed: int) -> TorchInputs:
+    """A decode step of len(lens) rows over a cache of random K and V: row n is at position
+    lens[n] - 1 (random_cache_and_tables)."""
+    g = torch.Generator().manual_seed(seed)
+    geo, dev = module.geometry, module.k_cache.device
     S = len(lens)
-    blocks = 1 + torch.randperm(geo.num_kv_blocks - 1, generator=g)[:S * geo.max_blocks]
-    tables = blocks.view(S, geo.max_blocks).int()
+    tables = random_cache_and_tables(module, S, g)
     pos = torch.tensor(lens, dtype=torch.int32) - 1
     slots = tables[torch.arange(S), pos // geo.block_size] * geo.block_size + pos % geo.block_size
     table = torch.randint(0, module.cfg.vocab, (geo.max_seqs + 1,), generator=g).int()
@@ -60,12 +67,8 @@ def random_mixed_step(module: LlamaDecoder, decode_lens, chunks, seed: int) -> T
     of L context positions (n == L: a prompt's first chunk, its whole context)."""
     g = torch.Generator().manual_seed(seed)
     geo, dev = module.geometry, module.k_cache.device
-    with torch.no_grad():
-        module.k_cache.copy_(torch.randn(module.k_cache.shape, generator=g))
-        module.v_cache.copy_(torch.randn(module.v_cache.shape, generator=g))
     B = len(decode_lens) + len(chunks)
-    blocks = 1 + torch.randperm(geo.num_kv_blocks - 1, generator=g)[:B * geo.max_blocks]
-    tables = blocks.view(B, geo.max_blocks).int()
+    tables = random_cache_and_tables(module, B, g)
     spans = [(1, L) for L in decode_lens] + list(chunks)     # (new tokens, context after)
     pos = torch.cat([torch.arange(L - n, L) for n, L in spans]).int()
     seq = torch.cat([torch.full((n,), i) for i, (n, _) in enumerate(spans)])

@@ -124,7 +124,7 @@ class ForwardModel(StepModel):
                                        np.full(g.max_blocks, g.scratch_block, np.int32), g.max_seqs)
         if self.prefill_mode == "flat":
             top = min(max_prefill_tokens, self._flat.max_tokens)
-            sizes = sorted({1 << k for k in range(top.bit_length()) if 1 << k <= top} | {top})
+            sizes = sorted({1 << k for k in range(top.bit_length())} | {top})
             steps = []
             for T in sizes:
                 full, rest = divmod(T, g.max_context)

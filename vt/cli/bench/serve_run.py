@@ -83,8 +83,9 @@ def resolve_serve(args, backend: str, error) -> None:
 def _serve_model(be, name: str, conc: int, context: int, seed: int, prompt_kernels: str):
     """(preset, vocab, step model, close(), whether every mode must give the same tokens) for
     a bundled preset or a torch preset (vt.torch.llama with seeded random weights, prefill
-    "flat", its steps with prompt tokens on `prompt_kernels`). A torch model's rows are not batch-invariant (its GEMMs' sums depend on the rows
-    beside them), so its tokens are not compared across modes."""
+    "flat", its steps with prompt tokens on `prompt_kernels`). A torch model's rows are not
+    batch-invariant (its GEMMs' sums depend on the rows beside them), so its tokens are not
+    compared across modes."""
     from vt.cli.bench import torch_workload
     if name in torch_workload.PRESETS:
         cfg = torch_workload.model_config(name)

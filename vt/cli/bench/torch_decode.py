@@ -259,7 +259,8 @@ def _run_hf(cfg, dtype, cuda: bool, args) -> dict:
 def format_table(r: dict) -> str:
     rate = r.get("floor_Bps")
     lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, kernels "
-             f"{r.get('kernels')}, linear {r.get('linear', 'torch')}, vt mode {r['mode']}, max_context {r['max_context']}; weights "
+             f"{r.get('kernels')}, linear {r.get('linear', 'torch')}, vt mode {r['mode']}, "
+             f"max_context {r['max_context']}; weights "
              f"{r['weight_bytes'] / 1e9:.2f} GB, KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token"
              + (f", floor rate {rate / 1e12:.2f} TB/s (copy {r['copy_Bps'] / 1e12:.2f}, read "
                 f"{r['read_Bps'] / 1e12:.2f})" if rate else ", no floor on this backend"),
