@@ -103,10 +103,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, matmul=F.linear):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
         self.cfg, self.tp = cfg, tp
-        self.matmul = matmul   # a decode step's projections on vt's kernels (LlamaDecoder.linear)
         # This rank's heads: qkv is column-parallel (its heads' rows), o row-parallel.
         self.heads, self.kv_heads = tp.local(cfg.heads, "heads"), tp.local(cfg.kv_heads, "kv_heads")
         q, kv = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
@@ -115,13 +114,13 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
-    def forward(self, x, ctx: AttentionContext, k_cache, v_cache):
+    def forward(self, x, ctx: AttentionContext, k_cache, v_cache, matmul=F.linear):
+        """matmul: the step's projections on vt's kernels (LlamaDecoder.step_matmul)."""
         hd, heads, kv_heads = self.cfg.head_dim, self.heads, self.kv_heads
         T = x.shape[0]
         p = ctx.fused
         if p is not None and self.q_norm is None:
             # RoPE and the paged KV write in one pass over the fused projection.
-            matmul = self.matmul if ctx.is_decode else F.linear
             qkv = matmul(x, self.qkv.weight, self.qkv.bias)
             q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table,
                                      k_cache, v_cache, ctx.slot_mapping, heads=heads,
@@ -144,19 +143,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, matmul=F.linear):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
-        self.tp, self.matmul = tp, matmul
+        self.tp = tp
         # This rank's share of the intermediate: gate_up column-parallel, down row-parallel.
         inter = tp.local(cfg.intermediate, "intermediate")
         self.gate_up = nn.Linear(cfg.hidden, 2 * inter, bias=cfg.mlp_bias)   # fused [gate | up]
         self.down = nn.Linear(inter, cfg.hidden, bias=cfg.mlp_bias)
 
-    def forward(self, x, fused_ops: bool = False, decode: bool = False):
-        """fused_ops: vt's SiLU-product kernel; with decode (a decode step) and the Triton
-        linears, the SiLU product inside the down projection's kernel."""
-        if fused_ops and decode and self.matmul is fused.linear:
-            gate_up = self.matmul(x, self.gate_up.weight, self.gate_up.bias)
+    def forward(self, x, fused_ops: bool = False, matmul=F.linear):
+        """fused_ops: vt's SiLU-product kernel; with the Triton linears as the step's matmul
+        (LlamaDecoder.step_matmul), the SiLU product inside the down projection's kernel."""
+        if fused_ops and matmul is fused.linear:
+            gate_up = matmul(x, self.gate_up.weight, self.gate_up.bias)
             return self.tp.row_parallel(self.down, gate_up, fused.silu_mul_linear)
         if fused_ops:
             return self.tp.row_parallel(self.down, fused.silu_mul(self.gate_up(x)))
@@ -165,14 +164,14 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, tp: TensorParallel, matmul=F.linear):
+    def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.attn = Attention(cfg, tp, matmul)
+        self.attn = Attention(cfg, tp)
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
-        self.mlp = MLP(cfg, tp, matmul)
+        self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, ctx: AttentionContext, k_cache, v_cache, delta=None):
+    def forward(self, x, ctx: AttentionContext, k_cache, v_cache, delta=None, matmul=F.linear):
         """The layer over the residual stream x + delta (delta: the previous layer's MLP
         output, not added yet; None: nothing pending). Returns the same pair for the next
         layer: on vt's kernels the residual add of each MLP output is made by the next norm's
@@ -183,9 +182,9 @@ class Layer(nn.Module):
                 h = fused.rms_norm(x, a.weight, a.eps)
             else:
                 x, h = fused.add_rms_norm(x, delta, a.weight, a.eps)
-            attn_out = self.attn(h, ctx, k_cache, v_cache)
+            attn_out = self.attn(h, ctx, k_cache, v_cache, matmul)
             x, h = fused.add_rms_norm(x, attn_out, m.weight, m.eps)
-            return x, self.mlp(h, fused_ops=True, decode=ctx.is_decode)
+            return x, self.mlp(h, fused_ops=True, matmul=matmul)
         if delta is not None:
             x = x + delta
         x = x + self.attn(self.attn_norm(x), ctx, k_cache, v_cache)
@@ -234,7 +233,7 @@ class LlamaDecoder(nn.Module):
         rows = self.vocab_shard * self.tp.size if cfg.tie_embeddings else cfg.vocab
         self.embed = nn.Embedding(rows, cfg.hidden, **factory)
         with torch.device(device):
-            self.layers = nn.ModuleList(Layer(cfg, self.tp, self.matmul)
+            self.layers = nn.ModuleList(Layer(cfg, self.tp)
                                         for _ in range(cfg.layers)).to(dtype)
             self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
             self.lm_head = None if cfg.tie_embeddings else nn.Linear(
@@ -261,14 +260,14 @@ class LlamaDecoder(nn.Module):
         ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context,
                             fused=self.kernels == "vt", fused_prompts=self.prompt_kernels == "vt")
         x, delta = self.embed(inputs.input_ids.long()), None
+        matmul = self.step_matmul(inputs)
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, ctx, self.k_cache[i], self.v_cache[i], delta)
+            x, delta = layer(x, ctx, self.k_cache[i], self.v_cache[i], delta, matmul)
         if delta is not None:   # vt's kernels: the last add in the final norm
             if not inputs.is_decode:   # a decode step's tokens are its sequences
                 wanted = inputs.logits_indices.long()
                 x, delta = x[wanted], delta[wanted]
             x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
-            matmul = self.matmul if inputs.is_decode else F.linear
             logits = matmul(x, self.head_weight())   # [B, vocab_shard]: this rank's shard
         else:
             if not inputs.is_decode:   # a decode step's tokens are its sequences
@@ -276,6 +275,12 @@ class LlamaDecoder(nn.Module):
             logits = F.linear(self.norm(x), self.head_weight())
         # The vocab-parallel head: the ranks' shards side by side, the padding dropped.
         logits_out.copy_(self.tp.all_gather(logits, dim=-1)[:, :self.cfg.vocab])
+
+    def step_matmul(self, inputs: TorchInputs):
+        """What computes the step's projections and head: the `linear` choice in a decode step
+        (its row count is the captured batch: the Triton GEMV's regime), F.linear in a step
+        with prompt tokens (many rows: cuBLAS's)."""
+        return self.matmul if inputs.is_decode else F.linear
 
     def head_weight(self) -> torch.Tensor:
         """[vocab_shard, hidden]: lm_head's, or (tied) the embedding's rows of this shard."""
