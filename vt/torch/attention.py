@@ -1,11 +1,14 @@
 """Attention over vt's paged KV cache for a flattened step (vt.torch.TorchInputs): the per-step
-context every layer shares, and the two kernels it picks between. The place a paged or flash
+context every layer shares, and the kernels it picks between. The place a paged or flash
 attention kernel plugs in: replace `decode_attention` (one query per sequence, captured) or
-`prefill_attention` (a prompt chunk, eager). With `fused` set (LlamaDecoder's `kernels` and
-`prompt_kernels`), a step's decode rows go through
+`prefill_attention` (a prompt chunk, eager).
+
+With `fused` set (LlamaDecoder's `kernels`), a decode step goes through
 vt.torch.paged_attention.paged_decode_attention instead, which reads each row's live tokens
-only (on CUDA: Triton, capturable; the same function as the dense masked path), and the layers
-use vt.torch.fused's RoPE-and-cache: this step's K and V are then read back from the cache.
+only (on CUDA: Triton, capturable), and the layers use vt.torch.fused's RoPE-and-cache: this
+step's K and V are then read back from the cache. With `fused_prompts` too (LlamaDecoder's
+`prompt_kernels="vt"`), a step with prompt tokens is one paged_varlen_attention call per
+layer, its decode rows and prompt chunks together, in place of a call per chunk.
 
 A step's tokens are decode rows (one token per sequence, leading the batch) and prompt chunks:
 - a decode step (inputs.is_decode: captured, shapes fixed by B) is all decode rows; each row
@@ -24,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from vt.step import context_slots
-from vt.torch.paged_attention import paged_decode_attention
+from vt.torch.paged_attention import paged_decode_attention, paged_varlen_attention
 
 
 @dataclass(frozen=True)
@@ -54,15 +57,18 @@ class AttentionContext:
 
 @dataclass(frozen=True)
 class FusedStep:
-    """What vt's kernels read of a step (int32 views of its fields): paged_decode_attention,
-    its decode rows' block tables and seq_lens; the fused RoPE kernel
+    """What vt's kernels read of a step (int32 views of its fields): the paged attention, the
+    sequences' block tables and seq_lens (and, in a step with prompt tokens, query_start_loc
+    and the longest query, for paged_varlen_attention); the fused RoPE kernel
     (vt.torch.fused.rope_and_cache), every token's position and the whole cos, sin tables."""
-    block_tables: torch.Tensor   # [R, max_blocks]: the decode rows'
-    seq_lens: torch.Tensor       # [R]
+    block_tables: torch.Tensor   # [B, max_blocks]
+    seq_lens: torch.Tensor       # [B]
     positions: torch.Tensor      # [T]
     cos_table: torch.Tensor      # [max_context, head_dim] f32
     sin_table: torch.Tensor
     block_size: int
+    query_start_loc: torch.Tensor | None = None   # [B + 1]; None: a decode step
+    max_query_len: int = 1
 
 
 def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor,
@@ -78,23 +84,26 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         slots = context_slots(tables[rows], t, block_size)
         mask = (t < inputs.seq_lens[rows].unsqueeze(1))[:, None, None, :]
         return slots, mask
-    def kernel_inputs(rows: int) -> FusedStep:
-        return FusedStep(inputs.block_tables[:rows], inputs.seq_lens[:rows], inputs.positions,
-                         cos_table, sin_table, block_size)
     if inputs.is_decode and fused:
+        step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
+                         sin_table, block_size)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, None, None,
-                                fused=kernel_inputs(inputs.batch), is_decode=True)
+                                fused=step, is_decode=True)
     if inputs.is_decode:
         slots, mask = row_slots(slice(None), context)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask,
                                 is_decode=True)
     qsl, lens = inputs.query_start_loc_cpu, inputs.seq_lens_cpu
+    if fused and fused_prompts:   # one paged_varlen_attention call: no per-chunk work here
+        longest = max(qsl[i + 1] - qsl[i] for i in range(len(lens)))
+        step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
+                         sin_table, block_size, inputs.query_start_loc, longest)
+        return AttentionContext(inputs.slot_mapping.long(), cos, sin, 0, None, None, fused=step)
     rows = 0
     while rows < len(lens) and qsl[rows + 1] - qsl[rows] == 1:
         rows += 1
-    fused_step = kernel_inputs(rows) if fused and fused_prompts else None
     slots = mask = None
-    if rows and fused_step is None:
+    if rows:
         longest = -(-max(lens[:rows]) // block_size) * block_size
         slots, mask = row_slots(slice(0, rows), context[:longest])
     chunks = []
@@ -103,14 +112,18 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         t = context[:L]
         chunks.append(Chunk(qsl[i], qsl[i + 1], L, None if n == L else
                             context_slots(tables[i:i + 1], t, block_size)[0]))
-    return AttentionContext(inputs.slot_mapping.long(), cos, sin, rows, slots, mask, tuple(chunks),
-                            fused_step)
+    return AttentionContext(inputs.slot_mapping.long(), cos, sin, rows, slots, mask, tuple(chunks))
 
 
 def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
     """[T, heads, head_dim]: every token's attention, this step's K and V already written to
-    the cache (k, v [T, kv_heads, head_dim] are those same values, or None: read them from
-    the cache)."""
+    the cache (k, v [T, kv_heads, head_dim] are those same values; None on vt's kernels,
+    which read them from the cache)."""
+    f = ctx.fused
+    if f is not None and f.query_start_loc is not None:   # vt's kernels, prompt tokens too
+        return paged_varlen_attention(q, k_cache, v_cache, f.query_start_loc, f.seq_lens,
+                                      f.block_tables, block_size=f.block_size,
+                                      max_query_len=f.max_query_len)
     if not ctx.chunks:
         return _decode_rows(q, k_cache, v_cache, ctx)
     out = torch.empty_like(q)
@@ -120,9 +133,6 @@ def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
     for c in ctx.chunks:
         if c.slots is not None:
             keys, vals = k_cache[c.slots], v_cache[c.slots]
-        elif k is None:   # the chunk is its whole context: this step wrote it at slot_mapping
-            written = ctx.slot_mapping[c.start:c.stop]
-            keys, vals = k_cache[written], v_cache[written]
         else:
             keys, vals = k[c.start:c.stop], v[c.start:c.stop]
         out[c.start:c.stop] = prefill_attention(q[c.start:c.stop], keys, vals)
@@ -130,7 +140,8 @@ def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
 
 
 def _decode_rows(q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
-    """The step's decode rows (q [R, heads, hd]): paged on vt's kernels, else dense."""
+    """The step's decode rows (q [R, heads, hd]): paged on vt's kernels (a decode step), else
+    dense."""
     f = ctx.fused
     if f is not None:
         return paged_decode_attention(q, k_cache, v_cache, f.block_tables, f.seq_lens,

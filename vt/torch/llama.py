@@ -32,10 +32,11 @@ into its kernel; more rows, or the CPU, compute the same with the torch ops).
 Steps with prompt tokens run eagerly: serve the decoder with TorchForwardModel(...,
 prefill="flat") so that a prompt chunk, or a whole mixed step, is one call. `prompt_kernels`
 picks their ops: "torch" (the default) or, with kernels="vt", "vt": the same fused ops as a
-decode step (about 15 launches a layer instead of about 45, which a short prompt pays in host
-time), the decode rows of a mixed step through the paged kernel, the prompt chunks through
-SDPA over K and V read back from the cache, and cuBLAS for the projections. A candidate
-until measured (docs/torch.md). vt.torch.hf loads Hugging Face checkpoints into it.
+decode step, and the attention of every token of the step (prompt chunks and a mixed step's
+decode rows) in one vt.torch.paged_attention.paged_varlen_attention call: about 10 launches
+a layer instead of about 70, which a short prompt pays in host time, and one call however
+many prompts the step holds. cuBLAS computes the projections. A candidate until measured
+(docs/torch.md). vt.torch.hf loads Hugging Face checkpoints into it.
 
 With `tp` (a vt.torch.tensor_parallel.TensorParallel of more than one rank) each rank holds
 its share of the heads, the KV cache, the MLP and the head; `o` and `down` end in an

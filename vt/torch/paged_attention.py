@@ -1,5 +1,7 @@
-"""Paged decode attention over each row's live KV tokens only (grouped-query, one query token
-per row), for vt.torch models.
+"""Paged attention over each sequence's live KV tokens only (grouped-query), for vt.torch
+models: paged_decode_attention (one query token per row: a decode step, captured) and
+paged_varlen_attention (any number of new tokens per sequence: an eager step's prompt chunks
+and decode rows, in one call).
 
     out[n, h] = softmax(q[n, h] . K[n]^T / sqrt(head_dim)) V[n]
 
@@ -11,7 +13,9 @@ On CUDA the work runs as two Triton kernels (vt.torch.triton_attention): split-K
 context (each (row, KV head) is cut into `splits` spans so that one row still fills the GPU),
 then a merge of the spans. Every shape is fixed by the call's tensor shapes and `splits`, the
 split bounds are read from seq_lens on the device, so the call has no host sync and captures
-in a CUDA graph as it is. On the CPU the same function is computed in plain torch, one row at
+in a CUDA graph as it is. paged_varlen_attention is one Triton kernel (no split: its query
+tiles fill the GPU); its grid depends on the step's longest query, which the caller knows on
+the host. On the CPU the same functions are is computed in plain torch, one row at
 a time over its live tokens, so CI tests the same semantics. Triton is imported only when a
 CUDA tensor arrives: the module imports without it.
 """
@@ -53,6 +57,52 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"paged_decode_attention: splits={splits} must be in 1..{MAX_SPLITS}")
     return triton_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size=block_size, splits=splits)
+
+
+def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                           block_tables: torch.Tensor, *, block_size: int,
+                           max_query_len: int) -> torch.Tensor:
+    """Causal attention of a flattened step's tokens over their sequences' cached contexts.
+
+    q [T, heads, head_dim]: sequence i's new tokens are rows query_start_loc[i] ..
+    query_start_loc[i + 1] - 1 (query_start_loc [B + 1] int32, non-decreasing); seq_lens [B]
+    int32: its context after the step, these tokens included and already written to the
+    cache; block_tables [B, max_blocks] int32. New token j of n in a context of L sits at
+    position L - n + j and attends to positions 0 .. L - n + j (the diagonal at the bottom
+    right). max_query_len: the largest n (the host knows it: vt.torch.TorchInputs's
+    query_start_loc_cpu). Returns [T, heads, head_dim] in q's dtype.
+    """
+    _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size)
+    if not q.is_cuda:
+        return paged_varlen_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                            block_tables, block_size=block_size)
+    return _triton_module().paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                         block_tables, block_size=block_size,
+                                         max_query_len=max_query_len)
+
+
+def paged_varlen_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                 *, block_size: int) -> torch.Tensor:
+    """The plain-torch path: per sequence, gather its live slots and attend in float32 with
+    the bottom-right causal mask. It reads the lengths on the host (the CPU's path, and the
+    GPU kernel's reference)."""
+    T, heads, head_dim = q.shape
+    group = heads // k_cache.shape[1]
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for i, length in enumerate(seq_lens.tolist()):
+        a, b = starts[i], starts[i + 1]
+        if b == a:
+            continue
+        slots = live_slots(block_tables[i], length, block_size)
+        keys = k_cache[slots].float().repeat_interleave(group, dim=1)      # [L, heads, hd]
+        vals = v_cache[slots].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("nhd,lhd->hnl", q[a:b].float(), keys) / math.sqrt(head_dim)
+        seen = torch.ones(b - a, length, dtype=torch.bool, device=q.device).tril(length - (b - a))
+        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+        out[a:b] = torch.einsum("hnl,lhd->nhd", probs, vals).to(q.dtype)
+    return out
 
 
 def decode_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
@@ -105,34 +155,47 @@ def live_slots(table_row: torch.Tensor, length: int, block_size: int) -> torch.T
     return table_row.long()[t // block_size] * block_size + t % block_size
 
 
-def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size):
+def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size,
+           name: str = "paged_decode_attention", sequences: int | None = None):
+    """sequences: the rows of block_tables and seq_lens (None: one per query, q's S)."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_decode_attention: q [S, heads, head_dim] and caches [slots, "
+        raise ValueError(f"{name}: q [S, heads, head_dim] and caches [slots, "
                          f"kv_heads, head_dim] expected, got q {tuple(q.shape)}, k_cache "
                          f"{tuple(k_cache.shape)}, v_cache {tuple(v_cache.shape)}")
     S, heads, head_dim = q.shape
+    S = S if sequences is None else sequences
     slots, kv_heads, cache_dim = k_cache.shape
     if cache_dim != head_dim or heads % kv_heads:
-        raise ValueError(f"paged_decode_attention: q has {heads} heads of {head_dim}, the cache "
+        raise ValueError(f"{name}: q has {heads} heads of {head_dim}, the cache "
                          f"{kv_heads} KV heads of {cache_dim}: heads must be a multiple of "
                          f"kv_heads and head_dim equal")
     if block_size < 1 or slots % block_size:
-        raise ValueError(f"paged_decode_attention: block_size={block_size} must divide the "
+        raise ValueError(f"{name}: block_size={block_size} must divide the "
                          f"cache's {slots} slots")
     if block_tables.dim() != 2 or block_tables.shape[0] != S or tuple(seq_lens.shape) != (S,):
-        raise ValueError(f"paged_decode_attention: block_tables [S={S}, max_blocks] and seq_lens "
+        raise ValueError(f"{name}: block_tables [S={S}, max_blocks] and seq_lens "
                          f"[S] expected, got {tuple(block_tables.shape)} and "
                          f"{tuple(seq_lens.shape)}")
     if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"paged_decode_attention: q, k_cache, v_cache must share a dtype, got "
+        raise ValueError(f"{name}: q, k_cache, v_cache must share a dtype, got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+
+
+def _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size):
+    B = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if tuple(query_start_loc.shape) != (B + 1,):
+        raise ValueError(f"paged_varlen_attention: query_start_loc [B + 1] and seq_lens [B] "
+                         f"expected, got {tuple(query_start_loc.shape)} and "
+                         f"{tuple(seq_lens.shape)}")
+    _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, "paged_varlen_attention",
+           sequences=B)
 
 
 def _triton_module():
     try:
         from vt.torch import triton_attention
     except ImportError as e:
-        raise RuntimeError(f"paged_decode_attention on CUDA needs Triton (it ships with CUDA "
+        raise RuntimeError(f"vt.torch.paged_attention on CUDA needs Triton (it ships with CUDA "
                            f"builds of PyTorch): {e}") from e
     return triton_attention
 

@@ -8,6 +8,15 @@ the group's queries are the rows of one [BLOCK_H, head_dim] tile, padded to the 
 tensor-core dot needs. It keeps an online softmax and writes the span's unnormalized
 accumulator, running max and sum (float32) to the workspace; an empty span writes max -inf.
 _merge: grid (rows, heads): rescales the spans to their common max and divides by the sum.
+
+_varlen: an eager step's tokens, every sequence's at once (vt.torch.paged_attention.
+paged_varlen_attention). Grid (sequences, query tiles, kv_heads): program (i, t, g) takes
+BLOCK_M of sequence i's new tokens (query tile t; a tile past the sequence's count exits) for
+the `group` heads of KV head g, as the BLOCK_M * BLOCK_G rows of one tile (token-major), so a
+K/V row is read once for the tile's tokens and heads. It walks the sequence's cache from
+position 0 up to its tile's last token, causal (new token j of n in a context of L sees
+positions 0 .. L - n + j), with an online softmax. No split: a prompt chunk's query tiles
+fill the GPU, and a decode row of an eager step is one tile.
 """
 from __future__ import annotations
 
@@ -48,6 +57,89 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
                        HEAD_DIM=head_dim, SPLITS=splits,
                        BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS)
     return out
+
+
+ROWS = 64   # query rows (token x head) per _varlen tile: a tensor-core dot's M
+
+
+def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
+                 block_size: int, max_query_len: int):
+    """vt.torch.paged_attention.paged_varlen_attention's CUDA path (arguments checked there)."""
+    T, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    B = seq_lens.shape[0]
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("paged_varlen_attention: q and the caches need a contiguous last dim")
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"paged_varlen_attention: the Triton kernel needs a power-of-two "
+                         f"head_dim, got {head_dim}")
+    out = torch.empty_like(q)
+    if T == 0 or B == 0 or max_query_len < 1:
+        return out
+    block_g = triton.next_power_of_2(group)
+    block_m = max(1, ROWS // block_g)
+    grid = (B, triton.cdiv(max_query_len, block_m), kv_heads)
+    _varlen[grid](
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), 1.0 / head_dim ** 0.5,
+        GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
+        BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=NUM_WARPS)
+    return out
+
+
+@triton.jit
+def _varlen(Q, K, V, QSL, LENS, BT, OUT, stride_qt, stride_qh, stride_kt, stride_kh,
+            stride_vt, stride_vh, stride_bt, stride_ot, stride_oh, scale,
+            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+            PRECISION: tl.constexpr):
+    i = tl.program_id(0)
+    tile = tl.program_id(1)
+    kvh = tl.program_id(2)
+    first = tl.load(QSL + i)
+    n = tl.load(QSL + i + 1) - first          # the sequence's new tokens in this step
+    if tile * BLOCK_M < n:
+        prefix = tl.load(LENS + i) - n        # its cached positions before them
+        r = tl.arange(0, BLOCK_M * BLOCK_G)
+        token = tile * BLOCK_M + r // BLOCK_G
+        hig = r % BLOCK_G
+        live = (token < n) & (hig < GROUP)
+        head = kvh * GROUP + hig
+        d = tl.arange(0, HEAD_DIM)
+        row = (first + token).to(tl.int64)
+        q = tl.load(Q + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                    mask=live[:, None], other=0.0)                       # [ROWS, HEAD_DIM]
+        pos = prefix + token                  # each query row's position
+        hi = prefix + tl.minimum(n, (tile + 1) * BLOCK_M)   # past the tile's last token
+        m = tl.full([BLOCK_M * BLOCK_G], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M * BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_M * BLOCK_G, HEAD_DIM], tl.float32)
+        table = BT + i.to(tl.int64) * stride_bt
+        for start in range(0, hi, BLOCK_N):
+            t = start + tl.arange(0, BLOCK_N)
+            tmask = t < hi
+            block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+            slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+            k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                        mask=tmask[:, None], other=0.0)                  # [BLOCK_N, HEAD_DIM]
+            v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                        mask=tmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+            s = tl.where((t[None, :] <= pos[:, None]) & tmask[None, :], s, float("-inf"))
+            # Finite from the first tile on: position 0 is every row's key.
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp(m - m_new)
+            prob = tl.exp(s - m_new[:, None])
+            l = l * alpha + tl.sum(prob, 1)
+            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
+            m = m_new
+        o = acc / l[:, None]
+        tl.store(OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 o.to(OUT.dtype.element_ty), mask=live[:, None])
 
 
 @triton.jit
