@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps its blocks
 
 from vt.backend import get_backend  # noqa: E402
 from vt.torch import TorchInputs  # noqa: E402
@@ -210,7 +211,6 @@ def test_triton_step_within_bf16_of_the_torch_ops_on_cuda(arch, step, linear):
 
 
 @pytest.mark.gpu
-@pytest.mark.torch_allocator
 @pytest.mark.parametrize("dtype,linear", [(torch.float32, "torch"), (torch.float16, "torch"),
                                           (torch.float16, "triton")])
 def test_triton_greedy_tokens_equal_dense_on_cuda(dtype, linear):
@@ -229,7 +229,6 @@ def test_triton_greedy_tokens_equal_dense_on_cuda(dtype, linear):
 
 
 @pytest.mark.gpu
-@pytest.mark.torch_allocator
 def test_vt_prompt_kernels_serve_the_dense_greedy_tokens_on_cuda():
     """float32 on CUDA: vt serving the decoder with prefill="flat" and prompt_kernels="vt"
     (prompt chunks and mixed steps on vt's kernels) gives the dense decoder's eager tokens."""

@@ -4,6 +4,7 @@ random bf16 inputs: 1e-2 relative overall (the output is rounded once to bf16, w
 import pytest
 
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps its blocks
 
 
 def rel_err(a, b):
