@@ -167,7 +167,7 @@ BENCH_FLAGS = {
     "--output-len": st.sampled_from(["0", "-1", "x", "5 2"]),
     "--prompt-range": st.sampled_from(["0", "-1", "x"]),
     "--url": st.sampled_from(["x", "localhost:8000", "ftp://127.0.0.1:8000"]),
-    "--prompt-kernels": bad_choice(["torch", "vt"]),
+    "--prompt-kernels": bad_choice(["auto", "torch", "vt"]),
     "--device-us": bad_float(0, lim.MAX_DEVICE_US),
     "--conc": bad_int(1, lim.MAX_SERVING_CONC),
     "--modes": bad_choice(list(MODES)),

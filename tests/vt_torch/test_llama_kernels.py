@@ -24,7 +24,7 @@ CONFIGS = {"llama": dataclasses.replace(TINY, qk_norm=False), "qwen3": TINY}
 
 
 def twin(module: LlamaDecoder, kernels: str, linear: str = "torch",
-         prompt_kernels: str = "torch") -> LlamaDecoder:
+         prompt_kernels: str = "auto") -> LlamaDecoder:
     """The same weights and KV cache on the other kernels."""
     other = LlamaDecoder(module.cfg, module.geometry, dtype=module.embed.weight.dtype,
                          device=module.k_cache.device, kernels=kernels, linear=linear,
@@ -178,10 +178,12 @@ def test_vt_prompt_kernels_mixed_step_equals_torch_on_cpu(sim_backend, arch):
 
 def test_prompt_kernels_choice_is_checked(sim_backend):
     ref = tiny_llama(sim_backend, cfg=CONFIGS["llama"], kernels="torch")
-    with pytest.raises(ValueError, match="prompt_kernels='triton' must be 'torch' or 'vt'"):
+    with pytest.raises(ValueError, match="prompt_kernels='triton' must be 'auto', 'torch' or 'vt'"):
         twin(ref, "vt", prompt_kernels="triton")
     with pytest.raises(ValueError, match="prompt_kernels='vt' needs kernels='vt'"):
         twin(ref, "torch", prompt_kernels="vt")
+    assert twin(ref, "torch").prompt_kernels == "torch", "auto follows kernels"
+    assert twin(ref, "vt").prompt_kernels == "vt"
 
 
 def _cuda():

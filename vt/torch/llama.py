@@ -31,12 +31,14 @@ into its kernel; more rows, or the CPU, compute the same with the torch ops).
 
 Steps with prompt tokens run eagerly: serve the decoder with TorchForwardModel(...,
 prefill="flat") so that a prompt chunk, or a whole mixed step, is one call. `prompt_kernels`
-picks their ops: "torch" (the default) or, with kernels="vt", "vt": the same fused ops as a
-decode step, and the attention of every token of the step (prompt chunks and a mixed step's
-decode rows) in one vt.torch.paged_attention.paged_varlen_attention call: about 10 launches
-a layer instead of about 70, which a short prompt pays in host time, and one call however
-many prompts the step holds. cuBLAS computes the projections. A candidate until measured
-(docs/torch.md). vt.torch.hf loads Hugging Face checkpoints into it.
+picks their ops: "vt" (with kernels="vt") is the same fused ops as a decode step, and the
+attention of every token of the step (prompt chunks and a mixed step's decode rows) in one
+vt.torch.paged_attention.paged_varlen_attention call: about 10 launches a layer instead of
+about 70, which a short prompt pays in host time, and one call however many prompts the step
+holds; cuBLAS computes the projections. "torch" is plain torch ops with SDPA per prompt chunk.
+"auto" (the default) follows `kernels`: "vt" where decode steps run vt's kernels, measured
+faster (docs/benchmarks.md: TTFT 0.75-0.88x transformers eager's against 0.93-1.6x with
+"torch"; serving tok/s about 2x). vt.torch.hf loads Hugging Face checkpoints into it.
 
 With `tp` (a vt.torch.tensor_parallel.TensorParallel of more than one rank) each rank holds
 its share of the heads, the KV cache, the MLP and the head; `o` and `down` end in an
@@ -209,7 +211,7 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", linear: str = "torch",
-                 prompt_kernels: str = "torch", tp: TensorParallel | None = None):
+                 prompt_kernels: str = "auto", tp: TensorParallel | None = None):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
@@ -220,9 +222,11 @@ class LlamaDecoder(nn.Module):
         if linear == "triton" and self.kernels != "vt":
             raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
                              "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
-        if prompt_kernels not in ("torch", "vt"):
-            raise ValueError(f"LlamaDecoder: prompt_kernels={prompt_kernels!r} must be 'torch' "
-                             f"or 'vt'")
+        if prompt_kernels not in ("auto", "torch", "vt"):
+            raise ValueError(f"LlamaDecoder: prompt_kernels={prompt_kernels!r} must be 'auto', "
+                             f"'torch' or 'vt'")
+        if prompt_kernels == "auto":
+            prompt_kernels = self.kernels
         if prompt_kernels == "vt" and self.kernels != "vt":
             raise ValueError("LlamaDecoder: prompt_kernels='vt' needs kernels='vt' (or 'auto' "
                              "resolving to it)")

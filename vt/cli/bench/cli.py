@@ -56,10 +56,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", nargs="+", default=None,
                    help="model: preset(s) (default: bench-small on cuda, tiny-dense on sim); torch: "
                         "torch-llama-10x2048 (default), torch-llama3-8b; serve: either kind")
-    p.add_argument("--prompt-kernels", default="torch", choices=["torch", "vt"],
+    p.add_argument("--prompt-kernels", default="auto", choices=["auto", "torch", "vt"],
                    help="torch and serve with a vt.torch preset: the decoder's ops in steps with "
-                        "prompt tokens, torch (the default) or vt (the decode step's fused ops; "
-                        "cuda only)")
+                        "prompt tokens: auto (the default: vt's where decode steps use them, on "
+                        "cuda), torch, or vt (the decode step's fused ops; cuda only)")
     p.add_argument("--conc", type=int, nargs="+", default=None,
                    help=f"rows per decode step, S, each 1 to {lim.MAX_SERVING_CONC} (default: 1 32; "
                         f"model: 1 32 64)")
@@ -206,12 +206,12 @@ def _resolve(args: argparse.Namespace, error) -> None:
     if unknown:   # a typo is refused with either workload, not ignored by the synthetic one
         names = list(PRESETS) + (list(TORCH_PRESETS) if torch_ok else [])
         error(f"unknown preset(s) {unknown}; choose from {', '.join(names)}")
-    if args.prompt_kernels != "torch":
+    if args.prompt_kernels != "auto":
         if not (args.workload == "torch" or torch_ok) or not all(p in TORCH_PRESETS
                                                                    for p in args.preset):
             error("--prompt-kernels applies to vt.torch presets only (--workload torch, or "
                   "serve with a torch-* preset)")
-        if backend != "cuda":
+        if args.prompt_kernels == "vt" and backend != "cuda":
             error("--prompt-kernels vt runs vt's kernels, which need the cuda backend")
     if torch_ok and any(p in TORCH_PRESETS for p in args.preset):
         import importlib.util

@@ -74,6 +74,7 @@ def run(args) -> dict:
     try:
         out["vt"] = _run_vt(be, cfg, dtype, args)
         out["params"] = out["vt"].pop("params")
+        out["prompt_kernels"] = out["vt"].pop("prompt_kernels")   # "auto" resolved
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()   # the peer's weights need the memory
@@ -129,7 +130,8 @@ def _run_vt(be, cfg, dtype, args) -> dict:
             tpot.append(statistics.median((r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
                                           for r in res))
         stats = eng.stats()
-    return dict(params=params, setup_s=setup_s, ttft_single_s=single,
+    return dict(params=params, prompt_kernels=module.prompt_kernels, setup_s=setup_s,
+                ttft_single_s=single,
                 ttft_n_last_s=statistics.median(max(m) for m in many),
                 ttft_n_median_s=statistics.median(statistics.median(m) for m in many),
                 tpot_s=statistics.median(tpot),

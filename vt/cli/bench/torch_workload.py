@@ -63,9 +63,9 @@ def add_tool_arguments(p) -> None:
     p.add_argument("--linear", default="torch", choices=["torch", "triton"],
                    help="LlamaDecoder's linears in decode steps on vt's kernels: torch "
                         "(cuBLAS, the default) or triton (vt.torch.triton_gemv at <= 16 rows)")
-    p.add_argument("--prompt-kernels", default="torch", choices=["torch", "vt"],
-                   help="LlamaDecoder's ops in steps with prompt tokens: torch (the default) "
-                        "or vt (the decode step's fused ops; needs kernels vt)")
+    p.add_argument("--prompt-kernels", default="auto", choices=["auto", "torch", "vt"],
+                   help="LlamaDecoder's ops in steps with prompt tokens: auto (the default: as "
+                        "--kernels), torch, or vt (the decode step's fused ops; needs kernels vt)")
 
 
 def tool_setup(preset: str, backend: str):
@@ -118,7 +118,7 @@ def unavailable_reason(be) -> str | None:
 
 
 def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=None,
-          prefill: str = "flat", prompt_kernels: str = "torch"):
+          prefill: str = "flat", prompt_kernels: str = "auto"):
     """(the LlamaDecoder with seeded random weights, its TorchForwardModel); cfg: default
     model_config(). prefill: TorchForwardModel's (the decoder takes the flattened batch);
     prompt_kernels: the decoder's."""
