@@ -273,7 +273,7 @@ def test_varlen_torch_path_reads_only_live_slots():
 
 def test_varlen_bad_arguments_are_refused():
     """query_start_loc must have one entry more than seq_lens; the shared checks name the
-    varlen function."""
+    varlen function; on the CPU a max_query_len below the longest query is refused."""
     q, k = torch.zeros(5, 8, 16), torch.zeros(40, 2, 16)
     tables, lens = torch.zeros(2, 5, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     with pytest.raises(ValueError, match=r"query_start_loc \[B \+ 1\]"):
@@ -282,6 +282,10 @@ def test_varlen_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="paged_varlen_attention: .* must divide"):
         pa.paged_varlen_attention(q, k, k, torch.zeros(3, dtype=torch.int32), lens, tables,
                                   block_size=3, max_query_len=1)
+    with pytest.raises(ValueError, match="max_query_len=2 is below the step's longest query, 3"):
+        pa.paged_varlen_attention(q, k, k, torch.tensor([0, 2, 5], dtype=torch.int32),
+                                  torch.tensor([4, 3], dtype=torch.int32), tables, block_size=4,
+                                  max_query_len=2)
 
 
 VARLEN_KERNEL_CASES = [  # news, lens, heads, kv_heads, head_dim, block_size

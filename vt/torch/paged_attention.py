@@ -71,10 +71,18 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     cache; block_tables [B, max_blocks] int32. New token j of n in a context of L sits at
     position L - n + j and attends to positions 0 .. L - n + j (the diagonal at the bottom
     right). max_query_len: the largest n (the host knows it: vt.torch.TorchInputs's
-    query_start_loc_cpu). Returns [T, heads, head_dim] in q's dtype.
+    query_start_loc_cpu); it sizes the CUDA kernel's grid, which reads query_start_loc on the
+    device only, so a value below the largest n leaves the rest of that sequence's rows
+    unwritten there, as FlashAttention's max_seqlen_q does. The CPU path reads the lengths
+    and refuses such a value, so a caller's tests on the CPU catch it. Returns
+    [T, heads, head_dim] in q's dtype.
     """
     _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size)
     if not q.is_cuda:
+        longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if len(seq_lens) else 0
+        if max_query_len < longest:
+            raise ValueError(f"paged_varlen_attention: max_query_len={max_query_len} is below "
+                             f"the step's longest query, {longest} tokens")
         return paged_varlen_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens,
                                             block_tables, block_size=block_size)
     return _triton_module().paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens,
