@@ -120,23 +120,12 @@ def _varlen(Q, K, V, QSL, LENS, BT, OUT, stride_qt, stride_qh, stride_kt, stride
         acc = tl.zeros([BLOCK_M * BLOCK_G, HEAD_DIM], tl.float32)
         table = BT + i.to(tl.int64) * stride_bt
         for start in range(0, hi, BLOCK_N):
-            t = start + tl.arange(0, BLOCK_N)
-            tmask = t < hi
-            block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-            slot = block * BLOCK_SIZE + t % BLOCK_SIZE
-            k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                        mask=tmask[:, None], other=0.0)                  # [BLOCK_N, HEAD_DIM]
-            v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                        mask=tmask[:, None], other=0.0)
+            t, tmask, k, v = _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
+                                      stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where((t[None, :] <= pos[:, None]) & tmask[None, :], s, float("-inf"))
-            # Finite from the first tile on: position 0 is every row's key.
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp(m - m_new)
-            prob = tl.exp(s - m_new[:, None])
-            l = l * alpha + tl.sum(prob, 1)
-            acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
+            # m is finite from the first tile on: position 0 is every row's key.
+            m, l, acc = _softmax_step(s, v, m, l, acc, PRECISION)
         o = acc / l[:, None]
         tl.store(OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(OUT.dtype.element_ty), mask=live[:, None])
@@ -165,26 +154,45 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     table = BT + n.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
-        t = start + tl.arange(0, BLOCK_N)
-        tmask = t < hi
-        block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-        slot = block * BLOCK_SIZE + t % BLOCK_SIZE
-        k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
-                    mask=tmask[:, None], other=0.0)                     # [BLOCK_N, HEAD_DIM]
-        v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
-                    mask=tmask[:, None], other=0.0)
+        t, tmask, k, v = _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
+                                  stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BLOCK_H, BLOCK_N]
         s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))     # finite: every tile holds a live key
-        alpha = tl.exp(m - m_new)
-        prob = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(prob, 1)
-        acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
+        m, l, acc = _softmax_step(s, v, m, l, acc, PRECISION)   # m finite: a live key per tile
     row = (n * (GROUP * tl.num_programs(1)) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
     tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=hmask[:, None])
     tl.store(STATS + row * 2, m, mask=hmask)
     tl.store(STATS + row * 2 + 1, l, mask=hmask)
+
+
+@triton.jit
+def _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh, stride_vt, stride_vh,
+             BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Positions t = start .. start + BLOCK_N of one sequence (those < hi live), found through
+    its block table (vt.step.kv_slot), and their K and V rows of KV head kvh: (t, the live
+    mask, k, v [BLOCK_N, HEAD_DIM], dead rows 0)."""
+    t = start + tl.arange(0, BLOCK_N)
+    tmask = t < hi
+    block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+    k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
+                mask=tmask[:, None], other=0.0)
+    v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
+                mask=tmask[:, None], other=0.0)
+    return t, tmask, k, v
+
+
+@triton.jit
+def _softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):
+    """One tile of the online softmax: scores s [rows, BLOCK_N] (masked ones -inf) and values
+    v folded into the running max m, sum l and accumulator acc (float32). Each row's m must
+    end finite (a live key in this tile or an earlier one)."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    prob = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(prob, 1)
+    acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
+    return m_new, l, acc
 
 
 @triton.jit
