@@ -222,6 +222,8 @@ def test_sim_serve_runs_a_torch_preset_beside_a_bundled_one(tmp_path, capsys):
                  "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["tokens_compared"] is False
+    # "auto" as the decoder resolved it: the torch ops on the CPU; a bundled model's own prefill
+    assert res["prompt_kernels"] == {"torch-tiny": "torch", "tiny-dense": None}
     assert {(c["preset"], c["mode"]) for c in res["cells"]} == {
         (p, m) for p in ("torch-tiny", "tiny-dense") for m in ("drain", "ring")}
     for c in res["cells"]:

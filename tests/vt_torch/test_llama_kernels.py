@@ -15,7 +15,7 @@ pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps i
 
 from vt.backend import get_backend  # noqa: E402
 from vt.torch import TorchInputs  # noqa: E402
-from vt.torch.llama import LlamaDecoder, decode_kernels  # noqa: E402
+from vt.torch.llama import LlamaDecoder, resolve_kernels  # noqa: E402
 
 from _torch_util import (GEO, TINY, eager_greedy, generate, prompts, step_model,  # noqa: E402
                          tiny_llama)
@@ -102,13 +102,20 @@ def decode_both(ref: LlamaDecoder, lens, seed, linear: str = "torch"):
 
 
 def test_kernels_choice():
-    """auto: vt's kernels on CUDA with a power-of-two head_dim, plain torch otherwise."""
-    assert decode_kernels("auto", torch.device("cpu"), 64) == "torch"
-    assert decode_kernels("auto", torch.device("cuda"), 64) == "vt"
-    assert decode_kernels("auto", torch.device("cuda"), 96) == "torch"
-    assert decode_kernels("vt", torch.device("cpu"), 96) == "vt"
+    """auto: vt's kernels on CUDA with a power-of-two head_dim, plain torch otherwise; prompt
+    steps follow decode steps unless chosen, and never take vt's kernels without them."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernels("auto", "auto", cpu, 64) == ("torch", "torch")
+    assert resolve_kernels("auto", "auto", cuda, 64) == ("vt", "vt")
+    assert resolve_kernels("auto", "torch", cuda, 64) == ("vt", "torch")
+    assert resolve_kernels("auto", "auto", cuda, 96) == ("torch", "torch")
+    assert resolve_kernels("vt", "auto", cpu, 96) == ("vt", "vt")
     with pytest.raises(ValueError, match="kernels='triton' must be"):
-        decode_kernels("triton", torch.device("cpu"), 64)
+        resolve_kernels("triton", "auto", cpu, 64)
+    with pytest.raises(ValueError, match="prompt_kernels='triton' must be"):
+        resolve_kernels("auto", "triton", cpu, 64)
+    with pytest.raises(ValueError, match="prompt_kernels='vt' needs kernels='vt'"):
+        resolve_kernels("auto", "vt", cpu, 64)
 
 
 def test_linear_choice_is_checked(sim_backend):

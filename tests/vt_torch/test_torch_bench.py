@@ -48,6 +48,16 @@ def test_the_torch_workload_refuses_an_unknown_preset_listing_each(capsys):
     assert torch_workload.model_config("torch-llama3-8b").vocab == 128256
 
 
+def test_the_torch_workload_records_the_prompt_kernels_the_decoder_resolves(sim_backend):
+    """The JSON's prompt_kernels per preset: "auto" as LlamaDecoder resolves it on the
+    backend (the torch ops on the CPU), a choice as given."""
+    got = torch_workload.resolved_prompt_kernels(sim_backend, ["torch-tiny", "torch-llama3-8b"],
+                                                 "auto")
+    assert got == {"torch-tiny": "torch", "torch-llama3-8b": "torch"}
+    assert torch_workload.resolved_prompt_kernels(sim_backend, ["torch-tiny"], "torch") == {
+        "torch-tiny": "torch"}
+
+
 def test_the_ttft_tool_prints_its_table_on_the_sim(capsys, tmp_path):
     """The tiny preset, vt against transformers on the CPU: every row of the table (a 1-request
     TTFT per --single length, one longer than --context), and the JSON's times positive."""

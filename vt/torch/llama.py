@@ -216,21 +216,14 @@ class LlamaDecoder(nn.Module):
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
         self.cfg, self.geometry = cfg, geometry
-        self.kernels = decode_kernels(kernels, torch.device(device), cfg.head_dim)
+        self.kernels, self.prompt_kernels = resolve_kernels(
+            kernels, prompt_kernels, torch.device(device), cfg.head_dim)
         if linear not in ("torch", "triton"):
             raise ValueError(f"LlamaDecoder: linear={linear!r} must be 'torch' or 'triton'")
         if linear == "triton" and self.kernels != "vt":
             raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
                              "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
-        if prompt_kernels not in ("auto", "torch", "vt"):
-            raise ValueError(f"LlamaDecoder: prompt_kernels={prompt_kernels!r} must be 'auto', "
-                             f"'torch' or 'vt'")
-        if prompt_kernels == "auto":
-            prompt_kernels = self.kernels
-        if prompt_kernels == "vt" and self.kernels != "vt":
-            raise ValueError("LlamaDecoder: prompt_kernels='vt' needs kernels='vt' (or 'auto' "
-                             "resolving to it)")
-        self.linear, self.prompt_kernels = linear, prompt_kernels
+        self.linear = linear
         self.matmul = fused.linear if linear == "triton" else F.linear
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
@@ -361,14 +354,26 @@ def shard_state_dict(state_dict: dict, cfg: LlamaConfig, tp: TensorParallel) -> 
     return out
 
 
-def decode_kernels(kernels: str, device: torch.device, head_dim: int) -> str:
-    """"vt" or "torch": what a decode step runs (the module docstring); "auto" resolved."""
+def resolve_kernels(kernels: str, prompt_kernels: str, device: torch.device,
+                    head_dim: int) -> tuple[str, str]:
+    """("vt" or "torch", "vt" or "torch"): what a decode step and a step with prompt tokens
+    run (the module docstring), "auto" resolved: vt's kernels on cuda (decode: where head_dim
+    is a power of two), and prompt steps follow decode steps. ValueError for a choice that
+    is not one of those, or prompt steps on vt's kernels without decode steps on them."""
     if kernels not in ("auto", "vt", "torch"):
         raise ValueError(f"LlamaDecoder: kernels={kernels!r} must be 'auto', 'vt' or 'torch'")
+    if prompt_kernels not in ("auto", "torch", "vt"):
+        raise ValueError(f"LlamaDecoder: prompt_kernels={prompt_kernels!r} must be 'auto', "
+                         f"'torch' or 'vt'")
     if kernels == "auto":
         pow2 = head_dim & (head_dim - 1) == 0
-        return "vt" if device.type == "cuda" and pow2 else "torch"
-    return kernels
+        kernels = "vt" if device.type == "cuda" and pow2 else "torch"
+    if prompt_kernels == "auto":
+        prompt_kernels = kernels
+    if prompt_kernels == "vt" and kernels != "vt":
+        raise ValueError("LlamaDecoder: prompt_kernels='vt' needs kernels='vt' (or 'auto' "
+                         "resolving to it)")
+    return kernels, prompt_kernels
 
 
 def rope(x, cos, sin):

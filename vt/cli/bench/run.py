@@ -142,6 +142,10 @@ def run(args, progress_factory) -> dict:
             if args.workload == "torch":
                 from vt.cli.bench.torch_workload import run_torch as work
             rows = work(be, args, progress, reason)
+        prompt_kernels = None
+        if args.workload == "torch":
+            from vt.cli.bench.torch_workload import resolved_prompt_kernels
+            prompt_kernels = resolved_prompt_kernels(be, args.preset, args.prompt_kernels)
         info = be.info()
     finally:
         be.close()
@@ -157,7 +161,7 @@ def run(args, progress_factory) -> dict:
         spin_us=list(args.spin_us) if args.workload == "synthetic" else None,
         vocab=args.vocab[0] if args.workload == "synthetic" else None,
         presets=list(args.preset) if args.workload != "synthetic" else None,
-        prompt_kernels=args.prompt_kernels if args.workload == "torch" else None,
+        prompt_kernels=prompt_kernels,
         concs=list(args.conc), modes=list(args.modes), steps=args.steps, repeats=args.repeats,
         prompt_len=args.prompt_len, seed=args.seed, ceiling_replays=args.ceiling_replays,
         warmup_s=args.warmup_s,

@@ -81,22 +81,24 @@ def resolve_serve(args, backend: str, error) -> None:
 
 
 def _serve_model(be, name: str, conc: int, context: int, seed: int, prompt_kernels: str):
-    """(preset, vocab, step model, close(), whether every mode must give the same tokens) for
-    a bundled preset or a torch preset (vt.torch.llama with seeded random weights, prefill
-    "flat", its steps with prompt tokens on `prompt_kernels`). A torch model's rows are not
+    """(preset, vocab, step model, close(), whether every mode must give the same tokens,
+    what its steps with prompt tokens run) for a bundled preset (None: its own prefill) or a
+    torch preset (vt.torch.llama with seeded random weights, prefill "flat", its steps with
+    prompt tokens on `prompt_kernels`, "auto" resolved). A torch model's rows are not
     batch-invariant (its GEMMs' sums depend on the rows beside them), so its tokens are not
     compared across modes."""
     from vt.cli.bench import torch_workload
     if name in torch_workload.PRESETS:
         cfg = torch_workload.model_config(name)
-        _, model = torch_workload.build(be, conc, context, seed, cfg=cfg,
-                                        prompt_kernels=prompt_kernels)
+        module, model = torch_workload.build(be, conc, context, seed, cfg=cfg,
+                                             prompt_kernels=prompt_kernels)
         # Nothing to close: its tensors go when the last reference does (run_serve drops them).
-        return name, cfg.vocab, model, lambda: None, False
+        return name, cfg.vocab, model, lambda: None, False, module.prompt_kernels
     from vt.cli.common import build_model, resolve_preset
     preset, cfg = resolve_preset(be, name, context, "vt bench")
     model = build_model(be, cfg, max_seqs=conc, context=context, seed=seed)
-    return preset, cfg.vocab, model, model.close, be.name == "sim" or model.batch_invariant
+    return (preset, cfg.vocab, model, model.close, be.name == "sim" or model.batch_invariant,
+            None)
 
 
 def run_serve(args, progress_factory) -> dict:
@@ -108,13 +110,14 @@ def run_serve(args, progress_factory) -> dict:
     loads = serve_loads(args)
     conc = max(args.clients)
     context = args.prompt_range[1] + args.output_len[1]
-    cells, invariant = [], []
+    cells, invariant, prompt_kernels = [], [], {}
     steps = len(args.preset) * len(args.modes) * (1 + len(loads) * args.repeats)
     try:
         with progress_factory(steps) as progress:
             for name in args.preset:
-                preset, vocab, model, close_model, same_tokens = _serve_model(
+                preset, vocab, model, close_model, same_tokens, kernels = _serve_model(
                     be, name, conc, context, args.seed, args.prompt_kernels)
+                prompt_kernels[preset] = kernels
                 invariant.append(same_tokens)
                 work, warm = draw_work(args.seed, loads, args.requests, vocab,
                                        args.prompt_range, args.output_len, conc)
@@ -162,7 +165,7 @@ def run_serve(args, progress_factory) -> dict:
                 arrivals=list(args.arrival), clients=list(args.clients), rates=list(args.rate),
                 requests=args.requests, output_len=list(args.output_len),
                 prompt_len=list(args.prompt_range), seed=args.seed, serving_conc=conc,
-                prompt_kernels=args.prompt_kernels,
+                prompt_kernels=prompt_kernels,
                 tokens_compared=all(invariant), cells=cells)
 
 

@@ -241,6 +241,16 @@ class TorchLlamaPeer(GraphLoop):
 
 
 
+def resolved_prompt_kernels(be, presets, prompt_kernels: str) -> dict:
+    """{preset: "vt" or "torch"}: what build() makes each preset's steps with prompt tokens
+    run on `be` (the decoder's own resolution of "auto"), for the record."""
+    from vt.torch import torch_device
+    from vt.torch.llama import resolve_kernels
+    device = torch_device(be)
+    return {p: resolve_kernels("auto", prompt_kernels, device, model_config(p).head_dim)[1]
+            for p in presets}
+
+
 def run_torch(be, args, progress, reason: str | None) -> list[dict]:
     """Per preset and conc: vt's engines of every mode on the module, then the peer on the
     same module."""
