@@ -3,6 +3,7 @@ run on one GPU: a captured torch.cuda.CUDAGraph of the step (random bf16 weights
 dense vs paged attention, unfused vs fused layer ops.
 
     python tools/decode_floor.py [--layers 32] [--cases 1:192 1:2048 32:2048] [--gemms]
+                                 [--blas cublas|cublaslt]
 
 floor = (weight bytes + live KV bytes) / the floor rate measured here: the faster of an eager
 device-to-device copy (bytes read + written over time) and an eager read
@@ -221,13 +222,18 @@ def main():
     ap.add_argument("--gemms", action="store_true")
     ap.add_argument("--no-triton", action="store_true",
                     help="leave out vt.torch.triton_gemv (the Triton linear for few rows)")
+    ap.add_argument("--blas", choices=["cublas", "cublaslt"], default="cublas",
+                    help="the library torch's GEMMs go through "
+                         "(torch.backends.cuda.preferred_blas_library)")
     args = ap.parse_args()
+    torch.backends.cuda.preferred_blas_library(args.blas)
     tgemv = None
     if not args.no_triton:
         from vt.torch import triton_gemv as tgemv
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"layers {args.layers}, max_context {args.max_context}")
+          f"layers {args.layers}, max_context {args.max_context}, "
+          f"blas {torch.backends.cuda.preferred_blas_library()}")
     rates = bandwidths()   # eager kernels: a copy captured in a graph runs on a copy engine
     rate = max(rates.values())
     W = make_weights(args.layers)
