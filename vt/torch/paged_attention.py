@@ -15,8 +15,8 @@ then a merge of the spans. Every shape is fixed by the call's tensor shapes and 
 split bounds are read from seq_lens on the device, so the call has no host sync and captures
 in a CUDA graph as it is. paged_varlen_attention is one Triton kernel (no split: its query
 tiles fill the GPU); its grid depends on the step's longest query, which the caller knows on
-the host. On the CPU the same functions are is computed in plain torch, one row at
-a time over its live tokens, so CI tests the same semantics. Triton is imported only when a
+the host. On the CPU the same functions are computed in plain torch, one row at a time over
+its live tokens, so CI tests the same semantics. Triton is imported only when a
 CUDA tensor arrives: the module imports without it.
 """
 from __future__ import annotations
