@@ -12,6 +12,8 @@ device-to-device copy (bytes read + written over time) and an eager read
                   float32 and back, RoPE halves, index_copy KV write, silu(gate) * up
   paged-unfused   the same, attention by vt.torch.paged_attention (live tokens only)
   paged-fused     plus vt.torch.fused: add_rms_norm, rope_and_cache, silu_mul
+  fused-rope-attn paged-fused with RoPE and the KV write inside the attention kernel
+                  (paged_attention.rope_cache_decode_attention: one kernel a layer less)
 fused-tgemv     paged-fused with vt.torch.triton_gemv's linear (at most 16 rows)
 fused-tgemv-silu  and its down projection with silu_mul computed as it reads (one kernel)
 fused-tgemv-all   and the residual add + RMSNorm inside qkv's and gate_up's kernels too
@@ -32,7 +34,7 @@ import torch.nn.functional as F
 
 from vt.cli.bench.torch_decode import bandwidths
 from vt.torch import fused
-from vt.torch.paged_attention import paged_decode_attention
+from vt.torch.paged_attention import paged_decode_attention, rope_cache_decode_attention
 
 HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB, EPS = 4096, 14336, 32, 8, 128, 128256, 1e-5
 BS = 16
@@ -103,15 +105,22 @@ def forward_unfused(W, kc, vc, cos, sin, st: Step, paged: bool):
     st.logits.copy_(F.linear(rms(x, W["norm"]), W["head"]))
 
 
-def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear, silu_mul_down=None):
+def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear, silu_mul_down=None,
+                  rope_attend: bool = False):
     S = st.ids.shape[0]
     x = W["embed"][st.ids]
     layers = W["layers"]
     h = fused.rms_norm(x, layers[0]["attn_norm"], EPS)
+    heads = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     for i, L in enumerate(layers):
-        q = fused.rope_and_cache(lin(h, L["qkv"]), st.positions, cos, sin, kc[i], vc[i],
-                                 st.slots, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-        a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
+        qkv = lin(h, L["qkv"])
+        if rope_attend:
+            a = rope_cache_decode_attention(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
+                                            st.tables, st.seq_lens, block_size=BS, **heads)
+        else:
+            q = fused.rope_and_cache(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
+                                     **heads)
+            a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
         x, h = fused.add_rms_norm(x, lin(a.view(S, -1), L["o"]), L["mlp_norm"], EPS)
         if silu_mul_down is None:
             d = lin(fused.silu_mul(lin(h, L["gate_up"])), L["down"])
@@ -260,6 +269,8 @@ def main():
                 "dense-unfused": lambda: forward_unfused(W, kc, vc, cos, sin, st, paged=False),
                 "paged-unfused": lambda: forward_unfused(W, kc, vc, cos, sin, st, paged=True),
                 "paged-fused": lambda: forward_fused(W, kc, vc, cos, sin, st),
+                "fused-rope-attn": lambda: forward_fused(W, kc, vc, cos, sin, st,
+                                                         rope_attend=True),
                 "linears-only": lambda: forward_linears(W, st)}
             if tgemv and S <= tgemv.MAX_ROWS:
                 variants["fused-tgemv"] = lambda: forward_fused(W, kc, vc, cos, sin, st,
@@ -269,7 +280,8 @@ def main():
                 variants["fused-tgemv-all"] = lambda: forward_tgemv_all(W, kc, vc, cos, sin, st,
                                                                         tgemv)
                 variants["linears-tgemv"] = lambda: forward_linears(W, st, lin=tgemv.linear)
-            bases = {"paged-fused": "paged-unfused", "fused-tgemv": "paged-fused",
+            bases = {"paged-fused": "paged-unfused", "fused-rope-attn": "paged-fused",
+                     "fused-tgemv": "paged-fused",
                      "fused-tgemv-silu": "paged-fused", "fused-tgemv-all": "paged-fused"}
             for name, fn in variants.items():
                 ms = replay_ms(fn)

@@ -192,6 +192,99 @@ def test_triton_kernel_in_the_interpreter(case):
     _check_kernel(args, splits, torch.float16, "cpu", 2e-3, seed=11)
 
 
+# rope_cache_decode_attention: the decode attention from the fused q/k/v projection, its RoPE
+# and KV write in the same kernel.
+
+def random_rope_case(S, heads, kv_heads, head_dim, block_size, max_blocks, lens, dtype,
+                     device="cpu", seed=0):
+    """(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens): a
+    decode step whose row n writes position lens[n] - 1 (a row without tokens, a pad row:
+    position 0 and a slot of a block no table holds)."""
+    _, k, v, tables, lens_t = random_case(S, heads, kv_heads, head_dim, block_size, max_blocks,
+                                          lens, dtype, device, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(S, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
+    ang = torch.rand(max_blocks * block_size, head_dim // 2, generator=g) * 6.28
+    cos, sin = torch.cat((ang, ang), -1).cos().to(device), torch.cat((ang, ang), -1).sin().to(device)
+    free = sorted(set(range(k.shape[0] // block_size)) - set(tables.flatten().tolist()))
+    table = tables.cpu().long()
+    slots = [int(table[n, (L - 1) // block_size]) * block_size + (L - 1) % block_size if L
+             else free[0] * block_size for n, L in enumerate(lens)]
+    pos = torch.tensor([max(L - 1, 0) for L in lens]).to(device)
+    return (qkv, pos, cos, sin, k, v, torch.tensor(slots).to(device), tables, lens_t)
+
+
+def rope_reference(case, heads, kv_heads, head_dim, block_size):
+    """(attention in float64, the caches after the step): fused.rope_and_cache's plain-torch
+    path on copies of the caches, then float64_reference over them."""
+    from vt.torch import fused
+    qkv, pos, cos, sin, k, v, slots, tables, lens = (t.cpu() for t in case)
+    k, v = k.clone(), v.clone()
+    q = fused.rope_and_cache(qkv, pos, cos, sin, k, v, slots, heads=heads, kv_heads=kv_heads,
+                             head_dim=head_dim)
+    return float64_reference(q, k, v, tables, lens, block_size), k, v
+
+
+def _check_rope_kernel(case_args, splits, dtype, device, tol, seed, run):
+    S, heads, kv_heads, head_dim, bs, max_blocks, lens = case_args
+    case = random_rope_case(S, heads, kv_heads, head_dim, bs, max_blocks, lens, dtype, device,
+                            seed)
+    want, k_after, v_after = rope_reference(case, heads, kv_heads, head_dim, bs)
+    out = run(*case, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=bs,
+              splits=splits)
+    assert out.dtype == dtype and out.shape == (S, heads, head_dim)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, want) < tol
+    assert rel_err(case[4], k_after) < tol and rel_err(case[5], v_after) < tol
+    for n, length in enumerate(lens):
+        if length == 0:
+            assert torch.all(out[n] == 0)
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES[1:])
+def test_rope_cache_decode_attention_torch_path(case):
+    """On the CPU, float32: RoPE, the KV write and the attention over live slots, within 1e-5
+    of float64 (the new key read back from the cache)."""
+    *args, splits = case
+    _check_rope_kernel(args, splits, torch.float32, "cpu", 1e-5, seed=3,
+                       run=pa.rope_cache_decode_attention)
+
+
+def test_rope_cache_decode_attention_refuses_a_bad_projection():
+    case = random_rope_case(2, 8, 2, 32, 16, 4, [5, 9], torch.float32)
+    with pytest.raises(ValueError, match=r"rope_and_cache: qkv \[S, 384\]"):
+        pa.rope_cache_decode_attention(case[0][:, :-1], *case[1:], heads=8, kv_heads=2,
+                                       head_dim=32, block_size=16)
+    with pytest.raises(ValueError, match="rope_cache_decode_attention: block_tables"):
+        pa.rope_cache_decode_attention(*case[:7], case[7][:1], case[8], heads=8, kv_heads=2,
+                                       head_dim=32, block_size=16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-5)],
+                         ids=["bf16", "fp32"])
+def test_rope_cache_decode_kernel_matches_float64_on_cuda(case, dtype, tol):
+    """The fused kernel on the GPU, fresh random inputs: attention within tol of float64 over
+    the reference's RoPE, the caches written as rope_and_cache writes them."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    *args, splits = case
+    _check_rope_kernel(args, splits, dtype, "cuda", tol, seed=int(torch.seed()) % 2**31,
+                       run=pa.rope_cache_decode_attention)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", KERNEL_CASES[1:])
+def test_rope_cache_decode_kernel_in_the_interpreter(case):
+    """The fused kernel under Triton's CPU interpreter, fp16 (its bf16 dot is not emulated)."""
+    *args, splits = case
+    _check_rope_kernel(args, splits, torch.float16, "cpu", 2e-3, seed=5,
+                       run=lambda *a, splits, **kw: _triton_attention().rope_paged_decode(
+                           *a, splits=splits or 4, **kw))
+
+
 # paged_varlen_attention: an eager step's tokens, n new ones per sequence in a context of L.
 
 def random_varlen_case(news, lens, heads, kv_heads, head_dim, block_size, dtype, device="cpu",

@@ -53,7 +53,7 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     k_cache, v_cache [slots, kv_heads, head_dim]; slot_mapping [S] int: row r's rotated key
     and its value go to slot slot_mapping[r]. Returns the rotated q [S, heads, head_dim].
     """
-    _check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
+    check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
     if qkv.is_cuda:
         return _triton().rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache,
                                         slot_mapping, heads=heads, kv_heads=kv_heads,
@@ -125,7 +125,9 @@ def _check_norm(x, delta, weight):
                          f"{delta.dtype}, {weight.dtype}")
 
 
-def _check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim):
+def check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim):
+    """ValueError, naming the shapes, for arguments rope_and_cache (and vt.torch.
+    paged_attention.rope_cache_decode_attention, which starts with it) cannot take."""
     width = (heads + 2 * kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width or head_dim % 2:
         raise ValueError(f"rope_and_cache: qkv [S, {width}] (heads={heads}, kv_heads="

@@ -1,7 +1,8 @@
 """Paged attention over each sequence's live KV tokens only (grouped-query), for vt.torch
-models: paged_decode_attention (one query token per row: a decode step, captured) and
-paged_varlen_attention (any number of new tokens per sequence: an eager step's prompt chunks
-and decode rows, in one call).
+models: paged_decode_attention (one query token per row: a decode step, captured),
+rope_cache_decode_attention (the same from the step's fused q/k/v projection, its RoPE and KV
+write in the same kernel) and paged_varlen_attention (any number of new tokens per sequence:
+an eager step's prompt chunks and decode rows, in one call).
 
     out[n, h] = softmax(q[n, h] . K[n]^T / sqrt(head_dim)) V[n]
 
@@ -26,6 +27,7 @@ import math
 import torch
 
 from vt.step import context_slots
+from vt.torch import fused
 
 # The GPU's resident programs per SM that the split count aims to fill (one wave).
 PROGRAMS_PER_SM = 4
@@ -57,6 +59,44 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"paged_decode_attention: splits={splits} must be in 1..{MAX_SPLITS}")
     return triton_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size=block_size, splits=splits)
+
+
+def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                                seq_lens: torch.Tensor, *, heads: int, kv_heads: int,
+                                head_dim: int, block_size: int,
+                                splits: int | None = None) -> torch.Tensor:
+    """A decode step's attention from its fused q/k/v projection:
+    vt.torch.fused.rope_and_cache (RoPE of q and k, the new key and value written to
+    slot_mapping's slots) then paged_decode_attention, as one kernel (and the split-K merge)
+    on CUDA, where the two are two kernels (and the merge).
+
+    qkv [S, (heads + 2 * kv_heads) * head_dim]; positions [S] int; cos, sin [max_context,
+    head_dim] float32; the caches, block_tables and seq_lens as paged_decode_attention's;
+    slot_mapping [S] int: each row's new slot, that of position seq_lens - 1. Returns
+    [S, heads, head_dim] in qkv's dtype, the cache updated as rope_and_cache updates it.
+    """
+    fused.check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
+    S = qkv.shape[0]
+    q_shape = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))   # a view, to check
+    _check(q_shape, k_cache, v_cache, block_tables, seq_lens, block_size,
+           "rope_cache_decode_attention")
+    if not qkv.is_cuda:
+        q = fused.rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
+                                 heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
+                                            block_size=block_size)
+    if splits is None:
+        splits = decode_splits(S, kv_heads, block_tables.shape[1] * block_size,
+                               _sm_count(qkv.device))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"rope_cache_decode_attention: splits={splits} must be in "
+                         f"1..{MAX_SPLITS}")
+    return _triton_module().rope_paged_decode(
+        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+        splits=splits)
 
 
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -9,6 +9,13 @@ tensor-core dot needs. It keeps an online softmax and writes the span's unnormal
 accumulator, running max and sum (float32) to the workspace; an empty span writes max -inf.
 _merge: grid (rows, heads): rescales the spans to their common max and divides by the sum.
 
+_rope_split: _split that starts from the fused q/k/v projection of a decode step (vt.torch.
+paged_attention.rope_cache_decode_attention): each program rotates its group's queries and
+its KV head's new key (RoPE, rounded to the storage dtype as vt.torch.fused.rope_and_cache
+rounds them), takes the new key and value for the row's last position from registers instead
+of the cache, and program p = 0 of each (row, KV head) writes them to the row's cache slot.
+No program reads that slot, so the write and the reads do not race. Then _merge as above.
+
 _varlen: an eager step's tokens, every sequence's at once (vt.torch.paged_attention.
 paged_varlen_attention). Grid (sequences, query tiles, kv_heads): program (i, t, g) takes
 BLOCK_M of sequence i's new tokens (query tile t; a tile past the sequence's count exits) for
@@ -38,9 +45,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     if head_dim & (head_dim - 1):
         raise ValueError(f"paged_decode_attention: the Triton kernel needs a power-of-two "
                          f"head_dim, got {head_dim}")
-    acc = torch.empty(S, heads, splits, head_dim, dtype=torch.float32, device=q.device)
-    stats = torch.empty(S, heads, splits, 2, dtype=torch.float32, device=q.device)
-    out = torch.empty(S, heads, head_dim, dtype=q.dtype, device=q.device)
+    acc, stats, out = _span_buffers(S, heads, head_dim, splits, q.dtype, q.device)
     if S == 0:
         return out
     _split[(S, kv_heads, splits)](
@@ -50,13 +55,59 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
-        # tl.dot rounds float32 inputs to TF32 by default: a float32 model's attention would
-        # then differ from torch's at ~1e-3, enough to flip a greedy token.
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=NUM_WARPS)
+        PRECISION=_precision(q.dtype), num_warps=NUM_WARPS)
+    return _merge_spans(acc, stats, out, splits)
+
+
+def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
+                      seq_lens, *, heads: int, kv_heads: int, head_dim: int, block_size: int,
+                      splits: int):
+    """vt.torch.paged_attention.rope_cache_decode_attention's CUDA path (arguments checked
+    there)."""
+    half = head_dim // 2
+    if half < 16 or half & (half - 1):
+        raise ValueError(f"rope_cache_decode_attention: the Triton kernel needs head_dim / 2 a "
+                         f"power of two of at least 16, got head_dim {head_dim}")
+    if (qkv.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1
+            or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)):
+        raise ValueError("rope_cache_decode_attention: qkv, the caches and cos, sin need a "
+                         "contiguous last dim, cos and sin one row stride")
+    S = qkv.shape[0]
+    group = heads // kv_heads
+    acc, stats, out = _span_buffers(S, heads, head_dim, splits, qkv.dtype, qkv.device)
+    if S == 0:
+        return out
+    _rope_split[(S, kv_heads, splits)](
+        qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
+        acc, stats, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), 1.0 / head_dim ** 0.5,
+        HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
+        BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=_precision(qkv.dtype),
+        num_warps=NUM_WARPS)
+    return _merge_spans(acc, stats, out, splits)
+
+
+def _span_buffers(S, heads, head_dim, splits, dtype, device):
+    """The split kernels' float32 workspace (each span's accumulator, and its max and sum)
+    and the output."""
+    acc = torch.empty(S, heads, splits, head_dim, dtype=torch.float32, device=device)
+    stats = torch.empty(S, heads, splits, 2, dtype=torch.float32, device=device)
+    return acc, stats, torch.empty(S, heads, head_dim, dtype=dtype, device=device)
+
+
+def _merge_spans(acc, stats, out, splits: int):
+    S, heads, head_dim = out.shape
     _merge[(S, heads)](acc, stats, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
                        BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS)
     return out
+
+
+def _precision(dtype) -> str:
+    # tl.dot rounds float32 inputs to TF32 by default: a float32 model's attention would then
+    # differ from torch's at ~1e-3, enough to flip a greedy token.
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 ROWS = 64   # query rows (token x head) per _varlen tile: a tensor-core dot's M
@@ -86,8 +137,7 @@ def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), 1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
-        BLOCK_SIZE=block_size, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=NUM_WARPS)
+        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), num_warps=NUM_WARPS)
     return out
 
 
@@ -166,15 +216,97 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
 
 
 @triton.jit
+def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv, stride_cos,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, scale,
+                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    # Each head_dim vector is handled as its two halves (what RoPE rotates together), so the
+    # scores are two dots of HALF and the accumulator two [BLOCK_H, HALF] tiles.
+    n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    p = tl.program_id(2)
+    dtype = QKV.dtype.element_ty
+    length = tl.load(LENS + n)
+    pos = tl.load(POS + n).to(tl.int64)
+    d = tl.arange(0, HALF)
+    c1 = tl.load(COS + pos * stride_cos + d)
+    c2 = tl.load(COS + pos * stride_cos + HALF + d)
+    s1 = tl.load(SIN + pos * stride_cos + d)
+    s2 = tl.load(SIN + pos * stride_cos + HALF + d)
+    src = QKV + n.to(tl.int64) * stride_qkv        # q heads, then k heads, then v heads
+    h = tl.arange(0, BLOCK_H)
+    hmask = h < GROUP
+    head = kvh * GROUP + h
+    qh = src + head[:, None] * (2 * HALF) + d[None, :]
+    x1 = tl.load(qh, mask=hmask[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(qh + HALF, mask=hmask[:, None], other=0.0).to(tl.float32)
+    q1 = (x1 * c1[None, :] - x2 * s1[None, :]).to(dtype)                # [BLOCK_H, HALF]
+    q2 = (x2 * c2[None, :] + x1 * s2[None, :]).to(dtype)
+    kh = src + (HEADS + kvh) * (2 * HALF)
+    y1 = tl.load(kh + d).to(tl.float32)
+    y2 = tl.load(kh + HALF + d).to(tl.float32)
+    k1_new = (y1 * c1 - y2 * s1).to(dtype)                               # [HALF]
+    k2_new = (y2 * c2 + y1 * s2).to(dtype)
+    vh = src + (HEADS + KV_HEADS + kvh) * (2 * HALF)
+    v1_new = tl.load(vh + d)
+    v2_new = tl.load(vh + HALF + d)
+    if p == 0:   # one writer per (row, KV head), pad rows included (their slot: scratch)
+        slot = tl.load(SLOT + n).to(tl.int64)
+        tl.store(K + slot * stride_kt + kvh * stride_kh + d, k1_new)
+        tl.store(K + slot * stride_kt + kvh * stride_kh + HALF + d, k2_new)
+        tl.store(V + slot * stride_vt + kvh * stride_vh + d, v1_new)
+        tl.store(V + slot * stride_vt + kvh * stride_vh + HALF + d, v2_new)
+    per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N    # whole tiles per span
+    lo = p * per
+    hi = tl.minimum(length, lo + per)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    acc2 = tl.zeros([BLOCK_H, HALF], tl.float32)
+    table = BT + n.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        t, tmask, slots = _tile_slots(table, start, hi, BLOCK_N, BLOCK_SIZE)
+        new = t == length - 1            # the step's own token: from registers, not the cache
+        old = (tmask & ~new)[:, None]
+        kt = K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+        vt = V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :]
+        k1 = tl.where(new[:, None], k1_new[None, :], tl.load(kt, mask=old, other=0.0))
+        k2 = tl.where(new[:, None], k2_new[None, :], tl.load(kt + HALF, mask=old, other=0.0))
+        v1 = tl.where(new[:, None], v1_new[None, :], tl.load(vt, mask=old, other=0.0))
+        v2 = tl.where(new[:, None], v2_new[None, :], tl.load(vt + HALF, mask=old, other=0.0))
+        s = (tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+             + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)) * scale
+        s = tl.where(tmask[None, :], s, float("-inf"))
+        m, alpha, prob, l = _softmax_weights(s, m, l)   # m finite: a live key per tile
+        prob = prob.to(dtype)
+        acc1 = acc1 * alpha[:, None] + tl.dot(prob, v1, input_precision=PRECISION)
+        acc2 = acc2 * alpha[:, None] + tl.dot(prob, v2, input_precision=PRECISION)
+    row = (n * (GROUP * KV_HEADS) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
+    tl.store(ACC + row[:, None] * (2 * HALF) + d[None, :], acc1, mask=hmask[:, None])
+    tl.store(ACC + row[:, None] * (2 * HALF) + HALF + d[None, :], acc2, mask=hmask[:, None])
+    tl.store(STATS + row * 2, m, mask=hmask)
+    tl.store(STATS + row * 2 + 1, l, mask=hmask)
+
+
+@triton.jit
+def _tile_slots(table, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Positions t = start .. start + BLOCK_N of one sequence (those < hi live) and their
+    cache slots, found through its block table (vt.step.kv_slot; dead ones: slot of block 0):
+    (t, the live mask, slots)."""
+    t = start + tl.arange(0, BLOCK_N)
+    tmask = t < hi
+    block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
+    return t, tmask, block * BLOCK_SIZE + t % BLOCK_SIZE
+
+
+@triton.jit
 def _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh, stride_vt, stride_vh,
              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Positions t = start .. start + BLOCK_N of one sequence (those < hi live), found through
     its block table (vt.step.kv_slot), and their K and V rows of KV head kvh: (t, the live
     mask, k, v [BLOCK_N, HEAD_DIM], dead rows 0)."""
-    t = start + tl.arange(0, BLOCK_N)
-    tmask = t < hi
-    block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-    slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+    t, tmask, slot = _tile_slots(table, start, hi, BLOCK_N, BLOCK_SIZE)
     k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                 mask=tmask[:, None], other=0.0)
     v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
@@ -187,12 +319,20 @@ def _softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):
     """One tile of the online softmax: scores s [rows, BLOCK_N] (masked ones -inf) and values
     v folded into the running max m, sum l and accumulator acc (float32). Each row's m must
     end finite (a live key in this tile or an earlier one)."""
+    m, alpha, prob, l = _softmax_weights(s, m, l)
+    acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
+    return m, l, acc
+
+
+@triton.jit
+def _softmax_weights(s, m, l):
+    """The online softmax's update for one tile of scores s [rows, BLOCK_N]: (the new running
+    max, the factor the old accumulator is rescaled by, the tile's unnormalized probabilities,
+    the new running sum)."""
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     prob = tl.exp(s - m_new[:, None])
-    l = l * alpha + tl.sum(prob, 1)
-    acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
+    return m_new, alpha, prob, l * alpha + tl.sum(prob, 1)
 
 
 @triton.jit
