@@ -274,6 +274,31 @@ def test_rope_cache_decode_kernel_matches_float64_on_cuda(case, dtype, tol):
                        run=pa.rope_cache_decode_attention)
 
 
+@pytest.mark.gpu
+def test_rope_cache_decode_kernel_captures_in_a_cuda_graph():
+    """Captured once, replayed with new projections, positions, slots, seq_lens and cache
+    contents: each replay computes and writes what the new inputs ask (nothing is read on the
+    host)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    shape = dict(heads=32, kv_heads=8, head_dim=128)
+    static = random_rope_case(2, 32, 8, 128, 16, 64, [100, 900], torch.bfloat16, "cuda")
+    pa.rope_cache_decode_attention(*static, block_size=16, **shape)   # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = pa.rope_cache_decode_attention(*static, block_size=16, **shape)
+    for seed, lens in ((1, [1, 1024]), (2, [513, 17])):
+        fresh = random_rope_case(2, 32, 8, 128, 16, 64, lens, torch.bfloat16, "cuda", seed)
+        for dst, src in zip(static, fresh):
+            dst.copy_(src)
+        want, k_after, v_after = rope_reference(static, block_size=16, **shape)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, want) < 1e-2
+        assert rel_err(static[4], k_after) < 1e-2 and rel_err(static[5], v_after) < 1e-2
+
+
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("case", KERNEL_CASES[1:])
