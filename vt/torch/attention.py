@@ -52,7 +52,6 @@ class AttentionContext:
     decode_mask: torch.Tensor | None    # [R, 1, 1, C] bool: the positions each row sees
     chunks: tuple[Chunk, ...] = ()
     fused: "FusedStep | None" = None   # set: the step runs on vt's kernels
-    is_decode: bool = False            # a decode step (TorchInputs.is_decode): captured
 
 
 @dataclass(frozen=True)
@@ -88,11 +87,10 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
                          sin_table, block_size)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, None, None,
-                                fused=step, is_decode=True)
+                                fused=step)
     if inputs.is_decode:
         slots, mask = row_slots(slice(None), context)
-        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask,
-                                is_decode=True)
+        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask)
     qsl, lens = inputs.query_start_loc_cpu, inputs.seq_lens_cpu
     if fused and fused_prompts:   # one paged_varlen_attention call: no per-chunk work here
         longest = max(qsl[i + 1] - qsl[i] for i in range(len(lens)))

@@ -52,11 +52,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
                                             block_size=block_size)
     triton_attention = _triton_module()
-    if splits is None:
-        splits = decode_splits(q.shape[0], k_cache.shape[1], block_tables.shape[1] * block_size,
-                               _sm_count(q.device))
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"paged_decode_attention: splits={splits} must be in 1..{MAX_SPLITS}")
+    splits = _cuda_splits(splits, k_cache.shape[1], block_tables, block_size, q.device,
+                          "paged_decode_attention")
     return triton_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size=block_size, splits=splits)
 
@@ -78,7 +75,6 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
     [S, heads, head_dim] in qkv's dtype, the cache updated as rope_and_cache updates it.
     """
     fused.check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
-    S = qkv.shape[0]
     q_shape = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))   # a view, to check
     _check(q_shape, k_cache, v_cache, block_tables, seq_lens, block_size,
            "rope_cache_decode_attention")
@@ -87,12 +83,8 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
                                  heads=heads, kv_heads=kv_heads, head_dim=head_dim)
         return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
                                             block_size=block_size)
-    if splits is None:
-        splits = decode_splits(S, kv_heads, block_tables.shape[1] * block_size,
-                               _sm_count(qkv.device))
-    if not 1 <= splits <= MAX_SPLITS:
-        raise ValueError(f"rope_cache_decode_attention: splits={splits} must be in "
-                         f"1..{MAX_SPLITS}")
+    splits = _cuda_splits(splits, kv_heads, block_tables, block_size, qkv.device,
+                          "rope_cache_decode_attention")
     return _triton_module().rope_paged_decode(
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
@@ -158,6 +150,18 @@ def decode_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> 
     SM, no more spans than max_context has MIN_SPLIT_TOKENS-token pieces, at most MAX_SPLITS."""
     want = math.ceil(PROGRAMS_PER_SM * sm_count / max(1, rows * kv_heads))
     return max(1, min(MAX_SPLITS, want, max_context // MIN_SPLIT_TOKENS))
+
+
+def _cuda_splits(splits: int | None, kv_heads: int, block_tables: torch.Tensor,
+                 block_size: int, device, name: str) -> int:
+    """The decode kernels' split count: `splits` checked, or decode_splits() of the shapes
+    (rows, KV heads, max_context) and the device's SMs when None."""
+    if splits is None:
+        splits = decode_splits(block_tables.shape[0], kv_heads,
+                               block_tables.shape[1] * block_size, _sm_count(device))
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"{name}: splits={splits} must be in 1..{MAX_SPLITS}")
+    return splits
 
 
 def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, *,
