@@ -130,7 +130,7 @@ class Scheduler:
         the tokens arrive), plus the prefilled requests' stop sets when any row has one (a
         non-final chunk's row has none: its token is not one of the request's)."""
         b = self.batch
-        if not b.n_stopping and not any(r.stop_tokens for r in admitted):
+        if not b.n_stopping and not (admitted and any(r.stop_tokens for r in admitted)):
             return StepTag(b.t, b.dest())
         reqs = b.reqs[:b.n] + list(admitted)
         stops = b.stops[:b.n]
@@ -153,6 +153,9 @@ class Scheduler:
         leaving = self.batch.end_step()
         for req in leaving:
             self.leave(req)
+        if not plan.admitted:      # a decode step: skip the two list builds below
+            plan.tag.leaving = leaving
+            return
         joining = [(r, s) for r, s in zip(plan.admitted, plan.prefill)
                    if len(s.tokens) == r.prompt_len]   # its last chunk: it has its first token
         last = [r for r, _ in joining if r.max_new_tokens == 1]
