@@ -1,5 +1,7 @@
 """`vt bench --workload torch`: refused without a GPU; on one, the hand-written CUDA-graph
 peer around the same module samples the tokens vt's engines sample."""
+import io
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
@@ -48,14 +50,22 @@ def test_the_torch_workload_refuses_an_unknown_preset_listing_each(capsys):
     assert torch_workload.model_config("torch-llama3-8b").vocab == 128256
 
 
-def test_the_torch_workload_records_the_prompt_kernels_the_decoder_resolves(sim_backend):
-    """The JSON's prompt_kernels per preset: "auto" as LlamaDecoder resolves it on the
-    backend (the torch ops on the CPU), a choice as given."""
-    got = torch_workload.resolved_prompt_kernels(sim_backend, ["torch-tiny", "torch-llama3-8b"],
-                                                 "auto")
-    assert got == {"torch-tiny": "torch", "torch-llama3-8b": "torch"}
-    assert torch_workload.resolved_prompt_kernels(sim_backend, ["torch-tiny"], "torch") == {
-        "torch-tiny": "torch"}
+@pytest.mark.parametrize("choice", ["auto", "torch"])
+def test_the_torch_workload_records_the_prompt_kernels_the_decoder_ran(sim_backend, choice):
+    """The JSON's prompt_kernels per preset: what each built decoder's steps with prompt
+    tokens ran ("auto" resolved: the torch ops on the CPU; a choice as given). run_torch on
+    the sim, the peer left out (the CLI refuses the workload there)."""
+    from vt.cli.bench.cli import add_arguments_to_parser
+    from vt.cli.bench.progress import ProgressBar
+    args = add_arguments_to_parser("vt bench").parse_args(
+        ["--workload", "torch", "--preset", "torch-tiny", "--conc", "2", "--modes", "ring",
+         "--steps", "3", "--prompt-len", "4", "--repeats", "1", "--profile", "off",
+         "--ceiling-replays", "2", "--prompt-kernels", choice])
+    got = {}
+    with ProgressBar(8, bar=False, out=io.StringIO()) as progress:
+        rows = torch_workload.run_torch(sim_backend, args, progress, "no peer on the sim", got)
+    assert got == {"torch-tiny": "torch"}
+    assert [r["status"] for r in rows if r["impl"] == "vt"] == ["ok"]
 
 
 def test_the_ttft_tool_prints_its_table_on_the_sim(capsys, tmp_path):

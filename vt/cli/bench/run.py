@@ -138,14 +138,14 @@ def run(args, progress_factory) -> dict:
         with progress_factory(plan_total(args, reason is None)) as progress:
             progress.step(f"backend {be.name} {be.info().get('device', '')}".strip())
             warm_up_device(be, args.warmup_s)
-            work = run_synthetic if args.workload == "synthetic" else run_model
+            prompt_kernels = None
             if args.workload == "torch":
-                from vt.cli.bench.torch_workload import run_torch as work
-            rows = work(be, args, progress, reason)
-        prompt_kernels = None
-        if args.workload == "torch":
-            from vt.cli.bench.torch_workload import resolved_prompt_kernels
-            prompt_kernels = resolved_prompt_kernels(be, args.preset, args.prompt_kernels)
+                from vt.cli.bench.torch_workload import run_torch
+                prompt_kernels = {}
+                rows = run_torch(be, args, progress, reason, prompt_kernels)
+            else:
+                work = run_synthetic if args.workload == "synthetic" else run_model
+                rows = work(be, args, progress, reason)
         info = be.info()
     finally:
         be.close()

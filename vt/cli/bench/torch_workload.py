@@ -241,19 +241,11 @@ class TorchLlamaPeer(GraphLoop):
 
 
 
-def resolved_prompt_kernels(be, presets, prompt_kernels: str) -> dict:
-    """{preset: "vt" or "torch"}: what build() makes each preset's steps with prompt tokens
-    run on `be` (the decoder's own resolution of "auto"), for the record."""
-    from vt.torch import torch_device
-    from vt.torch.llama import resolve_kernels
-    device = torch_device(be)
-    return {p: resolve_kernels("auto", prompt_kernels, device, model_config(p).head_dim)[1]
-            for p in presets}
-
-
-def run_torch(be, args, progress, reason: str | None) -> list[dict]:
+def run_torch(be, args, progress, reason: str | None,
+              prompt_kernels: dict | None = None) -> list[dict]:
     """Per preset and conc: vt's engines of every mode on the module, then the peer on the
-    same module."""
+    same module. prompt_kernels, if given, gets {preset: what its decoder's steps with prompt
+    tokens ran} ("auto" as the decoder resolved it), for the record."""
     import gc
     from vt.cli.bench.measure import mode_cell
     rows = []
@@ -263,6 +255,8 @@ def run_torch(be, args, progress, reason: str | None) -> list[dict]:
         module, model = build(be, max(args.conc), ctx, args.seed, cfg=model_config(preset),
                               prompt_kernels=args.prompt_kernels)
         progress.step(f"{preset}: model set up in {time.perf_counter() - t0:.1f} s")
+        if prompt_kernels is not None:
+            prompt_kernels[preset] = module.prompt_kernels
         for conc in args.conc:
             rng = np.random.default_rng(args.seed + conc)
             prompts = rng.integers(0, module.cfg.vocab, size=(conc, args.prompt_len)).tolist()
