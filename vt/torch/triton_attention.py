@@ -40,11 +40,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     S, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("paged_decode_attention: q and the caches need a contiguous last dim")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"paged_decode_attention: the Triton kernel needs a power-of-two "
-                         f"head_dim, got {head_dim}")
+    _check_layout("paged_decode_attention", q, k_cache, v_cache)
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, q.dtype, q.device)
     if S == 0:
         return out
@@ -88,6 +84,17 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
     return _merge_spans(acc, stats, out, splits)
 
 
+def _check_layout(name: str, q, k_cache, v_cache) -> None:
+    """What the query-tensor kernels need beyond paged_attention's shape checks: a contiguous
+    last dim in q and the caches, and a power-of-two head_dim."""
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError(f"{name}: q and the caches need a contiguous last dim")
+    head_dim = q.shape[-1]
+    if head_dim & (head_dim - 1):
+        raise ValueError(f"{name}: the Triton kernel needs a power-of-two head_dim, got "
+                         f"{head_dim}")
+
+
 def _span_buffers(S, heads, head_dim, splits, dtype, device):
     """The split kernels' float32 workspace (each span's accumulator, and its max and sum)
     and the output."""
@@ -120,11 +127,7 @@ def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     B = seq_lens.shape[0]
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("paged_varlen_attention: q and the caches need a contiguous last dim")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"paged_varlen_attention: the Triton kernel needs a power-of-two "
-                         f"head_dim, got {head_dim}")
+    _check_layout("paged_varlen_attention", q, k_cache, v_cache)
     out = torch.empty_like(q)
     if T == 0 or B == 0 or max_query_len < 1:
         return out
