@@ -76,8 +76,9 @@ def _launch(x, weight, K: int, silu_mul: bool):
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
     args = (x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0))
     if S == 1:
-        _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](*args, ROWS=1, SILU_MUL=silu_mul,
-                                                             **ONE_ROW)
+        _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](x, weight, y, N, K,
+                                                             weight.stride(0),
+                                                             SILU_MUL=silu_mul, **ONE_ROW)
     elif S:
         _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, ROWS=MAX_ROWS,
                                                                SILU_MUL=silu_mul)
@@ -139,7 +140,40 @@ def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.conste
 
 _even_k = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 _gemv = triton.autotune(configs=_CONFIGS, key=["S", "N", "K", "SILU_MUL"])(_even_k(_gemv_kernel))
-_gemv_one_row = _even_k(_gemv_kernel)
+
+
+@triton.jit
+def _row_tile(X, wrow, nmask, kk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weights' [BLOCK_N, BLOCK_K] tile at columns kk and the row's matching [BLOCK_K]."""
+    if EVEN_K:
+        w = tl.load(wrow + kk[None, :], mask=nmask, other=0.0)
+        x = tl.load(X + kk)
+    else:
+        w = tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
+        x = tl.load(X + kk, mask=kk < K, other=0.0)
+    if SILU_MUL:   # x is the gate; up sits K columns on. torch rounds silu's result first
+        up = tl.load(X + K + kk, mask=kk < K, other=0.0)
+        g = x.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
+        x = (act * up.to(tl.float32)).to(up.dtype)
+    return w, x
+
+
+@_even_k
+@triton.jit
+def _gemv_one_row(X, W, Y, N, K, stride_w, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row: each program's BLOCK_N weight rows against the row on the CUDA cores."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn[:, None] < N
+    wrow = W + rn[:, None].to(tl.int64) * stride_w
+    rk = tl.arange(0, BLOCK_K)
+    w, x = _row_tile(X, wrow, nmask, rk, K, SILU_MUL, EVEN_K)
+    acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w, x = _row_tile(X, wrow, nmask, k0 + rk, K, SILU_MUL, EVEN_K)
+        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
