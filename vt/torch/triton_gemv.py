@@ -88,12 +88,14 @@ def _launch(x, weight, K: int, silu_mul: bool):
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
             for bn in (16, 32, 64) for bk in (128, 256) for w in (4,) for s in (3, 5)]
 
-# One row runs on the CUDA cores with a fixed shape, not an autotuned one: the autotuner times
-# each candidate on one weight, which the 50 MB L2 then holds, and so picks shapes that are
-# fast from L2 rather than from HBM. Timed over rotating weight copies on an H100 at S=1,
-# narrow column blocks and wide K tiles keep the most weight loads in flight and read the 8B
-# shape's qkv, o, gate_up and down at 89, 83, 104 and 95 % of the copy rate (cuBLAS: 83, 69,
-# 97, 93 %), where the blocks of 16 or more that a tensor-core dot needs read 60 and 46 %.
+# One row runs its own kernel on the CUDA cores with a fixed shape, not an autotuned one: the
+# autotuner times each candidate on one weight, which the 50 MB L2 then holds, and so picks
+# shapes that are fast from L2 rather than from HBM (they read the 8B shape's weights at
+# 46-87 % of the copy rate on an H100). tools/gemv_row_sweep.py times shapes over rotating
+# weight copies instead: on an H100 its fastest, all of 8 columns and 512-wide K tiles, read
+# qkv, o, gate_up and down at 89, 83, 104 and 95 % (cuBLAS: 83, 69, 97, 93 %); this one is
+# among them for o and down, and in tools/decode_floor.py the step's linears take 1.05x the
+# weight floor with it against 1.10x with cuBLAS.
 ONE_ROW = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
 
 
