@@ -1,6 +1,9 @@
 """vt.torch.triton_gemv: the Triton linear for few rows against a float64 reference on fresh
 random bf16 inputs: 1e-2 relative overall (the output is rounded once to bf16, whose ulp is
-2**-8 ~ 4e-3), at the 8B shape's widths and at widths that fill no block evenly."""
+2**-8 ~ 4e-3), at the 8B shape's widths and at widths that fill no block evenly. The one-row
+kernel (no autotuning, so it runs there) also under Triton's CPU interpreter, in fp16: 2e-3."""
+import os
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
@@ -71,3 +74,19 @@ def test_triton_linear_refuses_more_rows_than_it_holds():
     x = torch.zeros(triton_gemv.MAX_ROWS + 1, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="S <= 16"):
         triton_gemv.linear(x, torch.zeros(32, 64, device="cuda", dtype=torch.bfloat16))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("N,K", [(77, 1000), (40, 1536)])
+def test_one_row_kernel_in_the_interpreter(N, K):
+    """linear and silu_mul_linear at one row, fp16 (the interpreter's bf16 rounding is not
+    torch's), against float64 of the same inputs: K = 1000 leaves the last K tile partial."""
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    from vt.torch import fused, triton_gemv
+    x = torch.randn(1, K, dtype=torch.float16)
+    gate_up = torch.randn(1, 2 * K, dtype=torch.float16)
+    w = (torch.randn(N, K) * K ** -0.5).to(torch.float16)
+    assert rel_err(triton_gemv.linear(x, w), x.double() @ w.double().T) < 2e-3
+    assert rel_err(triton_gemv.silu_mul_linear(gate_up, w),
+                   fused.silu_mul(gate_up).double() @ w.double().T) < 2e-3
