@@ -112,7 +112,8 @@ for s in "${stages[@]}"; do
                      --json "$OUT/llama8b-serve.json" ;;
     serve-http) stage serve-http-ab python3 tools/serve_http_ab.py --shape llama3-8b \
                   --checkpoint-dir /tmp/vt-llama3-8b-shape --json "$OUT/serve-http-ab.json" ;;
-    gemv) stage gemv-floor python3 tools/decode_floor.py --cases 1:256 1:2048 32:2048 --gemms
+    gemv) stage gemv-row-sweep python3 tools/gemv_row_sweep.py
+          stage gemv-floor python3 tools/decode_floor.py --cases 1:256 1:2048 32:2048 --gemms
           for lin in torch triton; do   # cuBLAS against the Triton linear, served by vt
             stage "gemv-decode-$lin" python3 -m vt.cli.bench.torch_decode --rows 1 8 16 \
               --live 256 2048 --max-context 4096 --steps 64 --repeats 2 --hf-rows --no-peer \
