@@ -74,14 +74,14 @@ def _launch(x, weight, K: int, silu_mul: bool):
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("triton_gemv: x and weight need a contiguous last dim")
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
-    args = (x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0))
     if S == 1:
         _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](x, weight, y, N, K,
                                                              weight.stride(0),
                                                              SILU_MUL=silu_mul, **ONE_ROW)
     elif S:
-        _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](*args, ROWS=MAX_ROWS,
-                                                               SILU_MUL=silu_mul)
+        _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
+            x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0), ROWS=MAX_ROWS,
+            SILU_MUL=silu_mul)
     return y
 
 
