@@ -17,10 +17,15 @@ of the four linears, each input the previous output: cuBLAS, the fastest shapes,
 fastest shapes with PDL, twice each. Percentages are of the eager device-copy rate measured
 first. The shape vt.torch.triton_gemv.ONE_ROW uses came from this sweep (docs/benchmarks.md).
 """
-import itertools, statistics, sys, time
+import itertools, sys, time
+from pathlib import Path
 import torch, triton, triton.language as tl
 import torch.nn.functional as F
 from triton.language.extra.cuda import gdc_wait, gdc_launch_dependents
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
+
+from tools.decode_floor import replay_ms                                 # noqa: E402
 
 
 @triton.jit
@@ -68,22 +73,8 @@ def launch(x, w, y, cfg, pdl):
 
 
 def graph_us(fn, calls, replays=15):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn(); fn()
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay(); torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); g.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b))
-    del g
-    return statistics.median(ts) * 1e3 / calls
+    """µs per call of fn's `calls` calls, in a captured graph (decode_floor.replay_ms)."""
+    return replay_ms(fn, replays) * 1e3 / calls
 
 
 def main():
@@ -123,7 +114,7 @@ def main():
                 us = graph_us(lambda: [launch(x, ws[i % ncopy], y, cfg, False)
                                        for i in range(calls)], calls, replays=5)
                 res.append((us, cfg))
-            except Exception as e:   # out of resources etc.
+            except Exception:   # out of resources etc.
                 pass
         res.sort()
         print(f"{name} {N}x{K}: ideal {ideal:.1f}us torch {tus:.1f}us ({ideal / tus:.0%}); "

@@ -170,6 +170,8 @@ def _gemv_one_row(X, W, Y, N, K, stride_w, SILU_MUL: tl.constexpr, BLOCK_N: tl.c
     nmask = rn[:, None] < N
     wrow = W + rn[:, None].to(tl.int64) * stride_w
     rk = tl.arange(0, BLOCK_K)
+    # The first tile outside the loop, as tools/gemv_row_sweep.py timed the kernel (PRE_K =
+    # BLOCK_K there); the form with every tile in the loop has not been timed on its own.
     w, x = _row_tile(X, wrow, nmask, rk, K, SILU_MUL, EVEN_K)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
