@@ -14,10 +14,11 @@ device-to-device copy (bytes read + written over time) and an eager read
   paged-fused     plus vt.torch.fused: add_rms_norm, rope_and_cache, silu_mul
   fused-rope-attn paged-fused with RoPE and the KV write inside the attention kernel
                   (paged_attention.rope_cache_decode_attention: one kernel a layer less)
-fused-tgemv     paged-fused with vt.torch.triton_gemv's linear (at most 16 rows)
-fused-tgemv-silu  and its down projection with silu_mul computed as it reads (one kernel)
-fused-tgemv-all   and the residual add + RMSNorm inside qkv's and gate_up's kernels too
-linears-*       the step's linear layers alone (cuBLAS; tgemv: the Triton linear)
+  fused-tgemv     paged-fused with vt.torch.triton_gemv's linear (at most 16 rows)
+  fused-tgemv-silu  and its down projection with silu_mul computed as it reads (one kernel)
+  fused-tgemv-all   and the residual add + RMSNorm inside qkv's and gate_up's kernels too
+  tgemv-all-rope  fused-tgemv-all with RoPE and the KV write inside the attention kernel
+  linears-*       the step's linear layers alone (cuBLAS; tgemv: the Triton linear)
 --gemms: each linear's achieved weight bytes/s at S = 1, 8, 32 (a graph of 20 calls over
 copies of the weight that L2 cannot hold), as a fraction of the floor rate.
 This is evidence for wiring the kernels into vt.torch.llama; it does not go through vt
@@ -131,18 +132,24 @@ def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear, silu_mul_down=Non
     st.logits.copy_(lin(h, W["head"]))
 
 
-def forward_tgemv_all(W, kc, vc, cos, sin, st: Step, tgemv):
+def forward_tgemv_all(W, kc, vc, cos, sin, st: Step, tgemv, rope_attend: bool = False):
     """paged-fused with every op before a projection inside its kernel: the residual add and
     RMSNorm in qkv's and gate_up's (add_rms_norm_linear), silu_mul in down's: 7 kernels a
-    layer (qkv, rope_and_cache, attention and its split-K reduce, o, gate_up, down)."""
+    layer (qkv, rope_and_cache, attention and its split-K reduce, o, gate_up, down; 6 with
+    rope_attend, RoPE and the KV write inside the attention kernel)."""
     S = st.ids.shape[0]
     x, delta = W["embed"][st.ids], None
+    heads = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     for i, L in enumerate(W["layers"]):
         res, qkv = tgemv.add_rms_norm_linear(x, delta, L["attn_norm"], EPS, L["qkv"])
         x = x if res is None else res
-        q = fused.rope_and_cache(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
-                                 heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
-        a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
+        if rope_attend:
+            a = rope_cache_decode_attention(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
+                                            st.tables, st.seq_lens, block_size=BS, **heads)
+        else:
+            q = fused.rope_and_cache(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
+                                     **heads)
+            a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
         x, gate_up = tgemv.add_rms_norm_linear(x, tgemv.linear(a.view(S, -1), L["o"]),
                                                L["mlp_norm"], EPS, L["gate_up"])
         delta = tgemv.silu_mul_linear(gate_up, L["down"])
@@ -279,10 +286,13 @@ def main():
                     W, kc, vc, cos, sin, st, lin=tgemv.linear, silu_mul_down=tgemv.silu_mul_linear)
                 variants["fused-tgemv-all"] = lambda: forward_tgemv_all(W, kc, vc, cos, sin, st,
                                                                         tgemv)
+                variants["tgemv-all-rope"] = lambda: forward_tgemv_all(
+                    W, kc, vc, cos, sin, st, tgemv, rope_attend=True)
                 variants["linears-tgemv"] = lambda: forward_linears(W, st, lin=tgemv.linear)
             bases = {"paged-fused": "paged-unfused", "fused-rope-attn": "paged-fused",
                      "fused-tgemv": "paged-fused",
-                     "fused-tgemv-silu": "paged-fused", "fused-tgemv-all": "paged-fused"}
+                     "fused-tgemv-silu": "paged-fused", "fused-tgemv-all": "paged-fused",
+                     "tgemv-all-rope": "fused-tgemv-all"}
             for name, fn in variants.items():
                 ms = replay_ms(fn)
                 fn()

@@ -90,3 +90,26 @@ def test_one_row_kernel_in_the_interpreter(N, K):
     assert rel_err(triton_gemv.linear(x, w), x.double() @ w.double().T) < 2e-3
     assert rel_err(triton_gemv.silu_mul_linear(gate_up, w),
                    fused.silu_mul(gate_up).double() @ w.double().T) < 2e-3
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("with_delta", [False, True])
+@pytest.mark.parametrize("N,K", [(77, 1000), (40, 1536)])
+def test_one_row_norm_kernel_in_the_interpreter(N, K, with_delta):
+    """add_rms_norm_linear at one row, fp16: h = x + delta bit for bit as torch adds, and the
+    projection of the normed row (fused.rms_norm's roundings) within 2e-3 of float64."""
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    from vt.torch import fused, triton_gemv
+    x = torch.randn(1, K, dtype=torch.float16)
+    delta = torch.randn(1, K, dtype=torch.float16) if with_delta else None
+    nw = (1 + 0.1 * torch.randn(K)).to(torch.float16)
+    w = (torch.randn(N, K) * K ** -0.5).to(torch.float16)
+    h, y = triton_gemv.add_rms_norm_linear(x, delta, nw, 1e-5, w)
+    if with_delta:
+        h_ref, normed = fused.add_rms_norm(x, delta, nw, 1e-5)
+        assert torch.equal(h, h_ref)
+    else:
+        assert h is None
+        normed = fused.rms_norm(x, nw, 1e-5)
+    assert rel_err(y, normed.double() @ w.double().T) < 2e-3

@@ -6,9 +6,9 @@ N x K weights), so what matters is how close the kernel's weight reads come to t
 bandwidth. Each program owns BLOCK_N output columns over the whole K, so no partial sums go
 through memory: its [BLOCK_N, BLOCK_K] weight tiles stream through a software pipeline
 (num_stages deep) and meet the [16, BLOCK_K] row tile (rows past S masked to zero) in a
-tensor-core dot (one row: a float32 reduction instead). Block shapes for more than one row
-are autotuned per (S, N, K) on the first call, which must come before any capture (a warm-up
-does it); one row has a fixed shape (ONE_ROW, below, says why).
+tensor-core dot. One row runs kernels of its own, a float32 reduction on the CUDA cores
+with a fixed shape (ONE_ROW, below, says why); block shapes for more rows are autotuned per
+(S, N, K) on the first call, which must come before any capture (a warm-up does it).
 Accumulation is float32; the output is rounded once to w's dtype, as torch's bf16 GEMM does.
 
 Two variants take the op before the projection into the kernel, so that it costs no launch
@@ -56,12 +56,16 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
                          "last dim")
     h = torch.empty_like(x) if delta is not None else None
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
-    if S:
-        d = delta if delta is not None else x
+    d = delta if delta is not None else x
+    if S == 1:
+        _norm_gemv_one_row[(triton.cdiv(N, ONE_ROW_NORM["BLOCK_N"]),)](
+            x, d, norm_weight, h if h is not None else x, weight, y, N, K, weight.stride(0),
+            eps, HAS_DELTA=delta is not None, **ONE_ROW_NORM)
+    elif S:
         _norm_gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, d, norm_weight, h if h is not None else x, weight, y, S, N, K, x.stride(0),
             d.stride(0), h.stride(0) if h is not None else 0, weight.stride(0), y.stride(0), eps,
-            ROWS=1 if S == 1 else MAX_ROWS, HAS_DELTA=delta is not None)
+            ROWS=MAX_ROWS, HAS_DELTA=delta is not None)
     return h, y
 
 
@@ -97,16 +101,18 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
 # among them for o and down, and in tools/decode_floor.py the step's linears take 1.05x the
 # weight floor with it against 1.10x with cuBLAS.
 ONE_ROW = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
+# add_rms_norm_linear's one-row kernel: ONE_ROW's shape (each program also reads the row, and
+# delta, twice from L2: once for the norm, once against its weights).
+ONE_ROW_NORM = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
 
 
 @triton.jit
-def _accumulate(acc, x, w, ROWS: tl.constexpr):
-    """acc [ROWS, BLOCK_N] + x [ROWS, BLOCK_K] @ w [BLOCK_N, BLOCK_K].T."""
-    if ROWS == 1:   # one row: a reduction on the CUDA cores (a dot would pad it to 16)
-        acc += tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=1)[None, :]
-    else:
-        acc += tl.dot(x.to(w.dtype), tl.trans(w))
-    return acc
+def _silu_mul(gate, up):
+    """silu(gate) * up in up's dtype, rounded where torch rounds: silu's result, then the
+    product (vt.torch.fused.silu_mul's roundings)."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(up.dtype)
 
 
 @triton.jit
@@ -128,12 +134,9 @@ def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.conste
             x_mask = (rs[:, None] < S) & (kk[None, :] < K)
             w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         x = tl.load(x_ptr, mask=x_mask, other=0.0)
-        if SILU_MUL:   # x is the gate; up sits K columns on. torch rounds silu's result first
-            up = tl.load(x_ptr + K, mask=x_mask, other=0.0)
-            g = x.to(tl.float32)
-            act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
-            x = (act * up.to(tl.float32)).to(up.dtype)
-        acc = _accumulate(acc, x, w, ROWS)
+        if SILU_MUL:   # x is the gate; up sits K columns on
+            x = _silu_mul(x, tl.load(x_ptr + K, mask=x_mask, other=0.0))
+        acc += tl.dot(x.to(w.dtype), tl.trans(w))
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
     tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
@@ -153,11 +156,8 @@ def _row_tile(X, wrow, nmask, kk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexp
     else:
         w = tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
         x = tl.load(X + kk, mask=kk < K, other=0.0)
-    if SILU_MUL:   # x is the gate; up sits K columns on. torch rounds silu's result first
-        up = tl.load(X + K + kk, mask=kk < K, other=0.0)
-        g = x.to(tl.float32)
-        act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
-        x = (act * up.to(tl.float32)).to(up.dtype)
+    if SILU_MUL:   # x is the gate; up sits K columns on
+        x = _silu_mul(x, tl.load(X + K + kk, mask=kk < K, other=0.0))
     return w, x
 
 
@@ -223,7 +223,72 @@ def _norm_gemv(X, DELTA, NW, H, W, Y, S, N, K, stride_x, stride_d, stride_h, str
         nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
         x = (nw[None, :] * normed).to(h.dtype)
         w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        acc = _accumulate(acc, x, w, ROWS)
+        acc += tl.dot(x.to(w.dtype), tl.trans(w))
         w_ptr += BLOCK_K
     tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
              mask=(rs[:, None] < S) & (rn[None, :] < N))
+
+
+@triton.jit
+def _row_residual(X, DELTA, kk, K, HAS_DELTA: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns kk of the row's x + delta, rounded to x's dtype as torch's add is."""
+    if EVEN_K:
+        x = tl.load(X + kk)
+    else:
+        x = tl.load(X + kk, mask=kk < K, other=0.0)
+    if HAS_DELTA:
+        if EVEN_K:
+            d = tl.load(DELTA + kk)
+        else:
+            d = tl.load(DELTA + kk, mask=kk < K, other=0.0)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
+    return x
+
+
+@_even_k
+@triton.jit
+def _norm_gemv_one_row(X, DELTA, NW, H, W, Y, N, K, stride_w, eps, HAS_DELTA: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One row of _norm_gemv on the CUDA cores, shaped as _gemv_one_row: the norm's pass over
+    the row, then the normed row against each program's BLOCK_N weight rows."""
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    nmask = rn[:, None] < N
+    wrow = W + rn[:, None].to(tl.int64) * stride_w
+    rk = tl.arange(0, BLOCK_K)
+    # The first weight tile is requested before the norm's pass, which its latency then hides.
+    if EVEN_K:
+        w0 = tl.load(wrow + rk[None, :], mask=nmask, other=0.0)
+    else:
+        w0 = tl.load(wrow + rk[None, :], mask=nmask & (rk[None, :] < K), other=0.0)
+    sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        h = _row_residual(X, DELTA, kk, K, HAS_DELTA, EVEN_K)
+        if HAS_DELTA:
+            if pid == 0:   # the residual stream the next add reads
+                tl.store(H + kk, h, mask=kk < K)
+        hf = h.to(tl.float32)
+        sumsq += hf * hf
+    inv = tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
+    acc = tl.sum(w0.to(tl.float32) * _normed(X, DELTA, NW, rk, K, inv, HAS_DELTA, EVEN_K)[None, :],
+                 axis=1)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            w = tl.load(wrow + kk[None, :], mask=nmask, other=0.0)
+        else:
+            w = tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
+        acc += tl.sum(w.to(tl.float32)
+                      * _normed(X, DELTA, NW, kk, K, inv, HAS_DELTA, EVEN_K)[None, :], axis=1)
+    tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=rn < N)
+
+
+@triton.jit
+def _normed(X, DELTA, NW, kk, K, inv, HAS_DELTA: tl.constexpr, EVEN_K: tl.constexpr):
+    """Columns kk of rms_norm(x + delta) in float32, rounded as vt.torch.fused.rms_norm
+    rounds them: the normed row to the storage dtype, then its product with the weight."""
+    h = _row_residual(X, DELTA, kk, K, HAS_DELTA, EVEN_K)
+    normed = (h.to(tl.float32) * inv).to(h.dtype).to(tl.float32)
+    nw = tl.load(NW + kk, mask=kk < K, other=0.0).to(tl.float32)
+    return (nw * normed).to(h.dtype).to(tl.float32)
