@@ -1,7 +1,7 @@
 """LlamaDecoder's `kernels`: a decode step on vt's kernels ("vt": paged decode attention over
 the live tokens, the fused norm / SiLU / RoPE-and-cache ops) computes what the plain torch
 step ("torch": dense attention over max_context, masked) computes, and so does "vt" with
-`linear="triton"` (vt.torch.triton_gemv's projections at <= 16 rows), and so does a mixed
+`linear="triton"` (vt.torch.triton_gemv's projections at <= 16 rows; "auto": at one row), and so does a mixed
 step with `prompt_kernels="vt"` (prompt chunks and decode rows on those ops). On the CPU both run
 plain torch (the CI twin of the wiring); on CUDA "vt" runs the Triton kernels. Tolerances (relative
 Frobenius error of the logits): float32 1e-5; bf16 on CUDA 3e-2 (bf16 storage rounds each
@@ -120,10 +120,25 @@ def test_kernels_choice():
 
 def test_linear_choice_is_checked(sim_backend):
     ref = tiny_llama(sim_backend, cfg=CONFIGS["llama"], kernels="torch")
-    with pytest.raises(ValueError, match="linear='cublas' must be 'torch' or 'triton'"):
+    with pytest.raises(ValueError, match="linear='cublas' must be 'auto', 'torch' or 'triton'"):
         twin(ref, "vt", "cublas")
     with pytest.raises(ValueError, match="needs kernels='vt'"):
         twin(ref, "torch", "triton")
+
+
+@pytest.mark.parametrize("kernels,linear,rows,want", [
+    ("vt", "auto", 1, "fused"), ("vt", "auto", 4, "torch"), ("vt", "triton", 4, "fused"),
+    ("vt", "torch", 1, "torch"), ("torch", "auto", 1, "torch")])
+def test_step_matmul_follows_linear_and_the_rows(sim_backend, kernels, linear, rows, want):
+    """linear="auto" takes the Triton linears (fused.linear) in a one-row decode step only;
+    a step with prompt tokens always takes F.linear."""
+    import torch.nn.functional as F
+    from vt.torch import fused
+    ref = tiny_llama(sim_backend, cfg=CONFIGS["llama"], kernels="torch")
+    m = twin(ref, kernels, linear)
+    step = random_decode_step(ref, [5] * rows, seed=1)
+    assert m.step_matmul(step) is (fused.linear if want == "fused" else F.linear)
+    assert m.step_matmul(random_mixed_step(ref, [5] * rows, [(3, 3)], seed=1)) is F.linear
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
@@ -201,7 +216,7 @@ def _cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("step,linear", [("decode", "torch"), ("decode", "triton"),
-                                         ("mixed", "torch")])
+                                         ("one-row", "auto"), ("mixed", "torch")])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_triton_step_within_bf16_of_the_torch_ops_on_cuda(arch, step, linear):
     """bf16 on CUDA: a decode step on the Triton kernels (with cuBLAS's or the Triton
@@ -211,8 +226,11 @@ def test_triton_step_within_bf16_of_the_torch_ops_on_cuda(arch, step, linear):
     try:
         ref = tiny_llama(be, cfg=CONFIGS[arch], dtype=torch.bfloat16, kernels="torch",
                          seed=int(torch.seed()) % 2**31)
-        got, want, _ = (decode_both(ref, [5, 17, 1, GEO.max_context, 2], seed=2, linear=linear)
-                        if step == "decode" else mixed_both(ref, seed=4))
+        if step == "mixed":
+            got, want, _ = mixed_both(ref, seed=4)
+        else:
+            lens = [17] if step == "one-row" else [5, 17, 1, GEO.max_context, 2]
+            got, want, _ = decode_both(ref, lens, seed=2, linear=linear)
         assert torch.isfinite(got).all()
         assert rel_err(got, want) < 3e-2
     finally:

@@ -24,12 +24,13 @@ power-of-two head_dim (the Triton kernels' shape), else "torch". On the CPU "vt"
 same in plain torch but reads seq_lens on the host, so a captured (fake-tensor) step refuses
 it.
 
-`linear` picks what computes a decode step's projections on vt's kernels: "torch" (the
-default: nn.Linear, cuBLAS on CUDA) or "triton" (vt.torch.fused.linear: at most 16 rows in
-bf16/fp16 on CUDA run vt.torch.triton_gemv's kernels, and the down projection takes silu_mul
-into its kernel; more rows, or the CPU, compute the same with the torch ops). On an H100
-"triton" made a one-row step of the 8B shape 4.6 % faster; docs/torch.md says why "torch"
-is still the default.
+`linear` picks what computes a decode step's projections on vt's kernels: "torch"
+(nn.Linear, cuBLAS on CUDA), "triton" (vt.torch.fused.linear: at most 16 rows in bf16/fp16
+on CUDA run vt.torch.triton_gemv's kernels, and the down projection takes silu_mul into its
+kernel; more rows, or the CPU, compute the same with the torch ops), or "auto" (the default):
+"triton" in a one-row step, "torch" in more rows. Measured on an H100 with the 8B shape
+(docs/torch.md): at one row the Triton kernels make the step 5 % faster, at 8 and 16 rows
+cuBLAS is 1.5-1.8x faster than the Triton kernels.
 
 Steps with prompt tokens run eagerly: serve the decoder with TorchForwardModel(...,
 prefill="flat") so that a prompt chunk, or a whole mixed step, is one call. `prompt_kernels`
@@ -212,7 +213,7 @@ class LlamaDecoder(nn.Module):
     shard_state_dict makes a rank's weights."""
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
-                 device="cuda", kernels: str = "auto", linear: str = "torch",
+                 device="cuda", kernels: str = "auto", linear: str = "auto",
                  prompt_kernels: str = "auto", tp: TensorParallel | None = None):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
@@ -220,13 +221,13 @@ class LlamaDecoder(nn.Module):
         self.cfg, self.geometry = cfg, geometry
         self.kernels, self.prompt_kernels = resolve_kernels(
             kernels, prompt_kernels, torch.device(device), cfg.head_dim)
-        if linear not in ("torch", "triton"):
-            raise ValueError(f"LlamaDecoder: linear={linear!r} must be 'torch' or 'triton'")
+        if linear not in ("auto", "torch", "triton"):
+            raise ValueError(f"LlamaDecoder: linear={linear!r} must be 'auto', 'torch' or "
+                             f"'triton'")
         if linear == "triton" and self.kernels != "vt":
             raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
                              "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
         self.linear = linear
-        self.matmul = fused.linear if linear == "triton" else F.linear
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
@@ -278,9 +279,14 @@ class LlamaDecoder(nn.Module):
 
     def step_matmul(self, inputs: TorchInputs):
         """What computes the step's projections and head: the `linear` choice in a decode step
-        (its row count is the captured batch: the Triton GEMV's regime), F.linear in a step
-        with prompt tokens (many rows: cuBLAS's)."""
-        return self.matmul if inputs.is_decode else F.linear
+        on vt's kernels (its row count is the captured batch: the Triton GEMV's regime; "auto"
+        takes it at one row), F.linear in a step with prompt tokens (many rows: cuBLAS's)."""
+        if not inputs.is_decode or self.kernels != "vt":
+            return F.linear
+        one_row = inputs.input_ids.shape[0] == 1
+        if self.linear == "triton" or (self.linear == "auto" and one_row):
+            return fused.linear
+        return F.linear
 
     def head_weight(self) -> torch.Tensor:
         """[vocab_shard, hidden]: lm_head's, or (tied) the embedding's rows of this shard."""

@@ -60,9 +60,10 @@ def add_tool_arguments(p) -> None:
     p.add_argument("--mode", default="ring", help="vt's executor mode (default ring)")
     p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
                    help="LlamaDecoder's decode attention and layer ops (default auto: vt's on CUDA)")
-    p.add_argument("--linear", default="torch", choices=["torch", "triton"],
-                   help="LlamaDecoder's linears in decode steps on vt's kernels: torch "
-                        "(cuBLAS, the default) or triton (vt.torch.triton_gemv at <= 16 rows)")
+    p.add_argument("--linear", default="auto", choices=["auto", "torch", "triton"],
+                   help="LlamaDecoder's linears in decode steps on vt's kernels: auto (the "
+                        "default: triton at one row, torch at more), torch (cuBLAS) or triton "
+                        "(vt.torch.triton_gemv at <= 16 rows)")
     p.add_argument("--prompt-kernels", default="auto", choices=["auto", "torch", "vt"],
                    help="LlamaDecoder's ops in steps with prompt tokens: auto (the default: as "
                         "--kernels), torch, or vt (the decode step's fused ops; needs kernels vt)")
