@@ -1,7 +1,7 @@
 """LlamaDecoder's `kernels`: a decode step on vt's kernels ("vt": paged decode attention over
 the live tokens, the fused norm / SiLU / RoPE-and-cache ops) computes what the plain torch
 step ("torch": dense attention over max_context, masked) computes, and so does "vt" with
-`linear="triton"` (vt.torch.triton_gemv's projections at <= 16 rows; "auto": at one row), and so does a mixed
+`linear="triton"` (vt.torch.triton_gemv's projections at <= 16 rows), and so does a mixed
 step with `prompt_kernels="vt"` (prompt chunks and decode rows on those ops). On the CPU both run
 plain torch (the CI twin of the wiring); on CUDA "vt" runs the Triton kernels. Tolerances (relative
 Frobenius error of the logits): float32 1e-5; bf16 on CUDA 3e-2 (bf16 storage rounds each
@@ -127,11 +127,11 @@ def test_linear_choice_is_checked(sim_backend):
 
 
 @pytest.mark.parametrize("kernels,linear,rows,want", [
-    ("vt", "auto", 1, "fused"), ("vt", "auto", 4, "torch"), ("vt", "triton", 4, "fused"),
+    ("vt", "auto", 1, "fused"), ("vt", "auto", 4, "fused"), ("vt", "triton", 4, "fused"),
     ("vt", "torch", 1, "torch"), ("torch", "auto", 1, "torch")])
-def test_step_matmul_follows_linear_and_the_rows(sim_backend, kernels, linear, rows, want):
-    """linear="auto" takes the Triton linears (fused.linear) in a one-row decode step only;
-    a step with prompt tokens always takes F.linear."""
+def test_step_matmul_follows_linear_and_kernels(sim_backend, kernels, linear, rows, want):
+    """linear="auto" takes the Triton linears (fused.linear) in decode steps on vt's kernels,
+    nn.Linear's F.linear on the torch ops; a step with prompt tokens always takes F.linear."""
     import torch.nn.functional as F
     from vt.torch import fused
     ref = tiny_llama(sim_backend, cfg=CONFIGS["llama"], kernels="torch")
@@ -216,7 +216,7 @@ def _cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("step,linear", [("decode", "torch"), ("decode", "triton"),
-                                         ("one-row", "auto"), ("mixed", "torch")])
+                                         ("one-row", "triton"), ("mixed", "torch")])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_triton_step_within_bf16_of_the_torch_ops_on_cuda(arch, step, linear):
     """bf16 on CUDA: a decode step on the Triton kernels (with cuBLAS's or the Triton

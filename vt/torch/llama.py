@@ -26,11 +26,11 @@ it.
 
 `linear` picks what computes a decode step's projections on vt's kernels: "torch"
 (nn.Linear, cuBLAS on CUDA), "triton" (vt.torch.fused.linear: at most 16 rows in bf16/fp16
-on CUDA run vt.torch.triton_gemv's kernels, and the down projection takes silu_mul into its
-kernel; more rows, or the CPU, compute the same with the torch ops), or "auto" (the default):
-"triton" in a one-row step, "torch" in more rows. Measured on an H100 with the 8B shape
-(docs/torch.md): at one row the Triton kernels make the step 5 % faster, at 8 and 16 rows
-cuBLAS is 1.5-1.8x faster than the Triton kernels.
+on CUDA run vt.torch.triton_gemv's kernels, and at one row the down projection takes
+silu_mul into its kernel; more rows, or the CPU, compute the same with the torch ops), or
+"auto" (the default): "triton" where `kernels` resolves to "vt", else "torch". Measured on an
+H100 with the 8B shape (docs/torch.md), the Triton linears make the step 3.6-5.3 % faster
+at 1, 8 and 16 rows.
 
 Steps with prompt tokens run eagerly: serve the decoder with TorchForwardModel(...,
 prefill="flat") so that a prompt chunk, or a whole mixed step, is one call. `prompt_kernels`
@@ -227,7 +227,9 @@ class LlamaDecoder(nn.Module):
         if linear == "triton" and self.kernels != "vt":
             raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
                              "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
-        self.linear = linear
+        if linear == "auto":
+            linear = "triton" if self.kernels == "vt" else "torch"
+        self.linear = linear   # "torch" or "triton"
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
@@ -279,14 +281,9 @@ class LlamaDecoder(nn.Module):
 
     def step_matmul(self, inputs: TorchInputs):
         """What computes the step's projections and head: the `linear` choice in a decode step
-        on vt's kernels (its row count is the captured batch: the Triton GEMV's regime; "auto"
-        takes it at one row), F.linear in a step with prompt tokens (many rows: cuBLAS's)."""
-        if not inputs.is_decode or self.kernels != "vt":
-            return F.linear
-        one_row = inputs.input_ids.shape[0] == 1
-        if self.linear == "triton" or (self.linear == "auto" and one_row):
-            return fused.linear
-        return F.linear
+        (its row count is the captured batch: the Triton GEMV's regime), F.linear in a step
+        with prompt tokens (many rows: cuBLAS's)."""
+        return fused.linear if inputs.is_decode and self.linear == "triton" else F.linear
 
     def head_weight(self) -> torch.Tensor:
         """[vocab_shard, hidden]: lm_head's, or (tied) the embedding's rows of this shard."""
