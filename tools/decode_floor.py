@@ -225,7 +225,7 @@ def gemm_table(W, rate, tgemv=None):
                                         for i in range(20)]) * 1e3 / 20
                 bw = w.numel() * 2 / (us / 1e6)
                 cells.append(f"triton {us:6.1f}us {bw / rate:4.0%} (rel {err:.0e})")
-        del copies
+        copies.clear()   # free the copies before the next weight
         print(f"{name:>8} {str(tuple(w.shape)):>12} " + " ".join(f"{c:>14}" for c in cells))
 
 

@@ -101,9 +101,12 @@ _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stage
 # among them for o and down, and in tools/decode_floor.py the step's linears take 1.05x the
 # weight floor with it against 1.10x with cuBLAS.
 ONE_ROW = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
-# add_rms_norm_linear's one-row kernel: ONE_ROW's shape (each program also reads the row, and
-# delta, twice from L2: once for the norm, once against its weights).
-ONE_ROW_NORM = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
+# add_rms_norm_linear's one-row kernel, whose programs also read the row (and delta) twice
+# from L2, once for the norm and once against their weights: the fastest of the 24 shapes
+# tools/norm_gemv_sweep.py timed on an H100 for qkv and gate_up alike. Even so it is slower
+# than add_rms_norm and then the one-row linear (docs/benchmarks.md), so vt.torch.llama does
+# not use it.
+ONE_ROW_NORM = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
 
 
 @triton.jit
