@@ -61,9 +61,9 @@ def add_tool_arguments(p) -> None:
     p.add_argument("--kernels", default="auto", choices=["auto", "vt", "torch"],
                    help="LlamaDecoder's decode attention and layer ops (default auto: vt's on CUDA)")
     p.add_argument("--linear", default="auto", choices=["auto", "torch", "triton"],
-                   help="LlamaDecoder's linears in decode steps on vt's kernels: auto (the "
-                        "default: triton at one row, torch at more), torch (cuBLAS) or triton "
-                        "(vt.torch.triton_gemv at <= 16 rows)")
+                   help="LlamaDecoder's linears in decode steps: auto (the default: triton "
+                        "where --kernels resolves to vt, else torch), torch (cuBLAS) or triton "
+                        "(vt.torch.triton_gemv at <= 16 rows; needs kernels vt)")
     p.add_argument("--prompt-kernels", default="auto", choices=["auto", "torch", "vt"],
                    help="LlamaDecoder's ops in steps with prompt tokens: auto (the default: as "
                         "--kernels), torch, or vt (the decode step's fused ops; needs kernels vt)")
