@@ -294,9 +294,9 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv
 
 @triton.jit
 def _tile_slots(table, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """_kv_tile's positions and slots without the loads, for _rope_split's half-width ones:
-    positions t = start .. start + BLOCK_N of one sequence (those < hi live) and their cache
-    slots through its block table (vt.step.kv_slot): (t, the live mask, slots)."""
+    """Positions t = start .. start + BLOCK_N of one sequence (those < hi live) and their
+    cache slots, found through its block table (vt.step.kv_slot; dead ones: slot of block 0):
+    (t, the live mask, slots)."""
     t = start + tl.arange(0, BLOCK_N)
     tmask = t < hi
     block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
@@ -309,10 +309,7 @@ def _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh, stride_vt, st
     """Positions t = start .. start + BLOCK_N of one sequence (those < hi live), found through
     its block table (vt.step.kv_slot), and their K and V rows of KV head kvh: (t, the live
     mask, k, v [BLOCK_N, HEAD_DIM], dead rows 0)."""
-    t = start + tl.arange(0, BLOCK_N)
-    tmask = t < hi
-    block = tl.load(table + t // BLOCK_SIZE, mask=tmask, other=0).to(tl.int64)
-    slot = block * BLOCK_SIZE + t % BLOCK_SIZE
+    t, tmask, slot = _tile_slots(table, start, hi, BLOCK_N, BLOCK_SIZE)
     k = tl.load(K + slot[:, None] * stride_kt + kvh * stride_kh + d[None, :],
                 mask=tmask[:, None], other=0.0)
     v = tl.load(V + slot[:, None] * stride_vt + kvh * stride_vh + d[None, :],
@@ -325,19 +322,16 @@ def _softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):
     """One tile of the online softmax: scores s [rows, BLOCK_N] (masked ones -inf) and values
     v folded into the running max m, sum l and accumulator acc (float32). Each row's m must
     end finite (a live key in this tile or an earlier one)."""
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    prob = tl.exp(s - m_new[:, None])
-    l = l * alpha + tl.sum(prob, 1)
+    m, alpha, prob, l = _softmax_weights(s, m, l)
     acc = acc * alpha[:, None] + tl.dot(prob.to(v.dtype), v, input_precision=PRECISION)
-    return m_new, l, acc
+    return m, l, acc
 
 
 @triton.jit
 def _softmax_weights(s, m, l):
-    """_softmax_step's update without the accumulator, for _rope_split's two half-width ones:
-    (the new running max, the factor an accumulator is rescaled by, the tile's unnormalized
-    probabilities, the new running sum)."""
+    """The online softmax's update for one tile of scores s [rows, BLOCK_N]: (the new running
+    max, the factor the old accumulator is rescaled by, the tile's unnormalized probabilities,
+    the new running sum)."""
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     prob = tl.exp(s - m_new[:, None])
