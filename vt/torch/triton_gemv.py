@@ -151,14 +151,27 @@ _gemv = triton.autotune(configs=_CONFIGS, key=["S", "N", "K", "SILU_MUL"])(_even
 
 
 @triton.jit
+def _weight_tile(wrow, nmask, kk, K, EVEN_K: tl.constexpr):
+    """The [BLOCK_N, BLOCK_K] tile at columns kk of the weight rows wrow (rows past N masked
+    by nmask, columns past K by kk unless EVEN_K)."""
+    if EVEN_K:
+        return tl.load(wrow + kk[None, :], mask=nmask, other=0.0)
+    return tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _row_cols(X, kk, K, EVEN_K: tl.constexpr):
+    """Columns kk of the row at X (those past K 0 unless EVEN_K)."""
+    if EVEN_K:
+        return tl.load(X + kk)
+    return tl.load(X + kk, mask=kk < K, other=0.0)
+
+
+@triton.jit
 def _row_tile(X, wrow, nmask, kk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
     """The weights' [BLOCK_N, BLOCK_K] tile at columns kk and the row's matching [BLOCK_K]."""
-    if EVEN_K:
-        w = tl.load(wrow + kk[None, :], mask=nmask, other=0.0)
-        x = tl.load(X + kk)
-    else:
-        w = tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
-        x = tl.load(X + kk, mask=kk < K, other=0.0)
+    w = _weight_tile(wrow, nmask, kk, K, EVEN_K)
+    x = _row_cols(X, kk, K, EVEN_K)
     if SILU_MUL:   # x is the gate; up sits K columns on
         x = _silu_mul(x, tl.load(X + K + kk, mask=kk < K, other=0.0))
     return w, x
@@ -235,15 +248,9 @@ def _norm_gemv(X, DELTA, NW, H, W, Y, S, N, K, stride_x, stride_d, stride_h, str
 @triton.jit
 def _row_residual(X, DELTA, kk, K, HAS_DELTA: tl.constexpr, EVEN_K: tl.constexpr):
     """Columns kk of the row's x + delta, rounded to x's dtype as torch's add is."""
-    if EVEN_K:
-        x = tl.load(X + kk)
-    else:
-        x = tl.load(X + kk, mask=kk < K, other=0.0)
+    x = _row_cols(X, kk, K, EVEN_K)
     if HAS_DELTA:
-        if EVEN_K:
-            d = tl.load(DELTA + kk)
-        else:
-            d = tl.load(DELTA + kk, mask=kk < K, other=0.0)
+        d = _row_cols(DELTA, kk, K, EVEN_K)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(X.dtype.element_ty)
     return x
 
@@ -260,10 +267,7 @@ def _norm_gemv_one_row(X, DELTA, NW, H, W, Y, N, K, stride_w, eps, HAS_DELTA: tl
     wrow = W + rn[:, None].to(tl.int64) * stride_w
     rk = tl.arange(0, BLOCK_K)
     # The first weight tile is requested before the norm's pass, which its latency then hides.
-    if EVEN_K:
-        w0 = tl.load(wrow + rk[None, :], mask=nmask, other=0.0)
-    else:
-        w0 = tl.load(wrow + rk[None, :], mask=nmask & (rk[None, :] < K), other=0.0)
+    w0 = _weight_tile(wrow, nmask, rk, K, EVEN_K)
     sumsq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
@@ -274,14 +278,11 @@ def _norm_gemv_one_row(X, DELTA, NW, H, W, Y, N, K, stride_w, eps, HAS_DELTA: tl
         hf = h.to(tl.float32)
         sumsq += hf * hf
     inv = tl.rsqrt(tl.sum(sumsq, axis=0) / K + eps)
-    acc = tl.sum(w0.to(tl.float32) * _normed(X, DELTA, NW, rk, K, inv, HAS_DELTA, EVEN_K)[None, :],
-                 axis=1)
+    acc = tl.sum(w0.to(tl.float32)
+                 * _normed(X, DELTA, NW, rk, K, inv, HAS_DELTA, EVEN_K)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         kk = k0 + rk
-        if EVEN_K:
-            w = tl.load(wrow + kk[None, :], mask=nmask, other=0.0)
-        else:
-            w = tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
+        w = _weight_tile(wrow, nmask, kk, K, EVEN_K)
         acc += tl.sum(w.to(tl.float32)
                       * _normed(X, DELTA, NW, kk, K, inv, HAS_DELTA, EVEN_K)[None, :], axis=1)
     tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=rn < N)
