@@ -106,22 +106,27 @@ def forward_unfused(W, kc, vc, cos, sin, st: Step, paged: bool):
     st.logits.copy_(F.linear(rms(x, W["norm"]), W["head"]))
 
 
+def attend_layer(qkv, k_cache, v_cache, cos, sin, st: Step, rope_attend: bool):
+    """A layer's fused attention from its qkv projection: rope_and_cache, then
+    paged_decode_attention, or (rope_attend) both in rope_cache_decode_attention's kernel."""
+    heads = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    if rope_attend:
+        return rope_cache_decode_attention(qkv, st.positions, cos, sin, k_cache, v_cache,
+                                           st.slots, st.tables, st.seq_lens, block_size=BS,
+                                           **heads)
+    q = fused.rope_and_cache(qkv, st.positions, cos, sin, k_cache, v_cache, st.slots, **heads)
+    return paged_decode_attention(q, k_cache, v_cache, st.tables, st.seq_lens, block_size=BS)
+
+
 def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear, silu_mul_down=None,
                   rope_attend: bool = False):
     S = st.ids.shape[0]
     x = W["embed"][st.ids]
     layers = W["layers"]
     h = fused.rms_norm(x, layers[0]["attn_norm"], EPS)
-    heads = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     for i, L in enumerate(layers):
         qkv = lin(h, L["qkv"])
-        if rope_attend:
-            a = rope_cache_decode_attention(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
-                                            st.tables, st.seq_lens, block_size=BS, **heads)
-        else:
-            q = fused.rope_and_cache(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
-                                     **heads)
-            a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
+        a = attend_layer(qkv, kc[i], vc[i], cos, sin, st, rope_attend)
         x, h = fused.add_rms_norm(x, lin(a.view(S, -1), L["o"]), L["mlp_norm"], EPS)
         if silu_mul_down is None:
             d = lin(fused.silu_mul(lin(h, L["gate_up"])), L["down"])
@@ -139,17 +144,10 @@ def forward_tgemv_all(W, kc, vc, cos, sin, st: Step, tgemv, rope_attend: bool = 
     rope_attend, RoPE and the KV write inside the attention kernel)."""
     S = st.ids.shape[0]
     x, delta = W["embed"][st.ids], None
-    heads = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
     for i, L in enumerate(W["layers"]):
         res, qkv = tgemv.add_rms_norm_linear(x, delta, L["attn_norm"], EPS, L["qkv"])
         x = x if res is None else res
-        if rope_attend:
-            a = rope_cache_decode_attention(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
-                                            st.tables, st.seq_lens, block_size=BS, **heads)
-        else:
-            q = fused.rope_and_cache(qkv, st.positions, cos, sin, kc[i], vc[i], st.slots,
-                                     **heads)
-            a = paged_decode_attention(q, kc[i], vc[i], st.tables, st.seq_lens, block_size=BS)
+        a = attend_layer(qkv, kc[i], vc[i], cos, sin, st, rope_attend)
         x, gate_up = tgemv.add_rms_norm_linear(x, tgemv.linear(a.view(S, -1), L["o"]),
                                                L["mlp_norm"], EPS, L["gate_up"])
         delta = tgemv.silu_mul_linear(gate_up, L["down"])
@@ -203,6 +201,12 @@ def replay_ms(fn, replays=20):
     return statistics.median(times)
 
 
+def weight_copies(w: torch.Tensor) -> list[torch.Tensor]:
+    """w and clones of it, worth >= 256 MB together: calls that rotate over them read each
+    from HBM, since L2 (50-60 MB) holds none by the time it comes round again."""
+    return [w] + [w.clone() for _ in range(-(-2**28 // (w.numel() * w.element_size())) - 1)]
+
+
 def gemm_table(W, rate, tgemv=None):
     L = W["layers"][0]
     print(f"\nGEMM weight bytes/s (floor rate {rate / 1e12:.2f} TB/s)")
@@ -210,8 +214,7 @@ def gemm_table(W, rate, tgemv=None):
     for name, w in (("qkv", L["qkv"]), ("o", L["o"]), ("gate_up", L["gate_up"]),
                     ("down", L["down"]), ("lm_head", W["head"])):
         cells = []
-        # rotate over copies of the weight worth >= 256 MB so that L2 (50-60 MB) serves none
-        copies = [w] + [w.clone() for _ in range(-(-2**28 // (w.numel() * 2)) - 1)]
+        copies = weight_copies(w)
         for S in (1, 8, 32):
             x = torch.randn(S, w.shape[1], device="cuda", dtype=torch.bfloat16)
             us = replay_ms(lambda: [F.linear(x, copies[i % len(copies)])

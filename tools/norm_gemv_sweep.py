@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout
 
-from tools.decode_floor import replay_ms                        # noqa: E402
+from tools.decode_floor import replay_ms, weight_copies         # noqa: E402
 from vt.torch import fused, triton_gemv as tg                    # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main():
     nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
     for name, N in (("qkv", 6144), ("gate_up", 28672)):
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-        copies = [w] + [w.clone() for _ in range(-(-2**28 // (w.numel() * 2)) - 1)]
+        copies = weight_copies(w)
 
         def two():
             for i in range(20):

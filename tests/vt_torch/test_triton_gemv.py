@@ -15,6 +15,21 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def check_norm_linear(x, delta, nw, w, tol):
+    """triton_gemv.add_rms_norm_linear(x, delta, nw, 1e-5, w): h = x + delta bit for bit as
+    fused.add_rms_norm makes it (None without delta), and the projection of the normed rows
+    (fused's roundings) within tol of float64."""
+    from vt.torch import fused, triton_gemv
+    h, y = triton_gemv.add_rms_norm_linear(x, delta, nw, 1e-5, w)
+    if delta is not None:
+        h_ref, normed = fused.add_rms_norm(x, delta, nw, 1e-5)
+        assert torch.equal(h, h_ref)
+    else:
+        assert h is None
+        normed = fused.rms_norm(x, nw, 1e-5)
+    assert rel_err(y, normed.double() @ w.double().T) < tol
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [1, 3, 8, 16])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (77, 1000)])
@@ -50,20 +65,12 @@ def test_add_rms_norm_linear_matches_the_fused_ops_then_float64(S, with_delta):
     rows (fused.rms_norm's roundings) within 1e-2 of float64."""
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
-    from vt.torch import fused, triton_gemv
     K, N = 4096, 6144
     x = torch.randn(S, K, device="cuda", dtype=torch.bfloat16)
     delta = torch.randn(S, K, device="cuda", dtype=torch.bfloat16) if with_delta else None
     nw = (1 + 0.1 * torch.randn(K, device="cuda")).to(torch.bfloat16)
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
-    h, y = triton_gemv.add_rms_norm_linear(x, delta, nw, 1e-5, w)
-    if with_delta:
-        h_ref, normed = fused.add_rms_norm(x, delta, nw, 1e-5)
-        assert torch.equal(h, h_ref)
-    else:
-        assert h is None
-        normed = fused.rms_norm(x, nw, 1e-5)
-    assert rel_err(y, normed.double() @ w.double().T) < 1e-2
+    check_norm_linear(x, delta, nw, w, tol=1e-2)
 
 
 @pytest.mark.gpu
@@ -100,16 +107,8 @@ def test_one_row_norm_kernel_in_the_interpreter(N, K, with_delta):
     """add_rms_norm_linear at one row, fp16: h = x + delta bit for bit as torch adds, and the
     projection of the normed row (fused.rms_norm's roundings) within 2e-3 of float64."""
     pytest.importorskip("triton", reason="the kernel needs Triton")
-    from vt.torch import fused, triton_gemv
     x = torch.randn(1, K, dtype=torch.float16)
     delta = torch.randn(1, K, dtype=torch.float16) if with_delta else None
     nw = (1 + 0.1 * torch.randn(K)).to(torch.float16)
     w = (torch.randn(N, K) * K ** -0.5).to(torch.float16)
-    h, y = triton_gemv.add_rms_norm_linear(x, delta, nw, 1e-5, w)
-    if with_delta:
-        h_ref, normed = fused.add_rms_norm(x, delta, nw, 1e-5)
-        assert torch.equal(h, h_ref)
-    else:
-        assert h is None
-        normed = fused.rms_norm(x, nw, 1e-5)
-    assert rel_err(y, normed.double() @ w.double().T) < 2e-3
+    check_norm_linear(x, delta, nw, w, tol=2e-3)
