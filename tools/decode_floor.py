@@ -17,6 +17,8 @@ device-to-device copy (bytes read + written over time) and an eager read
   fused-tgemv     paged-fused with vt.torch.triton_gemv's linear (at most 16 rows)
   fused-tgemv-silu  and its down projection with silu_mul computed as it reads (one kernel)
   fused-tgemv-all   and the residual add + RMSNorm inside qkv's and gate_up's kernels too
+  tgemv-silu-rope fused-tgemv-silu with RoPE and the KV write inside the attention kernel
+                  (the decoder's one-row decode step)
   tgemv-all-rope  fused-tgemv-all with RoPE and the KV write inside the attention kernel
   linears-*       the step's linear layers alone (cuBLAS; tgemv: the Triton linear)
 --gemms: each linear's achieved weight bytes/s at S = 1, 8, 32 (a graph of 20 calls over
@@ -289,13 +291,16 @@ def main():
                     W, kc, vc, cos, sin, st, lin=tgemv.linear, silu_mul_down=tgemv.silu_mul_linear)
                 variants["fused-tgemv-all"] = lambda: forward_tgemv_all(W, kc, vc, cos, sin, st,
                                                                         tgemv)
+                variants["tgemv-silu-rope"] = lambda: forward_fused(
+                    W, kc, vc, cos, sin, st, lin=tgemv.linear,
+                    silu_mul_down=tgemv.silu_mul_linear, rope_attend=True)
                 variants["tgemv-all-rope"] = lambda: forward_tgemv_all(
                     W, kc, vc, cos, sin, st, tgemv, rope_attend=True)
                 variants["linears-tgemv"] = lambda: forward_linears(W, st, lin=tgemv.linear)
             bases = {"paged-fused": "paged-unfused", "fused-rope-attn": "paged-fused",
                      "fused-tgemv": "paged-fused",
                      "fused-tgemv-silu": "paged-fused", "fused-tgemv-all": "paged-fused",
-                     "tgemv-all-rope": "fused-tgemv-all"}
+                     "tgemv-silu-rope": "fused-tgemv-silu", "tgemv-all-rope": "fused-tgemv-all"}
             for name, fn in variants.items():
                 ms = replay_ms(fn)
                 fn()

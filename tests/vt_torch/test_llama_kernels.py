@@ -20,7 +20,10 @@ from vt.torch.llama import LlamaDecoder, resolve_kernels  # noqa: E402
 from _torch_util import (GEO, TINY, eager_greedy, generate, prompts, step_model,  # noqa: E402
                          tiny_llama)
 
-CONFIGS = {"llama": dataclasses.replace(TINY, qk_norm=False), "qwen3": TINY}
+# "llama-hd32": head_dim 32, where a one-row decode step runs RoPE, the KV write and
+# attention in one kernel (vt.torch.llama.ONE_KERNEL_MIN_HEAD_DIM).
+CONFIGS = {"llama": dataclasses.replace(TINY, qk_norm=False), "qwen3": TINY,
+           "llama-hd32": dataclasses.replace(TINY, qk_norm=False, head_dim=32)}
 
 
 def twin(module: LlamaDecoder, kernels: str, linear: str = "torch",
@@ -155,16 +158,33 @@ def test_triton_linear_wiring_computes_the_torch_step_on_cpu(sim_backend, arch):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("lens", [[5, 17, 1, GEO.max_context], [17]], ids=["rows", "one-row"])
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
-def test_vt_kernels_decode_step_equals_torch_on_cpu(sim_backend, arch):
+def test_vt_kernels_decode_step_equals_torch_on_cpu(sim_backend, arch, lens):
     """float32 on the CPU: logits within 1e-5, and the K and V written to the cache within
     1e-5 (layer 0 writes the same; later layers see attention summed in another order)."""
     ref = tiny_llama(sim_backend, cfg=CONFIGS[arch], kernels="torch")
-    got, want, fast = decode_both(ref, [5, 17, 1, GEO.max_context], seed=1)
+    got, want, fast = decode_both(ref, lens, seed=1)
     assert rel_err(got, want) < 1e-5
     torch.testing.assert_close(fast.k_cache, ref.k_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast.v_cache, ref.v_cache, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast.k_cache[0], ref.k_cache[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch,lens,want", [("llama-hd32", [17], True),
+                                             ("llama-hd32", [5, 17], False),
+                                             ("llama", [17], False), ("qwen3", [17], False)])
+def test_one_row_decode_runs_rope_cache_attention(sim_backend, monkeypatch, arch, lens, want):
+    """A one-row decode step with head_dim >= 32 and no qk_norm takes RoPE, the KV write and
+    attention as one call (rope_cache_decode_attention), once per layer; anything else not."""
+    from vt.torch import llama
+    calls = []
+    real = llama.rope_cache_decode_attention
+    monkeypatch.setattr(llama, "rope_cache_decode_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    ref = tiny_llama(sim_backend, cfg=CONFIGS[arch], kernels="torch")
+    decode_both(ref, lens, seed=1)
+    assert len(calls) == (ref.cfg.layers if want else 0)
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
@@ -238,16 +258,18 @@ def test_triton_step_within_bf16_of_the_torch_ops_on_cuda(arch, step, linear):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,linear", [(torch.float32, "torch"), (torch.float16, "torch"),
-                                          (torch.float16, "triton")])
-def test_triton_greedy_tokens_equal_dense_on_cuda(dtype, linear):
+@pytest.mark.parametrize("dtype,linear,arch,n", [
+    (torch.float32, "torch", "llama", 4), (torch.float16, "torch", "llama", 4),
+    (torch.float16, "triton", "llama", 4), (torch.float16, "triton", "llama-hd32", 1)])
+def test_triton_greedy_tokens_equal_dense_on_cuda(dtype, linear, arch, n):
     """float32 and float16 on CUDA: vt serving the Triton decoder (captured decode steps) gives
-    the dense torch decoder's eager greedy tokens."""
+    the dense torch decoder's eager greedy tokens; one prompt at head_dim 32 serves one-row
+    steps through rope_cache_decode_attention."""
     be = _cuda()
     try:
-        ref = tiny_llama(be, cfg=CONFIGS["llama"], dtype=dtype, kernels="torch")
+        ref = tiny_llama(be, cfg=CONFIGS[arch], dtype=dtype, kernels="torch")
         fast = twin(ref, "vt", linear)
-        ps = prompts(4, seed=5)
+        ps = prompts(n, seed=5)
         expect = [eager_greedy(ref, p, 8) for p in ps]
         assert [eager_greedy(fast, p, 8) for p in ps] == expect
         assert generate(be, step_model(be, fast), "ring", ps, 8) == expect

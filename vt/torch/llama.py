@@ -19,7 +19,8 @@ row and masks those at or beyond seq_lens (plain torch); "vt" runs
 vt.torch.paged_attention.paged_decode_attention (each row's live tokens only) and the fused
 ops of vt.torch.fused (rms_norm, add_rms_norm for each residual add and the norm after it,
 the next layer's or the final one, silu_mul, and rope_and_cache unless qk_norm, whose norm
-sits between the projection and RoPE); "auto" (the default) is "vt" on CUDA with a
+sits between the projection and RoPE; in a one-row step with head_dim >= 32, RoPE, the KV
+write and attention are one call, paged_attention.rope_cache_decode_attention); "auto" (the default) is "vt" on CUDA with a
 power-of-two head_dim (the Triton kernels' shape), else "torch". On the CPU "vt" computes the
 same in plain torch but reads seq_lens on the host, so a captured (fake-tensor) step refuses
 it.
@@ -60,6 +61,7 @@ from torch import nn
 from vt.step import KVGeometry
 from vt.torch import fused
 from vt.torch.attention import AttentionContext, attend, build_context
+from vt.torch.paged_attention import rope_cache_decode_attention
 from vt.torch.tensor_parallel import TensorParallel
 from vt.torch.views import TorchInputs
 from vt.validate import integer
@@ -108,6 +110,12 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+# rope_cache_decode_attention's Triton kernel rotates head_dim's halves as power-of-two tiles
+# of at least 16. It runs one-row decode steps only: in tools/decode_floor.py on an H100 it
+# saved 45-67 us a step at one row and cost 476-640 us at 16 and 32 rows.
+ONE_KERNEL_MIN_HEAD_DIM = 32
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
@@ -126,11 +134,18 @@ class Attention(nn.Module):
         T = x.shape[0]
         p = ctx.fused
         if p is not None and self.q_norm is None:
-            # RoPE and the paged KV write in one pass over the fused projection.
             qkv = matmul(x, self.qkv.weight, self.qkv.bias)
+            shape = dict(heads=heads, kv_heads=kv_heads, head_dim=hd)
+            if T == 1 and p.query_start_loc is None and hd >= ONE_KERNEL_MIN_HEAD_DIM:
+                # A one-row decode step: RoPE, the KV write and attention in one kernel.
+                out = rope_cache_decode_attention(
+                    qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache,
+                    ctx.slot_mapping, p.block_tables, p.seq_lens, block_size=p.block_size,
+                    **shape).reshape(T, -1)
+                return self.tp.row_parallel(self.o, out, matmul)
+            # RoPE and the paged KV write in one pass over the fused projection.
             q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table,
-                                     k_cache, v_cache, ctx.slot_mapping, heads=heads,
-                                     kv_heads=kv_heads, head_dim=hd)
+                                     k_cache, v_cache, ctx.slot_mapping, **shape)
             out = attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1)
             return self.tp.row_parallel(self.o, out, matmul)
         q, k, v = self.qkv(x).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
