@@ -8,7 +8,7 @@ through memory: its [BLOCK_N, BLOCK_K] weight tiles stream through a software pi
 (num_stages deep) and meet the [16, BLOCK_K] row tile (rows past S masked to zero) in a
 tensor-core dot. One row runs kernels of its own, a float32 reduction on the CUDA cores
 with a fixed shape (ONE_ROW, below, says why); block shapes for more rows are autotuned per
-(S, N, K) on the first call, which must come before any capture (a warm-up does it).
+(N, K) on the first call, which must come before any capture (a warm-up does it).
 Accumulation is float32; the output is rounded once to w's dtype, as torch's bf16 GEMM does.
 
 Two variants take the op before the projection into the kernel, so that it costs no launch
@@ -147,7 +147,10 @@ def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.conste
 
 
 _even_k = triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
-_gemv = triton.autotune(configs=_CONFIGS, key=["S", "N", "K", "SILU_MUL"])(_even_k(_gemv_kernel))
+# Keyed on the weight's shape, not on S: every S of 2..16 runs the same 16-row tile (rows past
+# S masked), so one tuning serves them all, and a server capturing several batch sizes tunes
+# each linear once.
+_gemv = triton.autotune(configs=_CONFIGS, key=["N", "K", "SILU_MUL"])(_even_k(_gemv_kernel))
 
 
 @triton.jit
@@ -206,7 +209,7 @@ def _residual(X, DELTA, rs, kk, stride_x, stride_d, mask, HAS_DELTA: tl.constexp
     return x
 
 
-@triton.autotune(configs=_CONFIGS, key=["S", "N", "K", "HAS_DELTA"])
+@triton.autotune(configs=_CONFIGS, key=["N", "K", "HAS_DELTA"])   # as _gemv: not on S
 @triton.jit
 def _norm_gemv(X, DELTA, NW, H, W, Y, S, N, K, stride_x, stride_d, stride_h, stride_w,
                stride_y, eps, ROWS: tl.constexpr, HAS_DELTA: tl.constexpr,
