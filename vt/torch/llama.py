@@ -20,10 +20,10 @@ vt.torch.paged_attention.paged_decode_attention (each row's live tokens only) an
 ops of vt.torch.fused (rms_norm, add_rms_norm for each residual add and the norm after it,
 the next layer's or the final one, silu_mul, and rope_and_cache unless qk_norm, whose norm
 sits between the projection and RoPE; in a one-row step with head_dim >= 32, RoPE, the KV
-write and attention are one call, paged_attention.rope_cache_decode_attention); "auto" (the default) is "vt" on CUDA with a
-power-of-two head_dim (the Triton kernels' shape), else "torch". On the CPU "vt" computes the
-same in plain torch but reads seq_lens on the host, so a captured (fake-tensor) step refuses
-it.
+write and attention are one call, paged_attention.rope_cache_decode_attention); "auto" (the
+default) is "vt" on CUDA with a power-of-two head_dim (the Triton kernels' shape), else
+"torch". On the CPU "vt" computes the same in plain torch but reads seq_lens on the host,
+so a captured (fake-tensor) step refuses it.
 
 `linear` picks what computes a decode step's projections on vt's kernels: "torch"
 (nn.Linear, cuBLAS on CUDA), "triton" (vt.torch.fused.linear: at most 16 rows in bf16/fp16
