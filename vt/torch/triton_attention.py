@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vt.torch import triton_pdl as pdl
+
 BLOCK_N = 32   # keys per tile: two vt blocks of 16
 NUM_WARPS = 4
 
@@ -51,7 +53,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
-        PRECISION=_precision(q.dtype), num_warps=NUM_WARPS)
+        PRECISION=_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_options(q.device))
     return _merge_spans(acc, stats, out, splits)
 
 
@@ -80,7 +82,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=_precision(qkv.dtype),
-        num_warps=NUM_WARPS)
+        num_warps=NUM_WARPS, **pdl.launch_options(qkv.device))
     return _merge_spans(acc, stats, out, splits)
 
 
@@ -107,7 +109,8 @@ def _merge_spans(acc, stats, out, splits: int):
     S, heads, head_dim = out.shape
     _merge[(S, heads)](acc, stats, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
-                       BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS)
+                       BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS,
+                       **pdl.launch_options(out.device))
     return out
 
 
@@ -188,7 +191,9 @@ def _varlen(Q, K, V, QSL, LENS, BT, OUT, stride_qt, stride_qh, stride_kt, stride
 def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, stride_kh,
            stride_vt, stride_vh, stride_bt, scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+           SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
@@ -223,9 +228,12 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, scale,
                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                PDL: tl.constexpr):
     # Each head_dim vector is handled as its two halves (what RoPE rotates together), so the
     # scores are two dots of HALF and the accumulator two [BLOCK_H, HALF] tiles.
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
@@ -340,7 +348,9 @@ def _softmax_weights(s, m, l):
 
 @triton.jit
 def _merge(ACC, STATS, OUT, stride_os, stride_oh, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-           BLOCK_P: tl.constexpr):
+           BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     n = tl.program_id(0)
     h = tl.program_id(1)
     heads = tl.num_programs(1)

@@ -8,6 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vt.torch import triton_pdl as pdl
+
 SILU_BLOCK = 1024
 
 
@@ -24,7 +26,7 @@ def rms_norm(x, delta, weight, eps: float):
                         x.stride(0), 0 if delta is None else delta.stride(0),
                         0 if h is None else h.stride(0), out.stride(0), hidden, eps,
                         HAS_DELTA=delta is not None, BLOCK=block,
-                        num_warps=max(1, min(16, block // 256)))
+                        num_warps=max(1, min(16, block // 256)), **pdl.launch_options(x.device))
     return h, out
 
 
@@ -44,7 +46,8 @@ def rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, *, 
             qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q,
             qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), q.stride(0), q.stride(1),
-            HEADS=heads, KV_HEADS=kv_heads, HALF=half, num_warps=1)
+            HEADS=heads, KV_HEADS=kv_heads, HALF=half, num_warps=1,
+            **pdl.launch_options(qkv.device))
     return q
 
 
@@ -57,16 +60,20 @@ def silu_mul(gate_up):
     if S:
         _silu_mul[(S, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, gate_up.stride(0),
                                                        out.stride(0), inter, BLOCK=SILU_BLOCK,
-                                                       num_warps=4)
+                                                       num_warps=4,
+                                                       **pdl.launch_options(gate_up.device))
     return out
 
 
 @triton.jit
 def _rms_norm(X, DELTA, W, H, OUT, stride_x, stride_d, stride_h, stride_o, N, eps,
-              HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+              HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < N
+    w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)   # a weight: before the wait
+    pdl.wait(PDL)
     x = tl.load(X + r * stride_x + c, mask=mask, other=0.0)
     if HAS_DELTA:
         # torch adds in the storage dtype: round the sum before the norm reads it
@@ -76,15 +83,16 @@ def _rms_norm(X, DELTA, W, H, OUT, stride_x, stride_d, stride_h, stride_o, N, ep
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + c, mask=mask, other=0.0).to(tl.float32)
     tl.store(OUT + r * stride_o + c, (w * normed).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_and_cache(QKV, POS, COS, SIN, KC, VC, SLOT, QOUT, stride_qkv, stride_cos, stride_kt,
                     stride_kh, stride_vt, stride_vh, stride_qs, stride_qh, HEADS: tl.constexpr,
-                    KV_HEADS: tl.constexpr, HALF: tl.constexpr):
+                    KV_HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
     # Program (r, h): q head h of row r for h < HEADS, else KV head h - HEADS (key and value).
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     d = tl.arange(0, HALF)
@@ -115,7 +123,9 @@ def _rope_and_cache(QKV, POS, COS, SIN, KC, VC, SLOT, QOUT, stride_qkv, stride_c
 
 
 @triton.jit
-def _silu_mul(GU, OUT, stride_g, stride_o, I, BLOCK: tl.constexpr):
+def _silu_mul(GU, OUT, stride_g, stride_o, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < I

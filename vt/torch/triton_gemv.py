@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vt.torch import triton_pdl as pdl
+
 MAX_ROWS = 16
 
 
@@ -79,13 +81,13 @@ def _launch(x, weight, K: int, silu_mul: bool):
         raise ValueError("triton_gemv: x and weight need a contiguous last dim")
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
     if S == 1:
-        _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](x, weight, y, N, K,
-                                                             weight.stride(0),
-                                                             SILU_MUL=silu_mul, **ONE_ROW)
+        _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](
+            x, weight, y, N, K, weight.stride(0), SILU_MUL=silu_mul, **ONE_ROW,
+            **pdl.launch_options(x.device))
     elif S:
         _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0), ROWS=MAX_ROWS,
-            SILU_MUL=silu_mul)
+            SILU_MUL=silu_mul, **pdl.launch_options(x.device))
     return y
 
 
@@ -121,7 +123,9 @@ def _silu_mul(gate, up):
 @triton.jit
 def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
                  SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr):
+                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, ROWS)
     rk = tl.arange(0, BLOCK_K)
@@ -171,30 +175,34 @@ def _row_cols(X, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _row_tile(X, wrow, nmask, kk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
-    """The weights' [BLOCK_N, BLOCK_K] tile at columns kk and the row's matching [BLOCK_K]."""
-    w = _weight_tile(wrow, nmask, kk, K, EVEN_K)
+def _row_input(X, kk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
+    """The row's [BLOCK_K] at columns kk: X's, or silu_mul's of the gate_up row at X."""
     x = _row_cols(X, kk, K, EVEN_K)
     if SILU_MUL:   # x is the gate; up sits K columns on
         x = _silu_mul(x, tl.load(X + K + kk, mask=kk < K, other=0.0))
-    return w, x
+    return x
 
 
 @_even_k
 @triton.jit
 def _gemv_one_row(X, W, Y, N, K, stride_w, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     """One row: each program's BLOCK_N weight rows against the row on the CUDA cores."""
+    pdl.launch_next(PDL)
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     nmask = rn[:, None] < N
     wrow = W + rn[:, None].to(tl.int64) * stride_w
     rk = tl.arange(0, BLOCK_K)
     # The first tile outside the loop, as tools/gemv_row_sweep.py timed the kernel (PRE_K =
     # BLOCK_K there); the form with every tile in the loop has not been timed on its own.
-    w, x = _row_tile(X, wrow, nmask, rk, K, SILU_MUL, EVEN_K)
+    # No kernel writes the weights, so with PDL their first tile loads before the wait.
+    w = _weight_tile(wrow, nmask, rk, K, EVEN_K)
+    pdl.wait(PDL)
+    x = _row_input(X, rk, K, SILU_MUL, EVEN_K)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        w, x = _row_tile(X, wrow, nmask, k0 + rk, K, SILU_MUL, EVEN_K)
+        w = _weight_tile(wrow, nmask, k0 + rk, K, EVEN_K)
+        x = _row_input(X, k0 + rk, K, SILU_MUL, EVEN_K)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=rn < N)
 

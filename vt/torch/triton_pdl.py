@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL) for vt's Triton kernels on Hopper and newer GPUs
+(imported only on CUDA: this module needs Triton).
+
+A kernel launched with PDL may start while the kernel before it on the stream still runs.
+Its programs become resident, load what no earlier kernel writes (weights), and then wait in
+griddepcontrol.wait until the kernel before has completed and its writes are visible. The
+kernel before lets the next one launch early with griddepcontrol.launch_dependents. A decode
+step of a few rows is ~290 short kernels in a row (8 a layer of the 8B shape); PDL hides the
+gap between one kernel's end and the next one's start, and the next one's first weight
+loads, behind the kernel before. A CUDA graph captures the launches as programmatic edges.
+
+Every kernel that takes PDL keeps two rules:
+- it calls wait(PDL) in every program before it loads anything an earlier kernel writes and
+  before any store: a store may land in memory that an earlier kernel still reads (torch's
+  allocator hands a freed buffer to the next op, in a capture too), and a kernel's wait
+  covers the kernels before the one it waits on only because that one waited too;
+- it calls launch_next(PDL), which lets the next kernel's programs become resident; the
+  next kernel still waits for this one's completion before it reads.
+A kernel launched without PDL (torch's ops, vt's sampler) waits for the whole of the kernel
+before it, as always, so the kernels around vt's need nothing.
+
+launch_options(device) is what a launch passes: PDL on a GPU of compute capability 9.0 or
+newer, unless VT_TRITON_PDL=0 in the environment (read once per process), which launches
+every kernel the ordinary way (for comparison, and to rule PDL out when bisecting).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENABLED = os.environ.get("VT_TRITON_PDL", "1") != "0"
+
+
+def launch_options(device: torch.device) -> dict:
+    """The PDL constexpr and launch option for a kernel launch on device (off but on CUDA:
+    Triton's CPU interpreter runs these kernels on CPU tensors in the tests)."""
+    if device.type != "cuda":
+        return {"PDL": False}
+    return _options(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _options(index: int) -> dict:
+    if ENABLED and torch.cuda.get_device_capability(index) >= (9, 0):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Wait until the kernel before has completed and its writes are visible (PDL only)."""
+    if PDL:
+        gdc_wait()
+
+
+@triton.jit
+def launch_next(PDL: tl.constexpr):
+    """Let the next kernel on the stream launch now (PDL only); it still waits for this one
+    before it reads."""
+    if PDL:
+        gdc_launch_dependents()
