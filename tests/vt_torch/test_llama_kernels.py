@@ -292,3 +292,45 @@ def test_vt_prompt_kernels_serve_the_dense_greedy_tokens_on_cuda():
         assert generate(be, model, "ring", ps, 8) == expect
     finally:
         be.close()
+
+
+@pytest.mark.gpu
+def test_one_row_step_with_pdl_equals_it_without_bit_for_bit_on_cuda(monkeypatch):
+    """bf16 on CUDA: a one-row decode step (head_dim 32: every kernel of it Triton's, each
+    launched with programmatic dependent launch) captured in a CUDA graph and replayed over
+    12 fresh steps (random cache, tables, token and position each) gives the logits and the
+    cache the same step launched without PDL gives, bit for bit: a kernel that read or wrote
+    before waiting on the one before would race."""
+    from vt.torch import triton_pdl
+    be = _cuda()
+    try:
+        if not triton_pdl.launch_options(torch.device("cuda"), 1)["PDL"]:
+            pytest.skip("PDL needs compute capability 9.0 (and VT_TRITON_PDL not 0)")
+        ref = tiny_llama(be, cfg=CONFIGS["llama-hd32"], dtype=torch.bfloat16, kernels="torch")
+        fast = twin(ref, "vt", "triton")
+        lens = [[1 + (97 * i) % GEO.max_context] for i in range(12)]
+        runs = []
+        for pdl in (True, False):
+            monkeypatch.setattr(triton_pdl, "ENABLED", pdl)
+            static = random_decode_step(fast, lens[0], seed=100)
+            out = torch.empty(1, fast.cfg.vocab, device="cuda")
+            fast(static, out)                                   # compiles, outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fast(static, out)
+            got = []
+            for i, step_lens in enumerate(lens):
+                step = random_decode_step(fast, step_lens, seed=i)   # also fills the cache
+                for f in dataclasses.fields(step):
+                    value = getattr(step, f.name)
+                    if isinstance(value, torch.Tensor):
+                        getattr(static, f.name).copy_(value)
+                graph.replay()
+                got.append((out.clone(), fast.k_cache.clone(), fast.v_cache.clone()))
+            del graph
+            runs.append(got)
+        for (logits, k, v), (logits0, k0, v0) in zip(*runs):
+            assert torch.isfinite(logits).all()
+            assert torch.equal(logits, logits0) and torch.equal(k, k0) and torch.equal(v, v0)
+    finally:
+        be.close()

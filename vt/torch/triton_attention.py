@@ -53,7 +53,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
-        PRECISION=_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_options(q.device))
+        PRECISION=_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_options(q.device, S))
     return _merge_spans(acc, stats, out, splits)
 
 
@@ -82,7 +82,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=_precision(qkv.dtype),
-        num_warps=NUM_WARPS, **pdl.launch_options(qkv.device))
+        num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
     return _merge_spans(acc, stats, out, splits)
 
 
@@ -110,7 +110,7 @@ def _merge_spans(acc, stats, out, splits: int):
     _merge[(S, heads)](acc, stats, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
                        BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS,
-                       **pdl.launch_options(out.device))
+                       **pdl.launch_options(out.device, S))
     return out
 
 

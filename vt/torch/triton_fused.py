@@ -26,7 +26,8 @@ def rms_norm(x, delta, weight, eps: float):
                         x.stride(0), 0 if delta is None else delta.stride(0),
                         0 if h is None else h.stride(0), out.stride(0), hidden, eps,
                         HAS_DELTA=delta is not None, BLOCK=block,
-                        num_warps=max(1, min(16, block // 256)), **pdl.launch_options(x.device))
+                        num_warps=max(1, min(16, block // 256)),
+                        **pdl.launch_options(x.device, S))
     return h, out
 
 
@@ -47,7 +48,7 @@ def rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, *, 
             qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), q.stride(0), q.stride(1),
             HEADS=heads, KV_HEADS=kv_heads, HALF=half, num_warps=1,
-            **pdl.launch_options(qkv.device))
+            **pdl.launch_options(qkv.device, S))
     return q
 
 
@@ -61,7 +62,7 @@ def silu_mul(gate_up):
         _silu_mul[(S, triton.cdiv(inter, SILU_BLOCK))](gate_up, out, gate_up.stride(0),
                                                        out.stride(0), inter, BLOCK=SILU_BLOCK,
                                                        num_warps=4,
-                                                       **pdl.launch_options(gate_up.device))
+                                                       **pdl.launch_options(gate_up.device, S))
     return out
 
 

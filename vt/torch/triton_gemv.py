@@ -83,11 +83,11 @@ def _launch(x, weight, K: int, silu_mul: bool):
     if S == 1:
         _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](
             x, weight, y, N, K, weight.stride(0), SILU_MUL=silu_mul, **ONE_ROW,
-            **pdl.launch_options(x.device))
+            **pdl.launch_options(x.device, S))
     elif S:
         _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0), ROWS=MAX_ROWS,
-            SILU_MUL=silu_mul, **pdl.launch_options(x.device))
+            SILU_MUL=silu_mul, **pdl.launch_options(x.device, S))
     return y
 
 

@@ -4,10 +4,11 @@
 A kernel launched with PDL may start while the kernel before it on the stream still runs.
 Its programs become resident, load what no earlier kernel writes (weights), and then wait in
 griddepcontrol.wait until the kernel before has completed and its writes are visible. The
-kernel before lets the next one launch early with griddepcontrol.launch_dependents. A decode
-step of a few rows is ~290 short kernels in a row (8 a layer of the 8B shape); PDL hides the
-gap between one kernel's end and the next one's start, and the next one's first weight
-loads, behind the kernel before. A CUDA graph captures the launches as programmatic edges.
+kernel before lets the next one launch early with griddepcontrol.launch_dependents. A one-row
+decode step is about 260 short kernels in a row (8 in each of the 8B shape's 32 layers, then
+the head); PDL hides the gap between one kernel's end and the next one's start, and the
+next one's first weight loads, behind the kernel before. A CUDA graph captures the launches
+as programmatic edges.
 
 Every kernel that takes PDL keeps two rules:
 - it calls wait(PDL) in every program before it loads anything an earlier kernel writes and
@@ -19,9 +20,14 @@ Every kernel that takes PDL keeps two rules:
 A kernel launched without PDL (torch's ops, vt's sampler) waits for the whole of the kernel
 before it, as always, so the kernels around vt's need nothing.
 
-launch_options(device) is what a launch passes: PDL on a GPU of compute capability 9.0 or
-newer, unless VT_TRITON_PDL=0 in the environment (read once per process), which launches
-every kernel the ordinary way (for comparison, and to rule PDL out when bisecting).
+launch_options(device, rows) is what a launch passes: PDL for a kernel of a one-row step
+(rows == 1) on a GPU of compute capability 9.0 or newer, unless VT_TRITON_PDL=0 in the
+environment (read once per process), which launches every kernel the ordinary way (for
+comparison, and to rule PDL out when bisecting). One row only, by measurement on an H100
+(docs/torch.md): the 8B shape's one-row step is 2.3 % faster with PDL, but its steps of 8
+and 32 rows were 10-16 % and 1.6 % slower with PDL on their kernels too (not broken down
+further; at 32 rows cuBLAS's projections take no PDL, so the small kernels between them
+alone made that step slower).
 """
 from __future__ import annotations
 
@@ -36,19 +42,18 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 ENABLED = os.environ.get("VT_TRITON_PDL", "1") != "0"
 
 
-def launch_options(device: torch.device) -> dict:
-    """The PDL constexpr and launch option for a kernel launch on device (off but on CUDA:
-    Triton's CPU interpreter runs these kernels on CPU tensors in the tests)."""
-    if device.type != "cuda":
-        return {"PDL": False}
-    return _options(device.index if device.index is not None else torch.cuda.current_device())
+def launch_options(device: torch.device, rows: int) -> dict:
+    """The PDL constexpr and launch option for a kernel of a rows-row step on device (off
+    but on CUDA: Triton's CPU interpreter runs these kernels on CPU tensors in the tests)."""
+    if (ENABLED and rows == 1 and device.type == "cuda" and _hopper_or_newer(
+            device.index if device.index is not None else torch.cuda.current_device())):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 @functools.lru_cache(maxsize=None)
-def _options(index: int) -> dict:
-    if ENABLED and torch.cuda.get_device_capability(index) >= (9, 0):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+def _hopper_or_newer(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
 
 
 @triton.jit
