@@ -134,6 +134,9 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              "the bundled model's logits do not depend on the batch, on cuda too"),
     Variable("VT_PREFILL_GRAPHS", _switch, True, _SWITCH,
              "the bundled model's prefill replays captured graphs (0: eager)"),
+    Variable("VT_TRITON_PDL", _switch, True, _SWITCH,
+             "vt.torch's Triton kernels over one row use programmatic dependent launch "
+             "on compute capability 9.0+ (0: ordinary launches)"),
     Variable("VT_INITCHECK", _switch, False, _SWITCH,
              "zero each GEMM output before cuBLAS writes it (for initcheck)"),
     Variable("VT_COMMIT", _label, None, "a label", "the commit `vt bench` records in its JSON"),

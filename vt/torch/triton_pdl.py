@@ -20,26 +20,27 @@ Every kernel that takes PDL keeps two rules:
 A kernel launched without PDL (torch's ops, vt's sampler) waits for the whole of the kernel
 before it, as always, so the kernels around vt's need nothing.
 
-launch_options(device, rows) is what a launch passes: PDL for a kernel of a one-row step
-(rows == 1) on a GPU of compute capability 9.0 or newer, unless VT_TRITON_PDL=0 in the
-environment (read once per process), which launches every kernel the ordinary way (for
-comparison, and to rule PDL out when bisecting). One row only, by measurement on an H100
-(docs/torch.md): the 8B shape's one-row step is 2.3 % faster with PDL, but its steps of 8
-and 32 rows were 10-16 % and 1.6 % slower with PDL on their kernels too (not broken down
+launch_options(device, rows) is what a launch passes: PDL for a kernel over one row (every
+kernel of a one-row decode step) on a GPU of compute capability 9.0 or newer, unless
+VT_TRITON_PDL=0 in the environment (read when this module is imported), which launches every
+kernel the ordinary way (for comparison, and to rule PDL out when bisecting). One row only,
+by measurement on an H100 (docs/torch.md): the 8B shape's one-row step is 2.3 % faster with
+PDL, but its steps of 8 and 32 rows were 10-16 % and 1.6 % slower with PDL on their kernels too (not broken down
 further; at 32 rows cuBLAS's projections take no PDL, so the small kernels between them
 alone made that step slower).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-ENABLED = os.environ.get("VT_TRITON_PDL", "1") != "0"
+from vt import env
+
+ENABLED: bool = env.get("VT_TRITON_PDL")
 
 
 def launch_options(device: torch.device, rows: int) -> dict:
