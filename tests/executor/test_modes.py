@@ -108,6 +108,26 @@ def test_mixed_steps_replay_the_decode_graph(backend, mode):
     assert mismatches(eager, mixed) == 0
 
 
+@pytest.mark.parametrize("budgets", [[6, 7], [7, 8]], ids=["full-in-slot-0", "full-in-slot-1"])
+def test_the_ceiling_replays_the_fullest_of_the_sizes_last_steps(backend, budgets):
+    """Two prompts of one length whose budgets differ by one: their last decode step carries
+    one row, the step before it both, and the ring puts the two in different slots (size 2
+    only, so one row pads to 2; which slot gets which follows the budgets' parity).
+    Engine.device_ceiling_us(2) replays the slot whose last step had both rows, and leaves
+    each slot's record of its last step as it was."""
+    toy = ToyForward(backend, vocab=VOCAB)
+    config = ExecutorConfig(serving_conc=2, mode="ring", capture_sizes=(2,))
+    with Engine(backend, toy.step_model(), config) as eng:
+        eng.generate([[1, 2, 3], [4, 5, 6]], max_new_tokens=budgets)
+        slots = eng.runner.driver.rings[2].slots
+        assert sorted(s.last_rows for s in slots) == [1, 2]
+        before = {s.index: (s.output.generation, s.last_rows, s.last_index) for s in slots}
+        assert eng.device_ceiling_us(2, replays=3) > 0
+        replayed = [s for s in slots if s.output.generation != before[s.index][0]]
+        assert [s.last_rows for s in replayed] == [2]
+        assert all((s.last_rows, s.last_index) == before[s.index][1:] for s in slots)
+
+
 def test_oversize_batch_falls_back_to_eager(backend):
     """Batches above the largest captured size run eagerly, with the same results."""
     prompts, budgets = workload(12, seed=7)

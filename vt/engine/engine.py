@@ -213,8 +213,9 @@ class Engine:
 
     def device_ceiling_us(self, n: int, replays: int = 200) -> float:
         """µs per replay of the captured decode graph for n rows, back to back with no host
-        work: the device-bound ceiling of a decode step. It replays the last real step of
-        that size (all padding if none ran yet). Call it while the engine is idle."""
+        work: the device-bound ceiling of a decode step. It replays the fullest of that
+        size's last steps (one a ring slot; all padding if none ran yet). Call it while the
+        engine is idle."""
         self._loop.check_open()
         with driving(self._model_key, "Engine.device_ceiling_us()"):
             return self.runner.ceiling_us(n, replays)

@@ -85,24 +85,32 @@ class DecodeGraphDriver:
 
     def ceiling_us(self, n: int, replays: int) -> float:
         """µs per replay of the decode graph for n rows, back to back with no host work, timed
-        with events. It replays the slot's last real step (the longest context it served, so
-        the attention is as long as the run's last step); a slot that never ran gets an
-        all-padding block (writes only scratch). Between steps only (it waits for the
-        stream first): it rewrites the KV entries and token-table rows of finished
-        requests, which a new request's prefill overwrites before reading."""
+        with events. It replays ceiling_slot(n)'s last real step (the fullest of the size's
+        last steps, its attention as long as that step's); a size that never ran gets an
+        all-padding block (writes only scratch). Between steps only (it waits for the stream
+        first): it rewrites the KV entries and token-table rows of finished requests, which a
+        new request's prefill overwrites before reading."""
         self._check_open()
-        size = self.padded_size(n)
-        if size is None:
-            raise ValueError(f"no captured graph serves {n} rows (sizes {self.sizes})")
-        slot = self.rings[size].slots[0]
+        slot = self.ceiling_slot(n)
         self.stream.synchronize()
         if slot.last_index < 0:
             slot.write_padding()
-        index = slot.last_index   # the replays repeat that step: the slot's state stays its
-        ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, size, index), replays,
-                      1, warmup=1)
+        # the replays repeat that step, so the slot's record (index, rows) stays that step's
+        index, rows = slot.last_index, slot.last_rows
+        ms = timed_ms(self.be, self.stream, lambda: slot.launch(self.stream, rows, index),
+                      replays, 1, warmup=1)
         slot.collected(index)     # timed_ms waited for every replay
         return ms * 1e3
+
+    def ceiling_slot(self, n: int) -> SizeSlot:
+        """The slot ceiling_us(n) replays: of the padded size's ring, the slot whose last step
+        had the most real rows (the later step on a tie). Each slot keeps its own last step's
+        inputs, and a run's very last step may carry fewer rows than the one before it (its
+        requests need not all end on one step)."""
+        size = self.padded_size(n)
+        if size is None:
+            raise ValueError(f"no captured graph serves {n} rows (sizes {self.sizes})")
+        return max(self.rings[size].slots, key=lambda s: (s.last_rows, s.last_index))
 
     def close(self) -> None:
         """Graphs and events first, then the buffers (dropped to the pool)."""

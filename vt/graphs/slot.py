@@ -42,6 +42,7 @@ class SizeSlot:
         # then needs no event query at all (with k slots that is the usual case).
         self.idle = True
         self.last_index = -1   # the runner's index of the last step launched on this slot
+        self.last_rows = 0     # that step's real rows (the rest of the block is padding)
 
     def wait_reusable(self, poll_s: float = 0.0) -> float:
         """Block until the device no longer reads the host block; seconds waited (0: free)."""
@@ -64,7 +65,7 @@ class SizeSlot:
         tokens are in out_host (graph mode: the graph's last node records it; staged: recorded
         after the copies). The returned view is valid until this graph's next launch."""
         be = self.be
-        self.idle, self.last_index = False, index
+        self.idle, self.last_index, self.last_rows = False, index, n
         if self.staged:
             self.host.copy_to(be, self.device, stream)
             self.staged_read.record(stream)

@@ -14,12 +14,14 @@ decoder of geometry max_context --max-context:
 - vt TPOT: S requests with prompts of L - steps/2 tokens submitted together, --steps + 1 new
   tokens each, so that the mean live context of the timed steps is L. Prompts are prefilled
   in chunks of --prefill-chunk tokens while the first rows decode, and the earlier requests
-  get as many more tokens as they start steps earlier, so that all end on one step. The time
+  get as many more tokens as they start steps earlier, so that most end on one step (where a
+  first token comes a step later than the count assumes, that request ends a step later).
+  The time
   per output token counts only the steps every row runs (from the last first token to the
   first last token): per request, time over its tokens in that window, the median over the
   requests, then the median over --repeats;
 - ceiling: the same captured graph of S rows replayed back to back (Engine.device_ceiling_us:
-  the run's last step, a full one at the longest context);
+  the fullest of the size's last steps, one a ring slot, at about the longest context);
 - graph loop: the same module in the hand-written depth-2 torch.cuda.CUDAGraph loop of
   `vt bench --workload torch` (torch_workload.TorchLlamaPeer, argmax as its sampler), timed
   over the same positions. Its cache holds no prompt (a decode step's cost does not depend on
@@ -182,8 +184,10 @@ def _decode_tpot(eng, prompts, steps: int, chunk: int) -> float:
 def staggered_budgets(n: int, prompt_len: int, chunk: int, steps: int) -> list[int]:
     """New tokens per request so that all n end on the same step: prompts prefill in
     submission order, `chunk` tokens a step, so request i's first token comes at step
-    ((i + 1) * prompt_len - 1) // chunk; the earlier ones decode the more. The last step is
-    then a full one, the step Engine.device_ceiling_us replays."""
+    ((i + 1) * prompt_len - 1) // chunk; the earlier ones decode the more. A request whose
+    first token comes a step later than that ends a step after the rest, and the run's last
+    step then carries only such requests: Engine.device_ceiling_us replays the fullest of the
+    last steps."""
     first = [((i + 1) * prompt_len - 1) // chunk for i in range(n)]
     return [steps + 1 + first[-1] - f for f in first]
 
