@@ -21,6 +21,8 @@ device-to-device copy (bytes read + written over time) and an eager read
                   (the decoder's one-row decode step)
   tgemv-all-rope  fused-tgemv-all with RoPE and the KV write inside the attention kernel
   linears-*       the step's linear layers alone (cuBLAS; tgemv: the Triton linear)
+vt's Triton kernels over one row are launched with programmatic dependent launch on
+Hopper and newer (vt.torch.triton_pdl); VT_TRITON_PDL=0 times them launched the ordinary way.
 --gemms: each linear's achieved weight bytes/s at S = 1, 8, 32 (a graph of 20 calls over
 copies of the weight that L2 cannot hold), as a fraction of the floor rate.
 This is evidence for wiring the kernels into vt.torch.llama; it does not go through vt
