@@ -87,7 +87,7 @@ def _launch(x, weight, K: int, silu_mul: bool):
     elif S:
         _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0), ROWS=MAX_ROWS,
-            SILU_MUL=silu_mul, **pdl.launch_options(x.device, S))
+            SILU_MUL=silu_mul)
     return y
 
 
@@ -123,9 +123,7 @@ def _silu_mul(gate, up):
 @triton.jit
 def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
                  SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    pdl.launch_next(PDL)
-    pdl.wait(PDL)
+                 EVEN_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, ROWS)
     rk = tl.arange(0, BLOCK_K)
