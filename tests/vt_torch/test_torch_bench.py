@@ -140,6 +140,30 @@ def test_staggered_budgets_end_every_request_on_one_step():
     assert staggered_budgets(3, 4, 100, 8) == [9, 9, 9]
 
 
+@pytest.mark.parametrize("mode", ["drain", "ring"])
+def test_staggered_run_ends_every_request_on_one_full_step(sim_backend, mode):
+    """torch_decode's workload on the sim: 8 prompts of 12 tokens prefilled in chunks of 8
+    while the first ones decode. Every request's last token comes from one step, and the
+    ring of 8 rows holds that step with all 8 (the step Engine.device_ceiling_us replays)."""
+    import dataclasses
+    from vt.cli.bench.torch_decode import staggered_run
+    from vt.cli.bench.torch_ttft import seeded_prompts
+    from vt.engine import Engine
+    from vt.knobs import ExecutorConfig
+    from vt.step import KVGeometry
+    from vt.torch import TorchForwardModel
+    from _torch_util import TINY, tiny_llama
+    geo = KVGeometry(max_seqs=8, num_kv_blocks=8 * 8 + 1, block_size=4, max_context=32)
+    cfg = dataclasses.replace(TINY, qk_norm=False)
+    model = TorchForwardModel(sim_backend, tiny_llama(sim_backend, cfg=cfg, geometry=geo),
+                              vocab=cfg.vocab, geometry=geo, prefill="flat")
+    config = ExecutorConfig.for_mode(mode, serving_conc=8, capture_sizes=(1, 8))
+    with Engine(sim_backend, model, config, max_prefill_tokens=8) as eng:
+        times = staggered_run(eng, seeded_prompts(cfg.vocab, 8, 12, 7), 6, 8)
+        assert len({t[-1] for t in times}) == 1
+        assert eng.runner.driver.ceiling_slot(8).last_rows == 8
+
+
 def test_the_decode_floor_tool_refuses_a_live_context_past_max_context(capsys):
     from vt.cli.bench import torch_decode
     with pytest.raises(SystemExit):

@@ -14,14 +14,13 @@ decoder of geometry max_context --max-context:
 - vt TPOT: S requests with prompts of L - steps/2 tokens submitted together, --steps + 1 new
   tokens each, so that the mean live context of the timed steps is L. Prompts are prefilled
   in chunks of --prefill-chunk tokens while the first rows decode, and the earlier requests
-  get as many more tokens as they start steps earlier, so that most end on one step (where a
-  first token comes a step later than the count assumes, that request ends a step later).
-  The time
+  get as many more tokens as they start steps earlier, so that all end on one step. The time
   per output token counts only the steps every row runs (from the last first token to the
   first last token): per request, time over its tokens in that window, the median over the
   requests, then the median over --repeats;
 - ceiling: the same captured graph of S rows replayed back to back (Engine.device_ceiling_us:
-  the fullest of the size's last steps, one a ring slot, at about the longest context);
+  the fullest of the size's last steps, which is the run's last, full step at the longest
+  context);
 - graph loop: the same module in the hand-written depth-2 torch.cuda.CUDAGraph loop of
   `vt bench --workload torch` (torch_workload.TorchLlamaPeer, argmax as its sampler), timed
   over the same positions. Its cache holds no prompt (a decode step's cost does not depend on
@@ -164,11 +163,17 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
                       + f" ({time.perf_counter() - tc:.1f} s)", flush=True)
 
 
+def staggered_run(eng, prompts, steps: int, chunk: int) -> list:
+    """Every prompt with its staggered budget, enqueued at once (Engine.generate: submitted
+    one by one, the first requests would be planned alone while the others arrive, and end
+    steps apart); each request's token_times."""
+    budgets = staggered_budgets(len(prompts), len(prompts[0]), chunk, steps)
+    return [r.token_times for r in eng.generate(prompts, max_new_tokens=budgets)]
+
+
 def _decode_tpot(eng, prompts, steps: int, chunk: int) -> float:
     """Seconds per pure decode step of len(prompts) rows (the module docstring)."""
-    budgets = staggered_budgets(len(prompts), len(prompts[0]), chunk, steps)
-    handles = [eng.submit(p, max_new_tokens=n) for p, n in zip(prompts, budgets)]
-    times = [h.result().token_times for h in handles]
+    times = staggered_run(eng, prompts, steps, chunk)
     # Only the steps that every row runs: from the last first token to the first last token.
     start, end = max(t[0] for t in times), min(t[-1] for t in times)
     per = []
@@ -184,10 +189,9 @@ def _decode_tpot(eng, prompts, steps: int, chunk: int) -> float:
 def staggered_budgets(n: int, prompt_len: int, chunk: int, steps: int) -> list[int]:
     """New tokens per request so that all n end on the same step: prompts prefill in
     submission order, `chunk` tokens a step, so request i's first token comes at step
-    ((i + 1) * prompt_len - 1) // chunk; the earlier ones decode the more. A request whose
-    first token comes a step later than that ends a step after the rest, and the run's last
-    step then carries only such requests: Engine.device_ceiling_us replays the fullest of the
-    last steps."""
+    ((i + 1) * prompt_len - 1) // chunk when all are enqueued together (staggered_run); the
+    earlier ones decode the more. The last step is then a full one, which
+    Engine.device_ceiling_us replays."""
     first = [((i + 1) * prompt_len - 1) // chunk for i in range(n)]
     return [steps + 1 + first[-1] - f for f in first]
 
