@@ -179,8 +179,8 @@ BAD = {   # every registered variable: values it must refuse
     "VT_CAPTURE_SIZES": ["", "1,x", "0,2", "1,,2"],
     "VT_WAIT_POLL_US": ["nan", "-1", "1e6", "fast"], "VT_POOL_DEBUG": ["yes"],
     "VT_BATCH_INVARIANT": ["yes", "2"], "VT_PREFILL_GRAPHS": ["2", "yes", "off"],
-    "VT_INITCHECK": ["true"], "VT_TRITON_PDL": ["on", "2"], "VT_COMMIT": ["", "a\tb"], "VT_SLOW": ["yes"],
-    "VT_FUZZ_SHRINK": ["2"],
+    "VT_INITCHECK": ["true"], "VT_TRITON_PDL": ["on", "2"], "VT_COMMIT": ["", "a\tb"],
+    "VT_SLOW": ["yes"], "VT_FUZZ_SHRINK": ["2"],
 }
 
 

@@ -130,9 +130,16 @@ def _silu_mul(GU, OUT, stride_g, stride_o, I, BLOCK: tl.constexpr, PDL: tl.const
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = c < I
-    gate = tl.load(GU + r * stride_g + c, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(GU + r * stride_g + c, mask=mask, other=0.0)
     up = tl.load(GU + r * stride_g + I + c, mask=mask, other=0.0)
-    # torch's silu returns the storage dtype: round it before the product, as torch does
-    act = (gate / (1.0 + tl.exp(-gate))).to(up.dtype).to(tl.float32)
-    tl.store(OUT + r * stride_o + c, (act * up.to(tl.float32)).to(OUT.dtype.element_ty),
-             mask=mask)
+    tl.store(OUT + r * stride_o + c, silu_times(gate, up), mask=mask)
+
+
+@triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in up's dtype, rounded where torch rounds: silu returns the storage
+    dtype, so its result is rounded before the product (vt.torch.fused.silu_mul's plain-torch
+    form). Also the SiLU product vt.torch.triton_gemv takes into its down projection."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
+    return (act * up.to(tl.float32)).to(up.dtype)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from vt.torch import triton_pdl as pdl
+from vt.torch.triton_fused import silu_times
 
 MAX_ROWS = 16
 
@@ -112,15 +113,6 @@ ONE_ROW_NORM = dict(BLOCK_N=16, BLOCK_K=512, num_warps=4, num_stages=3)
 
 
 @triton.jit
-def _silu_mul(gate, up):
-    """silu(gate) * up in up's dtype, rounded where torch rounds: silu's result, then the
-    product (vt.torch.fused.silu_mul's roundings)."""
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
-    return (act * up.to(tl.float32)).to(up.dtype)
-
-
-@triton.jit
 def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
                  SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr):
@@ -140,7 +132,7 @@ def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.conste
             w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
         x = tl.load(x_ptr, mask=x_mask, other=0.0)
         if SILU_MUL:   # x is the gate; up sits K columns on
-            x = _silu_mul(x, tl.load(x_ptr + K, mask=x_mask, other=0.0))
+            x = silu_times(x, tl.load(x_ptr + K, mask=x_mask, other=0.0))
         acc += tl.dot(x.to(w.dtype), tl.trans(w))
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
@@ -177,7 +169,7 @@ def _row_input(X, kk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
     """The row's [BLOCK_K] at columns kk: X's, or silu_mul's of the gate_up row at X."""
     x = _row_cols(X, kk, K, EVEN_K)
     if SILU_MUL:   # x is the gate; up sits K columns on
-        x = _silu_mul(x, tl.load(X + K + kk, mask=kk < K, other=0.0))
+        x = silu_times(x, tl.load(X + K + kk, mask=kk < K, other=0.0))
     return x
 
 

@@ -25,9 +25,9 @@ kernel of a one-row decode step) on a GPU of compute capability 9.0 or newer, un
 VT_TRITON_PDL=0 in the environment (read when this module is imported), which launches every
 kernel the ordinary way (for comparison, and to rule PDL out when bisecting). One row only,
 by measurement on an H100 (docs/torch.md): the 8B shape's one-row step is 2.3 % faster with
-PDL, but its steps of 8 and 32 rows were 10-16 % and 1.6 % slower with PDL on their kernels too (not broken down
-further; at 32 rows cuBLAS's projections take no PDL, so the small kernels between them
-alone made that step slower).
+PDL, but its steps of 8 and 32 rows were 10-16 % and 1.6 % slower with PDL on their kernels
+too (not broken down further; at 32 rows cuBLAS's projections take no PDL, so the small
+kernels between them alone made that step slower).
 """
 from __future__ import annotations
 
