@@ -18,7 +18,8 @@ device-to-device copy (bytes read + written over time) and an eager read
   fused-tgemv-silu  and its down projection with silu_mul computed as it reads (one kernel)
   fused-tgemv-all   and the residual add + RMSNorm inside qkv's and gate_up's kernels too
   tgemv-silu-rope fused-tgemv-silu with RoPE and the KV write inside the attention kernel
-                  (the decoder's one-row decode step)
+  tgemv-glu-rope  tgemv-silu-rope with the SiLU product in gate_up's kernel instead of down's
+                  (linear_silu_mul; one row only): the decoder's one-row decode step
   tgemv-all-rope  fused-tgemv-all with RoPE and the KV write inside the attention kernel
   linears-*       the step's linear layers alone (cuBLAS; tgemv: the Triton linear)
 vt's Triton kernels over one row are launched with programmatic dependent launch on
@@ -123,7 +124,9 @@ def attend_layer(qkv, k_cache, v_cache, cos, sin, st: Step, rope_attend: bool):
 
 
 def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear, silu_mul_down=None,
-                  rope_attend: bool = False):
+                  rope_attend: bool = False, gate_up_silu_mul=None):
+    """The paged, fused step. silu_mul_down: the SiLU product inside the down projection;
+    gate_up_silu_mul: inside the gate_up projection (None, both: fused.silu_mul between)."""
     S = st.ids.shape[0]
     x = W["embed"][st.ids]
     layers = W["layers"]
@@ -132,7 +135,9 @@ def forward_fused(W, kc, vc, cos, sin, st: Step, lin=F.linear, silu_mul_down=Non
         qkv = lin(h, L["qkv"])
         a = attend_layer(qkv, kc[i], vc[i], cos, sin, st, rope_attend)
         x, h = fused.add_rms_norm(x, lin(a.view(S, -1), L["o"]), L["mlp_norm"], EPS)
-        if silu_mul_down is None:
+        if gate_up_silu_mul is not None:
+            d = lin(gate_up_silu_mul(h, L["gate_up"]), L["down"])
+        elif silu_mul_down is None:
             d = lin(fused.silu_mul(lin(h, L["gate_up"])), L["down"])
         else:
             d = silu_mul_down(lin(h, L["gate_up"]), L["down"])
@@ -296,13 +301,18 @@ def main():
                 variants["tgemv-silu-rope"] = lambda: forward_fused(
                     W, kc, vc, cos, sin, st, lin=tgemv.linear,
                     silu_mul_down=tgemv.silu_mul_linear, rope_attend=True)
+                if S == 1:
+                    variants["tgemv-glu-rope"] = lambda: forward_fused(
+                        W, kc, vc, cos, sin, st, lin=tgemv.linear,
+                        gate_up_silu_mul=tgemv.linear_silu_mul, rope_attend=True)
                 variants["tgemv-all-rope"] = lambda: forward_tgemv_all(
                     W, kc, vc, cos, sin, st, tgemv, rope_attend=True)
                 variants["linears-tgemv"] = lambda: forward_linears(W, st, lin=tgemv.linear)
             bases = {"paged-fused": "paged-unfused", "fused-rope-attn": "paged-fused",
                      "fused-tgemv": "paged-fused",
                      "fused-tgemv-silu": "paged-fused", "fused-tgemv-all": "paged-fused",
-                     "tgemv-silu-rope": "fused-tgemv-silu", "tgemv-all-rope": "fused-tgemv-all"}
+                     "tgemv-silu-rope": "fused-tgemv-silu", "tgemv-glu-rope": "tgemv-silu-rope",
+                     "tgemv-all-rope": "fused-tgemv-all"}
             for name, fn in variants.items():
                 ms = replay_ms(fn)
                 fn()

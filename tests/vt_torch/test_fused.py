@@ -69,13 +69,17 @@ def test_silu_mul_matches_float64():
 
 
 def test_linear_and_silu_mul_linear_match_float64():
-    """The CPU forms (F.linear; silu_mul then F.linear), the bias added."""
+    """The CPU forms (F.linear; silu_mul then F.linear; F.linear then silu_mul), the bias
+    added."""
     x, gu = torch.randn(3, 40), torch.randn(3, 2 * 40)
     w, b = torch.randn(24, 40), torch.randn(24)
     g, u = gu.double().chunk(2, dim=-1)
     assert rel_err(fused.linear(x, w, b), x.double() @ w.double().T + b.double()) < 1e-6
     assert rel_err(fused.silu_mul_linear(gu, w, b),
                    (g * torch.sigmoid(g) * u) @ w.double().T + b.double()) < 1e-5
+    w2, b2 = torch.randn(2 * 24, 40), torch.randn(2 * 24)
+    g, u = (x.double() @ w2.double().T + b2.double()).chunk(2, dim=-1)
+    assert rel_err(fused.linear_silu_mul(x, w2, b2), g * torch.sigmoid(g) * u) < 1e-5
 
 
 @pytest.mark.parametrize("call,match", [

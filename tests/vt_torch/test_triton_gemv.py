@@ -73,6 +73,30 @@ def test_add_rms_norm_linear_matches_the_fused_ops_then_float64(S, with_delta):
     check_norm_linear(x, delta, nw, w, tol=1e-2)
 
 
+def check_linear_silu_mul(x, w, tol):
+    """triton_gemv.linear_silu_mul(x, w): bit for bit silu_mul of the one-row linear (the
+    same tile sums, the same roundings), and within tol of float64 of fused.silu_mul's
+    roundings."""
+    from vt.torch import fused, triton_gemv
+    y = triton_gemv.linear_silu_mul(x, w)
+    gate_up = triton_gemv.linear(x, w)
+    assert y.shape == (1, w.shape[0] // 2) and y.dtype == w.dtype
+    assert torch.equal(y, fused.silu_mul(gate_up))
+    g, u = (x.double() @ w.double().T).chunk(2, dim=-1)
+    assert rel_err(y, g * torch.sigmoid(g) * u) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("I,K", [(14336, 4096), (77, 1000)])
+def test_linear_silu_mul_is_silu_mul_of_the_linear(I, K):
+    """The 8B shape's gate_up, and an intermediate and K that fill no block evenly."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(2 * I, K, device="cuda", dtype=torch.bfloat16) * K ** -0.5
+    check_linear_silu_mul(x, w, tol=1e-2)
+
+
 @pytest.mark.gpu
 def test_triton_linear_refuses_more_rows_than_it_holds():
     if not torch.cuda.is_available():
@@ -87,8 +111,9 @@ def test_triton_linear_refuses_more_rows_than_it_holds():
                     reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("N,K", [(77, 1000), (40, 1536)])
 def test_one_row_kernel_in_the_interpreter(N, K):
-    """linear and silu_mul_linear at one row, fp16 (the interpreter's bf16 rounding is not
-    torch's), against float64 of the same inputs: K = 1000 leaves the last K tile partial."""
+    """linear, silu_mul_linear and linear_silu_mul at one row, fp16 (the interpreter's bf16
+    rounding is not torch's), against float64 of the same inputs: K = 1000 leaves the last K
+    tile partial."""
     pytest.importorskip("triton", reason="the kernel needs Triton")
     from vt.torch import fused, triton_gemv
     x = torch.randn(1, K, dtype=torch.float16)
@@ -97,6 +122,7 @@ def test_one_row_kernel_in_the_interpreter(N, K):
     assert rel_err(triton_gemv.linear(x, w), x.double() @ w.double().T) < 2e-3
     assert rel_err(triton_gemv.silu_mul_linear(gate_up, w),
                    fused.silu_mul(gate_up).double() @ w.double().T) < 2e-3
+    check_linear_silu_mul(x, (torch.randn(2 * N, K) * K ** -0.5).to(torch.float16), tol=2e-3)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -10,6 +10,8 @@ kernel rounds it there too), so a fused step stays within float32 rounding of th
     silu_mul(gate_up)                     silu(gate) * up of the fused [gate | up] rows
     linear(x, weight, bias)               F.linear; on CUDA at <= 16 rows of bf16/fp16, one
                                           vt.torch.triton_gemv kernel (the bias added after)
+    linear_silu_mul(x, weight, bias)      silu_mul(linear(x, weight, bias)); on CUDA at one
+                                          row without bias, one kernel
     silu_mul_linear(gate_up, weight, bias)  linear(silu_mul(gate_up), weight, bias); on CUDA
                                           at one row, one kernel
 
@@ -95,6 +97,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = _gemv().linear(x, weight)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu_mul(linear(x, weight, bias)): the MLP's gate_up projection ([gate | up] rows) and
+    its activation, [S, intermediate]. On CUDA one row in weight's dtype (bf16 or fp16)
+    without bias is one kernel (triton_gemv.linear_silu_mul: the activation in the
+    projection's epilogue, bit for bit the two ops); anything else is the two ops."""
+    if _gemv_fits(x, weight) and x.shape[0] == 1 and bias is None:
+        return _gemv().linear_silu_mul(x, weight)
+    return silu_mul(linear(x, weight, bias))
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,

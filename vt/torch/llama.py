@@ -174,10 +174,11 @@ class MLP(nn.Module):
 
     def forward(self, x, fused_ops: bool = False, matmul=F.linear):
         """fused_ops: vt's SiLU-product kernel; with the Triton linears as the step's matmul
-        (LlamaDecoder.step_matmul), the SiLU product inside the down projection's kernel."""
+        (LlamaDecoder.step_matmul), the SiLU product inside the gate_up projection's kernel
+        at one row."""
         if fused_ops and matmul is fused.linear:
-            gate_up = matmul(x, self.gate_up.weight, self.gate_up.bias)
-            return self.tp.row_parallel(self.down, gate_up, fused.silu_mul_linear)
+            act = fused.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias)
+            return self.tp.row_parallel(self.down, act, matmul)
         if fused_ops:
             return self.tp.row_parallel(self.down, fused.silu_mul(self.gate_up(x)))
         gate, up = self.gate_up(x).chunk(2, dim=-1)

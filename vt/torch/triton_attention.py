@@ -6,8 +6,10 @@ tokens (spans of whole BLOCK_N tiles, bounds from seq_lens on the device) for th
 query heads of KV head g, so each K/V row is read once for all its heads (no per-head copy):
 the group's queries are the rows of one [BLOCK_H, head_dim] tile, padded to the 16 rows a
 tensor-core dot needs. It keeps an online softmax and writes the span's unnormalized
-accumulator, running max and sum (float32) to the workspace; an empty span writes max -inf.
-_merge: grid (rows, heads): rescales the spans to their common max and divides by the sum.
+accumulator, running max and sum (float32) to the workspace; a span past the row's tokens
+(at 256 live tokens, 56 of the 64 spans a one-row step of the 8B shape has) writes nothing.
+_merge: grid (rows, heads): reads the spans that hold tokens, rescales them to their common
+max and divides by the sum.
 
 _rope_split: _split that starts from the fused q/k/v projection of a decode step (vt.torch.
 paged_attention.rope_cache_decode_attention): each program rotates its group's queries and
@@ -54,7 +56,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
         PRECISION=_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_options(q.device, S))
-    return _merge_spans(acc, stats, out, splits)
+    return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
 def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -83,7 +85,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=_precision(qkv.dtype),
         num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
-    return _merge_spans(acc, stats, out, splits)
+    return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
 def _check_layout(name: str, q, k_cache, v_cache) -> None:
@@ -105,12 +107,12 @@ def _span_buffers(S, heads, head_dim, splits, dtype, device):
     return acc, stats, torch.empty(S, heads, head_dim, dtype=dtype, device=device)
 
 
-def _merge_spans(acc, stats, out, splits: int):
+def _merge_spans(acc, stats, seq_lens, out, splits: int):
     S, heads, head_dim = out.shape
-    _merge[(S, heads)](acc, stats, out, out.stride(0), out.stride(1),
+    _merge[(S, heads)](acc, stats, seq_lens, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
-                       BLOCK_P=triton.next_power_of_2(splits), num_warps=NUM_WARPS,
-                       **pdl.launch_options(out.device, S))
+                       BLOCK_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N,
+                       num_warps=NUM_WARPS, **pdl.launch_options(out.device, S))
     return out
 
 
@@ -198,7 +200,7 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
     kvh = tl.program_id(1)
     p = tl.program_id(2)
     length = tl.load(LENS + n)
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N    # whole tiles per span
+    per = _span_tokens(length, SPLITS, BLOCK_N)
     lo = p * per
     hi = tl.minimum(length, lo + per)
     h = tl.arange(0, BLOCK_H)
@@ -218,9 +220,10 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
         s = tl.where(tmask[None, :], s, float("-inf"))
         m, l, acc = _softmax_step(s, v, m, l, acc, PRECISION)   # m finite: a live key per tile
     row = (n * (GROUP * tl.num_programs(1)) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
-    tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=hmask[:, None])
-    tl.store(STATS + row * 2, m, mask=hmask)
-    tl.store(STATS + row * 2 + 1, l, mask=hmask)
+    keep = hmask & (lo < length)   # a span past the row's tokens writes nothing
+    tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
+    tl.store(STATS + row * 2, m, mask=keep)
+    tl.store(STATS + row * 2 + 1, l, mask=keep)
 
 
 @triton.jit
@@ -268,7 +271,7 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv
         tl.store(K + slot * stride_kt + kvh * stride_kh + HALF + d, k2_new)
         tl.store(V + slot * stride_vt + kvh * stride_vh + d, v1_new)
         tl.store(V + slot * stride_vt + kvh * stride_vh + HALF + d, v2_new)
-    per = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N    # whole tiles per span
+    per = _span_tokens(length, SPLITS, BLOCK_N)
     lo = p * per
     hi = tl.minimum(length, lo + per)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -294,10 +297,19 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv
         acc1 = acc1 * alpha[:, None] + tl.dot(prob, v1, input_precision=PRECISION)
         acc2 = acc2 * alpha[:, None] + tl.dot(prob, v2, input_precision=PRECISION)
     row = (n * (GROUP * KV_HEADS) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
-    tl.store(ACC + row[:, None] * (2 * HALF) + d[None, :], acc1, mask=hmask[:, None])
-    tl.store(ACC + row[:, None] * (2 * HALF) + HALF + d[None, :], acc2, mask=hmask[:, None])
-    tl.store(STATS + row * 2, m, mask=hmask)
-    tl.store(STATS + row * 2 + 1, l, mask=hmask)
+    keep = hmask & (lo < length)   # a span past the row's tokens writes nothing
+    tl.store(ACC + row[:, None] * (2 * HALF) + d[None, :], acc1, mask=keep[:, None])
+    tl.store(ACC + row[:, None] * (2 * HALF) + HALF + d[None, :], acc2, mask=keep[:, None])
+    tl.store(STATS + row * 2, m, mask=keep)
+    tl.store(STATS + row * 2 + 1, l, mask=keep)
+
+
+@triton.jit
+def _span_tokens(length, SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tokens per span of a row of `length` live tokens: whole BLOCK_N tiles, as few as
+    SPLITS spans need. Span p holds positions p * per ..; the spans from cdiv(length, per) on
+    hold none (all of them when length is 0)."""
+    return tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
 
 
 @triton.jit
@@ -347,8 +359,9 @@ def _softmax_weights(s, m, l):
 
 
 @triton.jit
-def _merge(ACC, STATS, OUT, stride_os, stride_oh, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-           BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+def _merge(ACC, STATS, LENS, OUT, stride_os, stride_oh, HEAD_DIM: tl.constexpr,
+           SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+           PDL: tl.constexpr):
     pdl.launch_next(PDL)
     pdl.wait(PDL)
     n = tl.program_id(0)
@@ -356,7 +369,9 @@ def _merge(ACC, STATS, OUT, stride_os, stride_oh, HEAD_DIM: tl.constexpr, SPLITS
     heads = tl.num_programs(1)
     p = tl.arange(0, BLOCK_P)
     d = tl.arange(0, HEAD_DIM)
-    pmask = p < SPLITS
+    length = tl.load(LENS + n)
+    # Only the spans that hold tokens were written (_span_tokens).
+    pmask = (p < SPLITS) & (p * _span_tokens(length, SPLITS, BLOCK_N) < length)
     row = (n * heads + h).to(tl.int64) * SPLITS + p
     m = tl.load(STATS + row * 2, mask=pmask, other=float("-inf"))
     l = tl.load(STATS + row * 2 + 1, mask=pmask, other=0.0)

@@ -11,9 +11,10 @@ with a fixed shape (ONE_ROW, below, says why); block shapes for more rows are au
 (N, K) on the first call, which must come before any capture (a warm-up does it).
 Accumulation is float32; the output is rounded once to w's dtype, as torch's bf16 GEMM does.
 
-Two variants take the op before the projection into the kernel, so that it costs no launch
-of its own: silu_mul_linear (the MLP's activation, then down) and add_rms_norm_linear (the
-residual add and RMSNorm, then qkv or gate_up).
+Three variants take the op next to a projection into its kernel, so that it costs no
+launch of its own: linear_silu_mul (gate_up, then the MLP's activation in the epilogue; one
+row), silu_mul_linear (the activation, then down) and add_rms_norm_linear (the residual add
+and RMSNorm, then qkv or gate_up).
 """
 from __future__ import annotations
 
@@ -30,6 +31,29 @@ MAX_ROWS = 16
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [S, K] @ weight[N, K].T -> [S, N] in weight's dtype (S <= MAX_ROWS)."""
     return _launch(x, weight, x.shape[1], silu_mul=False)
+
+
+def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x [1, K] @ weight[2 * I, K].T ([gate | up] rows, as the MLP's fused
+    gate_up holds them), with vt.torch.fused.silu_mul's roundings: [1, I]. One row only: the
+    MLP's gate_up projection with the activation in its epilogue. Each program takes
+    ONE_ROW's BLOCK_N / 2 gate rows and the same up rows, interleaved as its tile's rows,
+    so every product is summed as linear() sums it, and the down projection after it is a
+    plain linear() (cheaper than silu_mul_linear, whose every program recomputes the
+    activation of the whole row)."""
+    S, K = x.shape
+    rows = weight.shape[0]
+    if S != 1 or rows % 2 or weight.shape[1] != K:
+        raise ValueError(f"triton_gemv.linear_silu_mul: x {tuple(x.shape)} and weight "
+                         f"{tuple(weight.shape)}; needs one row, an even weight row count "
+                         f"and matching K")
+    _need_contiguous_last_dim("x and weight", x, weight)
+    inter = rows // 2
+    y = torch.empty(1, inter, dtype=weight.dtype, device=weight.device)
+    _gemv_one_row[(triton.cdiv(inter, ONE_ROW["BLOCK_N"] // 2),)](
+        x, weight, y, inter, K, weight.stride(0), SILU_MUL=False, GLU_OUT=True, **ONE_ROW,
+        **pdl.launch_options(x.device, S))
+    return y
 
 
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -53,10 +77,8 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
         raise ValueError(f"triton_gemv: x {tuple(x.shape)}, norm_weight "
                          f"{tuple(norm_weight.shape)} and weight {tuple(weight.shape)}; needs "
                          f"S <= {MAX_ROWS}, delta shaped as x, and matching K")
-    operands = (x, weight, norm_weight) + ((delta,) if delta is not None else ())
-    if any(t.stride(-1) != 1 for t in operands):
-        raise ValueError("triton_gemv: x, delta, norm_weight and weight need a contiguous "
-                         "last dim")
+    _need_contiguous_last_dim("x, delta, norm_weight and weight", x, weight, norm_weight,
+                              *((delta,) if delta is not None else ()))
     h = torch.empty_like(x) if delta is not None else None
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
     d = delta if delta is not None else x
@@ -72,18 +94,22 @@ def add_rms_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight
     return h, y
 
 
+def _need_contiguous_last_dim(names: str, *tensors):
+    if any(t.stride(-1) != 1 for t in tensors):
+        raise ValueError(f"triton_gemv: {names} need a contiguous last dim")
+
+
 def _launch(x, weight, K: int, silu_mul: bool):
     S = x.shape[0]
     N = weight.shape[0]
     if S > MAX_ROWS or weight.shape[1] != K or x.shape[1] != (2 * K if silu_mul else K):
         raise ValueError(f"triton_gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)}; "
                          f"needs S <= {MAX_ROWS} and matching K")
-    if x.stride(-1) != 1 or weight.stride(-1) != 1:
-        raise ValueError("triton_gemv: x and weight need a contiguous last dim")
+    _need_contiguous_last_dim("x and weight", x, weight)
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
     if S == 1:
         _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](
-            x, weight, y, N, K, weight.stride(0), SILU_MUL=silu_mul, **ONE_ROW,
+            x, weight, y, N, K, weight.stride(0), SILU_MUL=silu_mul, GLU_OUT=False, **ONE_ROW,
             **pdl.launch_options(x.device, S))
     elif S:
         _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
@@ -175,12 +201,21 @@ def _row_input(X, kk, K, SILU_MUL: tl.constexpr, EVEN_K: tl.constexpr):
 
 @_even_k
 @triton.jit
-def _gemv_one_row(X, W, Y, N, K, stride_w, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
-    """One row: each program's BLOCK_N weight rows against the row on the CUDA cores."""
+def _gemv_one_row(X, W, Y, N, K, stride_w, SILU_MUL: tl.constexpr, GLU_OUT: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                  PDL: tl.constexpr):
+    """One row: each program's BLOCK_N weight rows against the row on the CUDA cores.
+    GLU_OUT: W holds [gate | up] rows, N of each; tile row 2j is gate row c_j and row 2j + 1
+    up row c_j, for the program's BLOCK_N / 2 output columns c, which get silu(gate) * up."""
     pdl.launch_next(PDL)
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    nmask = rn[:, None] < N
+    if GLU_OUT:
+        i = tl.arange(0, BLOCK_N)
+        col = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+        nmask = col[:, None] < N
+        rn = col + (i % 2) * N
+    else:
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = rn[:, None] < N
     wrow = W + rn[:, None].to(tl.int64) * stride_w
     rk = tl.arange(0, BLOCK_K)
     # The first tile outside the loop, as tools/gemv_row_sweep.py timed the kernel (PRE_K =
@@ -194,7 +229,13 @@ def _gemv_one_row(X, W, Y, N, K, stride_w, SILU_MUL: tl.constexpr, BLOCK_N: tl.c
         w = _weight_tile(wrow, nmask, k0 + rk, K, EVEN_K)
         x = _row_input(X, k0 + rk, K, SILU_MUL, EVEN_K)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
-    tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=rn < N)
+    if GLU_OUT:
+        # Rounded to the storage dtype first, as the projection's output is before silu_mul.
+        gate, up = tl.split(tl.reshape(acc.to(Y.dtype.element_ty), [BLOCK_N // 2, 2]))
+        out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(Y + out, silu_times(gate, up), mask=out < N)
+    else:
+        tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=rn < N)
 
 
 @triton.jit
