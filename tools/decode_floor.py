@@ -3,7 +3,7 @@ run on one GPU: a captured torch.cuda.CUDAGraph of the step (random bf16 weights
 dense vs paged attention, unfused vs fused layer ops.
 
     python tools/decode_floor.py [--layers 32] [--cases 1:192 1:2048 32:2048] [--gemms]
-                                 [--blas cublas|cublaslt]
+                                 [--blas cublas|cublaslt] [--variants NAME ...]
 
 floor = (weight bytes + live KV bytes) / the floor rate measured here: the faster of an eager
 device-to-device copy (bytes read + written over time) and an eager read
@@ -248,6 +248,9 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["1:192", "1:2048", "32:2048"],
                     help="S:live_tokens pairs")
     ap.add_argument("--gemms", action="store_true")
+    ap.add_argument("--variants", nargs="+", metavar="NAME",
+                    help="time only these variants (each one's logits compared with the one it "
+                         "changes where that one runs too)")
     ap.add_argument("--no-triton", action="store_true",
                     help="leave out vt.torch.triton_gemv (the Triton linear for few rows)")
     ap.add_argument("--blas", choices=["cublas", "cublaslt"], default="cublas",
@@ -313,6 +316,12 @@ def main():
                      "fused-tgemv-silu": "paged-fused", "fused-tgemv-all": "paged-fused",
                      "tgemv-silu-rope": "fused-tgemv-silu", "tgemv-glu-rope": "tgemv-silu-rope",
                      "tgemv-all-rope": "fused-tgemv-all"}
+            if args.variants:
+                unknown = set(args.variants) - set(variants)
+                if unknown:
+                    raise SystemExit(f"decode_floor: no variant {sorted(unknown)} at S={S} "
+                                     f"(there are {', '.join(variants)})")
+                variants = {n: fn for n, fn in variants.items() if n in args.variants}
             for name, fn in variants.items():
                 ms = replay_ms(fn)
                 fn()
@@ -323,6 +332,10 @@ def main():
                     continue
                 # each variant against the one it changes: paged vs dense, fused vs unfused
                 base = bases.get(name, "dense-unfused")
+                if base not in outs:   # left out by --variants
+                    print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
+                          f"{ms / floor_ms:>7.2f}", flush=True)
+                    continue
                 err = ((outs[name] - outs[base]).norm() / outs[base].norm()).item()
                 print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
                       f"{ms / floor_ms:>7.2f} {err:>9.1e} vs {base}", flush=True)
