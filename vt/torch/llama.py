@@ -27,8 +27,8 @@ so a captured (fake-tensor) step refuses it.
 
 `linear` picks what computes a decode step's projections on vt's kernels: "torch"
 (nn.Linear, cuBLAS on CUDA), "triton" (vt.torch.fused.linear: at most 16 rows in bf16/fp16
-on CUDA run vt.torch.triton_gemv's kernels, and at one row the down projection takes
-silu_mul into its kernel; more rows, or the CPU, compute the same with the torch ops), or
+on CUDA run vt.torch.triton_gemv's kernels, and at one row the gate_up projection takes
+silu_mul into its epilogue; more rows, or the CPU, compute the same with the torch ops), or
 "auto" (the default): "triton" where `kernels` resolves to "vt", else "torch". Measured on an
 H100 with the 8B shape (docs/torch.md), the Triton linears make the step 3.6-5.3 % faster
 at 1, 8 and 16 rows.
