@@ -185,8 +185,8 @@ def make_step(S, live, max_context):
                 tables=tables, logits=torch.empty(S, VOCAB, device="cuda"))
 
 
-def replay_ms(fn, replays=20):
-    """Median ms of a captured graph of fn (warmed up on a side stream first)."""
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after two warm-up calls on a side stream."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -196,6 +196,12 @@ def replay_ms(fn, replays=20):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
+    return graph
+
+
+def replay_ms(fn, replays=20):
+    """Median ms of a captured graph of fn (warmed up on a side stream first)."""
+    graph = capture(fn)
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -326,19 +332,16 @@ def main():
                 ms = replay_ms(fn)
                 fn()
                 outs[name] = st.logits.clone()
-                if name.startswith("linears"):   # random inputs: no logits to compare
-                    print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
-                          f"{ms / floor_ms:>7.2f}", flush=True)
-                    continue
-                # each variant against the one it changes: paged vs dense, fused vs unfused
+                # each variant against the one it changes: paged vs dense, fused vs unfused;
+                # not the linears alone (random inputs: no logits to compare), nor against a
+                # variant --variants left out
                 base = bases.get(name, "dense-unfused")
-                if base not in outs:   # left out by --variants
-                    print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
-                          f"{ms / floor_ms:>7.2f}", flush=True)
-                    continue
-                err = ((outs[name] - outs[base]).norm() / outs[base].norm()).item()
+                against = ""
+                if not name.startswith("linears") and base in outs:
+                    err = ((outs[name] - outs[base]).norm() / outs[base].norm()).item()
+                    against = f" {err:>9.1e} vs {base}"
                 print(f"{S:>3} {live:>5} {name:>14} {ms:>8.3f} {floor_ms:>9.3f} "
-                      f"{ms / floor_ms:>7.2f} {err:>9.1e} vs {base}", flush=True)
+                      f"{ms / floor_ms:>7.2f}{against}", flush=True)
     if args.gemms:
         gemm_table(W, rate, tgemv)
 

@@ -39,12 +39,7 @@ def step_fn(variant, W, kc, vc, cos, sin, st):
 
 def kernel_events(fn, replays):
     """The CUDA kernel events of `replays` replays of fn captured as a graph, in start order."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = df.capture(fn)
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()

@@ -48,11 +48,8 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                          f"{tuple(weight.shape)}; needs one row, an even weight row count "
                          f"and matching K")
     _need_contiguous_last_dim("x and weight", x, weight)
-    inter = rows // 2
-    y = torch.empty(1, inter, dtype=weight.dtype, device=weight.device)
-    _gemv_one_row[(triton.cdiv(inter, ONE_ROW["BLOCK_N"] // 2),)](
-        x, weight, y, inter, K, weight.stride(0), SILU_MUL=False, GLU_OUT=True, **ONE_ROW,
-        **pdl.launch_options(x.device, S))
+    y = torch.empty(1, rows // 2, dtype=weight.dtype, device=weight.device)
+    _launch_one_row(x, weight, y, K, silu_mul=False, glu_out=True)
     return y
 
 
@@ -108,14 +105,22 @@ def _launch(x, weight, K: int, silu_mul: bool):
     _need_contiguous_last_dim("x and weight", x, weight)
     y = torch.empty(S, N, dtype=weight.dtype, device=weight.device)
     if S == 1:
-        _gemv_one_row[(triton.cdiv(N, ONE_ROW["BLOCK_N"]),)](
-            x, weight, y, N, K, weight.stride(0), SILU_MUL=silu_mul, GLU_OUT=False, **ONE_ROW,
-            **pdl.launch_options(x.device, S))
+        _launch_one_row(x, weight, y, K, silu_mul=silu_mul, glu_out=False)
     elif S:
         _gemv[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]),)](
             x, weight, y, S, N, K, x.stride(0), weight.stride(0), y.stride(0), ROWS=MAX_ROWS,
             SILU_MUL=silu_mul)
     return y
+
+
+def _launch_one_row(x, weight, y, K: int, silu_mul: bool, glu_out: bool):
+    """_gemv_one_row over x's one row into y's columns, ONE_ROW["BLOCK_N"] weight rows a
+    program (half of them gate rows, half up rows, with glu_out)."""
+    N = y.shape[1]
+    per_program = ONE_ROW["BLOCK_N"] // 2 if glu_out else ONE_ROW["BLOCK_N"]
+    _gemv_one_row[(triton.cdiv(N, per_program),)](
+        x, weight, y, N, K, weight.stride(0), SILU_MUL=silu_mul, GLU_OUT=glu_out, **ONE_ROW,
+        **pdl.launch_options(x.device, 1))
 
 
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
