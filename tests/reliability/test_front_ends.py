@@ -404,6 +404,29 @@ def test_install_commands_install_this_checkout():
     assert any("torch-test" in c for c in readme[cpu + 1:])
 
 
+TORCH_EXTRAS = {"torch", "torch-test", "serve"}   # extras whose PyPI torch is the CUDA build
+
+
+def test_readme_install_blocks_say_which_machine_each_line_is_for():
+    """In the README's own blocks (what a new user pastes), the cuda extra is on a line marked for
+    a GPU machine beside a plain install for a CPU one, and an extra that pulls torch comes after
+    PyTorch's CPU build line in the same block: no warning left to the prose after it."""
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    for block in blocks:
+        lines = block.splitlines()
+        for i, line in enumerate(lines):
+            if "pip install" not in line:
+                continue
+            extras = set(",".join(re.findall(r"\.\[([^\]]+)\]", line)).split(",")) - {""}
+            if "cuda" in extras:
+                assert "GPU" in line.partition("#")[2], line
+                assert any(re.search(r"pip install \.( |$)", other) and "CPU" in other
+                           for other in lines), block
+            if extras & TORCH_EXTRAS and "torch==" not in line:
+                assert any("download.pytorch.org/whl/cpu" in before for before in lines[:i]), block
+
+
 def test_ci_runs_the_readmes_test_commands():
     readme = (ROOT / "README.md").read_text()
     block = re.search(r"## Test it\n+(?:<!-- not run: [^\n]* -->\n)?```bash\n(.*?)```", readme,
