@@ -92,3 +92,27 @@ def test_eos_ids_come_from_generation_config_then_config(tmp_path):
     assert eos_token_ids(tmp_path) == (2,)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 3, 7]}))
     assert eos_token_ids(tmp_path) == (3, 7)
+
+
+def _utf8(ids):
+    """A byte-level decode: id = byte, an incomplete or invalid sequence a U+FFFD."""
+    return bytes(ids).decode("utf-8", "replace")
+
+
+def test_a_stop_string_in_the_text_flushed_at_the_end_stops_at_the_token_completing_it():
+    """Bytes that never complete a character are held back until the request ends; a stop
+    string in their text stops the stream at the held token that completes it (the tokens
+    after it are not counted), and the text is cut before it."""
+    ids = [ord("a"), ord("b"), 0xFF, 0xFF, 0xFF, 0xFF, 0xFF]
+    stream = TextStream(_utf8, ("\ufffd" * 3,))
+    sent = stream.push(ids)
+    assert (sent, stream.stopped, stream.settled) == ("ab", False, 2)
+    assert sent + stream.finish() == "ab"
+    assert stream.stopped and stream.tokens == 5 == stream.settled
+
+
+def test_held_bytes_without_a_stop_string_in_their_text_are_flushed_whole():
+    ids = [ord("a"), 0xE2, 0x82]            # the first two bytes of U+20AC, never the third
+    stream = TextStream(_utf8, ("zz",))
+    assert stream.push(ids) + stream.finish() == _utf8(ids) == "a\ufffd"
+    assert not stream.stopped and stream.tokens == 3 == stream.settled

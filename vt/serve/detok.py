@@ -44,13 +44,24 @@ class IncrementalDetokenizer:
             del self.tokens[start:]
         return ""
 
+    @property
+    def held(self) -> int:
+        """How many of the last ids pushed have text not returned yet (a character waiting
+        for its bytes)."""
+        return len(self.tokens) - self._read
+
+    def held_text(self, count: int) -> str:
+        """What flush() would return had the request ended `count` held ids in (nothing
+        changes)."""
+        done = self._decode(self.tokens[self._prefix:self._read])
+        return self._decode(self.tokens[self._prefix:self._read + count])[len(done):]
+
     def flush(self) -> str:
         """The text held back at the end of the request (its replacement characters included,
         as a whole-sequence decode has them)."""
-        done = self._decode(self.tokens[self._prefix:self._read])
-        text = self._decode(self.tokens[self._prefix:])
+        text = self.held_text(self.held)
         self._prefix = self._read = len(self.tokens)
-        return text[len(done):]
+        return text
 
 
 class StopStrings:
@@ -77,6 +88,11 @@ class StopStrings:
     def flush(self) -> str:
         out, self._pending = ("" if self.stopped else self._pending), ""
         return out
+
+    def would_stop(self, text: str) -> bool:
+        """Whether push(text) would find a stop string (nothing changes)."""
+        buf = self._pending + text
+        return not self.stopped and any(s in buf for s in self.stops)
 
     def _held_tail(self, buf: str) -> int:
         """The length of the longest tail of buf that is the start of a stop string."""
@@ -112,7 +128,25 @@ class TextStream:
         return "".join(out)
 
     def finish(self) -> str:
-        """The rest, when the request has ended by itself (length, a stop token)."""
+        """The rest, when the request has ended by itself (length, a stop token). A stop string
+        can lie in the text the detokenizer held back (replacement characters of bytes that
+        never completed a character); then the stream stops at the held token that completes
+        it, as push() would have stopped had the request ended right after that token, and
+        `tokens` no longer counts the held tokens after it."""
         if self.stopped:
             return ""
+        held = self._detok.held
+        for count in range(1, held + 1) if self._stops.stops else ():
+            text = self._detok.held_text(count)
+            if self._stops.would_stop(text):
+                self.tokens -= held - count
+                return self._stops.push(text)
         return self._stops.push(self._detok.flush()) + self._stops.flush()
+
+    @property
+    def settled(self) -> int:
+        """How many of the tokens consumed finish() can no longer cut: with stop strings, those
+        before the ones the detokenizer holds back; without, all of them."""
+        if self._stops.stops and not self.stopped:
+            return self.tokens - self._detok.held
+        return self.tokens

@@ -111,7 +111,7 @@ class Generation:
     async def deltas(self):
         """Text (and ids) as the tokens arrive; stops at a stop string by cancelling the
         request. GenerationFailed if its step failed. Leaving early cancels it."""
-        tokens, text = [], self._text
+        tokens, text, sent = [], self._text, 0
         agen = self._handle.stream_async()
         try:
             async for tok in agen:
@@ -123,8 +123,13 @@ class Generation:
                 # Every token is a delta, its text "" while the detokenizer holds it back (a
                 # partial UTF-8 character, a possible stop string, an id the tokenizer has
                 # no text for): a client sees each token when the engine made it, and the
-                # ids of the deltas add up to the completion.
-                yield Delta(piece, [tok])
+                # ids of the deltas add up to the completion. Except, with stop strings, the
+                # tokens of a partial character: a stop string found in their text when the
+                # request ends cuts them, so their ids wait for the delta that settles them.
+                settled = text.settled if text is not None else len(tokens)
+                if settled > sent or piece:
+                    yield Delta(piece, tokens[sent:settled])
+                    sent = settled
                 if text is not None and text.stopped:
                     self._handle.cancel()
                     self._finish("stop", tokens[:text.tokens])
@@ -133,10 +138,11 @@ class Generation:
             if result.finish_reason == "error":
                 raise GenerationFailed(result.error or "the model's logits could not be sampled")
             tail = text.finish() if text is not None else ""
-            if tail:
-                yield Delta(tail, [])
+            end = text.tokens if text is not None else len(tokens)
+            if tail or end > sent:
+                yield Delta(tail, tokens[sent:end])
             reason = {"stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
-            self._finish(reason, tokens)
+            self._finish("stop" if text is not None and text.stopped else reason, tokens[:end])
         except GenerationFailed:
             self._fail()
             raise
