@@ -5,11 +5,11 @@ GenerationService on an engine stand-in that replays fixed ids, with a byte-leve
 import asyncio
 
 from vt.engine.requests import RequestResult
-from vt.serve.detok import TextStream
 from vt.serve.generation import GenerationService
 from vt.serve.metrics import ServeMetrics
 from vt.serve.model_source import ServedModel, geometry_for
 from vt.serve.protocol import GenerationSpec
+from vt.serve.text import TextCodec
 from vt.step.contract import GREEDY
 
 
@@ -18,9 +18,14 @@ def _utf8(ids):
     return bytes(ids).decode("utf-8", "replace")
 
 
-class _ByteText:
-    def stream(self, stop=()):
-        return TextStream(_utf8, stop)
+class _ByteTokenizer:
+    """A byte-level tokenizer: id = byte (what TextCodec needs of transformers' tokenizers)."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return _utf8(ids)
+
+    def get_vocab(self):
+        return {bytes([i]).decode("latin-1"): i for i in range(256)}
 
 
 class _Replay:
@@ -45,8 +50,14 @@ class _Replay:
 
 
 class _Engine:
+    """submit() replays fixed ids; its runner is always usable."""
+
     def __init__(self, ids):
         self.ids = ids
+        self.runner = self
+
+    def check_usable(self):
+        pass
 
     def submit(self, prompt_ids, **kw):
         assert kw["max_new_tokens"] == len(self.ids)
@@ -55,7 +66,7 @@ class _Engine:
 
 def _serve(ids, stop):
     """(the deltas' (text, ids), the outcome) of one request that generates `ids`."""
-    model = ServedModel("bytes", None, geometry_for(1, 64, 4), 256, _ByteText(), ())
+    model = ServedModel("bytes", None, geometry_for(1, 64, 4), 256, TextCodec(_ByteTokenizer()), ())
     service = GenerationService(_Engine(ids), model, ServeMetrics("bytes"), serving_conc=1,
                                 max_queued=0)
     spec = GenerationSpec(len(ids), GREEDY, tuple(stop), (), True, True, False)
