@@ -26,6 +26,9 @@ def test_generate_prints_the_greedy_completion(checkpoint, reference, capsys, te
     (["serve", "--preset", "tiny-dense", "--tensor-parallel", "2", "--port", "0"],
      "--tensor-parallel needs --model"),
     (["generate", "--model", "x", "--prompt", "x", "--tensor-parallel", "0"], "--tensor-parallel"),
+    (["generate", "--model", "x", "--prompt", "x", "--stop", "."], "does not exist"),
+    (["generate", "--model", "x", "--prompt", "x", "--stop", ".", "--stop", ""],
+     "--stop takes a non-empty string"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, words, capsys):
     assert main(argv) == 2

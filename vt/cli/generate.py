@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                    help="send the prompt as a user message through the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens at most (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
-    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[], help="a stop string, not empty (repeatable)")
     p.set_defaults(func=cmd_generate, max_concurrency=1)
 
 
@@ -28,6 +28,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_model_arguments(args, "vt generate")
     if args.max_tokens < 1 or not 0 <= args.temperature <= 2:
         raise UsageError("vt generate: --max-tokens must be positive and --temperature in [0, 2]")
+    if "" in args.stop:
+        # An empty stop string is found before the first character: the completion would be
+        # empty whatever the model says (vt serve refuses it too).
+        raise UsageError("vt generate: --stop takes a non-empty string, got ''")
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
