@@ -33,7 +33,7 @@ class _CountUp:
         logits[...] = cp.where(tok == 27, cp.float32(-cp.inf), out)
 
 
-def _engine(be, mode):
+def _engine(be, mode, record_logits=False):
     geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
     table = be.empty((geo.max_seqs + 1,), np.int32)
     kernel = _CountUp()
@@ -42,7 +42,8 @@ def _engine(be, mode):
         be.launch(stream, kernel, table, inputs.token_rows, logits_out)
 
     model = ForwardModel(be, forward, vocab=VOCAB, token_table=table, geometry=geo)
-    return Engine(be, model, ExecutorConfig.for_mode(mode, serving_conc=4, capture_sizes=(1, 2, 4)))
+    return Engine(be, model, ExecutorConfig.for_mode(mode, serving_conc=4, capture_sizes=(1, 2, 4)),
+                  record_logits=record_logits)
 
 
 @pytest.mark.parametrize("stop", [None, 31])
@@ -64,3 +65,15 @@ def test_the_engine_serves_on_after_an_error_row(sim_backend):
         again = eng.generate([[10], [11]], max_new_tokens=4)
         assert [r.tokens for r in again] == [[11, 12, 13, 14], [12, 13, 14, 15]]
         assert eng.stats()["driver_mallocs_since_warm_up"] == 0
+
+
+def test_a_request_without_tokens_records_logits_and_times_of_its_shape(sim_backend):
+    """record_logits: a request whose first token fails has logits [0, vocab] and token_times
+    [0], as every result has [len(tokens), vocab] and [len(tokens)]."""
+    with _engine(sim_backend, "ring", record_logits=True) as eng:
+        bad, other = eng.generate([[5], [3]], max_new_tokens=3)
+    assert (bad.finish_reason, bad.tokens) == ("error", [])
+    assert bad.logits.shape == (0, VOCAB) and bad.logits.dtype == np.float32
+    assert bad.token_times.shape == (0,)
+    assert other.tokens == [4, 5] and other.logits.shape == (2, VOCAB)
+    assert other.token_times.shape == (2,)

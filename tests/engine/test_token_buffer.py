@@ -145,3 +145,16 @@ def test_a_request_not_yet_prefilled_has_no_tokens():
     buf = _buffer(a)
     _store(buf, _tag(0, [SCRATCH]), [5], now=0.0)
     assert buf.available(a) == 0
+
+
+def test_a_request_finished_without_tokens_has_empty_logits_and_times():
+    """Cancelled before its prompt ran, or failed at its first token: [0, vocab] logits and no
+    token times, the shapes of every other result (not None)."""
+    queued, failing = _running(0, 0, 3, t0=-1), _running(1, 1, 3, t0=0)
+    buf = _buffer(queued, failing)
+    buf.finish(queued, "cancelled")
+    _store(buf, _tag(0, [failing.base]), [-1], now=0.0)
+    for req in (queued, failing):
+        assert req.final.tolist() == [] and req.final_logits.shape == (0, VOCAB)
+        assert req.token_times.shape == (0,)
+    assert failing.finish_reason == "error"

@@ -99,9 +99,10 @@ class TokenBuffer:
         whoever waits for it."""
         n = self.available(req)
         span = slice(req.base, req.base + n)
-        req.final_logits = self.logits[span].copy() if self.logits is not None and n else None
-        if n:
-            req.token_times = self._times[np.arange(req.t0, req.t0 + n) & self._mask]
+        # [n, vocab] and [n] whatever n, 0 included (a request cancelled or failed before its
+        # first token): every result of one engine has the same shapes.
+        req.final_logits = self.logits[span].copy() if self.logits is not None else None
+        req.token_times = self._times[np.arange(req.t0, req.t0 + n) & self._mask]
         req.error = error
         req.finish_reason = reason
         req.final = self.tokens[span].copy()   # last: readers take `final` as "finished"
