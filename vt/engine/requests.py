@@ -23,8 +23,8 @@ class RequestResult:
     logits, or only -inf, for the next token: `tokens` holds the ones before it and `error`
     says what happened). logits: [len(tokens), vocab] float32 when the Engine records
     logits (no rows when there are no tokens), else None. token_times: [len(tokens)], per
-    token the perf_counter() time its step's tokens reached the host. index: the prompt's index in generate(), the engine's request number
-    for submit().
+    token the perf_counter() time its step's tokens reached the host. index: the prompt's
+    index in generate(), the engine's request number for submit().
     """
     index: int
     prompt_len: int
