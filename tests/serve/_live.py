@@ -81,34 +81,35 @@ class Valve:
 
 
 class InProcessServer:
-    """The vt serve app over `served` on a uvicorn thread; .url, .engine; close() stops all."""
+    """The vt serve app over `served` on a uvicorn thread; .url, .engine, .server; close()
+    stops all. tensor_parallel > 1: served.step_model is the ranks' build."""
 
-    def __init__(self, be, served, *, conc: int, max_queued: int):
+    def __init__(self, be, served, *, conc: int, max_queued: int, tensor_parallel: int = 1):
         from vt.engine.engine import Engine
         from vt.knobs import ExecutorConfig
-        from vt.serve.app import create_app
         from vt.serve.generation import GenerationService
         from vt.serve.metrics import ServeMetrics
         from vt.serve.server import address, bind, make_server
 
         self.engine = Engine(be, served.step_model, ExecutorConfig.for_mode(
-            "ring", serving_conc=conc, capture_sizes=tuple(s for s in (1, 2, 4, 8) if s <= conc)))
-        service = GenerationService(self.engine, served, ServeMetrics(served.name),
-                                    serving_conc=conc, max_queued=max_queued)
+            "ring", serving_conc=conc, capture_sizes=tuple(s for s in (1, 2, 4, 8) if s <= conc)),
+            tensor_parallel=tensor_parallel)
+        self.service = GenerationService(self.engine, served, ServeMetrics(served.name),
+                                         serving_conc=conc, max_queued=max_queued)
         self._sock = bind("127.0.0.1", 0)
         self.url = address(self._sock)
-        self._server = make_server(create_app(service), shutdown_timeout_s=5.0)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+        self.server = make_server(self.service, shutdown_timeout_s=5.0)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
                                         daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
-        while not self._server.started:
+        while not self.server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
                 raise RuntimeError("the in-process server did not start")
             time.sleep(0.02)
 
     def close(self) -> None:
-        self._server.should_exit = True
+        self.server.should_exit = True
         self._thread.join(30)
         self.engine.close()
         self._sock.close()

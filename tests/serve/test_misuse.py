@@ -29,6 +29,19 @@ BAD = [   # (name, body bytes, status, param, words in the message)
     ("a penalty", {**GOOD, "presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
     ("two prompts", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt", "one per request"),
     ("unknown model", {**GOOD, "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("logprobs 0", {**GOOD, "logprobs": 0}, 400, "logprobs", "not supported"),
+    ("a lone surrogate in the prompt", b'{"model": "tiny", "prompt": "a\\ud800b"}', 400, "prompt",
+     "lone surrogate (U+D800)"),
+    ("a lone surrogate in a stop string", b'{"model": "tiny", "prompt": "a", "stop": ["\\udfff"]}',
+     400, "stop.0", "lone surrogate (U+DFFF)"),
+    ("a lone surrogate in a key", b'{"model": "tiny", "prompt": "a", "\\ud800": 1}', 400, None,
+     "lone surrogate"),
+    ("JSON nested 100,000 deep", b'{"model": "tiny", "prompt": ' + b"[" * 100_000 + b"]" * 100_000
+     + b"}", 400, None, "too deeply"),
+    ("a prompt longer than any that fits", {**GOOD, "prompt": "x" * 200_000}, 400, "prompt",
+     "characters"),
+    ("a body larger than any prompt that fits", {**GOOD, "prompt": "x" * 3_000_000}, 413, None,
+     "bytes"),
 ]
 CHAT_BAD = [
     ("no messages", {"model": "tiny", "messages": []}, 400, "messages", "at least 1"),
@@ -36,6 +49,12 @@ CHAT_BAD = [
      "messages.0.role", "Input should be"),
     ("content not text", {"model": "tiny", "messages": [{"role": "user", "content": 3}]}, 400,
      "messages.0.content", "valid"),
+    ("a lone surrogate in the content",
+     b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud83d"}]}', 400,
+     "messages.0.content", "lone surrogate (U+D83D)"),
+    ("contents longer than any prompt that fits",
+     {"model": "tiny", "messages": [{"role": "user", "content": "x" * 100_000}] * 2}, 400,
+     "messages", "characters"),
 ]
 
 

@@ -131,7 +131,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queued < 0 or not 0 <= args.shutdown_timeout <= 3600:
         raise UsageError("vt serve: --max-queued must be >= 0 and --shutdown-timeout in [0, 3600]")
     try:
-        from vt.serve.app import create_app
         from vt.serve.server import address, bind, make_server
     except ImportError as e:
         raise UsageError(f"vt serve needs the serve extra ({e.name} is missing): "
@@ -153,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             service = GenerationService(engine, served, ServeMetrics(served.name),
                                         serving_conc=conc, max_queued=args.max_queued)
-            server = make_server(create_app(service), shutdown_timeout_s=args.shutdown_timeout,
+            server = make_server(service, shutdown_timeout_s=args.shutdown_timeout,
                                  log_level=args.log_level)
             print(f"vt serve: {served.name!r} listening on {address(sock)}", flush=True)
             server.run(sockets=[sock])
@@ -161,5 +160,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             engine.close()
             served.close()
             be.close()
+    if server.engine_failure is not None:
+        log(f"vt serve: exiting, the engine stopped: {server.engine_failure}")
+        return 1
     log("vt serve: stopped")
     return 0

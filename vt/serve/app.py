@@ -3,10 +3,17 @@
 GenerationService.
 
 A request is refused before it reaches the engine when its body is malformed or asks for
-what vt cannot do (400), when the server is full (429 + Retry-After) or closing (503 +
-Retry-After). A request whose step fails gets a 500 (a streamed one: an error event, then
-[DONE]); the engine frees its row and blocks and the server goes on serving. A client that
-goes away has its request cancelled: its row and KV blocks are free again after the next step.
+what vt cannot do (400; a chat template that refuses the messages: 400 with its message), is
+larger than any prompt that fits (413), when the server is full (429 + Retry-After), closing
+(503 + Retry-After) or its engine has stopped (503; /health too, and the server exits). A
+request whose step fails gets a 500 (a streamed one: an error event, then [DONE]); the engine
+frees its row and blocks and the server goes on serving. A client that goes away has its
+request cancelled: its row and KV blocks are free again after the next step. Every answer,
+errors included, is an OpenAI body.
+
+The body is read up to its limit and a text prompt's length checked before the tokenizer runs;
+the tokenizer and the chat template run in a worker thread (the tokenizer lets go of the GIL),
+so a long prompt holds up neither /health nor the streams in flight.
 """
 from __future__ import annotations
 
@@ -17,10 +24,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from vt.serve.generation import (Generation, GenerationFailed, GenerationService, Overloaded,
-                                 ServiceClosed)
-from vt.serve.protocol import (ChatBody, CompletionBody, RequestError, completion_prompt,
-                               generation_spec, parse_body)
+from vt.serve.generation import (EngineStopped, Generation, GenerationFailed, GenerationService,
+                                 Overloaded, ServiceClosed)
+from vt.serve.protocol import (ChatBody, CompletionBody, RequestError, RequestLimits,
+                               completion_prompt, generation_spec, parse_body)
 from vt.serve.responses import DONE, ResponseShape, error_body, sse, usage
 
 RETRY_AFTER_S = 1
@@ -38,6 +45,9 @@ def create_app(service: GenerationService) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        failure = service.engine_failure()
+        if failure is not None:
+            return JSONResponse({"status": "engine_stopped", "reason": failure}, status_code=503)
         if service.closing:
             return JSONResponse({"status": "closing"}, status_code=503)
         return {"status": "ok"}
@@ -56,7 +66,7 @@ def create_app(service: GenerationService) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body(), CompletionBody)
+        body = parse_body(await _read_body(request, service.limits), CompletionBody)
         _check_model(body.model, model.name)
         spec = generation_spec(body, model.vocab)
         prompt = completion_prompt(body)
@@ -64,7 +74,8 @@ def create_app(service: GenerationService) -> FastAPI:
             if model.text is None:
                 raise RequestError("this model has no tokenizer (a preset): send the prompt as "
                                    "token ids", param="prompt")
-            ids = model.text.encode(prompt)
+            service.limits.check_prompt_chars(len(prompt), "prompt")
+            ids = await asyncio.to_thread(model.text.encode, prompt)
         else:
             ids = prompt
             if min(ids) < 0 or max(ids) >= model.vocab:
@@ -74,17 +85,48 @@ def create_app(service: GenerationService) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = parse_body(await request.body(), ChatBody)
+        body = parse_body(await _read_body(request, service.limits), ChatBody)
         _check_model(body.model, model.name)
         spec = generation_spec(body, model.vocab)
         if model.text is None or not model.text.has_chat_template:
             raise RequestError("this model has no chat template (a preset, or a tokenizer "
                                "without one): use /v1/completions", param="messages")
-        ids = model.text.chat_prompt([{"role": m.role, "content": m.text()} for m in body.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        service.limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
+        ids = await _chat_prompt(model.text, messages)
         return await _respond(request, service, ids, spec, ResponseShape(model.name, chat=True),
                               "messages")
 
     return app
+
+
+async def _read_body(request: Request, limits: RequestLimits) -> bytes:
+    """The body, refused (413) as soon as it is known to pass limits.body_bytes: by its
+    Content-Length before any of it is read, else once what has come passes it."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit():
+        limits.check_body_size(int(declared))
+    parts, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        limits.check_body_size(size)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+async def _chat_prompt(text, messages: list[dict]) -> list[int]:
+    """The messages through the chat template, in a worker thread. A template that raises
+    (raise_exception: Mistral's, Llama-2's and Gemma's do for a role they do not take, or
+    roles that do not alternate) refuses the request: 400 with its message. One that cannot
+    be parsed is the server's fault: it stays an error of the server."""
+    from jinja2 import TemplateError, TemplateSyntaxError   # transformers renders with jinja2
+    try:
+        return await asyncio.to_thread(text.chat_prompt, messages)
+    except TemplateSyntaxError:
+        raise
+    except TemplateError as e:
+        raise RequestError(f"the chat template refused the messages: {e}",
+                           param="messages") from None
 
 
 def _check_model(asked: str, served: str) -> None:
@@ -180,6 +222,12 @@ def _add_error_handlers(app: FastAPI, service: GenerationService) -> None:
         return JSONResponse(error_body(str(e), type="server_error", code="shutting_down"),
                             status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
+    @app.exception_handler(EngineStopped)
+    async def engine_stopped(request, e: EngineStopped):
+        return JSONResponse(error_body(f"the engine has stopped and the server is exiting: {e}",
+                                       type="server_error", code="engine_stopped"),
+                            status_code=503)
+
     @app.exception_handler(GenerationFailed)
     async def failed(request, e: GenerationFailed):
         return JSONResponse(error_body(str(e), type="server_error", code=500), status_code=500)
@@ -188,3 +236,10 @@ def _add_error_handlers(app: FastAPI, service: GenerationService) -> None:
     async def http_error(request, e: HTTPException):
         return JSONResponse(error_body(str(e.detail), type="invalid_request_error"),
                             status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        # A bug of the server: the client still gets an error body; Starlette then re-raises
+        # the exception for uvicorn to log with its traceback.
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}",
+                                       type="server_error", code=500), status_code=500)

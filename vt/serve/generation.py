@@ -1,7 +1,9 @@
 """The bridge between HTTP requests and the engine: admission (at most `serving_conc +
 max_queued` requests in the server, the rest refused with a retry hint), one Generation per
 request (submit, tokens and text as they arrive, the outcome), cancellation when the client
-goes away, and the metrics of every request.
+goes away, the abort of whatever is left when the server stops, and the metrics of every
+request. It also says when the engine can serve no more (engine_failure: a tensor-parallel
+rank died), and bounds what a request may send (limits).
 
 Everything here runs on the server's event loop; the engine serves from its own thread, and a
 Generation awaits its tokens through RequestHandle.stream_async, which never blocks the loop.
@@ -13,9 +15,10 @@ from dataclasses import dataclass, field
 
 from vt.backend.errors import ClosedError
 from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
+from vt.parallel.errors import TensorParallelError
 from vt.serve.metrics import ServeMetrics
 from vt.serve.model_source import ServedModel
-from vt.serve.protocol import GenerationSpec, RequestError
+from vt.serve.protocol import GenerationSpec, RequestError, RequestLimits
 
 
 class Overloaded(Exception):
@@ -28,6 +31,11 @@ class Overloaded(Exception):
 
 class ServiceClosed(Exception):
     """The server is shutting down: answered 503."""
+
+
+class EngineStopped(Exception):
+    """The engine can serve no more (the reason says why): answered 503 while the server
+    exits (vt/serve/server.py)."""
 
 
 class GenerationFailed(Exception):
@@ -53,20 +61,48 @@ class GenerationService:
                  max_queued: int):
         self.engine, self.model, self.metrics = engine, model, metrics
         self.capacity = serving_conc + max_queued
-        self.in_flight = 0
         self.closing = False
+        self.limits = RequestLimits.for_model(model.geometry.max_context, model.text)
+        self._live: set[Generation] = set()
+
+    @property
+    def in_flight(self) -> int:
+        """Requests admitted and not yet ended."""
+        return len(self._live)
 
     def start(self, prompt_ids: list[int], spec: GenerationSpec, prompt_param: str) -> "Generation":
-        """Admit and submit one request (RequestError, Overloaded or ServiceClosed if not)."""
+        """Admit and submit one request (RequestError, Overloaded, ServiceClosed or
+        EngineStopped if not)."""
         if self.closing:
             raise ServiceClosed("the server is shutting down")
+        failure = self.engine_failure()
+        if failure is not None:
+            raise EngineStopped(failure)
         if self.in_flight >= self.capacity:
             self.metrics.rejected("overloaded")
             raise Overloaded(f"the server holds {self.in_flight} requests, its limit "
                              f"(--max-concurrency + --max-queued); retry later")
         gen = Generation(self, prompt_ids, spec, prompt_param)
-        self.in_flight += 1
+        self._live.add(gen)
         return gen
+
+    def leave(self, gen: "Generation") -> None:
+        """`gen` has ended: its place in the server is free."""
+        self._live.discard(gen)
+
+    def abort_all(self) -> None:
+        """End every request in the server at the engine's next step: each response still
+        ends well-formed, its finish_reason "abort"."""
+        for gen in list(self._live):
+            gen.abort()
+
+    def engine_failure(self) -> str | None:
+        """Why the engine can take no more steps (a stopped tensor-parallel group), or None."""
+        try:
+            self.engine.runner.check_usable()
+        except TensorParallelError as e:
+            return str(e)
+        return None
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -104,6 +140,8 @@ class Generation:
                                f"{geo.max_context - n + 1}", param="max_tokens") from None
         except ClosedError:
             raise ServiceClosed("the server is shutting down") from None
+        except TensorParallelError as e:     # the group stopped since start() looked
+            raise EngineStopped(str(e)) from None
         except (ValueError, TypeError) as e:
             raise RequestError(str(e), param=prompt_param) from None
         self._released = False
@@ -153,12 +191,17 @@ class Generation:
             await agen.aclose()
             self.cancel()
 
+    def abort(self) -> None:
+        """The server stops it: the engine ends it at the next step, and deltas() then ends
+        with finish_reason "abort"."""
+        self._handle.cancel()
+
     def cancel(self) -> None:
         """Stop the request at the next step (a no-op once it ended) and leave the server."""
         self._handle.cancel()
         if not self._released:
             self._released = True
-            self._service.in_flight -= 1
+            self._service.leave(self)
             if self.outcome is None:
                 self._service.metrics.finished("abort", self.prompt_tokens, 0, None)
 

@@ -6,11 +6,17 @@ is refused by name rather than ignored: n other than 1, logprobs, penalties, ech
 best_of, logit_bias. Every refusal is a RequestError, which the app answers with HTTP 400 (or
 the status it carries) and an OpenAI-style error body.
 
+Every string in a body must be text: a lone UTF-16 surrogate (JSON's "\\ud800" escape) is
+refused, as is JSON nested too deep to parse. What a body may hold is bounded before anything
+costly runs (RequestLimits): its bytes, and a text prompt's characters, which cannot fit the
+context when each of its tokens would need more characters than the tokenizer's longest token.
+
 Beyond OpenAI's fields, as vLLM names them: top_k, min_p, stop_token_ids, ignore_eos.
 """
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -21,6 +27,13 @@ from pydantic import ValidationError
 from vt.sampling.params import SamplingParams
 
 MAX_STOP_STRINGS = 16
+# A body's bytes beyond its text prompt's: the other fields, a chat's message framing.
+BODY_BYTES_BESIDES_PROMPT = 1 << 20
+# The most bytes one character of a JSON string can take: a \uXXXX escape.
+JSON_BYTES_PER_CHAR = 6
+# The most bytes one token id of a prompt given as ids can take: ten digits, a comma, a space.
+JSON_BYTES_PER_ID = 12
+_SURROGATE = re.compile("[\ud800-\udfff]")
 # A seed drawn for a sampled request that gave none (the sampler keys on it: two requests
 # without seeds must not draw the same tokens).
 _SEED_BOUND = 2**63
@@ -37,6 +50,40 @@ class RequestError(Exception):
 
 
 Real = Union[StrictInt, StrictFloat]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """How much a request may send: `prompt_chars`, a text prompt's characters (all of a
+    chat's contents together; 0 without a tokenizer), and `body_bytes`, the request body's."""
+    max_context: int
+    chars_per_token: int
+    prompt_chars: int
+    body_bytes: int
+
+    @classmethod
+    def for_model(cls, max_context: int, text) -> "RequestLimits":
+        """`text`: the model's TextCodec, or None (token ids only). No token of its tokenizer
+        spells more characters than its longest entry does (a byte-level entry has one character
+        per byte), so a prompt longer than max_context times that cannot fit."""
+        per_token = max(map(len, text.tokenizer.get_vocab())) if text is not None else 0
+        chars = max_context * per_token
+        prompt_bytes = max(JSON_BYTES_PER_CHAR * chars, JSON_BYTES_PER_ID * max_context)
+        return cls(max_context, per_token, chars, BODY_BYTES_BESIDES_PROMPT + prompt_bytes)
+
+    def check_body_size(self, size: int) -> None:
+        if size > self.body_bytes:
+            raise RequestError(f"the request body has more than {self.body_bytes} bytes, the most "
+                               f"this server reads (a prompt that fits the model's context takes "
+                               f"fewer)", status=413, code="request_too_large")
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """Before tokenizing: a text that cannot fit the context is refused at once."""
+        if chars > self.prompt_chars:
+            raise RequestError(f"the prompt has {chars} characters; the model's context of "
+                               f"{self.max_context} tokens holds at most {self.prompt_chars} "
+                               f"(its tokenizer's longest token has {self.chars_per_token})",
+                               param=param)
 
 
 class StreamOptions(BaseModel):
@@ -115,8 +162,12 @@ def parse_body(raw: bytes, kind: type[_Body]) -> _Body:
         data = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise RequestError("the request body nests JSON arrays or objects too deeply to "
+                           "parse") from None
     if not isinstance(data, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    _refuse_lone_surrogates(data)
     try:
         return kind.model_validate(data)
     except ValidationError as e:
@@ -125,6 +176,31 @@ def parse_body(raw: bytes, kind: type[_Body]) -> _Body:
         what = "unknown field" if err["type"] == "extra_forbidden" else err["msg"]
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         raise RequestError(f"{loc}: {what}{more}", param=loc or None) from None
+
+
+def _refuse_lone_surrogates(data: dict) -> None:
+    """A RequestError naming the first string (or key) that holds half of a UTF-16 surrogate
+    pair: no tokenizer, detokenizer or JSON response can encode one. Walked without recursion
+    (the body may nest as deep as the parser allows)."""
+    stack = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            found = _SURROGATE.search(value)
+            if found:
+                raise RequestError(f"{path}: holds a lone surrogate (U+{ord(found.group()):04X}), "
+                                   f"which is not a character", param=path)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                where = f"{path}.{key}" if path else key
+                if _SURROGATE.search(key):
+                    where = f"{path}.{ascii(key)}" if path else ascii(key)
+                    raise RequestError(f"{where}: a key holds a lone surrogate, which is not a "
+                                       f"character", param=path or None)
+                stack.append((where, item))
+        elif isinstance(value, list):   # a prompt's ids: no string to see, no path to build
+            stack.extend((f"{path}.{i}", item) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))
 
 
 def _is_union_branch(part) -> bool:
@@ -137,10 +213,13 @@ def generation_spec(body: _Body, vocab: int) -> GenerationSpec:
     if body.n != 1:
         raise RequestError(f"n={body.n} is not supported; vt serve returns one choice (n=1)",
                            param="n")
+    # A completion's logprobs is a count, and 0 asks for the sampled token's own; only a
+    # chat's false (or an absent field) asks for none.
     logprobs = getattr(body, "logprobs", None)
-    if logprobs not in (None, False) or body.top_logprobs is not None:
+    wants_logprobs = logprobs is not None and logprobs is not False
+    if wants_logprobs or body.top_logprobs is not None:
         raise RequestError("logprobs are not supported by vt serve (its sampler returns token ids "
-                           "only)", param="logprobs" if logprobs not in (None, False) else "top_logprobs")
+                           "only)", param="logprobs" if wants_logprobs else "top_logprobs")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(body, name) != 0:
             raise RequestError(f"{name} is not supported (only 0)", param=name)

@@ -15,6 +15,9 @@ DONE = b"data: [DONE]\n\n"
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,
                code=None) -> dict:
+    """The body of an error. A lone surrogate in the message (one quoted from a request) is
+    written as its escape: a JSON response must encode as UTF-8."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 

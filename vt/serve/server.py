@@ -1,30 +1,55 @@
 """Running the app: uvicorn on a socket bound before serving (so the address printed is the
-one listened on, port 0 included), and a graceful stop on SIGINT or SIGTERM.
+one listened on, port 0 included), a graceful stop on SIGINT or SIGTERM, and an exit when the
+engine can serve no more.
 
-On the first signal the server stops accepting connections, lets the responses in flight run
-for up to `shutdown_timeout_s` seconds, then cancels what is left (their requests cancelled on
-the engine: rows and KV blocks freed) and returns; `vt serve` then closes the engine and exits
-0. A second SIGINT stops at once. uvicorn re-raises a caught signal after its own shutdown
-(so that a parent sees it); this server does not: a stop asked for is a clean exit.
+On the first signal the server stops accepting connections and new requests (503), lets the
+responses in flight run for up to `shutdown_timeout_s` seconds, then aborts the requests left
+on the engine: each response still ends well-formed, its choice's finish_reason "abort" (a
+stream: its last chunk, then [DONE]). A second SIGINT aborts them at once. Only a response
+whose client does not read it is cut, ABORT_GRACE_S after the abort. `vt serve` then closes
+the engine and exits 0. uvicorn re-raises a caught signal after its own shutdown (so that a
+parent sees it); this server does not: a stop asked for is a clean exit.
+
+An engine that stops for good (a tensor-parallel rank died) is seen within a tick (0.1 s):
+/health answers 503 from then on, and the server shuts down as above, with
+`engine_failure` saying why; `vt serve` exits 1, for its supervisor to start it again (as
+vLLM's server exits when its engine dies). Restarting the engine inside the process would
+reload the model and recapture every graph while clients wait: a fresh process does the same,
+cleanly.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import socket
 import threading
+import time
 
 import uvicorn
 
+from vt.serve.app import create_app
+from vt.serve.generation import GenerationService
+
 HANDLED = (signal.SIGINT, signal.SIGTERM)
+# How long the aborted responses get to write their last chunk before uvicorn cuts them (one
+# whose client stopped reading cannot finish).
+ABORT_GRACE_S = 5.0
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn.Server whose signals end serve() without being raised again."""
+    """uvicorn.Server over `service`'s app whose signals end serve() without being raised
+    again, whose stop aborts what is left on the engine, and which stops by itself when the
+    engine fails (module docstring)."""
 
-    def __init__(self, config: uvicorn.Config):
+    def __init__(self, config: uvicorn.Config, service: GenerationService,
+                 shutdown_timeout_s: float):
         super().__init__(config)
+        self.service = service
+        self.shutdown_timeout_s = shutdown_timeout_s
         self.stopped_by: int | None = None
+        self.engine_failure: str | None = None
+        self._abort_now = False
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -40,9 +65,31 @@ class GracefulServer(uvicorn.Server):
 
     def _on_signal(self, sig, frame) -> None:
         if self.should_exit and sig == signal.SIGINT:
-            self.force_exit = True
+            self._abort_now = True
         self.should_exit = True
         self.stopped_by = self.stopped_by or sig
+
+    async def on_tick(self, counter: int) -> bool:
+        if not self.should_exit and self.engine_failure is None:
+            failure = self.service.engine_failure()
+            if failure is not None:
+                self.engine_failure = failure
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+    async def shutdown(self, sockets=None) -> None:
+        self.service.closing = True   # from here on new requests get 503
+        aborter = asyncio.ensure_future(self._abort_when_due())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            aborter.cancel()
+
+    async def _abort_when_due(self) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout_s
+        while time.monotonic() < deadline and not self._abort_now:
+            await asyncio.sleep(0.05)
+        self.service.abort_all()
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -54,10 +101,13 @@ def bind(host: str, port: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def make_server(app, *, shutdown_timeout_s: float, log_level: str = "warning") -> GracefulServer:
-    config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout_s, timeout_keep_alive=30)
-    return GracefulServer(config)
+def make_server(service: GenerationService, *, shutdown_timeout_s: float,
+                log_level: str = "warning") -> GracefulServer:
+    """The server of `service`'s app (vt/serve/app.py)."""
+    config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False,
+                            lifespan="on", timeout_keep_alive=30,
+                            timeout_graceful_shutdown=shutdown_timeout_s + ABORT_GRACE_S)
+    return GracefulServer(config, service, shutdown_timeout_s)
 
 
 def address(sock: socket.socket) -> str:
