@@ -10,7 +10,8 @@ error is refused at construction or capture, or made to match transformers.
 | tie_word_embeddings with an lm_head.weight in the file    | test_tied_config_with_a_file_lm_head_serves_transformers_tokens |
 | a forward that returns its logits / rebinds logits_out    | test_a_forward_that_does_not_write_logits_out_is_refused   |
 | corrupt safetensors, missing tensor or bias, bad shape    | test_a_broken_checkpoint_is_one_line_naming_file_and_tensor |
-| incomplete llama3 block, missing head counts, bad paths   | test_a_broken_config_is_one_line_naming_file_and_field     |
+| incomplete llama3 block, missing head counts, bad paths,  | test_a_broken_config_is_one_line_naming_file_and_field     |
+|   a null or wrongly typed number or flag                  |                                                            |
 | hf.load defaulting to cuda on a CPU machine               | test_load_defaults_to_the_backends_device                  |
 | sim accepts forwards a CUDA capture refuses               | test_the_sim_capture_refuses_what_cuda_refuses             |
 | a Python step counter advancing on the sim                | test_a_python_counter_is_frozen_at_capture_on_the_sim      |
@@ -245,6 +246,15 @@ def test_a_broken_checkpoint_is_one_line_naming_file_and_tensor(tmp_path, edit, 
     (lambda c: c.update(num_key_value_heads="2"), r"config.json: num_key_value_heads must be an integer in \[1, 2147483647\], got '2'"),
     (lambda c: c.update(num_key_value_heads=3), r"config.json: LlamaConfig: heads=4 must be a "
                                                 r"multiple of kv_heads=3"),
+    (lambda c: c.update(rms_norm_eps=None), r"config.json: rms_norm_eps=None must be a positive"),
+    (lambda c: c.update(rms_norm_eps="1e-6"), r"config.json: rms_norm_eps='1e-6' must be a positive"),
+    (lambda c: (c.pop("rope_parameters"), c.update(rope_theta=None)),
+     r"config.json: rope_theta=None must be a positive number"),
+    (lambda c: c.update(tie_word_embeddings="false"),
+     r"config.json: tie_word_embeddings='false' must be true or false"),
+    (lambda c: c.update(attention_bias=1), r"config.json: attention_bias=1 must be true or false"),
+    (lambda c: c.update(layer_types=3), r"config.json: layer_types=3 must be a list"),
+    (lambda c: c.update(pretraining_tp=True), r"config.json: pretraining_tp=True is not supported"),
 ])
 def test_a_broken_config_is_one_line_naming_file_and_field(tmp_path, edit, match):
     path = _save(tmp_path, edit)

@@ -5,7 +5,6 @@ drives, its geometry, and the text side when there is one."""
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -50,13 +49,13 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     import torch
 
     from vt.torch import TorchForwardModel, hf, torch_device
+    from vt.torch.hfconfig import read_max_position_embeddings
 
     path = Path(path)
     cfg = hf.read_config(path)           # refuses an unsupported architecture before any weight
-    text = TextCodec.from_dir(path)
     if max_context is None:
-        max_pos = json.loads((path / "config.json").read_text()).get("max_position_embeddings")
-        max_context = min(int(max_pos or 4096), 4096)
+        max_context = min(read_max_position_embeddings(path) or 4096, 4096)
+    text = TextCodec.from_dir(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}; choose from {', '.join(DTYPES)}")
     if dtype == "auto":

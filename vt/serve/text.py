@@ -49,11 +49,22 @@ class TextCodec:
 
 def eos_token_ids(path) -> tuple[int, ...]:
     """The ids that end generation: generation_config.json's eos_token_id, else config.json's
-    (an int or a list; () when neither names one)."""
+    (an int or a list; () when neither names one). A value of another kind is a ValueError
+    naming the file."""
     for name in ("generation_config.json", "config.json"):
         f = Path(path) / name
         if f.is_file():
-            value = json.loads(f.read_text()).get("eos_token_id")
+            try:
+                data = json.loads(f.read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{f}: not valid JSON ({e})") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"{f}: expected a JSON object, got {type(data).__name__}")
+            value = data.get("eos_token_id")
             if value is not None:
-                return tuple(sorted({int(v) for v in (value if isinstance(value, list) else [value])}))
+                ids = value if isinstance(value, list) else [value]
+                if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in ids):
+                    raise ValueError(f"{f}: eos_token_id={value!r} must be a token id (an int "
+                                     f">= 0) or a list of them")
+                return tuple(sorted(set(ids)))
     return ()

@@ -33,6 +33,21 @@ _ALWAYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
 def read_config(path) -> LlamaConfig:
     """The LlamaConfig of a checkpoint directory's config.json (refusing what it cannot run)."""
+    hf, where = _read_json(path)
+    return config_from_hf(hf, where=where)
+
+
+def read_max_position_embeddings(path) -> int | None:
+    """config.json's max_position_embeddings, the context the checkpoint was trained for
+    (None when it names none)."""
+    hf, where = _read_json(path)
+    if hf.get("max_position_embeddings") is None:
+        return None
+    return _positive_int(hf, "max_position_embeddings", where)
+
+
+def _read_json(path) -> tuple[dict, str]:
+    """A checkpoint directory's config.json as a dict, and the file's name for errors."""
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint path {str(path)!r} does not exist (vt.torch.hf loads a local "
@@ -50,7 +65,7 @@ def read_config(path) -> LlamaConfig:
         raise ValueError(f"{cfg_file}: not valid JSON ({exc})") from None
     if not isinstance(hf, dict):
         raise ValueError(f"{cfg_file}: expected a JSON object, got {type(hf).__name__}")
-    return config_from_hf(hf, where=str(cfg_file))
+    return hf, str(cfg_file)
 
 
 def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
@@ -61,13 +76,15 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
                          f"{', '.join(FAMILIES)}")
     if hf.get("hidden_act", "silu") != "silu":
         _refuse(where, "hidden_act", hf["hidden_act"], "silu")
-    if hf.get("pretraining_tp", 1) not in (1, None):
+    if not _is_one(hf.get("pretraining_tp")):
         _refuse(where, "pretraining_tp", hf["pretraining_tp"], "1")
-    if hf.get("use_sliding_window", False):
+    if _flag(hf, "use_sliding_window", where):
         _refuse(where, "use_sliding_window", True, "false (every layer full attention)")
     layer_types = hf.get("layer_types")
+    if layer_types is not None and not isinstance(layer_types, list):
+        raise ValueError(f"{where}: layer_types={layer_types!r} must be a list (one type per layer)")
     if layer_types is not None and any(t != "full_attention" for t in layer_types):
-        _refuse(where, "layer_types", sorted(set(layer_types)), "full_attention only")
+        _refuse(where, "layer_types", sorted(set(map(str, layer_types))), "full_attention only")
     size = {f: _positive_int(hf, f, where) for f in
             ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")}
@@ -75,17 +92,20 @@ def config_from_hf(hf: dict, where: str = "config.json") -> LlamaConfig:
     kv_heads = _positive_int(hf, "num_key_value_heads", where, default=heads)
     head_dim = _positive_int(hf, "head_dim", where, default=size["hidden_size"] // heads or None)
     theta, linear, llama3 = rope_from_hf(hf, where)
-    bias = bool(hf.get("attention_bias", False))
+    bias, mlp_bias = _flag(hf, "attention_bias", where), _flag(hf, "mlp_bias", where)
+    tie = _flag(hf, "tie_word_embeddings", where)
+    # transformers' default when missing; null is refused (its RMSNorm would add None)
+    eps = _number(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps", where)
     try:
         return LlamaConfig(
             vocab=size["vocab_size"], hidden=size["hidden_size"],
             intermediate=size["intermediate_size"], layers=size["num_hidden_layers"], heads=heads,
-            kv_heads=kv_heads, head_dim=head_dim, rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            kv_heads=kv_heads, head_dim=head_dim, rms_eps=eps,
             rope_theta=theta, rope_linear_factor=linear, rope_llama3=llama3,
             # Qwen2 always has q/k/v biases (and no flag); Llama has attention_bias on all four.
             qkv_bias=True if family == "qwen2" else bias, o_bias=bias if family != "qwen2" else False,
-            mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=family == "qwen3",
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+            mlp_bias=mlp_bias, qk_norm=family == "qwen3",
+            tie_embeddings=tie)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
 
@@ -107,11 +127,13 @@ def rope_from_hf(hf: dict, where: str = "config.json") -> tuple[float, float, tu
     if unknown:
         raise ValueError(f"{where}: {field}.{unknown[0]} is not supported for rope_type={kind!r} "
                          f"(vt implements {', '.join(ROPE_FIELDS[kind]) or 'no field'} for it)")
-    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial not in (1, 1.0, None):
+    partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+    if not _is_one(partial):
         _refuse(where, "partial_rotary_factor", partial, "1.0 (every head dimension rotates)")
-    theta = _number(rope.get("rope_theta", hf.get("rope_theta", DEFAULT_ROPE_THETA)),
-                    f"{field}.rope_theta", where)
+    if "rope_theta" in rope:
+        theta = _number(rope["rope_theta"], f"{field}.rope_theta", where)
+    else:
+        theta = _number(hf.get("rope_theta", DEFAULT_ROPE_THETA), "rope_theta", where)
     if kind == "default":
         return theta, 1.0, None
     block = dict(rope)
@@ -143,6 +165,23 @@ def _positive_int(hf: dict, field: str, where: str, default=None) -> int:
         return integer(f"{where}: {field}", value, 1)
     except TypeError as exc:   # a config.json field of the wrong type is a bad value of the file
         raise ValueError(str(exc)) from None
+
+
+def _flag(hf: dict, field: str, where: str) -> bool:
+    """A true/false field, false when missing or null (as transformers reads None)."""
+    value = hf.get(field)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"{where}: {field}={value!r} must be true or false")
+    return value
+
+
+def _is_one(value) -> bool:
+    """Whether an optional factor is 1 or unset (true is not 1 here, though Python's == says
+    so)."""
+    return value is None or (not isinstance(value, bool) and isinstance(value, numbers.Real)
+                             and value == 1)
 
 
 def _number(value, field: str, where: str) -> float:
