@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 transformers = pytest.importorskip("transformers", reason="the comparisons need transformers")
 
 from vt.backend import CaptureError, available_backends  # noqa: E402

@@ -21,9 +21,10 @@ without its fix.
 | docs vs code: the context rule, submit()'s default, ClosedError| test_docs_state_the_context_rule_the_code_applies,    |
 |   not in vt, dir(vt) empty                                     |   test_docs_show_submits_real_signature,              |
 |                                                                |   test_vt_exports_closed_error_and_lists_its_names    |
-| `pip install "vt[torch]"` installs another PyPI project; the   | test_install_commands_install_this_checkout,          |
-|   torch extra pulls CUDA torch on a CPU machine; CI not the    |   test_ci_runs_the_readmes_test_commands              |
-|   README's commands                                            |                                                       |
+| a pip install of `vt` with an extra installs another PyPI     | test_install_commands_install_this_checkout,          |
+|   project (docs, error messages, skip reasons); the torch     |   test_no_file_names_the_pypi_project_vt_with_an_extra,|
+|   extra pulls CUDA torch on a CPU machine; CI not the README's |   test_ci_runs_the_readmes_test_commands              |
+|   commands                                                     |                                                       |
 | a VT_* variable added without its row in docs/configuration.md | test_the_configuration_doc_names_exactly_the_        |
 |                                                                |   registered_variables                                |
 """
@@ -402,6 +403,21 @@ def test_install_commands_install_this_checkout():
     cpu = next(i for i, c in enumerate(readme) if "torch==" in c)
     assert "download.pytorch.org/whl/cpu" in readme[cpu] and "+cpu" in readme[cpu]
     assert any("torch-test" in c for c in readme[cpu + 1:])
+
+
+def test_no_file_names_the_pypi_project_vt_with_an_extra():
+    """`vt` on PyPI is another project: a message, doc or skip reason that tells the user to
+    pip-install vt with one of this project's extras installs that one. Each names the
+    distribution (vt-graphs) or the checkout (".[extra]") instead."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pypi_vt = re.compile(r"(?<![\w.-])vt\[(%s)(,[\w-]+)*\]" % "|".join(map(re.escape, extras)))
+    files = [ROOT / "README.md", ROOT / "pyproject.toml",
+             *(f for top in ("vt", "docs", "tools", "tests", ".ci") for f in (ROOT / top).rglob("*")
+               if f.is_file() and f.suffix in (".py", ".md", ".toml", ".sh", ".txt", ""))]
+    hits = [f"{f.relative_to(ROOT)}:{n}: {line.strip()}" for f in files
+            for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
+            if pypi_vt.search(line)]
+    assert not hits, "\n".join(hits)
 
 
 TORCH_EXTRAS = {"torch", "torch-test", "serve"}   # extras whose PyPI torch is the CUDA build

@@ -4,11 +4,11 @@ import signal
 
 import pytest
 
-for _mod, _why in (("fastapi", "vt serve needs FastAPI (pip install 'vt[serve]')"),
-                   ("uvicorn", "vt serve needs uvicorn (pip install 'vt[serve]')"),
+for _mod, _why in (("fastapi", "vt serve needs FastAPI (pip install 'vt-graphs[serve]')"),
+                   ("uvicorn", "vt serve needs uvicorn (pip install 'vt-graphs[serve]')"),
                    ("torch", "a checkpoint needs PyTorch"),
                    ("transformers", "the tokenizer and the reference need transformers"),
-                   ("openai", "the client tests use the openai package (pip install 'vt[serve-test]')"),
+                   ("openai", "the client tests use the openai package (pip install 'vt-graphs[serve-test]')"),
                    ("prometheus_client", "/metrics is parsed with prometheus_client")):
     pytest.importorskip(_mod, reason=_why)
 

@@ -41,3 +41,14 @@ def test_a_tensor_parallel_size_the_heads_do_not_divide_is_refused_before_any_ra
     assert main(["generate", "--model", str(checkpoint), "--prompt", "x", *FLAGS,
                  "--tensor-parallel", "3"]) == 2
     assert "heads=4 is not divisible by the tensor-parallel size 3" in capsys.readouterr().err
+
+
+def test_serve_without_its_extra_names_the_distribution_to_install(monkeypatch, capsys):
+    """`vt` on PyPI is another project: the hint installs this one's extra, vt-graphs[serve]."""
+    import sys
+    monkeypatch.setitem(sys.modules, "fastapi", None)        # import fastapi -> ImportError
+    for name in ("vt.serve.app", "vt.serve.server"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    assert main(["serve", "--preset", "tiny-dense", "--backend", "sim", "--port", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "fastapi is missing" in err[-1] and "pip install 'vt-graphs[serve]'" in err[-1], err

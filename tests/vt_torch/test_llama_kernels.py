@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps its blocks
 
 from vt.backend import get_backend  # noqa: E402

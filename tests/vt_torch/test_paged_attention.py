@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps its blocks
 
 from vt.torch import paged_attention as pa  # noqa: E402

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps its blocks
 
 from vt.torch.llama import LlamaDecoder, shard_state_dict  # noqa: E402

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 
 from vt.engine import Engine  # noqa: E402
 from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402

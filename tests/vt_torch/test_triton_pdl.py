@@ -4,7 +4,7 @@ test_llama_kernels.py runs such a step with and without it on the GPU); never on
 which Triton's interpreter runs, and never with VT_TRITON_PDL=0."""
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 pytest.importorskip("triton", reason="vt.torch.triton_pdl needs Triton (CUDA builds of torch)")
 
 from vt.torch import triton_pdl  # noqa: E402

@@ -134,7 +134,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from vt.serve.server import address, bind, make_server
     except ImportError as e:
         raise UsageError(f"vt serve needs the serve extra ({e.name} is missing): "
-                         f"pip install 'vt[serve]'") from None
+                         f"pip install 'vt-graphs[serve]'") from None
     from vt.serve.generation import GenerationService
     from vt.serve.metrics import ServeMetrics
 

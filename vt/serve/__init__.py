@@ -1,4 +1,4 @@
-"""vt serve: an OpenAI-compatible HTTP server on vt's engine (the optional extra vt[serve]).
+"""vt serve: an OpenAI-compatible HTTP server on vt's engine (the optional extra vt-graphs[serve]).
 
 protocol (request bodies, validated), text and detok (tokenizer, chat template, incremental
 text, stop strings), model_source (a Hugging Face checkpoint or a preset), generation (the
