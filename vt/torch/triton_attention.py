@@ -44,7 +44,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     S, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
-    _check_layout("paged_decode_attention", q, k_cache, v_cache)
+    check_layout("paged_decode_attention", q, k_cache, v_cache)
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, q.dtype, q.device)
     if S == 0:
         return out
@@ -55,7 +55,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
-        PRECISION=_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_options(q.device, S))
+        PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_options(q.device, S))
     return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
@@ -83,12 +83,12 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), 1.0 / head_dim ** 0.5,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
-        BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=_precision(qkv.dtype),
+        BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=dot_precision(qkv.dtype),
         num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
     return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
-def _check_layout(name: str, q, k_cache, v_cache) -> None:
+def check_layout(name: str, q, k_cache, v_cache) -> None:
     """What the query-tensor kernels need beyond paged_attention's shape checks: a contiguous
     last dim in q and the caches, and a power-of-two head_dim."""
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
@@ -116,7 +116,7 @@ def _merge_spans(acc, stats, seq_lens, out, splits: int):
     return out
 
 
-def _precision(dtype) -> str:
+def dot_precision(dtype) -> str:
     # tl.dot rounds float32 inputs to TF32 by default: a float32 model's attention would then
     # differ from torch's at ~1e-3, enough to flip a greedy token.
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -132,7 +132,7 @@ def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
     B = seq_lens.shape[0]
-    _check_layout("paged_varlen_attention", q, k_cache, v_cache)
+    check_layout("paged_varlen_attention", q, k_cache, v_cache)
     out = torch.empty_like(q)
     if T == 0 or B == 0 or max_query_len < 1:
         return out
@@ -145,7 +145,7 @@ def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), 1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
-        BLOCK_SIZE=block_size, PRECISION=_precision(q.dtype), num_warps=NUM_WARPS)
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS)
     return out
 
 
@@ -178,12 +178,12 @@ def _varlen(Q, K, V, QSL, LENS, BT, OUT, stride_qt, stride_qh, stride_kt, stride
         acc = tl.zeros([BLOCK_M * BLOCK_G, HEAD_DIM], tl.float32)
         table = BT + i.to(tl.int64) * stride_bt
         for start in range(0, hi, BLOCK_N):
-            t, tmask, k, v = _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
+            t, tmask, k, v = kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
                                       stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where((t[None, :] <= pos[:, None]) & tmask[None, :], s, float("-inf"))
             # m is finite from the first tile on: position 0 is every row's key.
-            m, l, acc = _softmax_step(s, v, m, l, acc, PRECISION)
+            m, l, acc = softmax_step(s, v, m, l, acc, PRECISION)
         o = acc / l[:, None]
         tl.store(OUT + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  o.to(OUT.dtype.element_ty), mask=live[:, None])
@@ -214,11 +214,11 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     table = BT + n.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
-        t, tmask, k, v = _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
+        t, tmask, k, v = kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
                                   stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BLOCK_H, BLOCK_N]
         s = tl.where(tmask[None, :], s, float("-inf"))
-        m, l, acc = _softmax_step(s, v, m, l, acc, PRECISION)   # m finite: a live key per tile
+        m, l, acc = softmax_step(s, v, m, l, acc, PRECISION)   # m finite: a live key per tile
     row = (n * (GROUP * tl.num_programs(1)) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
     keep = hmask & (lo < length)   # a span past the row's tokens writes nothing
     tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
@@ -324,7 +324,7 @@ def _tile_slots(table, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexp
 
 
 @triton.jit
-def _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh, stride_vt, stride_vh,
+def kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh, stride_vt, stride_vh,
              BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
     """Positions t = start .. start + BLOCK_N of one sequence (those < hi live), found through
     its block table (vt.step.kv_slot), and their K and V rows of KV head kvh: (t, the live
@@ -338,7 +338,7 @@ def _kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh, stride_vt, st
 
 
 @triton.jit
-def _softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):
+def softmax_step(s, v, m, l, acc, PRECISION: tl.constexpr):
     """One tile of the online softmax: scores s [rows, BLOCK_N] (masked ones -inf) and values
     v folded into the running max m, sum l and accumulator acc (float32). Each row's m must
     end finite (a live key in this tile or an earlier one)."""
