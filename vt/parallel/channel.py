@@ -18,6 +18,12 @@ they publish, in program order; x86-64 keeps stores in order and loads in order,
 that sees seq sees the payload. (On a weakly ordered CPU the flag would need a fence; vt
 refuses to start the channel there rather than risk it.)
 
+Naming: the segment is named after its writer, vt-tp-PID-START-RANDOM (START: the process's
+start time, so that a later process given the same pid is not taken for it). A writer that
+exits unlinks it; one killed with its whole process group (SIGKILL also takes the resource
+tracker that would have unlinked it) leaves it behind, and the next Broadcast.create on the
+machine removes every vt-tp segment whose writer no longer runs.
+
 Waiting: a reader spins for `spin_s` (where a step comes every few milliseconds and a core
 per rank is there to spare) and then sleeps in growing steps up to 1 ms, checking every
 `check_s` that the writer's process lives (`alive()`); the writer, when every slot is still
@@ -26,7 +32,10 @@ that is gone or stuck becomes a PeerLostError naming it, never a hang.
 """
 from __future__ import annotations
 
+import os
 import platform
+import re
+import secrets
 import time
 from multiprocessing import shared_memory
 from typing import Callable
@@ -39,6 +48,9 @@ SLOT_BYTES = 64 * 1024
 _HEAD_WORDS = 4          # seq, nbytes, last, pad
 _SLOT_WORDS = _HEAD_WORDS + SLOT_BYTES // 8
 _MAX_SLEEP_S = 1e-3
+SEGMENT_PREFIX = "vt-tp-"
+_SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-(\d+)-[0-9a-f]+")
+SHM_DIR = "/dev/shm"      # where Linux keeps POSIX shared memory as files
 
 
 class PeerLostError(RuntimeError):
@@ -74,7 +86,10 @@ class Broadcast:
         if readers < 1:
             raise ValueError(f"Broadcast needs at least one reader, got {readers}")
         size = 8 * (readers + 1 + SLOTS * _SLOT_WORDS)
-        shm = shared_memory.SharedMemory(create=True, size=size)
+        remove_orphaned_segments()
+        pid = os.getpid()
+        name = f"{SEGMENT_PREFIX}{pid}-{_start_time(pid) or 0}-{secrets.token_hex(4)}"
+        shm = shared_memory.SharedMemory(name=name, create=True, size=size)
         shm.buf[:size] = bytes(size)
         return cls(shm, readers, None, owner=True)
 
@@ -178,6 +193,38 @@ class Broadcast:
             self.shm.close()
         except BufferError:   # a view still held by a caller: the mapping goes with the process
             pass
+
+
+def remove_orphaned_segments(shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the Broadcast segments in `shm_dir` whose writer no longer runs (module
+    docstring); returns their names. A segment of another user's live or dead writer that
+    this user may not unlink is left. Nothing to do where the segments are not files, or
+    where processes cannot be looked up (no /proc)."""
+    if not (os.path.isdir(shm_dir) and os.path.isdir("/proc/self")):
+        return []
+    removed = []
+    for name in os.listdir(shm_dir):
+        match = _SEGMENT_NAME.fullmatch(name)
+        if match is None or _start_time(int(match.group(1))) == match.group(2):
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+        except (FileNotFoundError, PermissionError):   # gone meanwhile, or not ours
+            continue
+        removed.append(name)
+    return removed
+
+
+def _start_time(pid: int) -> str | None:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat's 22nd field);
+    None when it does not run or /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the fields after the command name, whose ")" closes field 2, begin with field 3
+    return stat.rsplit(b")", 1)[1].split()[19].decode()
 
 
 def _wait(ready: Callable[[], bool], alive: Callable[[], bool], spin_s: float,
