@@ -3,7 +3,8 @@ checkpoint directory (--model) or a bundled preset (--preset, token ids only).
 
 Every flag is checked before the model is loaded; a bad one is a one-line UsageError (exit
 2). The server prints the address it listens on once the engine is captured and warmed, and
-exits 0 after SIGINT or SIGTERM (vt/serve/server.py says how in-flight requests end)."""
+exits 0 after SIGINT or SIGTERM (vt/serve/server.py says how in-flight requests end), or 1
+once its engine has stopped for good (a tensor-parallel rank died)."""
 from __future__ import annotations
 
 import argparse
@@ -118,7 +119,7 @@ def add_parser(sub) -> None:
                         "429 with Retry-After (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight responses get to finish after SIGINT/SIGTERM before "
-                        "they are cancelled (default 30)")
+                        "they are aborted (finish_reason abort; default 30)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
