@@ -40,6 +40,18 @@ from vt.torch.simcapture import SimCapturedTorchKernel, record
 from vt.torch.views import ViewCache, flat_fields, torch_inputs
 
 
+# The sim's prompt-path warm-up stops at steps of this many tokens (warm_up_prefill).
+SIM_PREFILL_WARM_UP_TOKENS = 16
+
+
+def declared_prefill(forward) -> str:
+    """The forward's own `prefill` when it is a string (a module that takes the flattened
+    batch says "flat"; ForwardModel checks the value), else "positions". A `prefill` that is
+    not a string (a method of that name) declares nothing."""
+    own = getattr(forward, "prefill", None)
+    return own if isinstance(own, str) else "positions"
+
+
 def torch_device(be) -> torch.device:
     """The torch device whose memory a backend's buffers are in: cuda:N, or cpu for the sim."""
     return torch.device("cuda", be.device.ordinal) if be.name == "cuda" else torch.device("cpu")
@@ -52,20 +64,37 @@ class TorchForwardModel(ForwardModel):
     geometry may be left out for a forward that has them as attributes (LlamaDecoder), and
     must equal them where it does. prefill: "positions" (a decode-only forward: prompts one
     position per call) or "flat" (the forward takes the flattened batch: a prompt chunk, or a
-    whole mixed step, in one call)."""
+    whole mixed step, in one call); None (the default) takes the forward's own `prefill`
+    string where it has one (LlamaDecoder's is "flat"), else "positions", which is correct
+    for any causal forward."""
 
     def __init__(self, be, forward, *, vocab: int | None = None, geometry: KVGeometry | None = None,
-                 token_table=None, prefill: str = "positions"):
+                 token_table=None, prefill: str | None = None):
         if not callable(forward):
             raise TypeError(f"forward must be a callable forward(inputs, logits_out) or an "
                             f"nn.Module, got {type(forward).__name__}")
         vocab, geometry = resolve_shape(forward, vocab, geometry)
+        if prefill is None:
+            prefill = declared_prefill(forward)
         if isinstance(forward, torch.nn.Module):
             forward.eval()
         if token_table is None:
             token_table = zeros(be, (geometry.max_seqs + 1,), np.int32)
         super().__init__(be, TorchForwardCall(be, forward, token_table), vocab=vocab,
                          token_table=token_table, geometry=geometry, prefill=prefill)
+
+    def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out) -> None:
+        """The prompt path's warm-up. vt's pool needs no prefill shape of a torch forward: its
+        staging is allocated at construction and the forward's temporaries are torch's. On
+        cuda the whole ladder runs (ForwardModel.warm_up_prefill, up to max_prefill_tokens),
+        which grows torch's caching allocator to the largest step and compiles the kernels'
+        shapes: a GPU runs it in about a second. On the sim, steps of at most
+        SIM_PREFILL_WARM_UP_TOKENS: CPU torch has no allocator to grow, and a full-context
+        prefill there takes minutes and makes Ctrl-C wait for it; the short steps still run
+        the prompt path once, so its errors come at start-up."""
+        if self.be.name != "cuda":
+            max_prefill_tokens = min(max_prefill_tokens, SIM_PREFILL_WARM_UP_TOKENS)
+        super().warm_up_prefill(stream, max_prefill_tokens, logits_out)
 
     def release_stream(self, stream) -> None:
         """Drop the stream's torch memory pool and views (the runner's graphs are gone)."""

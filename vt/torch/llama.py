@@ -228,6 +228,10 @@ class LlamaDecoder(nn.Module):
     gathered (TensorParallel.all_gather): every rank's logits_out is the same, bit for bit.
     shard_state_dict makes a rank's weights."""
 
+    # One call runs every token of a step (module docstring): TorchForwardModel takes this
+    # as its prefill mode, so a prompt chunk costs one forward call, not one per position.
+    prefill = "flat"
+
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", linear: str = "auto",
                  prompt_kernels: str = "auto", tp: TensorParallel | None = None):
