@@ -56,6 +56,7 @@ ALLOWED = {
     ("cli/bench/torch_ttft.py", "model.config._attn_implementation"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch.ops.aten._local_scalar_dense"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch._subclasses"): _THIRD_PARTY,
+    ("torch/simcapture.py", "func._schema"): _THIRD_PARTY,
     ("parallel/communicator.py", "getattr(c10d, '_abort_process_group', None)"): _THIRD_PARTY,
     ("parallel/worker.py", "os._exit"):
         "the standard library's exit without cleanup, for a worker whose state is broken",

@@ -105,20 +105,25 @@ def decode_both(ref: LlamaDecoder, lens, seed, linear: str = "torch"):
 
 
 def test_kernels_choice():
-    """auto: vt's kernels on CUDA with a power-of-two head_dim, plain torch otherwise; prompt
-    steps follow decode steps unless chosen, and never take vt's kernels without them."""
+    """auto: vt's kernels on the CPU and on CUDA with a power-of-two head_dim, plain torch
+    otherwise; prompt steps follow decode steps unless chosen, and never take vt's kernels
+    without them."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_kernels("auto", "auto", cpu, 64) == ("torch", "torch")
+    assert resolve_kernels("auto", "auto", cpu, 64) == ("vt", "vt")
+    assert resolve_kernels("auto", "auto", cpu, 96) == ("vt", "vt")
     assert resolve_kernels("auto", "auto", cuda, 64) == ("vt", "vt")
     assert resolve_kernels("auto", "torch", cuda, 64) == ("vt", "torch")
     assert resolve_kernels("auto", "auto", cuda, 96) == ("torch", "torch")
     assert resolve_kernels("vt", "auto", cpu, 96) == ("vt", "vt")
+    assert resolve_kernels("torch", "auto", cpu, 64) == ("torch", "torch")
     with pytest.raises(ValueError, match="kernels='triton' must be"):
         resolve_kernels("triton", "auto", cpu, 64)
     with pytest.raises(ValueError, match="prompt_kernels='triton' must be"):
         resolve_kernels("auto", "triton", cpu, 64)
     with pytest.raises(ValueError, match="prompt_kernels='vt' needs kernels='vt'"):
-        resolve_kernels("auto", "vt", cpu, 64)
+        resolve_kernels("auto", "vt", cuda, 96)
+    with pytest.raises(ValueError, match="prompt_kernels='vt' needs kernels='vt'"):
+        resolve_kernels("torch", "vt", cpu, 64)
 
 
 def test_linear_choice_is_checked(sim_backend):

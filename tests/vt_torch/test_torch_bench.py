@@ -53,8 +53,8 @@ def test_the_torch_workload_refuses_an_unknown_preset_listing_each(capsys):
 @pytest.mark.parametrize("choice", ["auto", "torch"])
 def test_the_torch_workload_records_the_prompt_kernels_the_decoder_ran(sim_backend, choice):
     """The JSON's prompt_kernels per preset: what each built decoder's steps with prompt
-    tokens ran ("auto" resolved: the torch ops on the CPU; a choice as given). run_torch on
-    the sim, the peer left out (the CLI refuses the workload there)."""
+    tokens ran ("auto" resolved: vt's kernels, which the CPU runs too; a choice as given).
+    run_torch on the sim, the peer left out (the CLI refuses the workload there)."""
     from vt.cli.bench.cli import add_arguments_to_parser
     from vt.cli.bench.progress import ProgressBar
     args = add_arguments_to_parser("vt bench").parse_args(
@@ -64,7 +64,7 @@ def test_the_torch_workload_records_the_prompt_kernels_the_decoder_ran(sim_backe
     got = {}
     with ProgressBar(8, bar=False, out=io.StringIO()) as progress:
         rows = torch_workload.run_torch(sim_backend, args, progress, "no peer on the sim", got)
-    assert got == {"torch-tiny": "torch"}
+    assert got == {"torch-tiny": "vt" if choice == "auto" else choice}
     assert [r["status"] for r in rows if r["impl"] == "vt"] == ["ok"]
 
 

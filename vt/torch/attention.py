@@ -59,7 +59,8 @@ class FusedStep:
     """What vt's kernels read of a step (int32 views of its fields): the paged attention, the
     sequences' block tables and seq_lens (and, in a step with prompt tokens, query_start_loc
     and the longest query, for paged_varlen_attention); the fused RoPE kernel
-    (vt.torch.fused.rope_and_cache), every token's position and the whole cos, sin tables."""
+    (vt.torch.fused.rope_and_cache), every token's position and the whole cos, sin tables;
+    and whether the step runs the batch-invariant forms of the kernels."""
     block_tables: torch.Tensor   # [B, max_blocks]
     seq_lens: torch.Tensor       # [B]
     positions: torch.Tensor      # [T]
@@ -68,26 +69,29 @@ class FusedStep:
     block_size: int
     query_start_loc: torch.Tensor | None = None   # [B + 1]; None: a decode step
     max_query_len: int = 1
+    invariant: bool = False   # batch_invariant: every token's bits depend on it alone
 
 
 def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor,
-                  fused: bool = False, fused_prompts: bool = False) -> AttentionContext:
+                  fused: bool = False, fused_prompts: bool = False,
+                  invariant: bool = False) -> AttentionContext:
     """The step's AttentionContext; `context`: arange(max_blocks * block_size) on the device.
     fused: a decode step runs on vt's kernels (paged_decode_attention: no dense slots or
-    mask); fused_prompts: a step with prompt tokens too."""
+    mask); fused_prompts: a step with prompt tokens too; invariant: their batch-invariant
+    forms (LlamaDecoder's batch_invariant, which runs both)."""
     pos = inputs.positions.long()
     cos, sin = cos_table[pos].unsqueeze(1), sin_table[pos].unsqueeze(1)
+    if inputs.is_decode and fused:
+        step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
+                         sin_table, block_size, invariant=invariant)
+        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, None, None,
+                                fused=step)
     tables = inputs.block_tables.long()
 
     def row_slots(rows: slice, t):
         slots = context_slots(tables[rows], t, block_size)
         mask = (t < inputs.seq_lens[rows].unsqueeze(1))[:, None, None, :]
         return slots, mask
-    if inputs.is_decode and fused:
-        step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
-                         sin_table, block_size)
-        return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, None, None,
-                                fused=step)
     if inputs.is_decode:
         slots, mask = row_slots(slice(None), context)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask)
@@ -95,7 +99,7 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
     if fused and fused_prompts:   # one paged_varlen_attention call: no per-chunk work here
         longest = max(qsl[i + 1] - qsl[i] for i in range(len(lens)))
         step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
-                         sin_table, block_size, inputs.query_start_loc, longest)
+                         sin_table, block_size, inputs.query_start_loc, longest, invariant)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, 0, None, None, fused=step)
     rows = 0
     while rows < len(lens) and qsl[rows + 1] - qsl[rows] == 1:
@@ -121,7 +125,7 @@ def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
     if f is not None and f.query_start_loc is not None:   # vt's kernels, prompt tokens too
         return paged_varlen_attention(q, k_cache, v_cache, f.query_start_loc, f.seq_lens,
                                       f.block_tables, block_size=f.block_size,
-                                      max_query_len=f.max_query_len)
+                                      max_query_len=f.max_query_len, invariant=f.invariant)
     if not ctx.chunks:
         return _decode_rows(q, k_cache, v_cache, ctx)
     out = torch.empty_like(q)
@@ -143,7 +147,7 @@ def _decode_rows(q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
     f = ctx.fused
     if f is not None:
         return paged_decode_attention(q, k_cache, v_cache, f.block_tables, f.seq_lens,
-                                      block_size=f.block_size)
+                                      block_size=f.block_size, invariant=f.invariant)
     return decode_attention(q, k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
 
 

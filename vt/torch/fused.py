@@ -10,6 +10,8 @@ kernel rounds it there too), so a fused step stays within float32 rounding of th
     silu_mul(gate_up)                     silu(gate) * up of the fused [gate | up] rows
     linear(x, weight, bias)               F.linear; on CUDA at <= 16 rows of bf16/fp16, one
                                           vt.torch.triton_gemv kernel (the bias added after)
+    invariant_linear(x, weight, bias)     F.linear whose rows' bits do not depend on the
+                                          other rows or their number (batch_invariant)
     linear_silu_mul(x, weight, bias)      silu_mul(linear(x, weight, bias)); on CUDA at one
                                           row without bias, one kernel
     silu_mul_linear(gate_up, weight, bias)  linear(silu_mul(gate_up), weight, bias); on CUDA
@@ -17,30 +19,37 @@ kernel rounds it there too), so a fused step stays within float32 rounding of th
 
 Every shape is fixed by the inputs' shapes and nothing is read on the host, so each call
 captures in a CUDA graph as it is. Triton is imported only when a CUDA tensor arrives.
+
+invariant=True (rms_norm, add_rms_norm, silu_mul; LlamaDecoder's batch_invariant mode): a
+row's bits depend on that row alone. The CUDA kernels are one program per row, or per element,
+either way; on the CPU the ops then run one row at a time (vt.torch.cpu_ops says why).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from vt.torch import cpu_ops
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             invariant: bool = False) -> torch.Tensor:
     """x [S, hidden] -> [S, hidden] in x's dtype; weight [hidden]."""
     _check_norm(x, x, weight)
     if x.is_cuda:
         return _triton().rms_norm(x, None, weight, eps)[1]
-    return _rms_norm_torch(x, weight, eps)
+    return (cpu_ops.rms_norm_rows if invariant else cpu_ops.rms_norm)(x, weight, eps)
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm in one pass: h = x + delta (in x's dtype), and
     rms_norm(h). x, delta [S, hidden]; returns (h, normed), both new [S, hidden] tensors."""
     _check_norm(x, delta, weight)
     if x.is_cuda:
         return _triton().rms_norm(x, delta, weight, eps)
     h = x + delta
-    return h, _rms_norm_torch(h, weight, eps)
+    return h, (cpu_ops.rms_norm_rows if invariant else cpu_ops.rms_norm)(h, weight, eps)
 
 
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -70,15 +79,14 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     return q
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, *, invariant: bool = False) -> torch.Tensor:
     """gate_up [S, 2 * intermediate] ([gate | up]) -> silu(gate) * up [S, intermediate]."""
     if gate_up.dim() != 2 or gate_up.shape[1] % 2:
         raise ValueError(f"silu_mul: gate_up [S, 2 * intermediate] expected, got "
                          f"{tuple(gate_up.shape)}")
     if gate_up.is_cuda:
         return _triton().silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return (cpu_ops.silu_mul_rows if invariant else cpu_ops.silu_mul)(gate_up)
 
 
 def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -97,6 +105,17 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = _gemv().linear(x, weight)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) whose row bits depend on that row alone, not on how many rows
+    x has or what they hold: vt.torch.triton_invariant.linear on CUDA (one block shape, K
+    summed in one order), vt.torch.cpu_ops.linear_rows on the CPU (one product per row)."""
+    if x.is_cuda:
+        from vt.torch import triton_invariant
+        return triton_invariant.linear(x, weight, bias)
+    return cpu_ops.linear_rows(x, weight, bias)
 
 
 def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
@@ -121,13 +140,6 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
         y = _gemv().silu_mul_linear(gate_up, weight)
         return y if bias is None else y + bias
     return linear(silu_mul(gate_up), weight, bias)
-
-
-def _rms_norm_torch(x, weight, eps):
-    # In float32, as Hugging Face's Llama does, then back to the storage dtype.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
 
 
 def _check_norm(x, delta, weight):

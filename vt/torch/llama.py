@@ -58,6 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vt import env
 from vt.step import KVGeometry
 from vt.torch import fused
 from vt.torch.attention import AttentionContext, attend, build_context
@@ -141,18 +142,24 @@ class Attention(nn.Module):
                 out = rope_cache_decode_attention(
                     qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache,
                     ctx.slot_mapping, p.block_tables, p.seq_lens, block_size=p.block_size,
-                    **shape).reshape(T, -1)
+                    invariant=p.invariant, **shape).reshape(T, -1)
                 return self.tp.row_parallel(self.o, out, matmul)
             # RoPE and the paged KV write in one pass over the fused projection.
             q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table,
                                      k_cache, v_cache, ctx.slot_mapping, **shape)
             out = attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1)
             return self.tp.row_parallel(self.o, out, matmul)
-        q, k, v = self.qkv(x).split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+        # batch_invariant: the projections and the q/k norms in their row-invariant forms.
+        invariant = p is not None and p.invariant
+        qkv = matmul(x, self.qkv.weight, self.qkv.bias) if invariant else self.qkv(x)
+        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
         q = q.view(T, heads, hd)
         k = k.view(T, kv_heads, hd)
         v = v.view(T, kv_heads, hd)
-        if self.q_norm is not None:
+        if invariant and self.q_norm is not None:
+            q = self._head_norm(self.q_norm, q)
+            k = self._head_norm(self.k_norm, k)
+        elif self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, ctx.cos, ctx.sin), rope(k, ctx.cos, ctx.sin)
         # The paged KV write: each token's key and value go to its slot (a pad row's: the
@@ -160,7 +167,13 @@ class Attention(nn.Module):
         k_cache.index_copy_(0, ctx.slot_mapping, k)
         v_cache.index_copy_(0, ctx.slot_mapping, v)
         out = attend(q, k, v, k_cache, v_cache, ctx).reshape(T, heads * hd)
-        return self.tp.row_parallel(self.o, out)
+        return self.tp.row_parallel(self.o, out, matmul if invariant else None)
+
+    @staticmethod
+    def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of x [T, heads, head_dim], each head's row on its own."""
+        rows = x.reshape(-1, x.shape[-1])
+        return fused.rms_norm(rows, norm.weight, norm.eps, invariant=True).view(x.shape)
 
 
 class MLP(nn.Module):
@@ -172,15 +185,17 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden, 2 * inter, bias=cfg.mlp_bias)   # fused [gate | up]
         self.down = nn.Linear(inter, cfg.hidden, bias=cfg.mlp_bias)
 
-    def forward(self, x, fused_ops: bool = False, matmul=F.linear):
-        """fused_ops: vt's SiLU-product kernel; with the Triton linears as the step's matmul
-        (LlamaDecoder.step_matmul), the SiLU product inside the gate_up projection's kernel
-        at one row."""
-        if fused_ops and matmul is fused.linear:
-            act = fused.linear_silu_mul(x, self.gate_up.weight, self.gate_up.bias)
-            return self.tp.row_parallel(self.down, act, matmul)
+    def forward(self, x, fused_ops: bool = False, matmul=F.linear, invariant: bool = False):
+        """fused_ops: vt's SiLU-product kernel (invariant: its batch-invariant form); with the
+        Triton linears as the step's matmul (LlamaDecoder.step_matmul), the SiLU product
+        inside the gate_up projection's kernel at one row."""
         if fused_ops:
-            return self.tp.row_parallel(self.down, fused.silu_mul(self.gate_up(x)))
+            w, b = self.gate_up.weight, self.gate_up.bias
+            if matmul is fused.linear:
+                act = fused.linear_silu_mul(x, w, b)
+            else:
+                act = fused.silu_mul(matmul(x, w, b), invariant=invariant)
+            return self.tp.row_parallel(self.down, act, matmul)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return self.tp.row_parallel(self.down, F.silu(gate) * up)
 
@@ -199,14 +214,14 @@ class Layer(nn.Module):
         layer: on vt's kernels the residual add of each MLP output is made by the next norm's
         kernel (add_rms_norm), one kernel less per layer; the torch ops add it at once."""
         if ctx.fused is not None:   # a step on vt's kernels
-            a, m = self.attn_norm, self.mlp_norm
+            a, m, invariant = self.attn_norm, self.mlp_norm, ctx.fused.invariant
             if delta is None:
-                h = fused.rms_norm(x, a.weight, a.eps)
+                h = fused.rms_norm(x, a.weight, a.eps, invariant=invariant)
             else:
-                x, h = fused.add_rms_norm(x, delta, a.weight, a.eps)
+                x, h = fused.add_rms_norm(x, delta, a.weight, a.eps, invariant=invariant)
             attn_out = self.attn(h, ctx, k_cache, v_cache, matmul)
-            x, h = fused.add_rms_norm(x, attn_out, m.weight, m.eps)
-            return x, self.mlp(h, fused_ops=True, matmul=matmul)
+            x, h = fused.add_rms_norm(x, attn_out, m.weight, m.eps, invariant=invariant)
+            return x, self.mlp(h, fused_ops=True, matmul=matmul, invariant=invariant)
         if delta is not None:
             x = x + delta
         x = x + self.attn(self.attn_norm(x), ctx, k_cache, v_cache)
@@ -234,22 +249,21 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", linear: str = "auto",
-                 prompt_kernels: str = "auto", tp: TensorParallel | None = None):
+                 prompt_kernels: str = "auto", tp: TensorParallel | None = None,
+                 batch_invariant: bool | None = None):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
         self.cfg, self.geometry = cfg, geometry
+        if batch_invariant is None:
+            batch_invariant = env.get("VT_BATCH_INVARIANT")
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"LlamaDecoder: batch_invariant must be a bool or None, got "
+                            f"{batch_invariant!r}")
+        self.batch_invariant = batch_invariant
         self.kernels, self.prompt_kernels = resolve_kernels(
-            kernels, prompt_kernels, torch.device(device), cfg.head_dim)
-        if linear not in ("auto", "torch", "triton"):
-            raise ValueError(f"LlamaDecoder: linear={linear!r} must be 'auto', 'torch' or "
-                             f"'triton'")
-        if linear == "triton" and self.kernels != "vt":
-            raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
-                             "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
-        if linear == "auto":
-            linear = "triton" if self.kernels == "vt" else "torch"
-        self.linear = linear   # "torch" or "triton"
+            kernels, prompt_kernels, torch.device(device), cfg.head_dim, batch_invariant)
+        self.linear = resolve_linear(linear, self.kernels, batch_invariant)
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
@@ -281,7 +295,8 @@ class LlamaDecoder(nn.Module):
         """Every token of the step through the layers; logits_out [B, vocab] of each
         sequence's logits_indices token (a decode step's are all of its tokens)."""
         ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context,
-                            fused=self.kernels == "vt", fused_prompts=self.prompt_kernels == "vt")
+                            fused=self.kernels == "vt", fused_prompts=self.prompt_kernels == "vt",
+                            invariant=self.batch_invariant)
         x, delta = self.embed(inputs.input_ids.long()), None
         matmul = self.step_matmul(inputs)
         for i, layer in enumerate(self.layers):
@@ -290,7 +305,8 @@ class LlamaDecoder(nn.Module):
             if not inputs.is_decode:   # a decode step's tokens are its sequences
                 wanted = inputs.logits_indices.long()
                 x, delta = x[wanted], delta[wanted]
-            x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps)[1]
+            x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps,
+                                   invariant=self.batch_invariant)[1]
             logits = matmul(x, self.head_weight())   # [B, vocab_shard]: this rank's shard
         else:
             if not inputs.is_decode:   # a decode step's tokens are its sequences
@@ -302,7 +318,10 @@ class LlamaDecoder(nn.Module):
     def step_matmul(self, inputs: TorchInputs):
         """What computes the step's projections and head: the `linear` choice in a decode step
         (its row count is the captured batch: the Triton GEMV's regime), F.linear in a step
-        with prompt tokens (many rows: cuBLAS's)."""
+        with prompt tokens (many rows: cuBLAS's); batch_invariant: the row-invariant linear
+        in every step."""
+        if self.linear == "invariant":
+            return fused.invariant_linear
         return fused.linear if inputs.is_decode and self.linear == "triton" else F.linear
 
     def head_weight(self) -> torch.Tensor:
@@ -380,25 +399,55 @@ def shard_state_dict(state_dict: dict, cfg: LlamaConfig, tp: TensorParallel) -> 
 
 
 def resolve_kernels(kernels: str, prompt_kernels: str, device: torch.device,
-                    head_dim: int) -> tuple[str, str]:
+                    head_dim: int, invariant: bool = False) -> tuple[str, str]:
     """("vt" or "torch", "vt" or "torch"): what a decode step and a step with prompt tokens
-    run (the module docstring), "auto" resolved: vt's kernels on cuda (decode: where head_dim
-    is a power of two), and prompt steps follow decode steps. ValueError for a choice that
-    is not one of those, or prompt steps on vt's kernels without decode steps on them."""
+    run (the module docstring), "auto" resolved: vt's kernels (on cuda where head_dim is a
+    power of two, the Triton kernels' shape), and prompt steps follow decode steps.
+    ValueError for a choice that is not one of those, prompt steps on vt's kernels without
+    decode steps on them, or, with invariant (batch_invariant), either on the torch ops,
+    whose attention is not row-invariant, or cuda without a power-of-two head_dim."""
     if kernels not in ("auto", "vt", "torch"):
         raise ValueError(f"LlamaDecoder: kernels={kernels!r} must be 'auto', 'vt' or 'torch'")
     if prompt_kernels not in ("auto", "torch", "vt"):
         raise ValueError(f"LlamaDecoder: prompt_kernels={prompt_kernels!r} must be 'auto', "
                          f"'torch' or 'vt'")
+    pow2 = head_dim & (head_dim - 1) == 0
+    if invariant and "torch" in (kernels, prompt_kernels):
+        raise ValueError(f"LlamaDecoder: batch_invariant=True runs every step on vt's kernels; "
+                         f"kernels={kernels!r} and prompt_kernels={prompt_kernels!r} must be "
+                         f"'auto' or 'vt'")
+    if invariant and device.type == "cuda" and not pow2:
+        raise ValueError(f"LlamaDecoder: batch_invariant=True on cuda needs a power-of-two "
+                         f"head_dim (the Triton kernels' shape), got head_dim={head_dim}")
     if kernels == "auto":
-        pow2 = head_dim & (head_dim - 1) == 0
-        kernels = "vt" if device.type == "cuda" and pow2 else "torch"
+        kernels = "vt" if device.type != "cuda" or pow2 else "torch"
     if prompt_kernels == "auto":
         prompt_kernels = kernels
     if prompt_kernels == "vt" and kernels != "vt":
         raise ValueError("LlamaDecoder: prompt_kernels='vt' needs kernels='vt' (or 'auto' "
                          "resolving to it)")
     return kernels, prompt_kernels
+
+
+def resolve_linear(linear: str, kernels: str, invariant: bool) -> str:
+    """What computes a decode step's projections: "torch", "triton" or, with invariant
+    (batch_invariant), "invariant" (vt.torch.fused.invariant_linear, in every step). "auto"
+    is "triton" where decode steps run vt's kernels. ValueError for another choice, "triton"
+    without vt's kernels, or any choice but "auto" with invariant."""
+    if linear not in ("auto", "torch", "triton"):
+        raise ValueError(f"LlamaDecoder: linear={linear!r} must be 'auto', 'torch' or "
+                         f"'triton'")
+    if invariant:
+        if linear != "auto":
+            raise ValueError(f"LlamaDecoder: linear={linear!r} with batch_invariant=True: its "
+                             f"linears are the row-invariant ones; leave linear='auto'")
+        return "invariant"
+    if linear == "triton" and kernels != "vt":
+        raise ValueError("LlamaDecoder: linear='triton' runs in decode steps on vt's "
+                         "kernels; it needs kernels='vt' (or 'auto' resolving to it)")
+    if linear == "auto":
+        return "triton" if kernels == "vt" else "torch"
+    return linear
 
 
 def rope(x, cos, sin):

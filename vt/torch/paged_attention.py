@@ -16,8 +16,14 @@ then a merge of the spans. Every shape is fixed by the call's tensor shapes and 
 split bounds are read from seq_lens on the device, so the call has no host sync and captures
 in a CUDA graph as it is. paged_varlen_attention is one Triton kernel (no split: its query
 tiles fill the GPU); its grid depends on the step's longest query, which the caller knows on
-the host. On the CPU the same functions are computed in plain torch, one row at a time over
-its live tokens, so CI tests the same semantics. Triton is imported only when a
+the host. With invariant=True (vt.torch.llama's batch_invariant mode) the CUDA path runs
+vt.torch.triton_invariant's kernels instead: spans of a fixed length, not a count picked from
+the rows, folded in one order that the decode and the varlen kernels share, so a token's
+output bits are the same alone, among any other rows, as a decode row of a decode or a mixed
+step, and inside any prompt chunk. On the CPU the same functions are vt.torch.cpu_ops's
+custom ops, plain torch over each row's live tokens (a sim capture records each as one op,
+which reads seq_lens when it is replayed), so CI tests the same semantics; with invariant=True
+they compute every prompt token as they compute a decode row. Triton is imported only when a
 CUDA tensor arrives: the module imports without it.
 """
 from __future__ import annotations
@@ -27,7 +33,7 @@ import math
 import torch
 
 from vt.step import context_slots
-from vt.torch import fused
+from vt.torch import cpu_ops, fused
 
 # The GPU's resident programs per SM that the split count aims to fill (one wave).
 PROGRAMS_PER_SM = 4
@@ -38,19 +44,25 @@ MIN_SPLIT_TOKENS = 64
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
-                           block_size: int, splits: int | None = None) -> torch.Tensor:
+                           block_size: int, splits: int | None = None,
+                           invariant: bool = False) -> torch.Tensor:
     """Attention of each row's query over its live cache tokens.
 
     q [S, heads, head_dim]; k_cache, v_cache [num_blocks * block_size, kv_heads, head_dim]
     (one layer's cache, llama.py's layout); block_tables [S, max_blocks] int32; seq_lens [S]
     int32. Returns [S, heads, head_dim] in q's dtype. A row with seq_lens 0 gets zeros.
     splits: context spans per (row, KV head) on CUDA; None picks decode_splits() from the
-    shapes (fixed per S, so a captured graph keeps it).
+    shapes (fixed per S, so a captured graph keeps it). invariant: a row's output bits depend
+    on that row alone, and equal paged_varlen_attention(..., invariant=True)'s for the same
+    token (on CUDA: vt.torch.triton_invariant's fixed spans, so `splits` must be None).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+    _no_splits_if_invariant(splits, invariant, "paged_decode_attention")
     if not q.is_cuda:
-        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
-                                            block_size=block_size)
+        return cpu_ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+    if invariant:
+        return _invariant_module().paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
+                                                block_size=block_size)
     triton_attention = _triton_module()
     splits = _cuda_splits(splits, k_cache.shape[1], block_tables, block_size, q.device,
                           "paged_decode_attention")
@@ -62,8 +74,8 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
                                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                                 seq_lens: torch.Tensor, *, heads: int, kv_heads: int,
-                                head_dim: int, block_size: int,
-                                splits: int | None = None) -> torch.Tensor:
+                                head_dim: int, block_size: int, splits: int | None = None,
+                                invariant: bool = False) -> torch.Tensor:
     """A decode step's attention from its fused q/k/v projection:
     vt.torch.fused.rope_and_cache (RoPE of q and k, the new key and value written to
     slot_mapping's slots) then paged_decode_attention, as one kernel (and the split-K merge)
@@ -73,16 +85,24 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
     head_dim] float32; the caches, block_tables and seq_lens as paged_decode_attention's;
     slot_mapping [S] int: each row's new slot, that of position seq_lens - 1. Returns
     [S, heads, head_dim] in qkv's dtype, the cache updated as rope_and_cache updates it.
+    invariant: paged_decode_attention(..., invariant=True) after rope_and_cache (two kernels
+    and the fold on CUDA: the one kernel's two half-width dots sum the scores in another
+    order than the varlen path does).
     """
     fused.check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
     q_shape = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))   # a view, to check
     _check(q_shape, k_cache, v_cache, block_tables, seq_lens, block_size,
            "rope_cache_decode_attention")
+    _no_splits_if_invariant(splits, invariant, "rope_cache_decode_attention")
     if not qkv.is_cuda:
         q = fused.rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
                                  heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens,
-                                            block_size=block_size)
+        return cpu_ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+    if invariant:
+        q = fused.rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
+                                 heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+        return _invariant_module().paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
+                                                block_size=block_size)
     splits = _cuda_splits(splits, kv_heads, block_tables, block_size, qkv.device,
                           "rope_cache_decode_attention")
     return _triton_module().rope_paged_decode(
@@ -94,7 +114,7 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, *, block_size: int,
-                           max_query_len: int) -> torch.Tensor:
+                           max_query_len: int, invariant: bool = False) -> torch.Tensor:
     """Causal attention of a flattened step's tokens over their sequences' cached contexts.
 
     q [T, heads, head_dim]: sequence i's new tokens are rows query_start_loc[i] ..
@@ -107,7 +127,10 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     device only, so a value below the largest n leaves the rest of that sequence's rows
     unwritten there, as FlashAttention's max_seqlen_q does. The CPU path reads the lengths
     and refuses such a value, so a caller's tests on the CPU catch it. Returns
-    [T, heads, head_dim] in q's dtype.
+    [T, heads, head_dim] in q's dtype. invariant: a token's output bits depend on that token
+    alone (not on the other tokens, its chunk's bounds or the step's sequences), and equal
+    paged_decode_attention(..., invariant=True)'s for a decode row (on CUDA:
+    vt.torch.triton_invariant).
     """
     _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size)
     if not q.is_cuda:
@@ -115,34 +138,11 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         if max_query_len < longest:
             raise ValueError(f"paged_varlen_attention: max_query_len={max_query_len} is below "
                              f"the step's longest query, {longest} tokens")
-        return paged_varlen_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                            block_tables, block_size=block_size)
-    return _triton_module().paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                         block_tables, block_size=block_size,
-                                         max_query_len=max_query_len)
-
-
-def paged_varlen_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                 *, block_size: int) -> torch.Tensor:
-    """The plain-torch path: per sequence, gather its live slots and attend in float32 with
-    the bottom-right causal mask. It reads the lengths on the host (the CPU's path, and the
-    GPU kernel's reference)."""
-    T, heads, head_dim = q.shape
-    group = heads // k_cache.shape[1]
-    out = torch.zeros_like(q)
-    starts = query_start_loc.tolist()
-    for i, length in enumerate(seq_lens.tolist()):
-        a, b = starts[i], starts[i + 1]
-        if b == a:
-            continue
-        slots = live_slots(block_tables[i], length, block_size)
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)      # [L, heads, hd]
-        vals = v_cache[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("nhd,lhd->hnl", q[a:b].float(), keys) / math.sqrt(head_dim)
-        seen = torch.ones(b - a, length, dtype=torch.bool, device=q.device).tril(length - (b - a))
-        probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
-        out[a:b] = torch.einsum("hnl,lhd->nhd", probs, vals).to(q.dtype)
-    return out
+        return cpu_ops.paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                    block_tables, block_size, invariant)
+    kernels = _invariant_module() if invariant else _triton_module()
+    return kernels.paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+                                block_size=block_size, max_query_len=max_query_len)
 
 
 def decode_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
@@ -162,24 +162,6 @@ def _cuda_splits(splits: int | None, kv_heads: int, block_tables: torch.Tensor,
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"{name}: splits={splits} must be in 1..{MAX_SPLITS}")
     return splits
-
-
-def paged_decode_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, *,
-                                 block_size: int) -> torch.Tensor:
-    """The plain-torch path: per row, gather its live slots only and attend in float32.
-    It reads seq_lens on the host, so it is for the CPU (and as the GPU kernel's reference)."""
-    S, heads, head_dim = q.shape
-    group = heads // k_cache.shape[1]
-    out = torch.zeros_like(q)
-    for n, length in enumerate(seq_lens.tolist()):
-        if length <= 0:
-            continue
-        slots = live_slots(block_tables[n], length, block_size)
-        keys = k_cache[slots].float().repeat_interleave(group, dim=1)      # [L, heads, hd]
-        vals = v_cache[slots].float().repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,lhd->hl", q[n].float(), keys) / math.sqrt(head_dim)
-        out[n] = torch.einsum("hl,lhd->hd", scores.softmax(-1), vals).to(q.dtype)
-    return out
 
 
 def dense_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, *,
@@ -241,6 +223,18 @@ def _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
                          f"{tuple(seq_lens.shape)}")
     _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, "paged_varlen_attention",
            sequences=B)
+
+
+def _no_splits_if_invariant(splits, invariant: bool, name: str) -> None:
+    if invariant and splits is not None:
+        raise ValueError(f"{name}: splits={splits} with invariant=True: the batch-invariant "
+                         f"kernels cut the context into fixed spans; pass splits=None")
+
+
+def _invariant_module():
+    _triton_module()   # the same error where Triton is missing
+    from vt.torch import triton_invariant
+    return triton_invariant
 
 
 def _triton_module():

@@ -16,7 +16,7 @@ def _f(v, fmt: str) -> str:
 def table(res: dict) -> str:
     tokens = ("tokens compared across modes (batch-invariant model)" if res.get("tokens_compared")
               else "tokens not compared across modes: the model is not batch-invariant here "
-                   "(VT_BATCH_INVARIANT=1 makes the bundled model so; a torch model is not)")
+                   "(VT_BATCH_INVARIANT=1 makes it so)")
     profiled = "engines profiled (device timing events); " if res.get("profiled", True) else ""
     if res.get("url"):
         profiled = ""

@@ -4,7 +4,8 @@ fraction is measured the same way in every mode), all captured and warmed first,
 (arrival, load) cell on the same requests, --repeats times, the modes taking turns in an order
 that flips each repeat (engines over one model drive it one after the other); a cell reports
 its median run, with each latency percentile the median over its runs (median_run). Where the model's
-rows are batch-invariant (always on the sim; on cuda with VT_BATCH_INVARIANT=1) their tokens
+rows are batch-invariant (a bundled model always on the sim, and with VT_BATCH_INVARIANT=1 any
+model on any backend) their tokens
 must agree (tokens_identical_to_drain). Elsewhere a request's batch depends on when requests
 arrive and steps end, which differs from mode to mode, and a row's logits bits depend on its
 batch, so the tokens are not compared (None; the modes' tokens are checked by the tests, the
@@ -84,16 +85,17 @@ def _serve_model(be, name: str, conc: int, context: int, seed: int, prompt_kerne
     """(preset, vocab, step model, close(), whether every mode must give the same tokens,
     what its steps with prompt tokens run) for a bundled preset (None: its own prefill) or a
     torch preset (vt.torch.llama with seeded random weights, prefill "flat", its steps with
-    prompt tokens on `prompt_kernels`, "auto" resolved). A torch model's rows are not
-    batch-invariant (its GEMMs' sums depend on the rows beside them), so its tokens are not
-    compared across modes."""
+    prompt tokens on `prompt_kernels`, "auto" resolved). A torch model's rows are
+    batch-invariant only with VT_BATCH_INVARIANT=1 (else its GEMMs' sums depend on the rows
+    beside them), and only then are its tokens compared across modes."""
     from vt.cli.bench import torch_workload
     if name in torch_workload.PRESETS:
         cfg = torch_workload.model_config(name)
         module, model = torch_workload.build(be, conc, context, seed, cfg=cfg,
                                              prompt_kernels=prompt_kernels)
         # Nothing to close: its tensors go when the last reference does (run_serve drops them).
-        return name, cfg.vocab, model, lambda: None, False, module.prompt_kernels
+        return (name, cfg.vocab, model, lambda: None, module.batch_invariant,
+                module.prompt_kernels)
     from vt.cli.common import build_model, resolve_preset
     preset, cfg = resolve_preset(be, name, context, "vt bench")
     model = build_model(be, cfg, max_seqs=conc, context=context, seed=seed)
