@@ -434,23 +434,20 @@ def _alone_and_among_others(batch_invariant: bool, seed: int):
     budgets = rng.integers(1, 13, 30).tolist()
     targets = [rng.integers(0, 512, n).tolist() for n in (1, 37, 200)]
     be = get_backend("cuda")
-    pairs = []
+    alone, pairs = [], []
     try:
         model = TorchForwardModel(be, _decoder(batch_invariant), prefill="flat")
-        engines = {mode: Engine(be, model, ExecutorConfig.for_mode(
-            mode, serving_conc=32, capture_sizes=(1, 2, 4, 8, 16, 32)), record_logits=True,
-            max_prefill_tokens=96) for mode in ("sync", "ring")}
-        try:
-            for t in targets:
-                alone = engines["sync"].generate([t], max_new_tokens=8)[0]
-                for mode, eng in engines.items():
+        for mode in ("sync", "ring"):
+            config = ExecutorConfig.for_mode(mode, serving_conc=32,
+                                             capture_sizes=(1, 2, 4, 8, 16, 32))
+            with Engine(be, model, config, record_logits=True, max_prefill_tokens=96) as eng:
+                if not alone:
+                    alone = [eng.generate([t], max_new_tokens=8)[0] for t in targets]
+                for t, first in zip(targets, alone):
                     at = int(rng.integers(0, 31))
                     got = eng.generate(others[:at] + [t] + others[at:],
                                        max_new_tokens=budgets[:at] + [8] + budgets[at:])[at]
-                    pairs.append((mode, alone, got))
-        finally:
-            for eng in engines.values():
-                eng.close()
+                    pairs.append((mode, first, got))
     finally:
         be.close()
     return pairs
