@@ -5,10 +5,12 @@ Paged attention reads each row's seq_lens to know how many cache tokens it atten
 CUDA a kernel reads them on the device; on the CPU plain torch has to read them on the host,
 which a sim capture (vt/torch/simcapture.py: it records the aten ops a forward dispatches over
 fake tensors, then replays them) refuses, as CUDA refuses a host read under capture. Each
-attention is therefore one custom op (torch.library.custom_op): the capture records it as
-one op, its fake implementation gives the output's shape, and its CPU implementation runs at
-every replay, reading seq_lens then, as the CUDA kernel does. So a captured decode step on
-the sim attends over its live tokens, as on CUDA, and costs what they cost.
+attention is therefore one custom op of the library "vt" (torch.library): the capture records
+it as one op, its fake implementation gives the output's shape, and its CPU implementation
+runs at every replay, reading seq_lens then, as the CUDA kernel does. So a captured decode
+step on the sim attends over its live tokens, as on CUDA, and costs what they cost. (Defined
+with torch.library.Library rather than torch.library.custom_op, whose wrapper imported
+torch._dynamo at the first call, about a second, and cost 12 against 4 us a call.)
 
     vt::paged_decode_attention   one query token per row (a decode step)
     vt::paged_varlen_attention   a flattened step's prompt chunks and decode rows
@@ -54,12 +56,37 @@ def context(cache: torch.Tensor, table_row: torch.Tensor, length: int,
     return paged[table_row[:blocks].long()].flatten(0, 1)[:length].float()
 
 
-@torch.library.custom_op("vt::paged_decode_attention", mutates_args=(), device_types="cpu")
+_LIBRARY = torch.library.Library("vt", "DEF")
+_LIBRARY.define("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
+                "Tensor block_tables, Tensor seq_lens, int block_size) -> Tensor")
+_LIBRARY.define("paged_varlen_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
+                "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int block_size, "
+                "bool invariant) -> Tensor")
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
                  block_size: int) -> torch.Tensor:
     """vt.torch.paged_attention.paged_decode_attention on the CPU: each row's query over its
-    first seq_lens cache tokens (zeros where seq_lens is 0); one attend_token per row."""
+    first seq_lens cache tokens (zeros where seq_lens is 0); one attend_token per row. One
+    op, vt::paged_decode_attention."""
+    return torch.ops.vt.paged_decode_attention.default(q, k_cache, v_cache, block_tables,
+                                                       seq_lens, block_size)
+
+
+def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_tables: torch.Tensor, block_size: int, invariant: bool) -> torch.Tensor:
+    """vt.torch.paged_attention.paged_varlen_attention on the CPU: sequence i's new tokens
+    (rows query_start_loc[i]..query_start_loc[i + 1] - 1, the last n of its seq_lens[i]
+    positions) attend causally, bottom-right aligned, over its cached context. One
+    attend_token per token where invariant (or n is 1), else one product per sequence. One
+    op, vt::paged_varlen_attention."""
+    return torch.ops.vt.paged_varlen_attention.default(
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size, invariant)
+
+
+def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size):
     S, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     out = torch.zeros_like(q)
@@ -68,24 +95,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             continue
         keys = context(k_cache, block_tables[n], length, block_size)
         vals = context(v_cache, block_tables[n], length, block_size)
-        qn = q[n].float().view(kv_heads, heads // kv_heads, head_dim)
+        qn = q[n].float().reshape(kv_heads, heads // kv_heads, head_dim)
         out[n] = attend_token(qn, keys, vals).view(heads, head_dim)
     return out
 
 
-@paged_decode.register_fake
-def _(q, k_cache, v_cache, block_tables, seq_lens, block_size):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("vt::paged_varlen_attention", mutates_args=(), device_types="cpu")
-def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, block_size: int, invariant: bool) -> torch.Tensor:
-    """vt.torch.paged_attention.paged_varlen_attention on the CPU: sequence i's new tokens
-    (rows query_start_loc[i]..query_start_loc[i + 1] - 1, the last n of its seq_lens[i]
-    positions) attend causally, bottom-right aligned, over its cached context. One
-    attend_token per token where invariant (or n is 1), else one product per sequence."""
+def _paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size,
+                  invariant):
     T, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -98,7 +114,7 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             continue
         keys = context(k_cache, block_tables[i], length, block_size)
         vals = context(v_cache, block_tables[i], length, block_size)
-        qs = q[a:b].float().view(n, kv_heads, group, head_dim)
+        qs = q[a:b].float().reshape(n, kv_heads, group, head_dim)
         if invariant or n == 1:
             for j in range(n):
                 seen = length - n + j + 1
@@ -115,9 +131,14 @@ def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return out
 
 
-@paged_varlen.register_fake
-def _(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size, invariant):
+def _like_q(q, *args):
     return torch.empty_like(q)
+
+
+_LIBRARY.impl("paged_decode_attention", _paged_decode, "CPU")
+_LIBRARY.impl("paged_varlen_attention", _paged_varlen, "CPU")
+for _name in ("paged_decode_attention", "paged_varlen_attention"):   # shapes, for a capture
+    torch.library.register_fake(f"vt::{_name}", _like_q, lib=_LIBRARY)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor,

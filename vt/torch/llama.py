@@ -21,9 +21,10 @@ ops of vt.torch.fused (rms_norm, add_rms_norm for each residual add and the norm
 the next layer's or the final one, silu_mul, and rope_and_cache unless qk_norm, whose norm
 sits between the projection and RoPE; in a one-row step with head_dim >= 32, RoPE, the KV
 write and attention are one call, paged_attention.rope_cache_decode_attention); "auto" (the
-default) is "vt" on CUDA with a power-of-two head_dim (the Triton kernels' shape), else
-"torch". On the CPU "vt" computes the same in plain torch but reads seq_lens on the host,
-so a captured (fake-tensor) step refuses it.
+default) is "vt" on the CPU, and on CUDA with a power-of-two head_dim (the Triton kernels'
+shape), else "torch". On the CPU "vt" is plain torch, its paged attention custom ops
+(vt.torch.cpu_ops) that the sim's capture records as one op each: a captured step on the sim
+attends over the live tokens, as on CUDA.
 
 `linear` picks what computes a decode step's projections on vt's kernels: "torch"
 (nn.Linear, cuBLAS on CUDA), "triton" (vt.torch.fused.linear: at most 16 rows in bf16/fp16
@@ -43,6 +44,15 @@ holds; cuBLAS computes the projections. "torch" is plain torch ops with SDPA per
 "auto" (the default) follows `kernels`: "vt" where decode steps run vt's kernels, measured
 faster (docs/benchmarks.md: TTFT 0.75-0.88x transformers eager's against 0.93-1.6x with
 "torch"; serving tok/s about 2x). vt.torch.hf loads Hugging Face checkpoints into it.
+
+batch_invariant=True (None, the default: VT_BATCH_INVARIANT): a token's logits bits depend on
+its sequence alone, not on the other rows of its step, their number, or how its prompt was cut
+into chunks (which follows the other requests), so a greedy token never flips with the batch.
+Every step then runs vt's kernels in their row-invariant forms: the projections and the head
+through vt.torch.fused.invariant_linear (vt.torch.triton_invariant's fixed-shape matmul on
+CUDA, one product per row on the CPU), the norms and the SiLU product one row at a time, and
+attention with invariant=True, which computes a prompt token as it computes a decode row. It
+costs time (docs/torch.md, "Batch invariance").
 
 With `tp` (a vt.torch.tensor_parallel.TensorParallel of more than one rank) each rank holds
 its share of the heads, the KV cache, the MLP and the head; `o` and `down` end in an
