@@ -16,6 +16,7 @@ _LAZY = {
     "MODES": "vt.knobs",
     "Engine": "vt.engine.engine",
     "Progress": "vt.engine.engine",
+    "StartUpProgress": "vt.engine.engine",
     "ForwardModel": "vt.forward.user",
     "KVGeometry": "vt.step.contract",
     "SamplingParams": "vt.sampling",

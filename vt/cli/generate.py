@@ -33,10 +33,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         # empty whatever the model says (vt serve refuses it too).
         raise UsageError("vt generate: --stop takes a non-empty string, got ''")
 
-    def log(msg):
-        print(msg, file=sys.stderr, flush=True)
-
-    be, served, engine, _ = open_served(args, "vt generate", log)
+    be, served, engine, _ = open_served(args, "vt generate")
     try:
         text = served.text
         ids = (text.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat

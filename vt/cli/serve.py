@@ -8,11 +8,15 @@ once its engine has stopped for good (a tensor-parallel rank died)."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from vt.cli.common import UsageError, backend_name, pick_backend
 
 SIM_DEFAULT_CONC, CUDA_DEFAULT_CONC = 8, 32
+# What a checkpoint needs beyond vt's own dependencies (the serve extra brings them).
+CHECKPOINT_MODULES = ("torch", "transformers")
+SERVER_MODULES = ("fastapi", "uvicorn")
 
 
 def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
@@ -32,10 +36,15 @@ def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
                    help=f"requests decoded together, the rows of the batch (default: "
                         f"{CUDA_DEFAULT_CONC} on cuda, {SIM_DEFAULT_CONC} on sim)")
     p.add_argument("--max-context", type=int, default=None,
-                   help="tokens per sequence, prompt and output (default: the config's "
-                        "max_position_embeddings, at most 4096)")
+                   help="tokens per sequence, prompt and output, at most the checkpoint's "
+                        "max_position_embeddings (default: that, capped at 4096)")
     p.add_argument("--kv-blocks", type=int, default=None,
-                   help="KV cache blocks (default: a whole context for every row)")
+                   help="KV cache blocks, one of them scratch (default: from "
+                        "--gpu-memory-utilization on cuda, 512 MiB on sim, at most a whole "
+                        "context for every row)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, metavar="F",
+                   help="cuda, --model: the fraction of the GPU memory free at start-up that "
+                        "the weights, activations and KV cache may take (default 0.9)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache (auto: bfloat16 on cuda, float32 on sim)")
@@ -58,6 +67,21 @@ def check_model_arguments(args, who: str) -> None:
                          f"process")
     if args.max_concurrency is not None and args.max_concurrency > 1024:
         raise UsageError(f"{who}: --max-concurrency must be at most 1024, got {args.max_concurrency}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise UsageError(f"{who}: --gpu-memory-utilization must be in (0, 1], got "
+                         f"{args.gpu_memory_utilization}")
+
+
+def require_serve_extra(who: str, modules) -> None:
+    """UsageError naming the first of `modules` that does not import and the extra to install
+    (the distribution is vt-graphs: `vt` on PyPI is another project)."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as e:
+            raise UsageError(f"{who} needs the serve extra ({e.name or module} is missing): "
+                             f"pip install 'vt-graphs[serve]' (from a checkout: "
+                             f"pip install '.[serve]')") from None
 
 
 def serving_config(mode: str, conc: int):
@@ -69,37 +93,49 @@ def serving_config(mode: str, conc: int):
     return ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=sizes)
 
 
-def open_served(args, who: str, log):
-    """(backend, ServedModel, Engine) for the parsed flags; the caller closes them in reverse."""
+def open_served(args, who: str, out=None):
+    """(backend, ServedModel, Engine) for the parsed flags; the caller closes them in reverse.
+    What the start-up does and chooses goes to `out` (stderr) as it happens
+    (vt/cli/start_up.py)."""
+    from vt.cli.start_up import StartUpLog
+
+    if not getattr(args, "preset", None):
+        require_serve_extra(who, CHECKPOINT_MODULES)
     from vt.engine.engine import Engine
     from vt.serve.model_source import load_checkpoint, load_preset
 
+    log = StartUpLog(who, out)
     name = backend_name(args.backend)
     conc = args.max_concurrency or (CUDA_DEFAULT_CONC if name == "cuda" else SIM_DEFAULT_CONC)
     be = pick_backend(args.backend, who=who)
     try:
         if getattr(args, "preset", None):
-            log(f"{who}: preset {args.preset} (random weights, token ids only) on {be.name}")
+            log.line(f"{who}: preset {args.preset} (random weights, token ids only) on {be.name}")
             served = load_preset(be, args.preset, max_seqs=conc, max_context=args.max_context,
                                  seed=args.seed)
         else:
-            log(f"{who}: loading {args.model} on {be.name} ...")
+            log.line(f"{who}: loading {args.model} on {be.name} ...")
             served = load_checkpoint(be, args.model, max_seqs=conc, max_context=args.max_context,
                                      block_size=args.block_size, kv_blocks=args.kv_blocks,
                                      dtype=args.dtype,
                                      name=getattr(args, "served_model_name", None) or args.model,
-                                     tensor_parallel=args.tensor_parallel)
+                                     tensor_parallel=args.tensor_parallel,
+                                     gpu_memory_utilization=args.gpu_memory_utilization,
+                                     progress=log)
     except ValueError as e:
         be.close()
         raise UsageError(f"{who}: {e}") from None
     except BaseException:
         be.close()
         raise
+    for note in served.notes:
+        log.line(f"{who}: {note}")
     config = serving_config(args.mode, conc)
     try:
-        log(f"{who}: capturing the decode graphs ({args.mode}, sizes "
-            f"{', '.join(map(str, config.capture_sizes))}) ...")
-        engine = Engine(be, served.step_model, config, tensor_parallel=args.tensor_parallel)
+        log.line(f"{who}: {args.mode} mode, decode graphs for batch sizes "
+                 f"{', '.join(map(str, config.capture_sizes))}")
+        engine = Engine(be, served.step_model, config, tensor_parallel=args.tensor_parallel,
+                        start_up_progress=log)
     except BaseException:
         served.close()
         be.close()
@@ -131,11 +167,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"vt serve: --port must be in [0, 65535], got {args.port}")
     if args.max_queued < 0 or not 0 <= args.shutdown_timeout <= 3600:
         raise UsageError("vt serve: --max-queued must be >= 0 and --shutdown-timeout in [0, 3600]")
-    try:
-        from vt.serve.server import address, bind, make_server
-    except ImportError as e:
-        raise UsageError(f"vt serve needs the serve extra ({e.name} is missing): "
-                         f"pip install 'vt-graphs[serve]'") from None
+    require_serve_extra("vt serve", SERVER_MODULES)
+    from vt.serve.server import address, bind, make_server
     from vt.serve.generation import GenerationService
     from vt.serve.metrics import ServeMetrics
 
@@ -147,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"vt serve: {e}") from None
     with sock:
-        be, served, engine, conc = open_served(args, "vt serve", log)
+        be, served, engine, conc = open_served(args, "vt serve")
         if args.served_model_name and getattr(args, "preset", None):
             served.name = args.served_model_name
         try:

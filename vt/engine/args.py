@@ -9,7 +9,8 @@ from vt.validate import integer
 _BACKEND_CALLS = ("stream", "event", "empty", "pinned_empty", "launch", "capture")
 
 
-def check_engine_args(backend, config, record_logits, max_prefill_tokens, profile) -> None:
+def check_engine_args(backend, config, record_logits, max_prefill_tokens, profile,
+                      start_up_progress=None) -> None:
     missing = [c for c in _BACKEND_CALLS if not callable(getattr(backend, c, None))]
     if missing:
         raise TypeError(f"Engine: backend must be a vt backend (vt.backend.get_backend()), got "
@@ -22,6 +23,9 @@ def check_engine_args(backend, config, record_logits, max_prefill_tokens, profil
             raise TypeError(f"Engine: {name} must be a bool, got {value!r}")
     if max_prefill_tokens is not None:
         integer("Engine: max_prefill_tokens (None: the default)", max_prefill_tokens, 1)
+    if start_up_progress is not None and not callable(start_up_progress):
+        raise TypeError(f"Engine: start_up_progress must be a callable or None, got "
+                        f"{type(start_up_progress).__name__}")
 
 
 def check_generate_args(prompts, progress) -> None:

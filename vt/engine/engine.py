@@ -39,12 +39,12 @@ from vt.engine.requests import RequestResult
 from vt.executor.runner import Runner
 from vt.validate import integer
 from vt.engine.serving import ServingLoop
-from vt.engine.progress import Progress
+from vt.engine.progress import Progress, StartUpProgress, phase_reporter
 from vt.engine.submit import check_one_request, make_requests
 from vt.engine.model_lease import driving, model_key
 from vt.engine.args import check_engine_args, check_generate_args
 
-__all__ = ["Engine", "Progress", "RequestHandle"]
+__all__ = ["Engine", "Progress", "RequestHandle", "StartUpProgress"]
 
 
 class Engine:
@@ -52,6 +52,9 @@ class Engine:
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
     profile=True: device timing events around each step and the per-phase host split.
+    start_up_progress: called with a vt.engine.progress.StartUpProgress as each phase of the
+    construction (capturing the decode graphs, warming up the eager steps) starts and after
+    each of its pieces, in this thread; None (the default) reports nothing.
     hooks: the test arms (vt.testing, e.g. Poison()); with config=None they come from the
     environment too (VT_ASYNC_EXECUTOR_POISON).
     submit() and generate() may be called from any number of threads at once; the serving
@@ -61,8 +64,10 @@ class Engine:
     def __init__(self, backend, model_or_forward, config: ExecutorConfig | None = None, *,
                  record_logits: bool = False, max_prefill_tokens: int | None = None,
                  profile: bool = False, hooks: ExecutorHooks | None = None,
-                 tensor_parallel: int = 1):
-        check_engine_args(backend, config, record_logits, max_prefill_tokens, profile)
+                 tensor_parallel: int = 1,
+                 start_up_progress: Callable[[StartUpProgress], None] | None = None):
+        check_engine_args(backend, config, record_logits, max_prefill_tokens, profile,
+                          start_up_progress)
         self.be = backend
         if hooks is None:
             hooks = hooks_from_env() if config is None else NULL_HOOKS
@@ -76,14 +81,14 @@ class Engine:
             model_or_forward = group.model
         try:
             self._construct(backend, model_or_forward, group, hooks, record_logits,
-                            max_prefill_tokens, profile)
+                            max_prefill_tokens, profile, start_up_progress)
         except BaseException:
             if group is not None:
                 group.stop("rank 0's Engine failed while starting")
             raise
 
     def _construct(self, backend, model_or_forward, group, hooks, record_logits,
-                   max_prefill_tokens, profile) -> None:
+                   max_prefill_tokens, profile, start_up_progress) -> None:
         self.model = as_step_model(backend, model_or_forward)
         geo = self.model.geometry
         if self.config.serving_conc > geo.max_seqs:
@@ -108,8 +113,9 @@ class Engine:
         self._model_key = model_key(self.model)
         try:
             with driving(self._model_key, "Engine(...)"):
-                self.runner.capture()
-                self.runner.warm_up(self.max_prefill_tokens)
+                self.runner.capture(phase_reporter(start_up_progress, "capturing decode graphs"))
+                self.runner.warm_up(self.max_prefill_tokens,
+                                    phase_reporter(start_up_progress, "warming up eager steps"))
         except BaseException:
             self.runner.close()
             raise

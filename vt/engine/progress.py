@@ -1,8 +1,30 @@
-"""What the engine reports while and after it serves: the progress callback's argument and the
-per-phase time of its loop (Engine.stats()["phases"])."""
+"""What the engine reports while it starts, serves and after: the start-up and progress
+callbacks' arguments and the per-phase time of its loop (Engine.stats()["phases"])."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class StartUpProgress:
+    """Passed to Engine(start_up_progress=...) as a phase of its construction starts (done 0)
+    and after each of the phase's `total` pieces; `detail` names the last one ("size 4").
+    The phases: "capturing decode graphs" (one piece per graph), "warming up eager steps"
+    (each eager decode size, then the prompt path). vt.serve.model_source reports its
+    "loading weights" (one piece per tensor) the same way."""
+    phase: str
+    done: int
+    total: int
+    detail: str = ""
+
+
+def phase_reporter(callback: Callable[[StartUpProgress], None] | None, phase: str):
+    """report(done, total, detail) of one phase for the layers below the engine, which know
+    pieces and counts but not the engine's types; None when there is no callback."""
+    if callback is None:
+        return None
+    return lambda done, total, detail="": callback(StartUpProgress(phase, done, total, detail))
 
 
 @dataclass(frozen=True)

@@ -92,23 +92,32 @@ class EagerPath:
         kind = "eager" if not prefill else ("mixed" if n_dec else "prefill")
         return ForwardLogits(block[:n], n), kind
 
-    def warm_up(self, graph_sizes, max_prefill_tokens: int) -> None:
+    def warm_up(self, graph_sizes, max_prefill_tokens: int, progress=None) -> None:
         """Run every eager shape once (all padding: writes only scratch), so that serving never
         calls the driver afterwards. Every temporary dies when its launch returns and goes back
-        to the pool, so once each shape ran, the pool's free blocks cover any later step."""
+        to the pool, so once each shape ran, the pool's free blocks cover any later step.
+        What the prompt path warms is the step model's choice (StepModel.warm_up_prefill).
+        progress(done, total, detail): before the first shape and after each decode size and
+        the prompt path, or None."""
+        report = progress or _silent
         block = self._logits[0]
         none = np.zeros(0, np.int32)
         empty = DecodeRows(none, none, none, none, np.zeros((0, self.model.geometry.max_blocks),
                                                             np.int32), none)
-        for size in self.buckets(graph_sizes):
+        buckets = self.buckets(graph_sizes)
+        total = len(buckets) + 1
+        report(0, total)
+        for done, size in enumerate(buckets, 1):
             inputs = self._stage(self._decode, empty, size)
             self.model.decode(self.stream, inputs, block[:size])
             self.model.sample(self.stream, block[:size], inputs, self.out_device[:size])
             self.stream.synchronize()   # the staging block is reused by the next bucket
+            report(done, total, f"decode, {size} rows")
         for nbytes in self.model.sampler_workspaces(self.be, self.capacity):
             self.be.pool.reserve(nbytes)
         self.model.warm_up_prefill(self.stream, max_prefill_tokens, block)
         self.stream.synchronize()
+        report(total, total, "the prompt path")
 
     def close(self) -> None:
         for ev in self.done:
@@ -129,3 +138,7 @@ class EagerPath:
         host, dev = blocks
         host.copy_to(self.be, dev, self.stream)
         return dev.inputs.rows(0, size)
+
+
+def _silent(done: int, total: int, detail: str = "") -> None:
+    """The progress of a warm-up nobody watches."""

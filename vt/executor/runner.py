@@ -93,15 +93,17 @@ class Runner:
         if self.profile:
             self.timer.armed = True   # a standalone runner times every step
 
-    def capture(self) -> None:
-        """Capture every graph (warm-up, pre-grow and capture per size: vt/graphs/capture.py)."""
+    def capture(self, progress=None) -> None:
+        """Capture every graph (warm-up, pre-grow and capture per size: vt/graphs/capture.py).
+        progress(done, total, detail): before the first graph and after each, or None."""
         self._check_open()
-        self.driver.capture()
+        self.driver.capture(progress)
 
-    def warm_up(self, max_prefill_tokens: int) -> None:
-        """Run every eager shape once, so that serving never calls the driver afterwards."""
+    def warm_up(self, max_prefill_tokens: int, progress=None) -> None:
+        """Run every eager shape once, so that serving never calls the driver afterwards.
+        progress: as capture's, over the eager shapes."""
         self._check_open()
-        self.eager.warm_up(self.driver.rings, max_prefill_tokens)
+        self.eager.warm_up(self.driver.rings, max_prefill_tokens, progress)
 
     # -- launch -------------------------------------------------------------------------
     def launch(self, plan: StepPlan) -> StepHandle:

@@ -52,10 +52,15 @@ class DecodeGraphDriver:
         self._ring_by_rows: list[SlotRing | None] = []   # [n] -> the ring of padded_size(n)
         self._closed = False
 
-    def capture(self) -> None:
-        """Warm up, pre-grow and capture every size, largest first (see capture.py)."""
+    def capture(self, progress=None) -> None:
+        """Warm up, pre-grow and capture every size, largest first (see capture.py).
+        progress(done, total, detail): called before the first graph and after each."""
         self._check_open()
         st = self.settings
+        per_size = 1 if st.staged else st.slots_per_size
+        total, done = per_size * len(self.sizes), 0
+        if progress is not None:
+            progress(0, total)
         for size in sorted(self.sizes, reverse=True):
             first = SizeSlot(self.be, size, 0, self.max_blocks, self.pad, staged=st.staged)
             slots = [first] + [SizeSlot(self.be, size, i, self.max_blocks, self.pad,
@@ -63,13 +68,15 @@ class DecodeGraphDriver:
                                for i in range(1, st.slots_per_size)]
             self.rings[size] = SlotRing(slots, guarded=st.guarded)   # close() frees it on failure
             warm_up(self.be, self.stream, self.step, first, self.vocab)
-            graphs = 1 if st.staged else len(slots)
-            self.hooks.pre_grow_pool(self.be.pool, logits_nbytes(size, self.vocab), graphs)
-            for i in range(graphs):
+            self.hooks.pre_grow_pool(self.be.pool, logits_nbytes(size, self.vocab), per_size)
+            for i in range(per_size):
                 out = capture_slot(self.be, self.stream, self.step, slots[i], self.vocab,
                                    staged=st.staged)
                 for slot in (slots if st.staged else [slots[i]]):
                     slot.output = out   # owned by the ring from here: close() frees it
+                done += 1
+                if progress is not None:
+                    progress(done, total, f"size {size}" + (f", slot {i}" if per_size > 1 else ""))
         # A list lookup per step instead of a bisect (the step's host path is a few µs)
         top = max(self.rings, default=0)
         self._ring_by_rows = [self.rings.get(self.padded_size(n)) for n in range(top + 1)]

@@ -36,15 +36,15 @@ class RankZeroRunner(Runner):
     def check_usable(self) -> None:
         self.group.check()
 
-    def capture(self) -> None:
+    def capture(self, progress=None) -> None:
         self._check_open()
         self.group.send(wire.simple(wire.CAPTURE))
-        super().capture()
+        super().capture(progress)
 
-    def warm_up(self, max_prefill_tokens: int) -> None:
+    def warm_up(self, max_prefill_tokens: int, progress=None) -> None:
         self._check_open()
         self.group.send(wire.simple(wire.WARM_UP, max_prefill_tokens))
-        super().warm_up(max_prefill_tokens)
+        super().warm_up(max_prefill_tokens, progress)
 
     def launch(self, plan: StepPlan) -> StepHandle:
         self.group.check()

@@ -1,14 +1,24 @@
 """What `vt serve` serves: a Hugging Face checkpoint directory (its weights through
 vt.torch.hf into vt.torch's Llama decoder, its tokenizer, its EOS ids) or a bundled preset
 (random weights, token ids only). Each becomes a ServedModel: the step model the engine
-drives, its geometry, and the text side when there is one."""
+drives, its geometry, the text side when there is one, and what was chosen for it (the
+context, the KV cache) in words for the start-up log.
+
+A checkpoint's context is its config's max_position_embeddings (times a linear RoPE
+factor, as vLLM derives it), at most DEFAULT_MAX_CONTEXT unless asked for; more than the
+checkpoint's is refused, as vLLM refuses it: positions past it were never trained. Its KV
+cache is sized by vt/serve/kv_cache.py.
+"""
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from vt.engine.progress import phase_reporter
+from vt.serve import kv_cache
 from vt.serve.text import TextCodec, eos_token_ids
 from vt.step import KVGeometry
 
@@ -16,6 +26,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # The decoder takes a prompt chunk (or a whole mixed step) in one forward call: a prompt of P
 # tokens costs ceil(P / max_prefill_tokens) calls, not P (docs/torch.md).
 PREFILL = "flat"
+# The context of a checkpoint whose max_position_embeddings is longer (or unknown), unless
+# max_context says otherwise: a whole context per row is KV memory and, on the sim, attention
+# time.
+DEFAULT_MAX_CONTEXT = 4096
 
 
 @dataclass
@@ -27,6 +41,7 @@ class ServedModel:
     text: TextCodec | None       # None: token ids in and out (a preset)
     eos_ids: tuple[int, ...]
     close: Callable[[], None] = lambda: None
+    notes: tuple[str, ...] = ()  # what was chosen (context, KV cache), a line each
 
 
 def geometry_for(max_seqs: int, max_context: int, block_size: int,
@@ -39,13 +54,18 @@ def geometry_for(max_seqs: int, max_context: int, block_size: int,
 
 def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                     block_size: int = 16, kv_blocks: int | None = None, dtype: str = "auto",
-                    name: str | None = None, wrap_forward=None,
-                    tensor_parallel: int = 1) -> ServedModel:
+                    name: str | None = None, wrap_forward=None, tensor_parallel: int = 1,
+                    gpu_memory_utilization: float = kv_cache.DEFAULT_GPU_MEMORY_UTILIZATION,
+                    progress=None) -> ServedModel:
     """The checkpoint at `path` on backend `be` (cuda: bfloat16 by default; sim: CPU float32).
-    max_context None: the config's max_position_embeddings, at most 4096. wrap_forward:
-    called with the loaded module, returns the forward the engine runs (tests inject faults).
-    tensor_parallel > 1: `step_model` is the builder Engine(..., tensor_parallel=N) takes,
-    each rank loading its shard (docs/parallel.md); nothing is loaded here."""
+    max_context None: the checkpoint's context (module docstring), at most
+    DEFAULT_MAX_CONTEXT; more than the checkpoint's is a ValueError. kv_blocks None: sized
+    by vt/serve/kv_cache.py (on cuda from gpu_memory_utilization, a fraction of the GPU
+    memory free now). wrap_forward: called with the loaded module, returns the forward the
+    engine runs (tests inject faults). tensor_parallel > 1: `step_model` is the builder
+    Engine(..., tensor_parallel=N) takes, each rank loading its shard (docs/parallel.md);
+    nothing is loaded here. progress: called with a vt.engine.progress.StartUpProgress of
+    the phase "loading weights" (one piece per parameter), or None."""
     import torch
 
     from vt.torch import TorchForwardModel, hf, torch_device
@@ -53,26 +73,96 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
 
     path = Path(path)
     cfg = hf.read_config(path)           # refuses an unsupported architecture before any weight
-    if max_context is None:
-        max_context = min(read_max_position_embeddings(path) or 4096, 4096)
-    text = TextCodec.from_dir(path)
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} must be in (0, 1]")
+    max_context, context_note = checkpoint_context(cfg, read_max_position_embeddings(path),
+                                                   max_context)
+    text = TextCodec.from_dir(path)
     if dtype == "auto":
         dtype = "bfloat16" if be.name == "cuda" else "float32"
-    geo = geometry_for(max_seqs, max_context, block_size, kv_blocks)
+    torch_dtype = getattr(torch, dtype)
+    if tensor_parallel > 1:   # before the KV cache is sized per rank, and before any spawn
+        from vt.torch.llama import check_tensor_parallel
+        from vt.torch.tensor_parallel import TensorParallel
+        check_tensor_parallel(cfg, TensorParallel(0, tensor_parallel))
+    size = checkpoint_kv_cache(be, cfg, torch_dtype, max_seqs=max_seqs, max_context=max_context,
+                               block_size=block_size, kv_blocks=kv_blocks,
+                               tensor_parallel=tensor_parallel,
+                               utilization=gpu_memory_utilization)
+    geo = geometry_for(max_seqs, max_context, block_size, size.num_kv_blocks)
+    notes = (context_note, size.describe())
     if tensor_parallel > 1:
         if wrap_forward is not None:
             raise ValueError("wrap_forward and tensor_parallel together are not supported")
-        from vt.torch.llama import check_tensor_parallel
-        from vt.torch.tensor_parallel import TensorParallel
-        check_tensor_parallel(cfg, TensorParallel(0, tensor_parallel))   # before any spawn
         build = functools.partial(checkpoint_shard, str(path), geo, dtype)
-        return ServedModel(name or path.name, build, geo, cfg.vocab, text, eos_token_ids(path))
-    module = hf.load(path, geo, dtype=getattr(torch, dtype), device=torch_device(be))
+        return ServedModel(name or path.name, build, geo, cfg.vocab, text, eos_token_ids(path),
+                           notes=notes)
+    module = hf.load(path, geo, dtype=torch_dtype, device=torch_device(be),
+                     progress=phase_reporter(progress, "loading weights"))
     forward = module if wrap_forward is None else wrap_forward(module)
     step = TorchForwardModel(be, forward, vocab=cfg.vocab, geometry=geo, prefill=PREFILL)
-    return ServedModel(name or path.name, step, geo, cfg.vocab, text, eos_token_ids(path))
+    return ServedModel(name or path.name, step, geo, cfg.vocab, text, eos_token_ids(path),
+                       notes=notes)
+
+
+def checkpoint_context(cfg, max_position_embeddings: int | None,
+                       max_context: int | None) -> tuple[int, str]:
+    """(max_context, the line that says where it came from) for a checkpoint whose config.json
+    gives `max_position_embeddings` (None: it names none); `max_context` None: the default.
+    ValueError when max_context exceeds the checkpoint's context (module docstring)."""
+    if max_position_embeddings is None:
+        limit, source = None, "config.json names no max_position_embeddings"
+    else:
+        limit = int(max_position_embeddings * cfg.rope_linear_factor)
+        source = f"config.json's max_position_embeddings {max_position_embeddings:,}"
+        if cfg.rope_linear_factor != 1.0:
+            source += f" x its linear RoPE factor {cfg.rope_linear_factor:g} = {limit:,}"
+    if max_context is None:
+        if limit is not None and limit <= DEFAULT_MAX_CONTEXT:
+            return limit, f"max context {limit:,} tokens ({source})"
+        return DEFAULT_MAX_CONTEXT, (f"max context {DEFAULT_MAX_CONTEXT:,} tokens, the default "
+                                     f"cap ({source}; --max-context to change)")
+    if limit is not None and max_context > limit:
+        raise ValueError(f"max context {max_context:,} exceeds the checkpoint's {limit:,} "
+                         f"({source}): positions past it were never trained; give at most "
+                         f"{limit:,} (--max-context)")
+    return max_context, f"max context {max_context:,} tokens (as given; {source})"
+
+
+def checkpoint_kv_cache(be, cfg, torch_dtype, *, max_seqs: int, max_context: int,
+                        block_size: int, kv_blocks: int | None, tensor_parallel: int,
+                        utilization: float) -> kv_cache.KVCacheSize:
+    """The KV cache of a checkpoint of `cfg` (vt/serve/kv_cache.py): on cuda from the GPU
+    memory free now, less the weights and activations of one rank; on the sim
+    SIM_KV_CACHE_BYTES."""
+    import torch
+
+    from vt.torch import torch_device
+    from vt.torch.hf import EMBED, hf_shapes
+
+    elem, tp = torch_dtype.itemsize, tensor_parallel
+    per_token = kv_cache.kv_bytes_per_token(cfg, elem, tp)
+    if be.name != "cuda":
+        budget = kv_cache.SIM_KV_CACHE_BYTES
+        why = f"the sim's budget of {budget / 2**20:,.0f} MiB"
+    else:
+        free, _ = torch.cuda.mem_get_info(torch_device(be))
+        shapes = hf_shapes(cfg)
+        total = sum(math.prod(s) for s in shapes.values())
+        embed = math.prod(shapes[EMBED])        # every rank holds the whole embedding
+        weights = (embed + (total - embed) // tp) * elem
+        # The engine's default prompt budget for this decoder (chunked): max_context tokens.
+        activations = kv_cache.prefill_activation_bytes(cfg, max_context, elem, tp)
+        budget = kv_cache.kv_budget_bytes(free_bytes=free, utilization=utilization,
+                                          weight_bytes=weights, activation_bytes=activations)
+        why = (f"{utilization:g} of the {free / 2**30:,.1f} GiB of GPU memory free at start-up, "
+               f"less {weights / 2**30:,.1f} GiB of weights and {activations / 2**30:,.1f} GiB "
+               f"of activations")
+    return kv_cache.size_kv_cache(bytes_per_token=per_token, block_size=block_size,
+                                  max_seqs=max_seqs, max_context=max_context,
+                                  budget_bytes=budget, budget_why=why, kv_blocks=kv_blocks)
 
 
 def checkpoint_shard(path: str, geometry: KVGeometry, dtype: str, be, tp):
@@ -100,4 +190,7 @@ def load_preset(be, preset: str, *, max_seqs: int, max_context: int | None = Non
                         num_kv_blocks=blocks)
     geo = KVGeometry(max_seqs=max_seqs, num_kv_blocks=blocks + 1, block_size=cfg.kv_block_size,
                      max_context=cfg.max_context)
-    return ServedModel(preset, model, geo, cfg.vocab, None, (), model.close)
+    notes = (f"max context {cfg.max_context:,} tokens",
+             f"KV cache {blocks:,} blocks of {cfg.kv_block_size} tokens: a whole context for "
+             f"every row ({max_seqs} x {cfg.max_context} tokens)")
+    return ServedModel(preset, model, geo, cfg.vocab, None, (), model.close, notes)

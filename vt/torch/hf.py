@@ -31,13 +31,14 @@ EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
-         tp: TensorParallel | None = None) -> LlamaDecoder:
+         tp: TensorParallel | None = None, progress=None) -> LlamaDecoder:
     """A LlamaDecoder with the checkpoint's weights, its KV cache sized for `geometry`.
     device: where its tensors go; by default the device of the backend vt.backend.get_backend()
     picks here (cuda when a GPU is usable, else cpu: the sim's). tp: rank tp.rank's shard
     of a tensor-parallel decoder (vt.torch.llama.shard_state_dict): each parameter is read
     whole on the host and sliced there, one at a time (module docstring), so a rank needs
-    device memory for its shard only."""
+    device memory for its shard only. progress(done, total, name): called before the first
+    parameter is read and after each (a fused parameter counts once), or None."""
     path = Path(path)
     cfg = read_config(path)
     files = _read_safetensors(path)
@@ -45,15 +46,17 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
         cfg = replace(cfg, tie_embeddings=False)
         if EMBED not in files:   # transformers ties the missing one to the one present
             files[EMBED] = files[HEAD]
+    readers = _to_vt_names(cfg, files, path)   # every check of the files, before any allocation
+    if progress is not None:
+        progress(0, len(readers))
     model = LlamaDecoder(cfg, geometry, dtype=dtype, device=default_device() if device is None
                          else device, tp=tp)
-    readers = _to_vt_names(cfg, files, path)
     params = model.state_dict()
     if set(readers) != set(params):   # a bug here, not in the checkpoint: say both sides
         raise RuntimeError(f"vt.torch.hf: the names read {sorted(set(readers) - set(params))} "
                            f"and the module's {sorted(set(params) - set(readers))} differ")
     with torch.no_grad():
-        for name, read in readers.items():
+        for done, (name, read) in enumerate(readers.items(), 1):
             t = read()
             if tp is not None:
                 t = shard_state_dict({name: t}, cfg, tp)[name]
@@ -62,6 +65,8 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
                                    f"holds {list(params[name].shape)}")
             params[name].copy_(t)
             del t
+            if progress is not None:
+                progress(done, len(readers), name)
     return model
 
 
