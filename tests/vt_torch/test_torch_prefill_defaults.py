@@ -23,7 +23,8 @@ class _Counting:
 
     def __init__(self, module):
         self.module, self.calls = module, []
-        self.vocab, self.geometry, self.prefill = module.vocab, module.geometry, module.prefill
+        self.vocab, self.geometry = module.vocab, module.geometry
+        self.prefill = getattr(module, "prefill", None)
 
     def __call__(self, inputs, logits_out):
         self.calls.append((inputs.is_decode, inputs.num_tokens))
@@ -82,7 +83,7 @@ def test_the_sim_warms_the_prompt_path_with_short_steps_only(sim_backend):
     module = tiny_llama(sim_backend, geometry=geo)
     forward = _Counting(module)
     cfg = ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=(1, 2))
-    with Engine(sim_backend, TorchForwardModel(sim_backend, forward), cfg) as eng:
+    with Engine(sim_backend, TorchForwardModel(sim_backend, forward, prefill="flat"), cfg) as eng:
         assert eng.max_prefill_tokens == 320
         warmed = forward.prompt_tokens()
         assert warmed and max(warmed) == SIM_PREFILL_WARM_UP_TOKENS == 16
