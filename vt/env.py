@@ -131,7 +131,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("VT_POOL_DEBUG", _switch, False, _SWITCH,
              "one exact-size driver allocation per buffer (for compute-sanitizer)"),
     Variable("VT_BATCH_INVARIANT", _switch, False, _SWITCH,
-             "the bundled model's logits do not depend on the batch, on cuda too"),
+             "a request's logits do not depend on its batch: the bundled model on cuda "
+             "too, vt.torch's LlamaDecoder on every backend"),
     Variable("VT_PREFILL_GRAPHS", _switch, True, _SWITCH,
              "the bundled model's prefill replays captured graphs (0: eager)"),
     Variable("VT_TRITON_PDL", _switch, True, _SWITCH,

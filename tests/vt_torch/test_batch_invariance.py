@@ -16,7 +16,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps its blocks
 
 import torch.nn.functional as F  # noqa: E402

@@ -7,7 +7,7 @@ can fail."""
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt[torch])")
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps its blocks
 
 from torch.utils import _pytree as pytree  # noqa: E402
