@@ -26,10 +26,10 @@ matrix-vector product and of several rows a matrix product, which sum in differe
 (their bits differ in every row), so linear_rows computes each row as its own one-row product.
 rms_norm_rows and silu_mul_rows are per row too: torch's element-wise and reduction kernels
 cut a tensor into pieces by its size (threads, vector tails), and a row's bits must not
-depend on where such a cut falls. Measured on 2 cores with the projections of a 30-layer
-hidden-576 model (tools/sim_decode_vs_transformers.py's shape), one row per product costs what
-F.linear costs at one row (53 against 50 ms), 1.6x F.linear at 8 rows; fixed blocks of 8 or 16
-rows cost 2.8x at one row.
+depend on where such a cut falls. Timed on one CPU thread over the 121 projections of
+tools/sim_decode_vs_transformers.py's 135M shape, one product per row costs what F.linear
+costs at one row (53 against 50 ms) and 1.6x F.linear at 8 rows (259 against 158 ms); fixed
+blocks of 8 rows, which gave the same bits on this BLAS, cost 146 ms at one row (2.8x).
 """
 from __future__ import annotations
 

@@ -154,7 +154,7 @@ class _Recorder(TorchDispatchMode):
             raise _Refused(f"aten.{name} draws random numbers")
         template = pytree.tree_map_only(torch.Tensor, self._ref, (args, kwargs))
         result = func(*args, **kwargs)
-        if not func._schema.is_mutable and _returns_nothing_new(result, args, kwargs):
+        if _pure(func) and _returns_nothing_new(result, args, kwargs):
             return result   # a query (a device) or an input as it is (.float() of a float)
         outs = []
         for leaf in pytree.tree_leaves(result):
@@ -178,6 +178,13 @@ class _Recorder(TorchDispatchMode):
             raise RuntimeError(f"vt.torch (sim capture): a fake tensor of shape {list(t.shape)} "
                                f"came from outside the recorded forward")
         return t   # a tensor the forward closes over: the record holds it
+
+
+def _pure(func) -> bool:
+    """An aten or prim op that writes none of its arguments: its outputs are all it does. (An
+    op of another library may act beyond its schema: a collective's wait_tensor returns its
+    argument once the collective has finished, so it is always recorded.)"""
+    return func.namespace in ("aten", "prim") and not func._schema.is_mutable
 
 
 def _returns_nothing_new(result, args, kwargs) -> bool:
