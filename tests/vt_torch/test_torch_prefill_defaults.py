@@ -76,19 +76,21 @@ def test_a_declared_prefill_that_is_no_mode_is_refused(sim_backend):
         TorchForwardModel(sim_backend, module)
 
 
-def test_the_sim_warms_the_prompt_path_with_short_steps_only(sim_backend):
-    """On the sim, a budget of max_context (320) tokens warms up with steps of at most
-    SIM_PREFILL_WARM_UP_TOKENS: the prompt path runs, no full-context prefill does."""
+def test_the_prompt_path_warms_up_to_the_budget_on_cuda_and_with_short_steps_on_the_sim(backend):
+    """A budget of max_context (320) tokens: cuda warms up to it (torch's allocator grows to the
+    largest step); the sim with steps of at most SIM_PREFILL_WARM_UP_TOKENS, no full-context
+    prefill. Either way a longer prompt is served afterwards."""
     geo = KVGeometry(max_seqs=2, num_kv_blocks=2 * 20 + 1, block_size=16, max_context=320)
-    module = tiny_llama(sim_backend, geometry=geo)
+    module = tiny_llama(backend, geometry=geo)
     forward = _Counting(module)
     cfg = ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=(1, 2))
-    with Engine(sim_backend, TorchForwardModel(sim_backend, forward, prefill="flat"), cfg) as eng:
+    with Engine(backend, TorchForwardModel(backend, forward, prefill="flat"), cfg) as eng:
         assert eng.max_prefill_tokens == 320
         warmed = forward.prompt_tokens()
-        assert warmed and max(warmed) == SIM_PREFILL_WARM_UP_TOKENS == 16
+        top = 320 if backend.name == "cuda" else SIM_PREFILL_WARM_UP_TOKENS
+        assert warmed == [1 << k for k in range(top.bit_length()) if 1 << k < top] + [top]
         forward.calls.clear()
         prompt = [int(t) % 96 for t in range(1, 300)]
-        res = eng.generate([prompt], max_new_tokens=2)   # a longer step after it serves
+        res = eng.generate([prompt], max_new_tokens=2)
     assert forward.prompt_tokens() == [299]
     assert list(map(int, res[0].tokens)) == eager_greedy(module, prompt, 2)
