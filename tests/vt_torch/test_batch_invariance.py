@@ -261,7 +261,8 @@ def first_token_logits(m: LlamaDecoder, prompt) -> torch.Tensor:
 
 def serve_alone_and_among_30(be, m: LlamaDecoder, prompt, mode: str):
     """(the prompt's result alone, its result as the 13th of 31 requests submitted at once),
-    on one engine."""
+    on one engine; prompts are prefilled 24 tokens a step, so chunks of them share steps
+    with the first requests' decode rows."""
     rng = np.random.default_rng(4)
     others = [rng.integers(0, m.cfg.vocab, size=int(rng.integers(1, 8))).tolist()
               for _ in range(30)]
@@ -271,7 +272,8 @@ def serve_alone_and_among_30(be, m: LlamaDecoder, prompt, mode: str):
     with Engine(be, model, cfg, record_logits=True, max_prefill_tokens=24) as eng:
         alone = eng.generate([prompt], max_new_tokens=6)[0]
         among = eng.generate(batch, max_new_tokens=6)[12]
-        assert eng.stats()["graph_steps"] > 0
+        stats = eng.stats()   # captured decode steps, and prompt chunks beside decode rows
+        assert stats["graph_steps"] > 0 and stats["mixed_steps"] > 0
     return alone, among
 
 
