@@ -16,7 +16,10 @@ config's vocab_size is the real model's 128256, padded past the trained tokenize
 hundred tokens as real checkpoints pad theirs: the weights and the logits have the 8B's
 size, and an id the tokenizer does not know decodes to no text. Its weights are drawn
 tensor by tensor on the GPU when there is one (else the CPU) and written in safetensors
-shards with their index, the names and shapes those vt.torch.hf loads.
+shards with their index, the names and shapes those vt.torch.hf loads. `--shape smollm2-135m`
+writes SmolLM2-135M's shape the same way (30 layers, hidden 576, 9 heads, 3 KV heads, MLP
+1536, vocab 49152, tied embeddings, 8192 positions; 0.3 GB): what `vt serve` start-up on the
+sim is measured with (docs/serve.md).
 
 Needs torch, transformers and tokenizers (python3 -m pip install ".[serve]": transformers brings tokenizers).
 """
@@ -43,11 +46,17 @@ CORPUS = [
 MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.2,
              rope_theta=10000.0, tie_word_embeddings=False)
+# SmolLM2-135M's shape: a real model's layers and vocabulary at a size the sim serves (what
+# `vt serve` start-up is measured on without a GPU, docs/serve.md).
+SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
+                    initializer_range=0.02, rope_theta=100000.0, tie_word_embeddings=True,
+                    vocab_size=49152)
 LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                  num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
                  initializer_range=0.02, rope_theta=500000.0, tie_word_embeddings=False,
                  vocab_size=128256)
-SHAPES = {"tiny": MODEL, "llama3-8b": LLAMA3_8B}
+SHAPES = {"tiny": MODEL, "smollm2-135m": SMOLLM2_135M, "llama3-8b": LLAMA3_8B}
 SHARD_BYTES = 4 << 30   # a safetensors file per ~4 GiB, as Hugging Face exports shard
 
 
@@ -76,8 +85,9 @@ def train_tokenizer(vocab_size: int = 400):
 
 def build(path, *, seed: int = 0, shape: str = "tiny", log=None) -> Path:
     """Write the checkpoint directory at `path` (created if missing); returns it. shape:
-    "tiny" (transformers' own model, fp32) or "llama3-8b" (bf16 weights drawn directly,
-    write_random_weights). log: called with progress lines (the 8B shape takes a while)."""
+    "tiny" (transformers' own model, fp32), "smollm2-135m" or "llama3-8b" (bf16 weights drawn
+    directly, write_random_weights). log: called with progress lines (the 8B shape takes a
+    while)."""
     import torch
     import transformers
 
@@ -160,7 +170,8 @@ def main(argv=None) -> int:
     parser.add_argument("path", help="the checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     parser.add_argument("--shape", default="tiny", choices=list(SHAPES),
-                        help="tiny (default), or llama3-8b: Llama-3-8B's shape, bf16, 16 GB")
+                        help="tiny (default); smollm2-135m: SmolLM2-135M's shape, bf16, 0.3 GB; "
+                             "llama3-8b: Llama-3-8B's shape, bf16, 16 GB")
     args = parser.parse_args(argv)
     out = build(args.path, seed=args.seed, shape=args.shape,
                 log=lambda msg: print(msg, file=sys.stderr, flush=True))
