@@ -92,7 +92,7 @@ def test_a_budget_below_every_row_gives_whole_contexts_and_says_so():
     size = kv_cache.size_kv_cache(bytes_per_token=1024, block_size=16, max_seqs=8,
                                   max_context=4096, budget_bytes=10 << 20, budget_why="a test")
     assert (size.num_kv_blocks, size.tokens, size.nbytes) == (640, 639 * 16, 640 * 16 * 1024)
-    assert size.why == "a test, 2 whole contexts of 4096 tokens; --kv-blocks to change"
+    assert size.why == "a test, 2 whole contexts of 4,096 tokens; --kv-blocks to change"
 
 
 def test_a_budget_below_one_context_is_refused_naming_the_numbers():

@@ -77,7 +77,7 @@ def size_kv_cache(*, bytes_per_token: int, block_size: int, max_seqs: int, max_c
                          f"--gpu-memory-utilization)")
     return KVCacheSize(fits, block_size, per_block,
                        f"{budget_why}, {fits * block_size // max_context} whole contexts of "
-                       f"{max_context} tokens; --kv-blocks to change")
+                       f"{max_context:,} tokens; --kv-blocks to change")
 
 
 def kv_budget_bytes(*, free_bytes: int, utilization: float, weight_bytes: int,
