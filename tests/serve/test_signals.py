@@ -47,3 +47,15 @@ def test_a_signal_stops_the_server_with_exit_0(sig):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_right_after_the_listening_line_is_a_clean_stop(sig):
+    """"listening" is printed once the server handles signals and accepts connections: a stop
+    asked for the moment the line appears exits 0, without an unawaited coroutine."""
+    proc, url = spawn_server(["--preset", "tiny-dense", "--backend", "sim", "--max-concurrency", "1"])
+    rc = stop_server(proc, sig)
+    err = proc.stderr.read()
+    assert rc == 0, (rc, err)
+    assert "never awaited" not in err and "Traceback" not in err, err
+    assert "vt serve: stopped" in err, err

@@ -186,9 +186,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         try:
             service = GenerationService(engine, served, ServeMetrics(served.name),
                                         serving_conc=conc, max_queued=args.max_queued)
+            listening = f"vt serve: {served.name!r} listening on {address(sock)}"
             server = make_server(service, shutdown_timeout_s=args.shutdown_timeout,
-                                 log_level=args.log_level)
-            print(f"vt serve: {served.name!r} listening on {address(sock)}", flush=True)
+                                 log_level=args.log_level,
+                                 on_listening=lambda: print(listening, flush=True))
             server.run(sockets=[sock])
         finally:
             engine.close()

@@ -43,9 +43,10 @@ class GracefulServer(uvicorn.Server):
     engine fails (module docstring)."""
 
     def __init__(self, config: uvicorn.Config, service: GenerationService,
-                 shutdown_timeout_s: float):
+                 shutdown_timeout_s: float, on_listening=None):
         super().__init__(config)
         self.service = service
+        self.on_listening = on_listening
         self.shutdown_timeout_s = shutdown_timeout_s
         self.stopped_by: int | None = None
         self.engine_failure: str | None = None
@@ -68,6 +69,13 @@ class GracefulServer(uvicorn.Server):
             self._abort_now = True
         self.should_exit = True
         self.stopped_by = self.stopped_by or sig
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        # Said only now, with this server's signal handlers installed and its sockets
+        # accepting: a client (or a supervisor's signal) that acts on the line is served.
+        if self.started and self.on_listening is not None:
+            self.on_listening()
 
     async def on_tick(self, counter: int) -> bool:
         if not self.should_exit and self.engine_failure is None:
@@ -102,12 +110,13 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def make_server(service: GenerationService, *, shutdown_timeout_s: float,
-                log_level: str = "warning") -> GracefulServer:
-    """The server of `service`'s app (vt/serve/app.py)."""
+                log_level: str = "warning", on_listening=None) -> GracefulServer:
+    """The server of `service`'s app (vt/serve/app.py); on_listening() is called once it
+    accepts connections and handles SIGINT/SIGTERM."""
     config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False,
                             lifespan="on", timeout_keep_alive=30,
                             timeout_graceful_shutdown=shutdown_timeout_s + ABORT_GRACE_S)
-    return GracefulServer(config, service, shutdown_timeout_s)
+    return GracefulServer(config, service, shutdown_timeout_s, on_listening)
 
 
 def address(sock: socket.socket) -> str:
