@@ -26,6 +26,9 @@ K/V row is read once for the tile's tokens and heads. It walks the sequence's ca
 position 0 up to its tile's last token, causal (new token j of n in a context of L sees
 positions 0 .. L - n + j), with an online softmax. No split: a prompt chunk's query tiles
 fill the GPU, and a decode row of an eager step is one tile.
+
+kv_tile and softmax_step are also the steps of vt.torch.triton_invariant's batch-invariant
+attention kernels.
 """
 from __future__ import annotations
 
