@@ -43,7 +43,10 @@ from vt.validate import integer
 STARTUP_TIMEOUT_S = 600.0     # a rank building its shard (reading a checkpoint) may take minutes
 STOP_GRACE_S = 5.0            # workers still running this long after STOP are terminated
 CLOSE_TIMEOUT_S = 60.0        # a clean close: each worker closes its runner and exits
-DEATH_WAIT_S = 1.0            # how long a failed step waits to see whether a worker died
+# How long a failed step waits to see whether a worker died. A killed process shows as dead
+# only once the kernel has torn down its memory, which for a torch process on a loaded 2-core
+# machine was seen to take over 1 s; only the error path pays this wait.
+DEATH_WAIT_S = 3.0
 # NVLink multicast (NVLS) stays off: the machines vt runs on do not lend it to every process.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
