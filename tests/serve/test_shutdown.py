@@ -32,6 +32,9 @@ def _refused(url) -> bool:
         httpx.get(url + "/health", timeout=5)
     except httpx.ConnectError:
         return True
+    except (httpx.ReadError, httpx.RemoteProtocolError):
+        # accepted from the backlog just before the socket closed, then reset: ask again
+        return False
     return False
 
 
