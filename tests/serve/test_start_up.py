@@ -141,7 +141,9 @@ def test_ctrl_c_during_the_start_up_exits_at_once(checkpoint):
         t0 = time.monotonic()
         rc = proc.wait(30)
         assert time.monotonic() - t0 < 5
-        assert rc == 130, proc.stderr.read()
+        # 130, or killed by the SIGINT itself while the interpreter exits: a shell reports
+        # both as 130 (the latter is seen when the signal lands in a graph capture)
+        assert rc in (130, -signal.SIGINT), proc.stderr.read()
         assert "interrupted" in proc.stderr.read() and "listening" not in proc.stdout.read()
     finally:
         if proc.poll() is None:
