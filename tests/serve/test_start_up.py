@@ -1,6 +1,7 @@
 """`vt serve` / `vt generate` start-up: it says what it does and what it chose (the context, the
 KV cache), refuses a context past the checkpoint's, names the extra to install when a
 dependency is missing, and stops at once on Ctrl-C."""
+import os
 import signal
 import subprocess
 import sys
@@ -133,13 +134,20 @@ def test_ctrl_c_during_the_start_up_exits_at_once(checkpoint):
     listening."""
     proc = subprocess.Popen([sys.executable, "-m", "vt", "serve", "--model", str(checkpoint),
                              *FLAGS, "--port", "0"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
     try:
         first = proc.stderr.readline()
         assert first.startswith("vt serve: loading "), first
         proc.send_signal(signal.SIGINT)
         t0 = time.monotonic()
-        rc = proc.wait(30)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            # where it is stuck: faulthandler prints every thread's stack on SIGABRT
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(10)
+            pytest.fail(f"no exit 30 s after SIGINT:\n{proc.stderr.read()[-6000:]}")
         assert time.monotonic() - t0 < 5
         # 130, or killed by the SIGINT itself while the interpreter exits: a shell reports
         # both as 130 (the latter is seen when the signal lands in a graph capture)
