@@ -160,6 +160,16 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
     return var.default if raw is None else var.parse(name, raw.strip())
 
 
+def switch_argument(who: str, value, name: str) -> bool:
+    """A constructor's bool-or-None argument backed by switch variable `name`: None reads the
+    variable, a bool is taken as given, anything else is a TypeError naming `who`."""
+    if value is None:
+        value = get(name)
+    if not isinstance(value, bool):
+        raise TypeError(f"{who} must be a bool or None, got {value!r}")
+    return value
+
+
 def is_set(name: str, environ: Mapping[str, str] | None = None) -> bool:
     return raw(name, environ) is not None
 

@@ -44,11 +44,8 @@ class HybridModel:
         for name, v in (("max_seqs", max_seqs), ("num_kv_blocks", num_kv_blocks)):
             if v is not None:
                 integer(f"HybridModel: {name} (None: the default)", v, 1)
-        if batch_invariant is None:
-            batch_invariant = env.get("VT_BATCH_INVARIANT")
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"HybridModel: batch_invariant must be a bool or None, got {batch_invariant!r}")
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = env.switch_argument("HybridModel: batch_invariant",
+                                                   batch_invariant, "VT_BATCH_INVARIANT")
         check_weights(cfg, weights)
         self.be, self.cfg = backend, cfg
         self.max_seqs = cfg.max_seqs if max_seqs is None else max_seqs
@@ -76,9 +73,9 @@ class HybridModel:
             backend.launch(self.stream, _FILL, a, value=0)
         ws = [backend.empty((WORKSPACE_BYTES,), np.uint8) for _ in range(gemm_streams)] \
             if backend.name == "cuda" else []
-        self.gemm = K.Gemm(ws, rows_block=INVARIANT_ROWS if batch_invariant else None)
+        self.gemm = K.Gemm(ws, rows_block=INVARIANT_ROWS if self.batch_invariant else None)
         self._attn_splits = (invariant_splits(cfg.kv_heads) if backend.name == "cuda" else 1) \
-            if batch_invariant else None
+            if self.batch_invariant else None
         self.routed_gemm = K.RoutedGemm(self.gemm)   # shares the GEMM's cuBLAS handles
         self.stream.synchronize()
 

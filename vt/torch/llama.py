@@ -265,11 +265,8 @@ class LlamaDecoder(nn.Module):
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
         self.cfg, self.geometry = cfg, geometry
-        if batch_invariant is None:
-            batch_invariant = env.get("VT_BATCH_INVARIANT")
-        if not isinstance(batch_invariant, bool):
-            raise TypeError(f"LlamaDecoder: batch_invariant must be a bool or None, got "
-                            f"{batch_invariant!r}")
+        batch_invariant = env.switch_argument("LlamaDecoder: batch_invariant", batch_invariant,
+                                              "VT_BATCH_INVARIANT")
         self.batch_invariant = batch_invariant
         self.kernels, self.prompt_kernels = resolve_kernels(
             kernels, prompt_kernels, torch.device(device), cfg.head_dim, batch_invariant)
