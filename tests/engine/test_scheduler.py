@@ -8,7 +8,7 @@ from collections import deque
 
 import numpy as np
 
-from vt.engine.requests import Request
+from vt.engine.requests import Request, RequestPhase
 from vt.engine.scheduler import Scheduler
 from vt.step.contract import KVGeometry
 
@@ -127,6 +127,35 @@ def test_chunked_prefill_splits_prompts_by_the_budget_and_joins_after_the_last_c
     assert a.row is not None and len(a.blocks) == _blocks_for(a)   # held from the first chunk on
     assert [len(p.decode) if p.decode is not None else 0 for p in plans] == [0, 0, 0, 1]
     assert sched.batch.n == 2 and sched.prefilling == []
+
+
+def test_a_request_walks_its_phases_and_its_positions_name_its_tokens():
+    """WAITING until admitted; PREFILLING (a row and its blocks held) while chunks remain;
+    DECODING from the plan of its last chunk, whose step is its first token's; its token of
+    batch step t goes to entry(t) and the steps before t sample tokens_by(t) of them."""
+    W, P, D = RequestPhase.WAITING, RequestPhase.PREFILLING, RequestPhase.DECODING
+    sched = Scheduler(GEO, serving_conc=3, max_prefill_tokens=4, chunked=True)
+    a, b = _request(0, 10, 3), _request(1, 3, 2)
+    pending = deque([a, b])
+    assert (a.phase, b.phase) == (W, W) and a.row is None and a.first_step is None
+    phases = []
+    for _ in range(4):
+        _step(sched, pending)
+        phases.append((a.phase, b.phase))
+    assert phases == [(P, W), (P, W), (D, P), (D, D)]
+    assert sched.prefilling == [] and a.first_step == 2 and b.first_step == 3
+    assert [a.entry(t) for t in (2, 3, 4)] == [a.span_start + i for i in range(3)]
+    assert [a.tokens_by(t) for t in (0, 2, 3, 5, 9)] == [0, 0, 1, 3, 3]   # at most max_new_tokens
+    assert b.tokens_by(3) == 0 and b.tokens_by(4) == 1
+
+
+def test_a_cancelled_prefilling_request_leaves_the_prefilling_list_and_its_row():
+    sched = Scheduler(GEO, serving_conc=3, max_prefill_tokens=4, chunked=True)
+    a = _request(0, 10, 3)
+    _step(sched, deque([a]))
+    assert a.phase is RequestPhase.PREFILLING and sched.prefilling == [a]
+    sched.leave(a)
+    assert sched.prefilling == [] and a.row is None and sched.idle()
 
 
 def test_a_one_token_request_leaves_at_its_prefill_and_others_after_their_budget():

@@ -230,6 +230,7 @@ class ServingLoop:
                 self._fail(exc, pending if isinstance(exc, SchedulerStalledError) else ())
 
     def _step(self, pending: deque) -> None:
+        """One step: plan step N+1, launch it, collect what the pipeline's depth says, update."""
         plan = self._plan(pending)
         ready = self._pipeline.launched(self._launch(plan, pending), self._sched.leave)
         if ready is not None:
