@@ -14,19 +14,21 @@ from typing import Callable
 class StepPipeline:
     """What has been launched and not yet collected, and the stops not yet applied."""
 
-    __slots__ = ("in_flight", "stopped")
+    __slots__ = ("leave", "in_flight", "stopped")
 
-    def __init__(self):
+    def __init__(self, leave: Callable):
+        self.leave = leave      # leave(request): out of the batch (Scheduler.leave)
         self.in_flight = None   # the handle of a launched step not yet collected (depth 2)
         self.stopped: list = []  # requests that sampled a stop token, to leave after a launch
 
-    def launched(self, handle, leave: Callable) -> object | None:
+    def launched(self, handle) -> object | None:
         """A step was launched (handle; None when the plan was empty): returns the step to
         collect now, or None."""
         raise NotImplementedError
 
-    def collected(self, stopped: list, leave: Callable) -> None:
-        """The requests that sampled a stop token in the step just collected."""
+    def collected(self, stopped: list) -> None:
+        """The requests that sampled a stop token in the step just collected (called only
+        when there are some: the stops of a step are applied once, after the next launch)."""
         raise NotImplementedError
 
     def empty(self) -> bool:
@@ -42,13 +44,13 @@ class CollectNextStep(StepPipeline):
 
     __slots__ = ()
 
-    def launched(self, handle, leave):
+    def launched(self, handle):
         ready, self.in_flight = self.in_flight, handle
         return ready
 
-    def collected(self, stopped, leave):
+    def collected(self, stopped):
         for req in stopped:
-            leave(req)
+            self.leave(req)
 
 
 class CollectAtOnce(StepPipeline):
@@ -57,20 +59,21 @@ class CollectAtOnce(StepPipeline):
 
     __slots__ = ()
 
-    def launched(self, handle, leave):
+    def launched(self, handle):
         if self.stopped:
             for req in self.stopped:
-                leave(req)
+                self.leave(req)
             self.stopped = []
         return handle
 
-    def collected(self, stopped, leave):
+    def collected(self, stopped):
         self.stopped = stopped
 
 
-def step_pipeline(depth: int) -> StepPipeline:
+def step_pipeline(depth: int, leave: Callable) -> StepPipeline:
+    """The pipeline of `depth` steps; leave(request) takes a stopped request out of the batch."""
     if depth == 1:
-        return CollectAtOnce()
+        return CollectAtOnce(leave)
     if depth == 2:
-        return CollectNextStep()
+        return CollectNextStep(leave)
     raise ValueError(f"pipeline depth must be 1 or 2, got {depth}")

@@ -43,7 +43,6 @@ class ServingLoop:
                  max_prefill_tokens: int, record_logits: bool, model_key: int):
         geo = step_model.geometry
         self.be, self.runner = backend, runner
-        self._pipeline = step_pipeline(depth)
         self._model_key = model_key
         self._state_lock = threading.Lock()   # enqueue/start/set_profile vs close; never per step
         self._arrivals, self._cancels = deque(), deque()
@@ -57,6 +56,7 @@ class ServingLoop:
         self._notifier = StepNotifier()
         self._sched = Scheduler(geo, serving_conc, max_prefill_tokens,
                                 bool(step_model.chunked_prefill))
+        self._pipeline = step_pipeline(depth, self._sched.leave)
         self._wall_s = 0.0
         self._failed_steps = 0
         self._decode_phase, self._prefill_phase = Phase(), Phase()
@@ -222,7 +222,8 @@ class ServingLoop:
                 self._take_arrivals(pending)
             if self._cancels or (self._stopping and not self._finish_on_close):
                 self._take_cancels(pending)
-            if self._nothing_to_do(pending):
+            sched = self._sched
+            if not (pending or sched.batch.n or sched.prefilling) and self._pipeline.empty():
                 return self._end_busy_period()
             try:
                 step(pending)
@@ -231,41 +232,35 @@ class ServingLoop:
 
     def _step(self, pending: deque) -> None:
         """One step: plan step N+1, launch it, collect what the pipeline's depth says, update."""
-        plan = self._plan(pending)
-        ready = self._pipeline.launched(self._launch(plan, pending), self._sched.leave)
+        plan = self._sched.plan(pending)
+        ready = self._pipeline.launched(self._launch(plan, pending))
         if ready is not None:
             self._collect(ready)
-        self._update()
-        self._account(plan)
+        self._update(plan)
 
     def _profiled_step(self, pending: deque) -> None:
         """_step with LoopProfile's hooks between its parts (profile=True)."""
         prof = self._loop_profile
         timed = prof.begin()
-        plan = self._plan(pending)
+        plan = self._sched.plan(pending)
         if timed:
             prof.planned()
-        ready = self._pipeline.launched(self._launch(plan, pending), self._sched.leave)
+        ready = self._pipeline.launched(self._launch(plan, pending))
         if timed:
             prof.launched()
         if ready is not None:
             self._collect(ready)
-        self._update()
-        phase = self._account(plan)
+        phase = self._update(plan)
         if timed:
             prof.end(phase)
 
     # -- the parts of a step, in order --------------------------------------------------
-    def _plan(self, pending: deque):
-        """The next step's rows (Scheduler.plan); the requests it admits are live from now."""
-        plan = self._sched.plan(pending)
+    def _launch(self, plan, pending: deque):
+        """Launch the plan (Scheduler.plan's: the requests it admits are live from now) and
+        move the batch past it; returns its handle (None: an empty plan, which only a step
+        in flight or stops still to apply may explain)."""
         if plan.admitted:
             self._buffer.live.update(plan.admitted)
-        return plan
-
-    def _launch(self, plan, pending: deque):
-        """Launch the plan and move the batch past it; returns its handle (None: an empty
-        plan, which only a step in flight or stops still to apply may explain)."""
         if plan.n:
             handle = self.runner.launch(plan)
             self._sched.after_launch(plan)
@@ -281,23 +276,20 @@ class ServingLoop:
         stops go to the pipeline, which applies them."""
         tokens = self.runner.collect(ready)
         stopped = self._buffer.store(ready.tag, tokens, ready.host_logits, time.perf_counter())
-        self._pipeline.collected(stopped, self._sched.leave)
+        if stopped:
+            self._pipeline.collected(stopped)
         if self._progress_sinks:
             self._report(ready.index)
 
-    def _update(self) -> None:
+    def _update(self, plan):
         """After the collect: the cancelled requests finish (the step that held them is
-        collected), and the readers are woken."""
+        collected), the readers are woken, and the step's wall and wait time go to its phase
+        (decode or prefill), which is returned."""
         if self._cancelled:
-            for req in self._cancelled:
-                if not req.finished:
-                    self._buffer.finish(req, "cancelled")
-            self._cancelled = []
+            self._finish_cancelled()
         self._notifier.notify()
-
-    def _account(self, plan):
-        """The step's wall and wait time to its phase (decode or prefill); returns it."""
-        now, waited = time.perf_counter(), self.runner.stats.wait_s
+        stats = self.runner.stats
+        now, waited = time.perf_counter(), stats.drain_s + stats.token_wait_s
         phase = self._prefill_phase if plan.prefill else self._decode_phase
         phase.steps += plan.n > 0
         phase.wall_s += now - self._step_start
@@ -305,14 +297,17 @@ class ServingLoop:
         self._waited, self._step_start = waited, now
         return phase
 
-    def _nothing_to_do(self, pending: deque) -> bool:
-        sched = self._sched
-        return not (pending or sched.batch.n or sched.prefilling) and self._pipeline.empty()
+    def _finish_cancelled(self) -> None:
+        for req in self._cancelled:
+            if not req.finished:
+                self._buffer.finish(req, "cancelled")
+        self._cancelled = []
 
     def _end_busy_period(self) -> bool:
         """Nothing left to serve: finish the cancelled (nothing in flight holds them), count
         the busy time; True when the loop stops."""
-        self._update()
+        self._finish_cancelled()
+        self._notifier.notify()
         self._wall_s += time.perf_counter() - self._busy_since
         return self._stopping and not self._arrivals
 
