@@ -8,7 +8,7 @@ from collections import deque
 
 import numpy as np
 
-from vt.engine.requests import Request
+from vt.engine.requests import Request, RequestPhase
 from vt.engine.scheduler import Scheduler
 from vt.step.contract import KVGeometry
 
@@ -43,9 +43,9 @@ def test_admission_gives_each_request_a_row_its_token_span_and_its_kv_blocks():
     assert not pending and plan.admitted == [a, b] and plan.decode is None
     assert len({a.row, b.row}) == 2 and {a.row, b.row} <= set(range(GEO.max_seqs))
     for req in (a, b):
-        assert req.base == req.row * GEO.max_context
-        assert req.end == req.base + req.max_new_tokens
-        assert req.t0 == 0 and req.prefilled == req.prompt_len
+        assert req.span_start == req.row * GEO.max_context
+        assert req.span_end == req.span_start + req.max_new_tokens
+        assert req.first_step == 0 and req.prefilled == req.prompt_len
         assert len(req.blocks) == _blocks_for(req)      # 2 for a (8 positions), 1 for b
     assert not set(a.blocks) & set(b.blocks) and GEO.scratch_block not in a.blocks + b.blocks
     assert sched.blocks.free_count == sched.blocks.capacity - 3
@@ -55,12 +55,12 @@ def test_admission_gives_each_request_a_row_its_token_span_and_its_kv_blocks():
         np.testing.assert_array_equal(seq.tokens, req.prompt)
         assert seq.block_table.tolist() == req.blocks + [GEO.scratch_block] * (
             GEO.max_blocks - len(req.blocks))
-    assert plan.tag.t == 0 and plan.tag.dest.tolist() == [a.base, b.base]
+    assert plan.tag.t == 0 and plan.tag.dest.tolist() == [a.span_start, b.span_start]
     sched.after_launch(plan)
     assert sched.batch.n == 2 and list(plan.tag.leaving) == []
     nxt = sched.plan(deque())     # both decode; their next tokens go right after the first
     assert len(nxt.decode) == 2 and nxt.prefill == []
-    assert nxt.tag.t == 1 and sorted(nxt.tag.dest.tolist()) == [a.base + 1, b.base + 1]
+    assert nxt.tag.t == 1 and sorted(nxt.tag.dest.tolist()) == [a.span_start + 1, b.span_start + 1]
 
 
 def test_serving_conc_bounds_admission_and_the_queue_stays_in_order():
@@ -120,13 +120,42 @@ def test_chunked_prefill_splits_prompts_by_the_budget_and_joins_after_the_last_c
     assert chunks[3] == [(b.row, 2, 3)]
     assert all(sum(end - start for _, start, end in c) <= 4 for c in chunks)
     assert [p.tag.dest.tolist() for p in plans[:2]] == [[sched.scratch_dest]] * 2
-    assert plans[2].tag.dest.tolist() == [a.base, sched.scratch_dest]
+    assert plans[2].tag.dest.tolist() == [a.span_start, sched.scratch_dest]
     # step 3: a decodes (its second token), b's last chunk samples b's first token
-    assert plans[3].tag.dest.tolist() == [a.base + 1, b.base]
-    assert a.t0 == 2 and b.t0 == 3
-    assert a.row >= 0 and len(a.blocks) == _blocks_for(a)   # held from the first chunk on
+    assert plans[3].tag.dest.tolist() == [a.span_start + 1, b.span_start]
+    assert a.first_step == 2 and b.first_step == 3
+    assert a.row is not None and len(a.blocks) == _blocks_for(a)   # held from the first chunk on
     assert [len(p.decode) if p.decode is not None else 0 for p in plans] == [0, 0, 0, 1]
     assert sched.batch.n == 2 and sched.prefilling == []
+
+
+def test_a_request_walks_its_phases_and_its_positions_name_its_tokens():
+    """WAITING until admitted; PREFILLING (a row and its blocks held) while chunks remain;
+    DECODING from the plan of its last chunk, whose step is its first token's; its token of
+    batch step t goes to entry(t) and the steps before t sample tokens_by(t) of them."""
+    W, P, D = RequestPhase.WAITING, RequestPhase.PREFILLING, RequestPhase.DECODING
+    sched = Scheduler(GEO, serving_conc=3, max_prefill_tokens=4, chunked=True)
+    a, b = _request(0, 10, 3), _request(1, 3, 2)
+    pending = deque([a, b])
+    assert (a.phase, b.phase) == (W, W) and a.row is None and a.first_step is None
+    phases = []
+    for _ in range(4):
+        _step(sched, pending)
+        phases.append((a.phase, b.phase))
+    assert phases == [(P, W), (P, W), (D, P), (D, D)]
+    assert sched.prefilling == [] and a.first_step == 2 and b.first_step == 3
+    assert [a.entry(t) for t in (2, 3, 4)] == [a.span_start + i for i in range(3)]
+    assert [a.tokens_by(t) for t in (0, 2, 3, 5, 9)] == [0, 0, 1, 3, 3]   # at most max_new_tokens
+    assert b.tokens_by(3) == 0 and b.tokens_by(4) == 1
+
+
+def test_a_cancelled_prefilling_request_leaves_the_prefilling_list_and_its_row():
+    sched = Scheduler(GEO, serving_conc=3, max_prefill_tokens=4, chunked=True)
+    a = _request(0, 10, 3)
+    _step(sched, deque([a]))
+    assert a.phase is RequestPhase.PREFILLING and sched.prefilling == [a]
+    sched.leave(a)
+    assert sched.prefilling == [] and a.row is None and sched.idle()
 
 
 def test_a_one_token_request_leaves_at_its_prefill_and_others_after_their_budget():
@@ -135,11 +164,11 @@ def test_a_one_token_request_leaves_at_its_prefill_and_others_after_their_budget
     pending = deque([one, three])
     plan = _step(sched, pending)
     assert list(plan.tag.leaving) == [one]
-    assert one.row == -1 and one.blocks == [] and sched.batch.n == 1
+    assert one.row is None and one.blocks == [] and sched.batch.n == 1
     assert sched.rows.free_count == GEO.max_seqs - 1
     leaving = [list(_step(sched, pending).tag.leaving) for _ in range(3)]
     assert leaving == [[], [three], []]
-    assert sched.idle() and three.row == -1
+    assert sched.idle() and three.row is None
 
 
 def test_a_steps_tag_carries_each_rows_request_and_stop_set():
@@ -160,11 +189,11 @@ def test_a_steps_tag_carries_each_rows_request_and_stop_set():
     sched.leave(stopping)
     sched.leave(chunked)
     assert sched.batch.n == 1 and sched.batch.reqs[0] is plain and plain.batch_index == 0
-    assert stopping.row == chunked.row == -1
+    assert stopping.row is chunked.row is None
     assert sched.blocks.free_count == sched.blocks.capacity - _blocks_for(plain)
     plan = _step(sched, pending)
     assert plan.tag.reqs is None and plan.tag.stops is None
-    assert plan.tag.dest.tolist() == [plain.base + 2]
+    assert plan.tag.dest.tolist() == [plain.span_start + 2]
 
 
 def test_reset_frees_everything_and_the_step_count_goes_on():
@@ -178,4 +207,4 @@ def test_reset_frees_everything_and_the_step_count_goes_on():
     sched.reset()
     assert sched.idle() and sched.batch.t == 3
     plan = _step(sched, deque([_request(2, 2, 2)]))
-    assert plan.tag.t == 3 and plan.admitted[0].t0 == 3
+    assert plan.tag.t == 3 and plan.admitted[0].first_step == 3

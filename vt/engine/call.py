@@ -81,7 +81,7 @@ class GenerateCall:
         loop, reqs, records = self.loop, self.reqs, sink.records
 
         def cut_short():
-            return all(r.final is not None for r in reqs) and any(
+            return all(r.finished for r in reqs) and any(
                 r.error is not None or r.finish_reason == "cancelled" for r in reqs)
 
         while True:

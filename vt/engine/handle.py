@@ -93,7 +93,7 @@ class TokenReader:
         if final is not None:
             return final, True
         n = self._buffer.available(req)
-        got = self._buffer.tokens[req.base:req.base + n].copy() if n else _EMPTY
+        got = self._buffer.tokens[req.span_start:req.span_start + n].copy() if n else _EMPTY
         final = req.final      # finished meanwhile: its span may be reused, take the copy
         return (final, True) if final is not None else (got, False)
 
@@ -105,7 +105,7 @@ class TokenReader:
     def more(self, sent: int) -> bool:
         """More than `sent` tokens are stored, or the request finished."""
         req = self._req
-        return req.final is not None or self._buffer.available(req) > sent
+        return req.finished or self._buffer.available(req) > sent
 
     def wait(self, sent: int, timeout: float | None) -> bool:
         """Block until more(sent); False on timeout."""
@@ -145,12 +145,12 @@ class RequestHandle:
         return self._req.submitted_at
 
     def done(self) -> bool:
-        return self._req.final is not None
+        return self._req.finished
 
     def cancel(self) -> None:
         """Idempotent; no effect on a finished request."""
         req = self._req
-        if req.final is None and not req.cancel_requested:
+        if not req.finished and not req.cancel_requested:
             req.cancel_requested = True
             self._request_cancel(req)
 
@@ -160,8 +160,8 @@ class RequestHandle:
         however the two race; it must be quick and must not call Engine.close()."""
         once = _Once(fn, self)
         self._req.on_done.append(lambda req: once())
-        # The loop sets `final` before it runs on_done: if it is still unset here, the loop
-        # will see the callback appended above; if it is set, the loop may have run on_done
+        # The loop finishes the request before it runs on_done: if it has not here, the loop
+        # will see the callback appended above; if it has, the loop may have run on_done
         # already, so call it here too (_Once keeps the second call out).
         if self.done():
             once()

@@ -6,10 +6,11 @@ rows, and nothing per request happens per step. A request's tokens become its ow
 when it finishes (`finish`: the copy, its finish reason, its done event and callbacks).
 
 A reader (a RequestHandle, in any thread) finds how many tokens a running request has from
-the last stored batch step (`stored_t`) alone: its token of batch step t is at
-base + t - t0. A row's next request writes its span one step after the last write of the
-previous one, and the previous one is finished (copied out) by then; a reader that raced the
-finish sees `final` set after its copy and uses it instead (RequestHandle.snapshot).
+the last stored batch step (`stored_t`) alone: Request.tokens_by(stored_t), its token of
+batch step t being at Request.entry(t). A row's next request writes its span one step after
+the last write of the previous one, and the previous one is finished (copied out) by then; a
+reader that raced the finish sees `final` set after its copy and uses it instead
+(RequestHandle.snapshot).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import traceback
 
 import numpy as np
 
-from vt.engine.requests import Request
+from vt.engine.requests import Request, RequestPhase
 
 # Step times kept for the token times of the requests running: more than any request lives.
 _TIME_RING_MIN = 1024
@@ -51,15 +52,15 @@ class TokenBuffer:
         if tag.stops is not None:
             for i in np.flatnonzero((tokens[:, None] == tag.stops).any(1)):
                 req, d = tag.reqs[i], int(tag.dest[i])
-                if req.final is None and d < req.end:   # else: a token past its end
-                    req.end = d + 1
+                if not req.finished and d < req.span_end:   # else: a token past its end
+                    req.span_end = d + 1
                     stopped.append(req)
         self.stored_t = tag.t + 1
         for req in stopped:
-            if req.final is None:
+            if not req.finished:
                 self.finish(req, "error" if req.error_message else "stop")
         for req in tag.leaving:
-            if req.final is None:
+            if not req.finished:
                 self.finish(req, "length")
         return stopped
 
@@ -70,10 +71,10 @@ class TokenBuffer:
         for i in np.flatnonzero(tokens < 0):
             d = int(tag.dest[i])
             req = tag.reqs[i] if tag.reqs is not None else self._owner(d, tag.t)
-            if req is None or req.final is not None or d >= req.end:
+            if req is None or req.finished or d >= req.span_end:
                 continue            # a scratch row, or a token past the request's end
-            req.end = d
-            req.error_message = (f"the logits of token {d - req.base} were NaN or +inf, or all "
+            req.span_end = d
+            req.error_message = (f"the logits of token {d - req.span_start} were NaN or +inf, or all "
                                  f"-inf: nothing to sample")
             ended.append(req)
         return ended
@@ -84,28 +85,28 @@ class TokenBuffer:
         may already be admitted (its span is the same) before the last token of the
         previous one is stored, and it joined at a later step."""
         for r in self.live:
-            if 0 <= r.t0 <= t and r.base + (t - r.t0) == d:
+            if r.first_step is not None and r.first_step <= t and r.entry(t) == d:
                 return r
         return None
 
     def available(self, req: Request) -> int:
         """How many of a running request's tokens are stored."""
-        if req.t0 < 0:
-            return 0
-        return max(0, min(self.stored_t - req.t0, req.end - req.base))
+        return req.tokens_by(self.stored_t)
 
     def finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         """Copy the request's tokens out of the buffer (its span is reused after) and wake
         whoever waits for it."""
         n = self.available(req)
-        span = slice(req.base, req.base + n)
+        span = slice(req.span_start, req.span_start + n)
         # [n, vocab] and [n] whatever n, 0 included (a request cancelled or failed before its
         # first token): every result of one engine has the same shapes.
         req.final_logits = self.logits[span].copy() if self.logits is not None else None
-        req.token_times = self._times[np.arange(req.t0, req.t0 + n) & self._mask]
+        first = req.first_step if req.first_step is not None else 0
+        req.token_times = self._times[np.arange(first, first + n) & self._mask]
         req.error = error
         req.finish_reason = reason
-        req.final = self.tokens[span].copy()   # last: readers take `final` as "finished"
+        req.final = self.tokens[span].copy()
+        req.phase = RequestPhase.FINISHED   # last: readers take it as "everything is settled"
         self.tokens_out += n
         self.finished += 1
         self.live.discard(req)

@@ -1,10 +1,18 @@
-"""Request, one request as the engine serves it, and RequestResult, what its caller gets back.
+"""Request, one request as the engine serves it, its RequestPhase, and RequestResult, what
+its caller gets back.
 
-A request is finished once `final` is set (the buffer's finish sets it last, after the
-tokens, logits, times and error it describes): readers in other threads take `final` being
-set as the sign that everything else about the request is settled."""
+A request's whole serving state is here: its phase, the row and KV blocks it holds, how much
+of its prompt is prefilled, and where its tokens go (its span of the token buffer, and the
+batch step of its first token). The scheduler and the token buffer change it; the
+DecodeBatch keeps a vectorised copy of the decoding requests' positions for the per-step
+add (vt/engine/batch.py), derived from these fields when a request joins.
+
+A request is finished once its phase is FINISHED (the buffer's finish sets it last, after
+the tokens, logits, times and error it describes): readers in other threads take that as the
+sign that everything else about the request is settled."""
 from __future__ import annotations
 
+import enum
 import threading
 from dataclasses import dataclass, field
 
@@ -35,24 +43,37 @@ class RequestResult:
     error: str | None = None
 
 
+class RequestPhase(enum.Enum):
+    """Where a request is in its life. It only moves forward: WAITING -> PREFILLING (a long
+    prompt prefilled in chunks) -> DECODING -> FINISHED, skipping PREFILLING when the whole
+    prompt is prefilled at once, and to FINISHED from any phase (a cancel, a failed step)."""
+    WAITING = "waiting"          # queued: no row, no KV blocks
+    PREFILLING = "prefilling"    # holds a row and its KV blocks; prompt chunks still to run
+    DECODING = "decoding"        # its last prefill chunk is planned: its tokens are coming
+    FINISHED = "finished"        # `final` holds its tokens; the row, blocks and span are free
+
+
 @dataclass(eq=False)
 class Request:
-    """One request from submit() to its result. While it runs, its tokens land in the
-    engine's token buffer (vt/engine/outputs.py) at [base, base + max_new_tokens); `end` is
-    where they stop (moved up by a stop token). The token of the step at batch step t is at
-    base + t - t0. Once finished, `final` holds its tokens and the buffer span is reused."""
+    """One request from submit() to its result. From the step that plans its last prefill
+    chunk (`first_step`, the batch step that samples its first token) its tokens land in
+    the engine's token buffer (vt/engine/outputs.py), one per batch step, in its span
+    [span_start, span_start + max_new_tokens); `span_end` is where they stop (moved up by a
+    stop token, an error row or a cancel). Once finished, `final` holds its tokens and the
+    span is reused."""
     index: int
     prompt: np.ndarray        # [L] int32
     max_new_tokens: int
     stop_tokens: tuple[int, ...] = ()
     sampling: SamplingParams = GREEDY
-    base: int = 0
-    end: int = 0
-    t0: int = -1              # the batch step of its (last) prefill chunk (-1: not yet)
-    prefilled: int = 0        # prompt tokens prefilled so far
-    row: int = -1
-    blocks: list[int] = field(default_factory=list)
-    batch_index: int = -1     # its entry in the DecodeBatch, -1 when not decoding
+    phase: RequestPhase = RequestPhase.WAITING
+    prefilled: int = 0        # prompt tokens prefilled (planned) so far
+    row: int | None = None    # its sequence row while it holds one (vt/engine/rows.py)
+    blocks: list[int] = field(default_factory=list)   # its KV blocks while it holds a row
+    span_start: int = 0       # where its first token goes in the token buffer
+    span_end: int = 0         # where its tokens stop: span_start + the most it will have
+    first_step: int | None = None   # the batch step of its first token, once DECODING
+    batch_index: int = -1     # the DecodeBatch's entry for it (the batch's, -1: not in it)
     finish_reason: str | None = None
     final: np.ndarray | None = None          # its tokens, once finished
     final_logits: np.ndarray | None = None
@@ -67,6 +88,21 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt)
+
+    @property
+    def finished(self) -> bool:
+        return self.phase is RequestPhase.FINISHED
+
+    def entry(self, t: int) -> int:
+        """The token-buffer entry of its token of batch step t (DECODING or after)."""
+        return self.span_start + t - self.first_step
+
+    def tokens_by(self, t: int) -> int:
+        """How many of its tokens the batch steps before t sample (0 before DECODING)."""
+        first = self.first_step
+        if first is None:
+            return 0
+        return max(0, min(t - first, self.span_end - self.span_start))
 
     def result(self) -> RequestResult:
         """The caller's view of a finished request."""

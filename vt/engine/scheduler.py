@@ -2,9 +2,12 @@
 DecodeBatch of running requests, plans each step (every running request decodes; pending ones
 are admitted and prefilled while there is room) and moves the batch past each launched step.
 
-A request joins the batch after its prefill step launches and leaves when the step of its last
-token launches (its row and blocks are free for the next plan at once: device users of them
-are stream-ordered after that step), when a stop token is seen or when it is cancelled.
+The scheduler moves a request through its phases (vt/engine/requests.py): admitted, a WAITING
+request takes a row and its KV blocks and is PREFILLING until the plan of its last prompt
+chunk, which makes it DECODING (its first token is that step's). It joins the batch after
+that step launches and leaves when the step of its last token launches (its row and blocks
+are free for the next plan at once: device users of them are stream-ordered after that
+step), when a stop token is seen or when it is cancelled; the token buffer finishes it.
 
 Each row owns a span of max_context tokens in the engine's token buffer (a request's tokens go
 to [row * max_context, ...)): a row's next request writes its first token one step after the
@@ -18,7 +21,7 @@ import numpy as np
 
 from vt.engine.batch import BatchStep, DecodeBatch
 from vt.engine.kv_blocks import BlockAllocator
-from vt.engine.requests import Request
+from vt.engine.requests import Request, RequestPhase
 from vt.engine.rows import RowAllocator
 from vt.step.contract import KVGeometry, PrefillSeq
 from vt.executor.plan import StepPlan
@@ -62,7 +65,7 @@ class Scheduler:
         self.blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
         self.batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size,
                                  first_step=first_step)
-        self.prefilling: list[Request] = []   # holding a row, prompt not yet fully prefilled
+        self.prefilling: list[Request] = []   # the PREFILLING requests, in admission order
 
     def idle(self) -> bool:
         """Every row and KV block is free (what a cancel or a finished request gives back)."""
@@ -97,8 +100,9 @@ class Scheduler:
                 break   # waits for running requests to free blocks (always possible: see refusal)
             pending.popleft()
             req.row, req.blocks = self.rows.alloc(), blocks
-            req.base = req.row * self.span
-            req.end = req.base + req.max_new_tokens
+            req.phase = RequestPhase.PREFILLING
+            req.span_start = req.row * self.span
+            req.span_end = req.span_start + req.max_new_tokens
             end = min(req.prompt_len, budget) if self.chunked else req.prompt_len
             budget -= end
             held += 1
@@ -113,13 +117,13 @@ class Scheduler:
                                       start=req.prefilled))
             req.prefilled = end
             if end == req.prompt_len:
-                req.t0 = b.t
-                dest.append(req.base)
+                req.phase, req.first_step = RequestPhase.DECODING, b.t
+                dest.append(req.span_start)
             else:
                 dest.append(self.scratch_dest)   # no token yet: the next chunk goes on
             admitted.append(req)
         if self.prefilling:
-            self.prefilling = [r for r in self.prefilling if r.prefilled < r.prompt_len]
+            self.prefilling = [r for r in self.prefilling if r.phase is RequestPhase.PREFILLING]
         tag = self.decode_tag(admitted)
         tag.dest = np.concatenate([tag.dest, np.asarray(dest, np.int64)])
         decode = BatchStep(b) if n_dec else None
@@ -138,7 +142,7 @@ class Scheduler:
             width = max(stops.shape[1], max(len(r.stop_tokens) for r in admitted))
             extra = np.full((len(admitted), width), -1, np.int32)
             for i, r in enumerate(admitted):
-                if r.t0 == b.t:
+                if r.first_step == b.t:
                     extra[i, :len(r.stop_tokens)] = r.stop_tokens
             wide = np.full((b.n, width), -1, np.int32)
             wide[:, :stops.shape[1]] = stops
@@ -165,19 +169,23 @@ class Scheduler:
                 self._free(req)
             else:
                 self.batch.add(req, req.row, seq.block_table, req.sampling, pos=req.prompt_len,
-                               left=req.max_new_tokens - 1, dest=req.base + 1,
+                               left=req.max_new_tokens - 1, dest=req.span_start + 1,
                                stops=req.stop_tokens)
 
     def leave(self, req: Request) -> None:
         """The request decodes (or prefills) no more: out of the batch, its row and blocks
-        freed."""
+        freed (its phase stays until the token buffer finishes it)."""
         self.batch.remove(req)
-        if req in self.prefilling:
+        if req.phase is RequestPhase.PREFILLING:
             self.prefilling.remove(req)
         self._free(req)
 
+    def running(self) -> list[Request]:
+        """The requests holding a row: prefilling, then decoding in batch order."""
+        return [*self.prefilling, *self.batch.reqs[:self.batch.n]]
+
     def _free(self, req: Request) -> None:
-        if req.row >= 0:
+        if req.row is not None:
             self.rows.free(req.row)
             self.blocks.free(req.blocks)
-            req.row, req.blocks = -1, []
+            req.row, req.blocks = None, []

@@ -27,8 +27,10 @@ from vt.engine.errors import EngineBusyError, SchedulerStalledError
 from vt.engine.handle import RequestHandle, StepNotifier
 from vt.engine.model_lease import acquire as acquire_model, driving, release as release_model
 from vt.engine.outputs import TokenBuffer
+from vt.engine.pipeline import step_pipeline
 from vt.engine.profile import LoopProfile
 from vt.engine.progress import Phase
+from vt.engine.requests import RequestPhase
 from vt.engine.scheduler import Scheduler
 
 
@@ -41,7 +43,6 @@ class ServingLoop:
                  max_prefill_tokens: int, record_logits: bool, model_key: int):
         geo = step_model.geometry
         self.be, self.runner = backend, runner
-        self._sync = depth == 1
         self._model_key = model_key
         self._state_lock = threading.Lock()   # enqueue/start/set_profile vs close; never per step
         self._arrivals, self._cancels = deque(), deque()
@@ -55,9 +56,15 @@ class ServingLoop:
         self._notifier = StepNotifier()
         self._sched = Scheduler(geo, serving_conc, max_prefill_tokens,
                                 bool(step_model.chunked_prefill))
+        self._pipeline = step_pipeline(depth, self._sched.leave)
         self._wall_s = 0.0
         self._failed_steps = 0
-        self._phases = {"decode": Phase(), "prefill": Phase()}
+        self._decode_phase, self._prefill_phase = Phase(), Phase()
+        self._phases = {"decode": self._decode_phase, "prefill": self._prefill_phase}
+        # The serving thread's own, per busy period: the cancelled requests that finish once
+        # the step in flight is collected, and the clocks of the per-phase times.
+        self._cancelled: list = []
+        self._busy_since = self._step_start = self._waited = 0.0
         self._loop_profile = LoopProfile(runner) if runner.profile else None
         self._finalizer = weakref.finalize(self, close_dropped, runner, self._wake)
 
@@ -185,7 +192,7 @@ class ServingLoop:
             with self._state_lock:
                 self._stopping = True
             for req in [*self._buffer.live, *pending, *self._arrivals]:
-                if req.final is None:
+                if not req.finished:
                     self._buffer.finish(req, "error", exc)
             self._arrivals.clear()
             self._notifier.notify()
@@ -195,94 +202,114 @@ class ServingLoop:
             release_model(self._model_key)
 
     def _loop(self, pending: deque) -> bool:
-        """The one serving loop: take arrivals and cancellations (a length check each), plan
-        step N+1, launch it, collect step N (depth 2); return when there is nothing to do
-        (True: the loop stops; the serving thread sleeps otherwise).
-        Everything a step may need (admission, prefill, stops, progress, profiling) is a
-        cheap check inside it; a decode step with nobody to admit costs the plan's fast path,
-        one launch and one collect."""
+        """The one serving loop, one step per turn: at the step boundary take arrivals and
+        cancellations (a length check each), then plan, launch, collect and update; return
+        when there is nothing to do (True: the loop stops; the serving thread sleeps
+        otherwise). The depth is the pipeline's (vt/engine/pipeline.py), the profiling
+        hooks are the profiled turn's (`_profiled_step`): the body is the same either way.
+        A failed step fails its requests (`_fail`) and the loop serves the rest."""
         self.be.bind_thread()
-        runner, buf, notifier = self.runner, self._buffer, self._notifier
-        launch, collect, store, notify = runner.launch, runner.collect, buf.store, notifier.notify
-        arrivals, cancels, sinks = self._arrivals, self._cancels, self._progress_sinks
-        clock, rs, prof = time.perf_counter, runner.stats, self._loop_profile
-        decode_ph, prefill_ph = self._phases["decode"], self._phases["prefill"]
-        sync = self._sync
-        inflight, deferred, cancelled = None, [], []
-        t_busy = t0 = clock()
-        waited = rs.drain_s + rs.token_wait_s
+        self._pipeline.drop()
+        self._cancelled = []
+        self._busy_since = self._step_start = time.perf_counter()
+        self._waited = self.runner.stats.wait_s
+        prof = self._loop_profile
         if prof is not None:
-            prof.start_call((decode_ph, prefill_ph))
+            prof.start_call((self._decode_phase, self._prefill_phase))
+        step = self._step if prof is None else self._profiled_step
         while True:
-            if arrivals:
+            if self._arrivals:
                 self._take_arrivals(pending)
-            if cancels or (self._stopping and not self._finish_on_close):
-                if self._stopping and not self._finish_on_close:
-                    self._cancel_everything(pending)
-                cancelled = self._apply_cancels(pending, inflight is not None)
+            if self._cancels or (self._stopping and not self._finish_on_close):
+                self._take_cancels(pending)
             sched = self._sched
-            if not (pending or sched.batch.n or sched.prefilling or inflight is not None or
-                    deferred):
-                for req in cancelled:    # nothing in flight holds them
-                    buf.finish(req, "cancelled")
-                cancelled = []
-                self._wall_s += clock() - t_busy
-                notify()
-                return self._stopping and not arrivals
+            if not (pending or sched.batch.n or sched.prefilling) and self._pipeline.empty():
+                return self._end_busy_period()
             try:
-                timed = prof is not None and prof.begin()
-                plan = sched.plan(pending)
-                if plan.admitted:
-                    buf.live.update(plan.admitted)
-                if timed:
-                    prof.planned()
-                handle = None
-                if plan.n:
-                    handle = launch(plan)
-                    sched.after_launch(plan)
-                elif inflight is None and not deferred:
-                    raise SchedulerStalledError(f"scheduler stalled: {len(pending)} pending, "
-                                                f"{sched.batch.n} running, nothing launched or "
-                                                f"in flight")
-                if timed:
-                    prof.launched()
-                if sync:
-                    # Depth 1 reads each step's tokens at once, but applies a stop token on the
-                    # same step the async pipeline can (vt/engine/engine.py): two steps later.
-                    for req in deferred:
-                        sched.leave(req)
-                    ready, handle, deferred = handle, None, []
-                else:
-                    ready = inflight
-                if ready is not None:
-                    tokens = collect(ready)
-                    stopped = store(ready.tag, tokens, ready.host_logits, clock())
-                    if sync:
-                        deferred = stopped
-                    else:
-                        for req in stopped:
-                            sched.leave(req)
-                    if sinks:
-                        self._report(ready.index)
-                if cancelled:
-                    for req in cancelled:
-                        if req.final is None:
-                            buf.finish(req, "cancelled")
-                    cancelled = []
-                notify()
-                t3 = clock()
+                step(pending)
             except BaseException as exc:   # noqa: BLE001 (the step's requests get it)
                 self._fail(exc, pending if isinstance(exc, SchedulerStalledError) else ())
-                inflight, deferred, cancelled, t0 = None, [], [], clock()
-                continue
-            ph = prefill_ph if plan.prefill else decode_ph
-            ph.steps += plan.n > 0
-            ph.wall_s += t3 - t0
-            now_waited = rs.drain_s + rs.token_wait_s
-            ph.wait_s += now_waited - waited
-            if timed:
-                prof.end(ph)
-            waited, inflight, t0 = now_waited, handle, t3
+
+    def _step(self, pending: deque) -> None:
+        """One step: plan step N+1, launch it, collect what the pipeline's depth says, update."""
+        plan = self._sched.plan(pending)
+        ready = self._pipeline.launched(self._launch(plan, pending))
+        if ready is not None:
+            self._collect(ready)
+        self._update(plan)
+
+    def _profiled_step(self, pending: deque) -> None:
+        """_step with LoopProfile's hooks between its parts (profile=True)."""
+        prof = self._loop_profile
+        timed = prof.begin()
+        plan = self._sched.plan(pending)
+        if timed:
+            prof.planned()
+        ready = self._pipeline.launched(self._launch(plan, pending))
+        if timed:
+            prof.launched()
+        if ready is not None:
+            self._collect(ready)
+        phase = self._update(plan)
+        if timed:
+            prof.end(phase)
+
+    # -- the parts of a step, in order --------------------------------------------------
+    def _launch(self, plan, pending: deque):
+        """Launch the plan (Scheduler.plan's: the requests it admits are live from now) and
+        move the batch past it; returns its handle (None: an empty plan, which only a step
+        in flight or stops still to apply may explain)."""
+        if plan.admitted:
+            self._buffer.live.update(plan.admitted)
+        if plan.n:
+            handle = self.runner.launch(plan)
+            self._sched.after_launch(plan)
+            return handle
+        if self._pipeline.empty():
+            raise SchedulerStalledError(f"scheduler stalled: {len(pending)} pending, "
+                                        f"{self._sched.batch.n} running, nothing launched or "
+                                        f"in flight")
+        return None
+
+    def _collect(self, ready) -> None:
+        """A step's tokens into the buffer (finishing the requests they complete); its
+        stops go to the pipeline, which applies them."""
+        tokens = self.runner.collect(ready)
+        stopped = self._buffer.store(ready.tag, tokens, ready.host_logits, time.perf_counter())
+        if stopped:
+            self._pipeline.collected(stopped)
+        if self._progress_sinks:
+            self._report(ready.index)
+
+    def _update(self, plan):
+        """After the collect: the cancelled requests finish (the step that held them is
+        collected), the readers are woken, and the step's wall and wait time go to its phase
+        (decode or prefill), which is returned."""
+        if self._cancelled:
+            self._finish_cancelled()
+        self._notifier.notify()
+        stats = self.runner.stats
+        now, waited = time.perf_counter(), stats.drain_s + stats.token_wait_s
+        phase = self._prefill_phase if plan.prefill else self._decode_phase
+        phase.steps += plan.n > 0
+        phase.wall_s += now - self._step_start
+        phase.wait_s += waited - self._waited
+        self._waited, self._step_start = waited, now
+        return phase
+
+    def _finish_cancelled(self) -> None:
+        for req in self._cancelled:
+            if not req.finished:
+                self._buffer.finish(req, "cancelled")
+        self._cancelled = []
+
+    def _end_busy_period(self) -> bool:
+        """Nothing left to serve: finish the cancelled (nothing in flight holds them), count
+        the busy time; True when the loop stops."""
+        self._finish_cancelled()
+        self._notifier.notify()
+        self._wall_s += time.perf_counter() - self._busy_since
+        return self._stopping and not self._arrivals
 
     # What the loop does at a step boundary when a request arrived or was cancelled (it
     # checks the two deques' lengths per step and calls these only when one moved).
@@ -297,40 +324,38 @@ class ServingLoop:
             else:
                 pending.append(req)
 
-    def _cancel_everything(self, pending: deque) -> None:
-        """close() without finish: every queued and running request is cancelled."""
-        cancels, sched = self._cancels, self._sched
-        cancels.extend(pending)
-        cancels.extend(sched.prefilling)
-        cancels.extend(sched.batch.reqs[:sched.batch.n])
-
-    def _apply_cancels(self, pending: deque, in_flight: bool) -> list:
-        """A queued request finishes at once; a running one leaves the batch now (its row and
-        KV blocks free for this step's plan) with the tokens of the steps launched so far, and
-        finishes once the step in flight, which still holds it, has been collected (before
-        the row's next request writes its span). Returns those still to finish."""
+    def _take_cancels(self, pending: deque) -> None:
+        """Apply the cancellations (close() without finish: of every queued and running
+        request). A WAITING or PREFILLING request finishes at once (no token yet); a
+        DECODING one leaves the batch now (its row and KV blocks free for this step's plan)
+        with the tokens of the steps launched so far, and finishes once the step in flight,
+        which still holds it, has been collected (before the row's next request writes its
+        span): `_update` finishes it."""
         cancels, sched, buffer = self._cancels, self._sched, self._buffer
-        later = []
+        if self._stopping and not self._finish_on_close:
+            cancels.extend(pending)
+            cancels.extend(sched.running())
+        in_flight = self._pipeline.in_flight is not None
         while cancels:
             req = cancels.popleft()
-            if req.final is not None:
+            phase = req.phase
+            if phase is RequestPhase.FINISHED:
                 continue
-            if req.t0 < 0:
+            if phase is RequestPhase.WAITING:
                 if req in pending:
                     pending.remove(req)
-                    buffer.finish(req, "cancelled")
-                elif req.row >= 0:            # prefilling in chunks: no token yet
-                    sched.leave(req)
                     buffer.finish(req, "cancelled")
                 # else: still in the arrivals; _take_arrivals finishes it
                 continue
             sched.leave(req)
-            req.end = min(req.end, req.base + sched.batch.t - req.t0)
+            if phase is RequestPhase.PREFILLING:
+                buffer.finish(req, "cancelled")
+                continue
+            req.span_end = min(req.span_end, req.entry(sched.batch.t))
             if in_flight:
-                later.append(req)
+                self._cancelled.append(req)
             else:
                 buffer.finish(req, "cancelled")
-        return later
 
     def _report(self, step: int) -> None:
         now = time.perf_counter()
@@ -348,11 +373,14 @@ class ServingLoop:
             exc.add_note(f"vt: the device also reported: {device_error}")
         buf = self._buffer
         for req in list(buf.live) + list(pending):
-            if req.final is None:
+            if not req.finished:
                 buf.finish(req, "error", exc)
         if pending:
             pending.clear()
         self._sched.reset()
+        self._pipeline.drop()
+        self._cancelled = []
+        self._step_start = time.perf_counter()
         self._notifier.notify()
 
 
