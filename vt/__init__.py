@@ -26,6 +26,7 @@ _LAZY = {
     "RequestTooLargeError": "vt.engine.errors",
     "EngineBusyError": "vt.engine.errors",
     "ClosedError": "vt.backend.errors",
+    "VtError": "vt.errors",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -17,6 +17,7 @@ VT = pathlib.Path(__file__).resolve().parents[2] / "vt"
 RANK = {
     "env": -1,                # the VT_* variables' registry and parser: below everything
     "validate": -1,           # the one integer check of the constructors
+    "errors": -1,             # VtError, the base of every error vt defines
     "backend": 0, "knobs": 0,
     "step": 1,
     "testing": 2,             # test arms as hooks: wraps the step contract, the graphs and

@@ -1,7 +1,9 @@
 """Errors raised by vt's backends. Messages start with the CUDA error name when there is one."""
 
+from vt.errors import VtError
 
-class CudaError(RuntimeError):
+
+class CudaError(VtError, RuntimeError):
     """A CUDA runtime call failed. `name` is the cudaError_t name, `call` the API that failed."""
 
     def __init__(self, name: str, call: str, detail: str = ""):
@@ -11,7 +13,7 @@ class CudaError(RuntimeError):
         super().__init__(f"{msg}: {detail}" if detail else msg)
 
 
-class CaptureError(RuntimeError):
+class CaptureError(VtError, RuntimeError):
     """A stream capture failed; the capture has been ended and the stream is usable again."""
 
     def __init__(self, capture: str, first_error: BaseException | None, detail: str = ""):
@@ -21,7 +23,7 @@ class CaptureError(RuntimeError):
         super().__init__(f"capture {capture!r} failed{first}{': ' + detail if detail else ''}")
 
 
-class CaptureAllocationError(RuntimeError):
+class CaptureAllocationError(VtError, RuntimeError):
     """The pool was asked for memory during a capture that pre-grown memory cannot serve."""
 
     def __init__(self, requested: int, free: int, capture: str, kind: str, pool_state: str = ""):
@@ -36,5 +38,5 @@ class CaptureAllocationError(RuntimeError):
             f"(DevicePool.reserve / reserve_scratch, or run the warm-up)")
 
 
-class ClosedError(RuntimeError):
+class ClosedError(VtError, RuntimeError):
     """An object was used after close()."""

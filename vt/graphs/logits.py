@@ -2,8 +2,10 @@
 array the step owns. The runner's drain decision reads `non_owning_view`."""
 from __future__ import annotations
 
+from vt.errors import VtError
 
-class StaleLogitsError(RuntimeError):
+
+class StaleLogitsError(VtError, RuntimeError):
     """A logits view was read after its graph was replayed again (it now holds another step)."""
 
 

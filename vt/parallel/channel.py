@@ -39,6 +39,7 @@ import secrets
 import time
 from multiprocessing import shared_memory
 from typing import Callable
+from vt.errors import VtError
 
 SLOTS = 64
 # How long a rank on a GPU spins for the next message before it sleeps: about a decode step,
@@ -53,7 +54,7 @@ _SEGMENT_NAME = re.compile(re.escape(SEGMENT_PREFIX) + r"(\d+)-(\d+)-[0-9a-f]+")
 SHM_DIR = "/dev/shm"      # where Linux keeps POSIX shared memory as files
 
 
-class PeerLostError(RuntimeError):
+class PeerLostError(VtError, RuntimeError):
     """The other side of a Broadcast is gone (its process ended) or did not answer in time."""
 
 

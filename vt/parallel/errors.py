@@ -1,7 +1,9 @@
 """What a tensor-parallel engine raises when its ranks cannot go on together."""
 
+from vt.errors import VtError
 
-class TensorParallelError(RuntimeError):
+
+class TensorParallelError(VtError, RuntimeError):
     """The tensor-parallel group stopped: a rank failed, died or diverged (the reason says)."""
 
 

@@ -19,9 +19,10 @@ from vt.parallel.errors import TensorParallelError
 from vt.serve.metrics import ServeMetrics
 from vt.serve.model_source import ServedModel
 from vt.serve.protocol import GenerationSpec, RequestError, RequestLimits
+from vt.errors import VtError
 
 
-class Overloaded(Exception):
+class Overloaded(VtError):
     """More requests than the server takes: answered 429 with Retry-After."""
 
     def __init__(self, message: str, retry_after_s: int = 1):
@@ -29,16 +30,16 @@ class Overloaded(Exception):
         self.retry_after_s = retry_after_s
 
 
-class ServiceClosed(Exception):
+class ServiceClosed(VtError):
     """The server is shutting down: answered 503."""
 
 
-class EngineStopped(Exception):
+class EngineStopped(VtError):
     """The engine can serve no more (the reason says why): answered 503 while the server
     exits (vt/serve/server.py)."""
 
 
-class GenerationFailed(Exception):
+class GenerationFailed(VtError):
     """The request's step failed on the engine (or its logits could not be sampled): 500."""
 
 

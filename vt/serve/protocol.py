@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from pydantic import ValidationError
 
 from vt.sampling.params import SamplingParams
+from vt.errors import VtError
 
 MAX_STOP_STRINGS = 16
 # A body's bytes beyond its text prompt's: the other fields, a chat's message framing.
@@ -39,7 +40,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 _SEED_BOUND = 2**63
 
 
-class RequestError(Exception):
+class RequestError(VtError):
     """A request refused before it runs: `status` (400 unless said), the offending `param`,
     OpenAI's error `type` and `code`."""
 

@@ -15,9 +15,10 @@ import contextlib
 
 import torch
 from torch.overrides import TorchFunctionMode
+from vt.errors import VtError
 
 
-class TorchCaptureError(RuntimeError):
+class TorchCaptureError(VtError, RuntimeError):
     """A torch forward did something a CUDA graph cannot capture (a host sync, a copy from
     host memory, an allocation outside the stream); the message names the torch call."""
 

@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vt.torch.capture import LastCall, TorchCaptureError, refusal
 from vt.torch.checks import check_returned
 from vt.torch.views import TorchInputs
+from vt.errors import VtError
 
 # aten ops that draw random numbers (by overload packet name): vt samples, a forward may not.
 RANDOM_OPS = frozenset({
@@ -127,7 +128,7 @@ def _binder(template):
     return lambda values: kind(part(values) for part in parts)
 
 
-class _Refused(Exception):
+class _Refused(VtError):
     """Raised inside the forward by the sim's capture checks (the message says which rule)."""
 
 
