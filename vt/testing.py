@@ -12,6 +12,14 @@ So no test flag is tested on the hot path, and a test arm is a subclass:
   VT_ASYNC_EXECUTOR_POISON=1 selects it (hooks_from_env).
 - NoPoolPreGrow: capture without pre-growing the pool: the second slot of a size then
   finds no free logits block and the capture is refused (the test of the pre-grow).
+- KVPoison(write, fence=...): the KV-reuse hazard's arm and detector. The moment the
+  engine's block pool hands out KV blocks for a new owner (vt/engine/kv_blocks.py),
+  write(blocks) overwrites their KV with poison without waiting for the decode stream (a
+  writer that is not stream-ordered: the host, another stream). With the pool's fence
+  (fence=True, production's) a block is handed out only once the last step that may read
+  it is seen complete, so no step reads the poison; fence=False removes the fence (a block
+  is reusable the moment it is released, while the step that reads it may still run), and
+  a step in flight reads the poison: wrong tokens or an error row.
 - with_device_work(step_model, seconds): every decode queues that much device time first,
   so the host runs ahead of the device on any backend (the regime where the host-overwrite
   hazard shows).
@@ -29,6 +37,12 @@ class ExecutorHooks:
     """The null hooks: what production runs. A test arm overrides the hook it needs."""
 
     label = ""   # appended to the mode's name in stats and logs ("ring+poison")
+    # The KV block pool fences released blocks until the last step that may read them is
+    # seen complete (vt/engine/kv_blocks.py); only a test arm turns it off.
+    kv_fence = True
+    # A callable(blocks) the pool calls with the KV blocks it hands to a new owner; None:
+    # nothing (production).
+    kv_blocks_reused = None
 
     def pre_grow_pool(self, pool, nbytes: int, count: int) -> None:
         """Before a size's captures: reserve `count` pool blocks of `nbytes`, one retained
@@ -57,6 +71,22 @@ class Poison(ExecutorHooks):
         elif not skips_drain:
             handle.done.synchronize()   # what the next launch's drain waits for
         nxt.write_padding()             # every row redirected to the scratch row
+
+
+class KVPoison(ExecutorHooks):
+    """The KV-reuse hazard's arm (module docstring). write(blocks): overwrite those KV blocks
+    with poison now, not ordered after the decode stream's work. `reused` counts the blocks
+    poisoned."""
+
+    def __init__(self, write, *, fence: bool = True):
+        if not callable(write):
+            raise TypeError(f"KVPoison: write must be a callable(blocks), got {type(write).__name__}")
+        self._write, self.kv_fence, self.reused = write, bool(fence), 0
+        self.label = "+kv-poison" if fence else "+kv-poison-no-fence"
+
+    def kv_blocks_reused(self, blocks) -> None:
+        self.reused += len(blocks)
+        self._write(blocks)
 
 
 class NoPoolPreGrow(ExecutorHooks):
@@ -100,6 +130,10 @@ class _DeviceWork(StepModel):
     @property
     def mixed_in_one_call(self):
         return self._inner.mixed_in_one_call
+
+    @property
+    def prefix_cacheable(self):
+        return self._inner.prefix_cacheable
 
     def decode(self, stream, inputs, logits_out) -> None:
         self._be.busy_wait(stream, self.seconds)

@@ -22,11 +22,12 @@ def _request(index, prompt_len, max_new_tokens, stop_tokens=()):
 
 
 def _step(sched, pending):
-    """One step as the loop runs it: the plan, then, when it has rows to launch, the batch
-    moved past its launch."""
+    """One step as the loop runs it at depth 1: the plan, then, when it has rows to launch,
+    the batch moved past its launch and the step seen complete (its collect)."""
     plan = sched.plan(pending)
     if plan.n:
         sched.after_launch(plan)
+        sched.completed(plan.tag.t)
     return plan
 
 
@@ -208,3 +209,22 @@ def test_reset_frees_everything_and_the_step_count_goes_on():
     assert sched.idle() and sched.batch.t == 3
     plan = _step(sched, deque([_request(2, 2, 2)]))
     assert plan.tag.t == 3 and plan.admitted[0].first_step == 3
+
+
+def test_blocks_released_while_their_step_runs_wait_for_its_completion():
+    """At depth 2 the host plans step t + 1 before it has seen step t complete: the blocks of
+    a request whose last token step t samples are not reusable by that plan, only once step
+    t is collected (vt/engine/kv_blocks.py's fence)."""
+    geo = KVGeometry(max_seqs=3, num_kv_blocks=5, block_size=4, max_context=16)
+    sched = Scheduler(geo, serving_conc=3, max_prefill_tokens=16)
+    first, second = _request(0, 8, 2), _request(1, 8, 2)
+    pending = deque([first, second])
+    plan0 = sched.plan(pending)
+    sched.after_launch(plan0)            # step 0: first's prefill (its first token)
+    plan1 = sched.plan(pending)
+    sched.after_launch(plan1)            # step 1: its last token; it leaves, step 1 in flight
+    assert first in plan1.tag.leaving and sched.blocks.free_count == 4
+    sched.completed(plan0.tag.t)
+    assert sched.plan(pending).admitted == []      # step 1 not seen complete: second waits
+    sched.completed(plan1.tag.t)
+    assert sched.plan(pending).admitted == [second]

@@ -47,6 +47,25 @@ from vt.engine.args import check_engine_args, check_generate_args
 __all__ = ["Engine", "Progress", "RequestHandle", "StartUpProgress"]
 
 
+def resolve_prefix_caching(model, requested: bool | None) -> tuple[bool, str]:
+    """Whether the engine caches prompt prefixes over `model`, and the one line that says so
+    and why (Engine's prefix_caching)."""
+    name = type(model).__name__
+    able = bool(model.prefix_cacheable) and bool(model.chunked_prefill)
+    if requested and not able:
+        why = ("does not prefill from a position (chunked_prefill)" if model.prefix_cacheable
+               else "does not declare its KV position-addressed (prefix_cacheable)")
+        raise ValueError(f"Engine: prefix_caching=True, but the step model {name} {why}: its "
+                         f"cached prefixes could not be shared")
+    if requested is False:
+        return False, "prefix caching off (prefix_caching=False)"
+    if not able:
+        return False, (f"prefix caching off: the step model {name} does not declare its KV "
+                       f"position-addressed (per-sequence state such as a recurrent one "
+                       f"cannot start from another sequence's cached blocks)")
+    return True, "prefix caching on: full prompt blocks are shared between requests"
+
+
 class Engine:
     """Engine(backend, model_or_forward, config): captures at construction; close() when done.
 
@@ -57,6 +76,11 @@ class Engine:
     each of its pieces, in this thread; None (the default) reports nothing.
     hooks: the test arms (vt.testing, e.g. Poison()); with config=None they come from the
     environment too (VT_ASYNC_EXECUTOR_POISON).
+    prefix_caching: share the KV blocks of cached prompt prefixes between requests
+    (vt/engine/kv_blocks.py). None (the default): on when the step model declares its KV
+    position-addressed (StepModel.prefix_cacheable, e.g. vt.torch's LlamaDecoder) and
+    prefills from a position; off otherwise (the bundled hybrid's recurrent state), which
+    `prefix_caching_note` says. True: on, or ValueError when the model cannot; False: off.
     submit() and generate() may be called from any number of threads at once; the serving
     thread starts with start() or the first of them.
     """
@@ -65,9 +89,12 @@ class Engine:
                  record_logits: bool = False, max_prefill_tokens: int | None = None,
                  profile: bool = False, hooks: ExecutorHooks | None = None,
                  tensor_parallel: int = 1,
-                 start_up_progress: Callable[[StartUpProgress], None] | None = None):
+                 start_up_progress: Callable[[StartUpProgress], None] | None = None,
+                 prefix_caching: bool | None = None):
         check_engine_args(backend, config, record_logits, max_prefill_tokens, profile,
                           start_up_progress)
+        if prefix_caching is not None and not isinstance(prefix_caching, bool):
+            raise TypeError(f"Engine: prefix_caching must be a bool or None, got {prefix_caching!r}")
         self.be = backend
         if hooks is None:
             hooks = hooks_from_env() if config is None else NULL_HOOKS
@@ -81,16 +108,18 @@ class Engine:
             model_or_forward = group.model
         try:
             self._construct(backend, model_or_forward, group, hooks, record_logits,
-                            max_prefill_tokens, profile, start_up_progress)
+                            max_prefill_tokens, profile, start_up_progress, prefix_caching)
         except BaseException:
             if group is not None:
                 group.stop("rank 0's Engine failed while starting")
             raise
 
     def _construct(self, backend, model_or_forward, group, hooks, record_logits,
-                   max_prefill_tokens, profile, start_up_progress) -> None:
+                   max_prefill_tokens, profile, start_up_progress, prefix_caching) -> None:
         self.model = as_step_model(backend, model_or_forward)
         geo = self.model.geometry
+        self.prefix_caching, self.prefix_caching_note = resolve_prefix_caching(
+            self.model, prefix_caching)
         if self.config.serving_conc > geo.max_seqs:
             raise ValueError(f"serving_conc={self.config.serving_conc} exceeds the model's "
                              f"max_seqs={geo.max_seqs}")
@@ -124,7 +153,8 @@ class Engine:
         self._loop = ServingLoop(backend, self.runner, self.model,
                                  serving_conc=self.config.serving_conc, depth=self.config.depth,
                                  max_prefill_tokens=self.max_prefill_tokens,
-                                 record_logits=record_logits, model_key=self._model_key)
+                                 record_logits=record_logits, model_key=self._model_key,
+                                 prefix_caching=self.prefix_caching)
         self._pool_after_warm_up = backend.pool.stats()
 
     # -- public -------------------------------------------------------------------------
@@ -189,7 +219,10 @@ class Engine:
 
     def stats(self) -> dict:
         """Steps, graph vs eager steps, drains and why, waits and their time, per-phase time,
-        pool state, rows and KV blocks in use."""
+        pool state, rows and KV blocks in use; prefix_cache: enabled, hit_rate (prompt tokens
+        served from cached blocks / prompt tokens admitted), prompt_tokens, cached_tokens,
+        cached_blocks (blocks naming a prefix), evictable_blocks (those nobody holds),
+        evictions (cached blocks whose memory an allocation took), note (why it is on/off)."""
         self._loop.check_open()
         st = self.runner.stats.as_dict()
         pool = self.be.pool.stats()
@@ -202,6 +235,7 @@ class Engine:
                   requests_finished=loop["requests_finished"],
                   requests_running=loop["requests_running"], rows_free=loop["rows_free"],
                   kv_blocks_free=loop["kv_blocks_free"], kv_blocks_total=loop["kv_blocks_total"],
+                  prefix_cache=dict(loop["prefix_cache"], note=self.prefix_caching_note),
                   phases={k: dict(p, device_ms=st["device_by_phase"][k][0],
                                   device_steps=st["device_by_phase"][k][1])
                           for k, p in loop["phases"].items()},

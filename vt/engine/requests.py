@@ -73,10 +73,18 @@ class Request:
     span_start: int = 0       # where its first token goes in the token buffer
     span_end: int = 0         # where its tokens stop: span_start + the most it will have
     first_step: int | None = None   # the batch step of its first token, once DECODING
+    # prefix caching (vt/engine/kv_blocks.py): its full prompt blocks' chained hashes (made at
+    # its first admission attempt), how many of its first blocks are cached (taken or
+    # computed and named), and how many prompt tokens came from the cache, not computed
+    block_hashes: list | None = None
+    cached_blocks: int = 0
+    cached_tokens: int = 0
     batch_index: int = -1     # the DecodeBatch's entry for it (the batch's, -1: not in it)
     finish_reason: str | None = None
     final: np.ndarray | None = None          # its tokens, once finished
     final_logits: np.ndarray | None = None
+    # its tokens' records [n, RECORD_WORDS] once finished, when its sampling asks for logprobs
+    final_records: np.ndarray | None = None
     token_times: np.ndarray | None = None
     error: BaseException | None = None       # the failure of a step it was in
     error_message: str | None = None         # an error row (finish_reason "error")

@@ -5,9 +5,17 @@ are admitted and prefilled while there is room) and moves the batch past each la
 The scheduler moves a request through its phases (vt/engine/requests.py): admitted, a WAITING
 request takes a row and its KV blocks and is PREFILLING until the plan of its last prompt
 chunk, which makes it DECODING (its first token is that step's). It joins the batch after
-that step launches and leaves when the step of its last token launches (its row and blocks
-are free for the next plan at once: device users of them are stream-ordered after that
-step), when a stop token is seen or when it is cancelled; the token buffer finishes it.
+that step launches and leaves when the step of its last token launches, when a stop token
+is seen or when it is cancelled; the token buffer finishes it. Its row is free for the next
+plan at once (device users of the row are stream-ordered after that step); its KV blocks
+are released, and reusable once the host has seen the last step that may read them
+complete (`completed`, vt/engine/kv_blocks.py).
+
+With prefix caching, an admitted request first takes the cached blocks of its prompt's
+longest cached prefix (vt/engine/kv_blocks.py) and is prefilled from the first token they
+do not hold; the full prompt blocks each plan computes are named (registered) after the
+plan, so a request admitted in the same plan never reads a block that step writes: one
+whose next block that step computes waits for the next plan, which finds it cached.
 
 Each row owns a span of max_context tokens in the engine's token buffer (a request's tokens go
 to [row * max_context, ...)): a row's next request writes its first token one step after the
@@ -20,7 +28,7 @@ from collections import deque
 import numpy as np
 
 from vt.engine.batch import BatchStep, DecodeBatch
-from vt.engine.kv_blocks import BlockAllocator
+from vt.engine.kv_blocks import BlockPool, PrefixCacheStats, block_hashes, root_hash
 from vt.engine.requests import Request, RequestPhase
 from vt.engine.rows import RowAllocator
 from vt.step.contract import KVGeometry, PrefillSeq
@@ -43,12 +51,25 @@ class StepTag:
 class Scheduler:
     """chunked: the step model prefills from a position (PrefillSeq.start), so a prompt longer
     than the step's prefill budget is prefilled in chunks over several steps (its row and
-    KV blocks held from the first) and joins the batch after the last."""
+    KV blocks held from the first) and joins the batch after the last.
+
+    prefix_caching: share cached prompt blocks (needs chunked: a hit is prefilled from a
+    position); identity: what the cached KV depends on besides the tokens (the model's).
+    kv_fenced, on_kv_reuse: BlockPool's fenced and on_reuse (the test arms' way in)."""
 
     def __init__(self, geo: KVGeometry, serving_conc: int, max_prefill_tokens: int,
-                 chunked: bool = False):
+                 chunked: bool = False, *, prefix_caching: bool = False, identity: int = 0,
+                 kv_fenced: bool = True, on_kv_reuse=None):
         self.geo, self.serving_conc, self.max_prefill_tokens = geo, serving_conc, max_prefill_tokens
         self.chunked = chunked
+        if prefix_caching and not chunked:
+            raise ValueError("Scheduler: prefix_caching needs chunked prefill (a cached prompt "
+                             "is prefilled from its first uncached token)")
+        self.caching = prefix_caching
+        self._root = root_hash(identity, geo.block_size)
+        self._kv_fenced, self._on_kv_reuse = kv_fenced, on_kv_reuse
+        self.cache_stats = PrefixCacheStats()
+        self.launched = -1   # the batch step of the last launched step
         self.span = geo.max_context     # token-buffer entries per row
         self.scratch_dest = geo.max_seqs * self.span   # where a non-final chunk's token goes
         self.batch: DecodeBatch | None = None
@@ -62,7 +83,11 @@ class Scheduler:
         geo = self.geo
         first_step = self.batch.t if self.batch is not None else 0
         self.rows = RowAllocator(geo.max_seqs)
-        self.blocks = BlockAllocator(geo.num_kv_blocks, geo.scratch_block)
+        # After a failure nothing is in flight (the runner waited for the stream): every step
+        # launched so far is complete.
+        self.blocks = BlockPool(geo.num_kv_blocks, geo.scratch_block, stats=self.cache_stats,
+                                fenced=self._kv_fenced, on_reuse=self._on_kv_reuse)
+        self.blocks.completed = self.launched
         self.batch = DecodeBatch(geo.max_seqs, geo.max_blocks, geo.block_size,
                                  first_step=first_step)
         self.prefilling: list[Request] = []   # the PREFILLING requests, in admission order
@@ -91,11 +116,16 @@ class Scheduler:
             budget -= end - req.prefilled
             chunks.append((req, end))
         held = n_dec + len(self.prefilling)
+        planned = self._planned(chunks) if self.caching else None
         while pending and held < self.serving_conc and budget > 0:
             req = pending[0]
             if not self.chunked and chunks and req.prompt_len > budget:
                 break   # the next step prefills it
-            blocks = self.blocks.alloc(-(-(req.prompt_len + req.max_new_tokens - 1) // geo.block_size))
+            need = -(-(req.prompt_len + req.max_new_tokens - 1) // geo.block_size)
+            if self.caching:
+                blocks = self._admit_cached(req, need, planned)
+            else:
+                blocks = self.blocks.alloc(need)
             if blocks is None:
                 break   # waits for running requests to free blocks (always possible: see refusal)
             pending.popleft()
@@ -103,9 +133,11 @@ class Scheduler:
             req.phase = RequestPhase.PREFILLING
             req.span_start = req.row * self.span
             req.span_end = req.span_start + req.max_new_tokens
-            end = min(req.prompt_len, budget) if self.chunked else req.prompt_len
-            budget -= end
+            end = min(req.prompt_len, req.prefilled + budget) if self.chunked else req.prompt_len
+            budget -= end - req.prefilled
             held += 1
+            if planned is not None:
+                planned.update(req.block_hashes[req.cached_blocks:end // geo.block_size])
             if end < req.prompt_len:
                 self.prefilling.append(req)
             chunks.append((req, end))
@@ -124,10 +156,62 @@ class Scheduler:
             admitted.append(req)
         if self.prefilling:
             self.prefilling = [r for r in self.prefilling if r.phase is RequestPhase.PREFILLING]
+        if self.caching:
+            self._register(chunks)
         tag = self.decode_tag(admitted)
         tag.dest = np.concatenate([tag.dest, np.asarray(dest, np.int64)])
         decode = BatchStep(b) if n_dec else None
         return StepPlan(decode, prefill, tag, admitted)
+
+    # -- prefix caching (vt/engine/kv_blocks.py) ------------------------------------------
+    def _planned(self, chunks) -> set:
+        """The hashes of the full prompt blocks this plan's continuing chunks compute."""
+        bs, out = self.geo.block_size, set()
+        for req, end in chunks:
+            out.update(req.block_hashes[req.cached_blocks:end // bs])
+        return out
+
+    def _admit_cached(self, req: Request, need: int, planned: set) -> list[int] | None:
+        """The request's blocks: its longest cached prefix (taken), then new ones; None
+        (nothing taken) when too few are reusable, or when the block after its cached prefix
+        is computed by the step being planned (the next plan finds it cached). Sets where its
+        prefill starts."""
+        bs, pool = self.geo.block_size, self.blocks
+        hashes = req.block_hashes
+        if hashes is None:
+            hashes = req.block_hashes = block_hashes(req.prompt, bs, self._root)
+        limit = (req.prompt_len - 1) // bs     # the last prompt token is always computed
+        hits = pool.match(hashes, req.prompt, bs, limit)
+        n_hit = len(hits)
+        if n_hit < limit and hashes[n_hit] in planned:
+            return None
+        if pool.available - pool.reusable_among(hits) < need - n_hit:
+            return None
+        pool.take(hits)
+        blocks = hits + pool.alloc(need - n_hit)
+        req.cached_blocks = n_hit
+        req.cached_tokens = req.prefilled = n_hit * bs
+        stats = self.cache_stats
+        stats.prompt_tokens += req.prompt_len
+        stats.cached_tokens += req.cached_tokens
+        return blocks
+
+    def _register(self, chunks) -> None:
+        """Name the full prompt blocks this plan computes (their KV is written by this step,
+        stream-ordered before any later step that reads them)."""
+        bs, pool = self.geo.block_size, self.blocks
+        for req, end in chunks:
+            full = end // bs
+            if full > req.cached_blocks:
+                hashes, blocks, prompt = req.block_hashes, req.blocks, req.prompt
+                for i in range(req.cached_blocks, full):
+                    pool.register(blocks[i], hashes[i], prompt[i * bs:(i + 1) * bs].tobytes())
+                req.cached_blocks = full
+
+    def completed(self, t: int) -> None:
+        """The host has seen batch step t complete (the loop collected it): the blocks
+        released while it could read them are reusable."""
+        self.blocks.complete(t)
 
     def decode_tag(self, admitted=()) -> StepTag:
         """The tag of the batch's decode rows at this step (copies: the batch moves on before
@@ -154,6 +238,7 @@ class Scheduler:
     def after_launch(self, plan: StepPlan) -> None:
         """Move the batch past the launched step: the requests whose last token it was leave
         (and are named on its tag), the admitted ones join."""
+        self.launched = plan.tag.t
         leaving = self.batch.end_step()
         for req in leaving:
             self.leave(req)
@@ -187,5 +272,5 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         if req.row is not None:
             self.rows.free(req.row)
-            self.blocks.free(req.blocks)
+            self.blocks.release(req.blocks, self.launched)
             req.row, req.blocks = None, []

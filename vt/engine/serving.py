@@ -40,7 +40,8 @@ class ServingLoop:
     runner when closed, or when collected without close()."""
 
     def __init__(self, backend, runner, step_model, *, serving_conc: int, depth: int,
-                 max_prefill_tokens: int, record_logits: bool, model_key: int):
+                 max_prefill_tokens: int, record_logits: bool, model_key: int,
+                 prefix_caching: bool = False):
         geo = step_model.geometry
         self.be, self.runner = backend, runner
         self._model_key = model_key
@@ -54,8 +55,11 @@ class ServingLoop:
         self._progress_sinks: list = []       # generate() calls with a progress callback
         self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, step_model.vocab, record_logits)
         self._notifier = StepNotifier()
+        hooks = runner.hooks
         self._sched = Scheduler(geo, serving_conc, max_prefill_tokens,
-                                bool(step_model.chunked_prefill))
+                                bool(step_model.chunked_prefill), prefix_caching=prefix_caching,
+                                identity=model_key, kv_fenced=hooks.kv_fence,
+                                on_kv_reuse=hooks.kv_blocks_reused)
         self._pipeline = step_pipeline(depth, self._sched.leave)
         self._wall_s = 0.0
         self._failed_steps = 0
@@ -135,12 +139,19 @@ class ServingLoop:
 
     def stats(self) -> dict:
         """The loop's counts: tokens, wall time, failed steps, requests, rows and KV blocks
-        free, and per phase (decode, prefill) its Phase's fields."""
+        free, prefix caching's counts, and per phase (decode, prefill) its Phase's fields."""
         buf, sched = self._buffer, self._sched
+        pool, cache = sched.blocks, sched.cache_stats
         return dict(tokens=buf.tokens_out, wall_s=self._wall_s, failed_steps=self._failed_steps,
                     requests_finished=buf.finished, requests_running=len(buf.live),
-                    rows_free=sched.rows.free_count, kv_blocks_free=sched.blocks.free_count,
-                    kv_blocks_total=sched.blocks.capacity,
+                    rows_free=sched.rows.free_count, kv_blocks_free=pool.free_count,
+                    kv_blocks_total=pool.capacity,
+                    prefix_cache=dict(enabled=sched.caching, hit_rate=cache.hit_rate,
+                                      prompt_tokens=cache.prompt_tokens,
+                                      cached_tokens=cache.cached_tokens,
+                                      cached_blocks=pool.cached_count,
+                                      evictable_blocks=pool.evictable_count,
+                                      evictions=cache.evictions),
                     phases={k: dict(vars(p)) for k, p in self._phases.items()})
 
     def close(self, *, finish: bool = False) -> str | None:
@@ -275,6 +286,7 @@ class ServingLoop:
         """A step's tokens into the buffer (finishing the requests they complete); its
         stops go to the pipeline, which applies them."""
         tokens = self.runner.collect(ready)
+        self._sched.completed(ready.tag.t)   # its done event seen: its released blocks reusable
         stopped = self._buffer.store(ready.tag, tokens, ready.host_logits, time.perf_counter())
         if stopped:
             self._pipeline.collected(stopped)

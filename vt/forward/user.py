@@ -29,13 +29,23 @@ class ForwardModel(StepModel):
       a vt.step.FlatInputs of every token the step runs (prompt chunks, and in a mixed step
       the decode rows, first) and logits_out [B, vocab] one row per sequence. The forward
       must then attend causally within each sequence over its cached prefix.
+
+    prefix_cacheable: the forward's KV of a position depends only on the tokens up to it
+    and it keeps no other per-sequence state (StepModel.prefix_cacheable); None (the
+    default) takes the forward's own `prefix_cacheable` attribute, else False.
     """
 
     chunked_prefill = True   # prefill() starts at PrefillSeq.start: a prompt may come in chunks
 
     def __init__(self, be, forward, *, vocab: int, token_table, geometry: KVGeometry,
-                 prefill: str = "positions"):
+                 prefill: str = "positions", prefix_cacheable: bool | None = None):
         _check_args(forward, vocab, token_table, geometry)
+        if prefix_cacheable is None:
+            prefix_cacheable = getattr(forward, "prefix_cacheable", False)
+        if not isinstance(prefix_cacheable, bool):
+            raise TypeError(f"ForwardModel: prefix_cacheable must be a bool or None, got "
+                            f"{prefix_cacheable!r}")
+        self.prefix_cacheable = prefix_cacheable
         if prefill not in PREFILL_MODES:
             raise ValueError(f"ForwardModel: prefill={prefill!r}; expected one of {PREFILL_MODES}")
         if len(token_table) < geometry.max_seqs + 1:

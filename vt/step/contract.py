@@ -193,6 +193,11 @@ class StepModel(abc.ABC):
 
     # prefill() starts at PrefillSeq.start: the engine may split a prompt over steps
     chunked_prefill: bool = False
+    # the KV of a position depends only on the tokens up to it, and the model keeps no other
+    # per-sequence state (no recurrent state): with chunked_prefill, a sequence may start
+    # from the cached KV blocks of another with the same prefix (the engine's prefix
+    # caching, on by default for such a model: vt/engine/kv_blocks.py)
+    prefix_cacheable: bool = False
     # prepare_mixed() runs a step's decode rows and prompt chunks in ONE call (a flattened
     # batch); otherwise the runner runs the decode rows (their graph when one fits) and then
     # the prefill

@@ -81,7 +81,8 @@ class TorchForwardModel(ForwardModel):
         if token_table is None:
             token_table = zeros(be, (geometry.max_seqs + 1,), np.int32)
         super().__init__(be, TorchForwardCall(be, forward, token_table), vocab=vocab,
-                         token_table=token_table, geometry=geometry, prefill=prefill)
+                         token_table=token_table, geometry=geometry, prefill=prefill,
+                         prefix_cacheable=bool(getattr(forward, "prefix_cacheable", False)))
 
     def warm_up_prefill(self, stream, max_prefill_tokens: int, logits_out) -> None:
         """The prompt path's warm-up. vt's pool needs no prefill shape of a torch forward: its

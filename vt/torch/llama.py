@@ -256,6 +256,9 @@ class LlamaDecoder(nn.Module):
     # One call runs every token of a step (module docstring): TorchForwardModel takes this
     # as its prefill mode, so a prompt chunk costs one forward call, not one per position.
     prefill = "flat"
+    # Its KV of a position depends only on the tokens up to it (no recurrent state): the
+    # engine shares cached prompt blocks between sequences (StepModel.prefix_cacheable).
+    prefix_cacheable = True
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", linear: str = "auto",
