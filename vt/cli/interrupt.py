@@ -1,0 +1,59 @@
+"""Ctrl-C for a command's whole run, start-up included: SIGINT raises KeyboardInterrupt at
+once, as Python's default does, and is also remembered, so that nothing can lose it.
+
+Two things lose a default SIGINT during `vt serve`'s start-up. A library imported lazily
+while the graphs are captured may swallow the KeyboardInterrupt (a bare `except:` around an
+import); the start-up then finishes and serves as if nothing was asked. And between
+`asyncio.run` taking SIGINT over (it does when the handler is Python's default) and uvicorn
+installing the server's handlers, a signal only cancels a task that may not be running yet.
+With this handler installed, asyncio leaves SIGINT alone, and `raise_if_interrupted()`,
+called between start-up phases and before serving, raises what was swallowed.
+
+CPython also marks a KeyboardInterrupt raised inside code compiled from a string (the
+`exec` by which `dataclasses` builds methods, inside those lazy imports) as unhandled even
+when it is caught, and then ends the process by SIGINT instead of with its exit code;
+`forget_unhandled_mark()` clears that mark (any string code run clears it) so that the
+command exits 130 as documented.
+"""
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+_interrupted = False
+
+
+def _on_sigint(signum, frame) -> None:
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def remembered_sigint():
+    """SIGINT raises KeyboardInterrupt and is remembered while the block runs (main thread
+    only: elsewhere signals cannot be set, and nothing is changed)."""
+    global _interrupted
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _interrupted = False
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        _interrupted = False
+
+
+def raise_if_interrupted() -> None:
+    """KeyboardInterrupt if SIGINT came while remembered_sigint() was on, whoever caught it."""
+    if _interrupted:
+        raise KeyboardInterrupt
+
+
+def forget_unhandled_mark() -> None:
+    """Clear CPython's "unhandled KeyboardInterrupt" mark after the interrupt was handled
+    (module docstring): running any code compiled from a string resets it."""
+    exec("")   # noqa: S102 (the reset is a side effect of running string code)
