@@ -40,6 +40,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     finally:
         be.close()
     print(f"self-check (capture + replay x3 with new host input): {'PASS' if ok else 'FAIL'} — {message}")
+    print("prefix caching: on for step models whose KV is position-addressed (vt.torch's "
+          "LlamaDecoder, StepModel.prefix_cacheable); the bundled hybrid (recurrent GDN state) "
+          "runs without it")
     return 0 if ok else 1
 
 

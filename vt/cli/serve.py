@@ -135,7 +135,9 @@ def open_served(args, who: str, out=None):
         log.line(f"{who}: {args.mode} mode, decode graphs for batch sizes "
                  f"{', '.join(map(str, config.capture_sizes))}")
         engine = Engine(be, served.step_model, config, tensor_parallel=args.tensor_parallel,
-                        start_up_progress=log)
+                        start_up_progress=log,
+                        prefix_caching=False if getattr(args, "no_prefix_cache", False) else None)
+        log.line(f"{who}: {engine.prefix_caching_note}")
     except BaseException:
         served.close()
         be.close()
@@ -156,6 +158,9 @@ def add_parser(sub) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight responses get to finish after SIGINT/SIGTERM before "
                         "they are aborted (finish_reason abort; default 30)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt whole: no KV blocks shared between requests "
+                        "(default: shared when the model's KV is position-addressed)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

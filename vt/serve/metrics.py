@@ -89,6 +89,25 @@ class ServeMetrics:
                [f"vt_kv_blocks_in_use {blocks_in_use}"])
         family("vt_kv_blocks", "gauge", "KV cache blocks in all.",
                [f"vt_kv_blocks {engine['kv_blocks_total']}"])
+        cache = engine["prefix_cache"]
+        family("vt_prefix_cache_info", "gauge",
+               "Whether prompt prefixes' KV blocks are shared (the label; always 1).",
+               [f'vt_prefix_cache_info{{enabled="{str(cache["enabled"]).lower()}"}} 1'])
+        family("vt_prefix_cache_hit_rate", "gauge",
+               "Prompt tokens served from cached KV blocks over prompt tokens admitted.",
+               [f"vt_prefix_cache_hit_rate {cache['hit_rate']:.6g}"])
+        family("vt_prefix_cache_cached_tokens", "counter",
+               "Prompt tokens served from cached KV blocks (not computed).",
+               [f"vt_prefix_cache_cached_tokens_total {cache['cached_tokens']}"])
+        family("vt_prefix_cache_blocks", "gauge", "KV blocks naming a cached prompt prefix.",
+               [f"vt_prefix_cache_blocks {cache['cached_blocks']}"])
+        family("vt_prefix_cache_evictable_blocks", "gauge",
+               "Cached KV blocks no request holds (evicted, least recently used first, when "
+               "an allocation needs them).",
+               [f"vt_prefix_cache_evictable_blocks {cache['evictable_blocks']}"])
+        family("vt_prefix_cache_evictions", "counter",
+               "Cached KV blocks whose memory an allocation took.",
+               [f"vt_prefix_cache_evictions_total {cache['evictions']}"])
         family("vt_engine_steps", "counter", "Engine steps run.",
                [f"vt_engine_steps_total {engine['steps']}"])
         family("vt_drained_steps", "counter",
