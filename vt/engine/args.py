@@ -1,5 +1,5 @@
 """The checks of Engine(...)'s and generate()'s own arguments (the requests themselves are
-vt/submit.py's): a wrong type is a TypeError and a wrong value a ValueError, each naming the
+vt/engine/submit.py's): a wrong type is a TypeError and a wrong value a ValueError, each naming the
 argument, raised before anything is allocated or launched."""
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A small user-style decode forward: not the bundled model, written only against the forward
-contract (vt.graphs.driver), used by the tests, the hazard reproducer and the docs example.
+contract (ForwardModel's `forward(stream, inputs, logits_out)`, vt/forward/user.py; the step
+contract it is part of is vt/step/contract.py), used by the tests and the hazard reproducer.
 
 Per row it embeds the input token (a hash of token and position), writes it to its paged KV
 slot, sums the sequence's KV entries (a stand-in for attention), updates a recurrent state

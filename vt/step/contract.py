@@ -1,9 +1,27 @@
-"""The step contract: what one decode or prefill step is made of, shared by the graphs, the
-models, the runner and the engine (all of them import it; it imports none of them).
+"""The step contract: what a model gives vt, and what one decode or prefill step is made of.
+The graphs, the models, the runner and the engine all import it; it imports none of them.
+docs/contract.md is its page, with a runnable example.
 
-A decode step of S rows reads its per-step vectors from `DecodeInputs` (device arrays); the
-host builds them from `DecodeRows` (numpy, the real rows before padding). Padded rows point
-at `PadRow`'s scratch locations. `StepModel` is what the runner drives.
+A step model (`StepModel`, the class the runner and the engine drive) provides:
+- `vocab`, `geometry` (a `KVGeometry`: sequence rows, KV blocks, context), `pad` (the
+  `PadRow` scratch locations padded rows point at) and `token_table` (each row's last sampled
+  token on the device: the next decode step's input);
+- `decode(stream, inputs, logits_out)`: one token per row, captured into the step's graph, so
+  it only launches work; its per-row vectors are a `DecodeInputs` of device arrays, which the
+  host builds from `DecodeRows` (numpy, the real rows before padding);
+- `prefill(stream, seqs, logits_out)`: prompts (`PrefillSeq`), eagerly, each one's last-token
+  logits;
+- `sample(stream, logits, inputs, out_tokens)`: the tokens, into out_tokens and the token table.
+
+Which one to write:
+- a PyTorch module or function, `forward(inputs, logits_out)` over torch tensors:
+  `vt.torch.TorchForwardModel` (vt runs it on its stream, captures it with a private memory
+  pool, runs prompts and samples);
+- kernels launched on vt's stream (CuPy, or numpy kernels on the sim), `forward(stream,
+  inputs, logits_out)` over `DecodeInputs`: `vt.ForwardModel` (vt runs prompts through the
+  same forward and samples with its own sampler);
+- your own prefill, sampler or graphs: subclass `StepModel` and write all three methods
+  (the bundled model's adapter, vt/forward/hybrid.py, does: it captures its prefill too).
 """
 from __future__ import annotations
 
