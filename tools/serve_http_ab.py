@@ -9,11 +9,11 @@ one run, one table.
    geometry and prefill vt serve loads) under an Engine with vt serve's config
    (vt.cli.serve.serving_config: its mode, rows and graphs; unprofiled, as vt serve runs),
    warmed, then every (arrival, load) cell of vt bench's serve workload
-   (vt/cli/bench/serve.py). The engine and the model are then closed and their memory
+   (vt/bench/serve.py). The engine and the model are then closed and their memory
    freed before the server loads its own copy.
 3. Through HTTP: `python3 -m vt serve --model DIR` with the same mode, rows, context and KV
    block size, on a free port; once it listens (a deadline), the same requests (drawn from
-   the same seed) as streamed /v1/completions (vt/cli/bench/serve_http.py), warmed first the
+   the same seed) as streamed /v1/completions (vt/bench/serve_http.py), warmed first the
    same way; then SIGINT, and the server must exit 0 within a deadline.
 4. One table with both (`via` engine / http), then per load: output tokens/s through HTTP
    over in process, and TTFT p50 through HTTP against 1.1x in process + 2 ms (what an HTTP
@@ -48,11 +48,17 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line, as vt's commands print it."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
+
+
 def parse(argv):
     from tools.tiny_checkpoint import SHAPES
-    from vt.cli.common import OneLineParser
     from vt.knobs import SAFE_MODES
-    p = OneLineParser(prog="serve_http_ab.py", description=__doc__.split("\n\n")[0],
+    p = _OneLineParser(prog="serve_http_ab.py", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="a checkpoint directory to serve (default: build --shape)")
@@ -80,8 +86,8 @@ def parse(argv):
 
     def error(msg):
         p.error(msg)
-    from vt.cli.bench.serve_run import resolve_serve
-    from vt.cli.common import backend_name
+    from vt.bench.serve_run import resolve_serve
+    from vt.bench.setup import backend_name
     args.backend = backend_name(args.backend)
     resolve_serve(args, args.backend, error)   # the serve bench's own checks of the traffic
     if not 1 <= args.block_size <= 256:
@@ -103,7 +109,7 @@ def parse(argv):
 
 
 def main(argv=None) -> int:
-    from vt.cli.common import CommandFailed
+    from vt.bench.errors import CommandFailed
     args = parse(argv)
     try:
         return run(args)
@@ -113,7 +119,7 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    from vt.cli.bench.serve import serve_loads
+    from vt.bench.serve import serve_loads
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="vt-serve-ab-") as scratch:
         path = Path(args.model) if args.model else build_checkpoint(args, Path(scratch))
@@ -121,7 +127,7 @@ def run(args) -> int:
         engine_cells, vocab, work, warm = in_process(args, path, serve_loads(args), conc)
         http = through_http(args, path, work, warm, conc, vocab)
     res = result(args, path, engine_cells + http, time.perf_counter() - t0)
-    from vt.cli.bench import serve_report
+    from vt.bench import serve_report
     print("\n" + serve_report.table(res) + "\n" + verdict_lines(res["ab"]), flush=True)
     if args.json:
         serve_report.write_json(res, args.json)
@@ -143,10 +149,10 @@ def in_process(args, path: Path, loads, conc: int) -> tuple[list[dict], int, dic
     """The serve workload's cells on an engine in this process; (cells, the model's vocab,
     the requests per load and the warm-up ones it served: the HTTP side sends the same).
     Everything it loaded is closed and freed before it returns."""
-    from vt.cli.bench.progress import ProgressBar
-    from vt.cli.bench.serve import draw_work, serve_cell
-    from vt.cli.bench.serve_run import median_run
-    from vt.cli.common import pick_backend
+    from vt.bench.progress import ProgressBar
+    from vt.bench.serve import draw_work, serve_cell
+    from vt.bench.serve_run import median_run
+    from vt.bench.setup import pick_backend
     from vt.cli.serve import serving_config
     from vt.engine.engine import Engine
     from vt.serve.model_source import load_checkpoint
@@ -193,9 +199,9 @@ def _empty_torch_cache() -> None:
 
 def through_http(args, path: Path, work: dict, warm: list, conc: int, vocab: int) -> list[dict]:
     """The same requests through a `vt serve` subprocess; stopped with SIGINT after."""
-    from vt.cli.bench.progress import ProgressBar
-    from vt.cli.bench.serve_http import ClientPool, describe_server, http_cells
-    from vt.cli.common import CommandFailed
+    from vt.bench.progress import ProgressBar
+    from vt.bench.serve_http import ClientPool, describe_server, http_cells
+    from vt.bench.errors import CommandFailed
     proc, url = start_server(args, path, conc)
     try:
         info = describe_server(url)
@@ -221,7 +227,7 @@ def through_http(args, path: Path, work: dict, warm: list, conc: int, vocab: int
 def start_server(args, path: Path, conc: int) -> tuple[subprocess.Popen, str]:
     """`python3 -m vt serve` on 127.0.0.1, a free port; (process, URL) once it prints that it
     listens. Its stderr (loading, capturing) passes through."""
-    from vt.cli.common import CommandFailed
+    from vt.bench.errors import CommandFailed
     cmd = [sys.executable, "-m", "vt", "serve", "--model", str(path), "--backend", args.backend,
            "--mode", args.mode, "--max-concurrency", str(conc),
            "--max-context", str(args.max_context), "--block-size", str(args.block_size),
@@ -291,8 +297,8 @@ def verdict_lines(ab: list[dict]) -> str:
 def result(args, path: Path, cells: list[dict], wall_s: float) -> dict:
     import platform
 
-    from vt.cli.bench.run import vt_commit
-    from vt.cli.bench.serve_run import compare_to_drain
+    from vt.bench.run import vt_commit
+    from vt.bench.serve_run import compare_to_drain
     compare_to_drain(cells, compare_tokens=False)
     return dict(format="vt-bench-serve/1", workload="serve", tool="serve_http_ab",
                 backend=args.backend, vt_commit=vt_commit(), device=_device(args.backend),

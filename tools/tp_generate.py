@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         runs.insert(0, single)
     rate = None
     if be.name == "cuda":   # the floor: a rank's weights over the faster eager copy or read
-        from vt.cli.bench.torch_decode import bandwidths
+        from vt.bench.torch_decode import bandwidths
         rate = max(bandwidths().values())
     for r in runs:
         if rate and r["tpot_ms_p50"]:

@@ -29,9 +29,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import vt.cli.bench.run
+import vt.bench.run
 import vt.cli.run
-from vt.cli import limits as lim
+from vt.bench import limits as lim
 from vt.executor.atomic_file import atomic_open
 from vt.cli.main import main
 from vt.knobs import MODES
@@ -55,7 +55,7 @@ def no_work(monkeypatch, tmp_path):
     def started(*args, **kwargs):
         raise Started("work started before the input was refused")
     monkeypatch.setattr(vt.cli.run, "build_model", started)
-    monkeypatch.setattr(vt.cli.bench.run, "warm_up_device", started)
+    monkeypatch.setattr(vt.bench.run, "warm_up_device", started)
 
 
 def refused(capsys, argv, env=None, monkeypatch=None):

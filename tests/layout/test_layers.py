@@ -30,7 +30,8 @@ RANK = {
     "parallel": 5.5,          # tensor parallelism: wraps the runner, the engine composes it
     "engine": 6,
     "serve": 6.5,             # vt serve's HTTP front end over the engine (and vt.torch models)
-    "cli": 7,
+    "bench": 6.75,            # the benchmarks: workloads, peers, measurement, reports
+    "cli": 7,                 # argument parsing and the front ends (vt bench's over vt.bench)
 }
 MAX_TOP_LEVEL_FILES = 8
 # Past ~500 lines a module likely holds a second concept: a warning asks someone to look.

@@ -53,7 +53,7 @@ ALLOWED = {
     ("model/kernels/gemm.py", "self._gemm._alpha"): _WRAPPED_GEMM,
     ("model/kernels/gemm.py", "RoutedGemm._per_slot"):
         "the float64 reference beside RoutedGemm, in its module, reuses its slot helper",
-    ("cli/bench/torch_ttft.py", "model.config._attn_implementation"): _THIRD_PARTY,
+    ("bench/torch_ttft.py", "model.config._attn_implementation"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch.ops.aten._local_scalar_dense"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch._subclasses"): _THIRD_PARTY,
     ("torch/simcapture.py", "func._schema"): _THIRD_PARTY,

@@ -46,10 +46,10 @@ import numpy as np
 import pytest
 
 import vt
-import vt.cli.bench.serve_run
+import vt.bench.serve_run
 import vt.cli.run
 from vt import env
-from vt.cli.bench.serve import closed_loop, open_loop
+from vt.bench.serve import closed_loop, open_loop
 from vt.cli.common import CommandFailed
 from vt.cli.main import main
 from vt.engine.engine import Engine
@@ -166,7 +166,7 @@ def test_every_serve_wait_has_a_deadline_with_a_message(loop):
 def test_serve_flags_out_of_bounds_are_one_line(capsys, clean_env, flags, needle):
     def started(*a, **k):
         raise Started("the serve sweep started")
-    clean_env.setattr(vt.cli.bench.serve_run, "run_serve", started)
+    clean_env.setattr(vt.bench.serve_run, "run_serve", started)
     _one_line_refusal(capsys, ["bench", "--backend", "sim", "--workload", "serve",
                                "--arrival", "closed", "poisson", *flags], needle)
 

@@ -8,14 +8,19 @@ import httpx
 import numpy as np
 import pytest
 
-from vt.cli.bench.cli import main as bench_main
-from vt.cli.bench.serve import draw_requests, draw_work
-from vt.cli.bench.serve_http import ClientPool, closed_loop, describe_server, http_cell
+from vt.cli.main import main as vt_main
+from vt.bench.serve import draw_requests, draw_work
+from vt.bench.serve_http import ClientPool, closed_loop, describe_server, http_cell
 
 from .conftest import CONTEXT
 
 FLAGS = ["--workload", "serve", "--no-bar", "--clients", "2", "3", "--requests", "5",
          "--prompt-range", "2", "20", "--output-len", "3", "12"]
+
+
+def bench_main(argv) -> int:
+    """`vt bench ARGV`, its exit code."""
+    return vt_main(["bench", *argv])
 
 
 def test_the_server_describes_itself(served_url):
@@ -55,7 +60,7 @@ def test_a_streamed_chunk_carries_each_token_once(served_url):
 
 
 def test_an_http_cell_has_the_in_process_cells_keys(served_url):
-    from vt.cli.bench.serve import serve_cell
+    from vt.bench.serve import serve_cell
     from vt.engine.engine import Engine
     from vt.knobs import ExecutorConfig
     from vt.model import PRESETS, HybridModel, init_weights

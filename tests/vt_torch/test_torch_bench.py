@@ -7,13 +7,18 @@ import pytest
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
 from vt.backend import get_backend  # noqa: E402
-from vt.cli.bench import torch_workload  # noqa: E402
-from vt.cli.bench.cli import main  # noqa: E402
+from vt.bench import torch_workload  # noqa: E402
+from vt.cli.main import main as vt_main  # noqa: E402
 from vt.torch.llama import LlamaConfig  # noqa: E402
 
 from _torch_util import generate  # noqa: E402
 
 pytestmark = pytest.mark.torch_allocator
+
+
+def main(argv) -> int:
+    """`vt bench ARGV`, its exit code."""
+    return vt_main(["bench", *argv])
 
 
 def test_the_torch_workload_is_refused_on_the_sim(capsys):
@@ -55,8 +60,8 @@ def test_the_torch_workload_records_the_prompt_kernels_the_decoder_ran(sim_backe
     """The JSON's prompt_kernels per preset: what each built decoder's steps with prompt
     tokens ran ("auto" resolved: vt's kernels, which the CPU runs too; a choice as given).
     run_torch on the sim, the peer left out (the CLI refuses the workload there)."""
-    from vt.cli.bench.cli import add_arguments_to_parser
-    from vt.cli.bench.progress import ProgressBar
+    from vt.cli.bench import add_arguments_to_parser
+    from vt.bench.progress import ProgressBar
     args = add_arguments_to_parser("vt bench").parse_args(
         ["--workload", "torch", "--preset", "torch-tiny", "--conc", "2", "--modes", "ring",
          "--steps", "3", "--prompt-len", "4", "--repeats", "1", "--profile", "off",
@@ -73,10 +78,9 @@ def test_the_ttft_tool_prints_its_table_on_the_sim(capsys, tmp_path):
     TTFT per --single length, one longer than --context), and the JSON's times positive."""
     import json
 
-    from vt.cli.bench import torch_ttft
     pytest.importorskip("transformers", reason="the peer is transformers")
     out = tmp_path / "ttft.json"
-    assert torch_ttft.main(["--preset", "tiny", "--backend", "sim", "--conc", "3", "--prompt-len",
+    assert main(["--workload", "torch-ttft", "--preset", "tiny", "--backend", "sim", "--conc", "3", "--prompt-len",
                             "6", "--single", "6", "20", "--context", "16", "--repeats", "1",
                             "--json", str(out)]) == 0
     table = capsys.readouterr().out
@@ -97,17 +101,16 @@ def test_the_decode_floor_tool_prints_its_table_on_the_sim(capsys, tmp_path):
     vt's TPOT and its graph's ceiling, transformers at the rows asked, the JSON and the PNG."""
     import json
 
-    from vt.cli.bench import torch_decode
     pytest.importorskip("transformers", reason="the peer is transformers")
     out, png = tmp_path / "decode.json", tmp_path / "decode.png"
-    argv = ["--preset", "tiny", "--backend", "sim", "--rows", "1", "3", "--live", "8", "20",
+    argv = ["--workload", "torch-decode", "--preset", "tiny", "--backend", "sim", "--rows", "1", "3", "--live", "8", "20",
             "--max-context", "48", "--steps", "6", "--repeats", "1", "--json", str(out)]
     try:
         import matplotlib  # noqa: F401
         argv += ["--png", str(png)]
     except ImportError:
         png = None
-    assert torch_decode.main(argv) == 0
+    assert main(argv) == 0
     table = capsys.readouterr().out
     assert "no floor on this backend" in table and "transformers" in table
     result = json.loads(out.read_text())
@@ -122,7 +125,7 @@ def test_the_decode_floor_tool_prints_its_table_on_the_sim(capsys, tmp_path):
 def test_the_decode_floor_counts_weights_live_kv_and_the_rows_embeddings():
     """floor = (weights but the embedding + S x (an embedding row + live x KV per token)) /
     the floor rate: numbers worked by hand."""
-    from vt.cli.bench.torch_decode import floor_s
+    from vt.bench.torch_decode import floor_s
     r = dict(floor_Bps=2e12, weight_bytes=16e9, kv_bytes_per_token=131072, embed_row_bytes=8192)
     assert floor_s(r, 1, 256) == pytest.approx((16e9 + 8192 + 256 * 131072) / 2e12)
     assert floor_s(r, 32, 2048) == pytest.approx((16e9 + 32 * (8192 + 2048 * 131072)) / 2e12)
@@ -132,7 +135,7 @@ def test_the_decode_floor_counts_weights_live_kv_and_the_rows_embeddings():
 def test_staggered_budgets_end_every_request_on_one_step():
     """Request i's first token comes at step ((i + 1) * P - 1) // chunk; first step + budget is
     the same for all, and the last admitted gets steps + 1."""
-    from vt.cli.bench.torch_decode import staggered_budgets
+    from vt.bench.torch_decode import staggered_budgets
     for n, P, chunk in ((64, 2016, 16384), (5, 7, 10), (3, 4, 100)):
         budgets = staggered_budgets(n, P, chunk, 8)
         ends = {((i + 1) * P - 1) // chunk + b for i, b in enumerate(budgets)}
@@ -146,8 +149,8 @@ def test_staggered_run_ends_every_request_on_one_full_step(sim_backend, mode):
     while the first ones decode. Every request's last token comes from one step, and the
     ring of 8 rows holds that step with all 8 (the step Engine.device_ceiling_us replays)."""
     import dataclasses
-    from vt.cli.bench.torch_decode import staggered_run
-    from vt.cli.bench.torch_ttft import seeded_prompts
+    from vt.bench.torch_decode import staggered_run
+    from vt.bench.torch_ttft import seeded_prompts
     from vt.engine import Engine
     from vt.knobs import ExecutorConfig
     from vt.step import KVGeometry
@@ -165,7 +168,8 @@ def test_staggered_run_ends_every_request_on_one_full_step(sim_backend, mode):
 
 
 def test_the_decode_floor_tool_refuses_a_live_context_past_max_context(capsys):
-    from vt.cli.bench import torch_decode
-    with pytest.raises(SystemExit):
-        torch_decode.main(["--preset", "tiny", "--live", "4090", "--max-context", "4096"])
-    assert "--live 4090" in capsys.readouterr().err
+    """A usage error (exit 2, one line) naming the value, before any model is built."""
+    assert main(["--workload", "torch-decode", "--preset", "tiny", "--live", "4090",
+                 "--max-context", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("vt bench --workload torch-decode: --live 4090") and err.count("\n") == 1

@@ -1,27 +1,18 @@
-"""What `vt run` and `vt bench` share: the one-line usage error and the parser that prints
-it, the exit codes, the checks of output paths, and picking a backend, a preset and a model."""
+"""What the `vt` commands share: the parser that prints a one-line usage error, the exit codes,
+the checks of output paths. The one-line failures and the backend, preset and model set-up are
+vt.bench's (errors, setup), which the workloads use too; they are imported here for the front
+ends."""
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import re
 import signal
 import sys
 import threading
 
-import numpy as np
-
-
-class UsageError(SystemExit):
-    """A bad flag, VT_* variable or preset: `vt` prints the one-line message and exits 2.
-
-    A SystemExit so that a script calling these helpers outside the CLI (tools/bench.py)
-    still ends with the message and no traceback."""
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
+from vt.bench.errors import CommandFailed, OutputError, UsageError  # noqa: F401 (the front ends')
+from vt.bench.setup import (backend_name, build_model, pick_backend, pick_preset,  # noqa: F401
+                            random_prompts, resolve_preset, what_to_do)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -51,16 +42,6 @@ def mode_name(value: str) -> str:
     if value in RENAMED_MODES:
         raise argparse.ArgumentTypeError(f"mode {value!r} was renamed: use {RENAMED_MODES[value]}")
     return value
-
-
-class CommandFailed(Exception):
-    """The command ran and failed in a way it can name (a wait past its deadline): `vt`
-    prints the one-line message and exits 1."""
-
-
-class OutputError(CommandFailed):
-    """An output file could not be written after the work (a full disk): printed after the
-    report."""
 
 
 class Terminated(BaseException):
@@ -155,11 +136,6 @@ def _drop_stdout() -> None:
         pass
 
 
-def what_to_do(error: Exception, who: str) -> str:
-    """The end of a usage message: a VT_* variable named in the error is the thing to fix."""
-    return "fix or unset the variable" if re.search(r"\bVT_\w+", str(error)) else f"see {who} --help"
-
-
 def check_output_path(who: str, source: str, path: str) -> None:
     """UsageError now, not after the work, when `path` cannot be written (vt/executor/atomic_file.py)."""
     from vt.executor.atomic_file import output_path_problem
@@ -168,76 +144,3 @@ def check_output_path(who: str, source: str, path: str) -> None:
         raise UsageError(f"{who}: {source} {path!r} {why}")
 
 
-def backend_name(name: str) -> str:
-    """What get_backend(name) would open ("auto" resolved), without opening it."""
-    if name != "auto":
-        return name
-    from vt.backend import available_backends
-    return "cuda" if "cuda" in available_backends() else "sim"
-
-
-def pick_backend(name: str, sim_delay_ms: float = 0.0, *, who: str = "vt"):
-    """get_backend(name), with the sim-only per-op device delay when one is asked for; a bad
-    name or option, a bad VT_POOL_DEBUG or cuda without a GPU is a UsageError."""
-    from vt.backend import available_backends, get_backend
-    try:
-        return get_backend(name, **({"device_delay_s": sim_delay_ms / 1e3} if sim_delay_ms else {}))
-    except ValueError as e:   # get_backend's own checks, made before it opens anything
-        raise UsageError(f"{who}: {e}; {what_to_do(e, who)}") from None
-    except RuntimeError as e:
-        if name == "cuda" and "cuda" not in available_backends():
-            raise UsageError(f"{who}: {e}; run with --backend sim (or auto) here") from None
-        raise
-
-
-def _weight_gb(cfg) -> float:
-    from vt.model.weights import weight_shapes
-    return sum(math.prod(shape) * np.dtype(dt).itemsize
-               for shape, dt in weight_shapes(cfg).values()) / 1e9
-
-
-def pick_preset(backend: str, preset: str | None, context: int, who: str, *, force: bool = False):
-    """(name, ModelConfig) for backend "cuda" or "sim": the given preset, or the backend's
-    default (bench-dense on cuda, tiny-dense on sim). UsageError if it is unknown, if a
-    request of `context` = prompt + new tokens does not fit its max_context (the last new
-    token needs no KV slot: prompt + new - 1 must fit, as generate() counts), or if it is a bench
-    preset on the sim backend and not `force`."""
-    from vt.model import PRESETS
-    if preset is None:   # not given; an empty name is a name, and unknown
-        preset = "bench-dense" if backend == "cuda" else "tiny-dense"
-    name = preset
-    if name not in PRESETS:
-        raise UsageError(f"{who}: unknown preset {name!r}; choose from {', '.join(PRESETS)}")
-    cfg = PRESETS[name]
-    # The last new token needs no KV slot: prompt + new - 1 tokens must fit, as in generate().
-    if context - 1 > cfg.max_context:
-        raise UsageError(f"{who}: prompt + new tokens - 1 = {context - 1} exceeds {name}'s "
-                         f"max_context {cfg.max_context}; use a shorter prompt or fewer new tokens")
-    # Bench presets are sized for the GPU's bandwidth: numpy on the CPU needs gigabytes of
-    # host memory and minutes per step, with nothing printed meanwhile.
-    if backend == "sim" and name.startswith("bench-") and not force:
-        raise UsageError(f"{who}: preset {name} is a GPU benchmark model ({_weight_gb(cfg):.1f} GB "
-                         f"of weights, several times that in host memory while they are made, "
-                         f"minutes per step on the CPU) and this run uses the sim backend; use "
-                         f"tiny-dense or tiny-moe, or add --force to run it anyway")
-    return name, cfg
-
-
-def resolve_preset(be, preset: str | None, context: int, who: str, *, force: bool = True):
-    """pick_preset for an open backend (tools/bench.py); exits with the message on bad input."""
-    return pick_preset(be.name, preset, context, who, force=force)
-
-
-def build_model(be, cfg, *, max_seqs: int, context: int, seed: int, log=lambda msg: None):
-    """A HybridModel with seeded random weights and KV blocks for max_seqs sequences of
-    `context` tokens each."""
-    from vt.model import HybridModel, init_weights
-    log(f"  initialising weights (seed {seed}) ...")
-    weights = init_weights(cfg, seed=seed)
-    log(f"  uploading the model and allocating KV cache for {max_seqs} sequences ...")
-    return HybridModel(be, cfg, weights, max_seqs=max_seqs,
-                       num_kv_blocks=max_seqs * -(-context // cfg.kv_block_size))
-
-
-def random_prompts(rng, vocab: int, n: int, length: int) -> list[list[int]]:
-    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]

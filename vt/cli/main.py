@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     info.set_defaults(func=cmd_info)
 
-    from vt.cli import limits as lim
+    from vt.bench import limits as lim
     run = sub.add_parser("run", help="run a batch of requests through the decode loop")
     run.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     run.add_argument("--preset", default=None,
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="run a bench-* preset on the sim backend anyway (GBs of memory, minutes)")
     run.set_defaults(func=cmd_run)
 
-    from vt.cli.bench.cli import add_parser as add_bench_parser
+    from vt.cli.bench import add_parser as add_bench_parser
     add_bench_parser(sub)
     from vt.cli.serve import add_parser as add_serve_parser
     from vt.cli.generate import add_parser as add_generate_parser
@@ -119,4 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     could not be written after the work, or a wait past its deadline; 2 a usage error (bad
     flag, VT_* variable, preset or output path, missing GPU); 130 interrupted (Ctrl-C); 141
     stdout closed by its reader (`vt info | head -1`); 143 terminated (SIGTERM)."""
+    import sys
+
+    from vt.cli.bench import standalone_parser, standalone_workload
+    args = sys.argv[1:] if argv is None else list(argv)
+    if args[:1] == ["bench"] and (name := standalone_workload(args[1:])):
+        return run_command(standalone_parser(name), args[1:])   # its own flags
     return run_command(build_parser(), argv)

@@ -32,8 +32,8 @@ def _log(msg: str) -> None:
 # ---------------------------------------------------------------- checks before any work
 def check_run_args(args: argparse.Namespace) -> None:
     """The flags that need no backend: sizes, seed, delay, each within its bound
-    (vt/cli/limits.py). Raises UsageError."""
-    from vt.cli import limits as lim
+    (vt/bench/limits.py). Raises UsageError."""
+    from vt.bench import limits as lim
     for flag, value in (("--steps", args.steps), ("--prompt-len", args.prompt_len),
                         ("--concurrency", args.concurrency), ("--requests", args.requests)):
         if value is not None and value < 1:

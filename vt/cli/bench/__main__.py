@@ -1,5 +1,0 @@
-import sys
-
-from vt.cli.bench.cli import main
-
-sys.exit(main())
