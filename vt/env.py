@@ -69,14 +69,6 @@ def _trace(name: str, raw: str) -> str | None:
     return raw
 
 
-def _removed(replacement: str) -> Callable[[str, str], Any]:
-    """The parser of a variable vt no longer reads: any value is refused, naming what
-    replaced it (ignoring it would run something other than what was asked for)."""
-    def parse(name: str, raw: str) -> Any:
-        raise ValueError(f"{name} was removed; {replacement}")
-    return parse
-
-
 def _sizes(name: str, raw: str) -> tuple[int, ...]:
     parts = [p.strip() for p in raw.split(",")]
     if not raw or not all(p.isdigit() and p.isascii() and int(p) >= 1 for p in parts):
@@ -116,13 +108,6 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              f"write a per-step Chrome trace JSON (1: to {DEFAULT_TRACE_PATH})"),
     Variable("VT_ASYNC_SERVING_CONC", _positive_int, 8, "a positive integer",
              "requests the engine runs at once"),
-    # Removed: any value is refused, naming the replacement.
-    Variable("VT_ASYNC_EXECUTOR_RING", _removed(
-        "the ring modes have 2 slots per size (a depth-2 pipeline never needs a third)"),
-        None, "removed", "removed: the ring modes have 2 slots per size"),
-    Variable("VT_ASYNC_EXECUTOR_H2D", _removed(
-        "the staged H2D is a mode: vt run --mode staged, ExecutorConfig(mode='staged')"),
-        None, "removed", "removed: the staged H2D is the mode staged"),
     Variable("VT_CAPTURE_SIZES", _sizes, (1, 2, 4, 8, 16, 24, 32, 48, 64),
              "comma-separated positive integers", "padded batch sizes that get a graph"),
     Variable("VT_WAIT_POLL_US", _microseconds, None, "microseconds in [0, 1e6)",
@@ -198,14 +183,6 @@ def set_foreign(values: Mapping[str, str], *, keep_set: bool = False) -> None:
             raise KeyError(f"{name}: vt's own variables are the user's to set")
         if not (keep_set and name in os.environ):
             os.environ[name] = value
-
-
-def refuse_removed(environ: Mapping[str, str] | None = None) -> None:
-    """ValueError naming the replacement when a removed variable is set."""
-    environ = os.environ if environ is None else environ
-    for name in sorted(VARIABLES):
-        if name in environ and VARIABLES[name].kind == "removed":
-            VARIABLES[name].parse(name, environ[name].strip())
 
 
 def check(environ: Mapping[str, str] | None = None) -> list[str]:

@@ -1,11 +1,14 @@
-"""ExecutorConfig: the executor's configuration, one validated mode plus the sizes around it,
-as a dataclass and from the environment.
+"""ExecutorConfig: the executor's configuration, one validated mode plus the sizes around it.
+
+One way to build it: the constructor, with keyword fields (`ExecutorConfig(mode="ring",
+serving_conc=8)`); it reads no environment. `ExecutorConfig.from_env()` is the one reader of
+the configuration's VT_* variables (keyword overrides win over them), and `Engine(config=None)`
+calls it.
 
 The mode is the whole of how steps are scheduled and guarded; everything the executor does
 differently per mode is a property derived from it (ExecutorConfig's docstring lists them),
-so a config cannot say one thing and run another. The configuration's variables are read
-(through vt/env.py's parser) only by `ExecutorConfig.from_env`; everything below it receives
-the config object explicitly, so a test can run two modes side by side in one process.
+so a config cannot say one thing and run another. Everything below the engine receives the
+config object explicitly, so a test can run two modes side by side in one process.
 Test arms (poison, no pool pre-grow, injected device work) are not configuration: they are
 vt/testing.py's hooks.
 """
@@ -46,11 +49,9 @@ MODES = {
                  "its tokens are wrong on purpose",
 }
 SAFE_MODES = tuple(m for m in MODES if m != "unguarded")
-# Names modes had before: refused with the name that replaced them.
-RENAMED_MODES = {"off": "drain", "no_dbuf": "unguarded"}
 
 # field -> environment variable (vt/env.py parses it). The mode has two variables of its own
-# (mode_from_env).
+# (_mode_from_env).
 ENV_VARS = {
     "trace": "VT_ASYNC_EXECUTOR_TRACE",
     "serving_conc": "VT_ASYNC_SERVING_CONC",
@@ -58,19 +59,6 @@ ENV_VARS = {
     "wait_poll_us": "VT_WAIT_POLL_US",
 }
 MODE_VARS = ("VT_ASYNC_EXECUTOR", "VT_ASYNC_EXECUTOR_NO_DBUF")
-
-# Fields ExecutorConfig no longer has (the mode says what they said; test arms are
-# vt/testing.py's hooks): refused with what replaced them.
-REMOVED_FIELDS = {
-    "async_executor": "mode='ring' (or mode='staged')",
-    "no_dbuf": "mode='unguarded'",
-    "h2d": "mode='staged' for the staged H2D, mode='ring' for the graph's own",
-    "depth": "mode='sync' for depth 1",
-    "ring_depth": "nothing: the ring modes have RING_SLOTS (2) slots per size",
-    "poison": "Engine(..., hooks=vt.testing.Poison())",
-    "skip_pool_reserve": "DecodeGraphDriver(..., hooks=vt.testing.NoPoolPreGrow())",
-}
-
 
 @dataclass(frozen=True)
 class ExecutorConfig:
@@ -98,16 +86,10 @@ class ExecutorConfig:
     capture_sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES
     wait_poll_us: float | None = None
 
-    def __new__(cls, *args, **kwargs):
-        # A field that was removed gets a message naming its replacement, not the dataclass
-        # __init__'s "unexpected keyword argument".
-        _refuse_removed_fields(kwargs)
-        return super().__new__(cls)
-
     def __post_init__(self):
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"ExecutorConfig.mode must be one of {', '.join(MODES)}, got "
-                             f"{self.mode!r}" + _renamed_hint(self.mode, "mode="))
+                             f"{self.mode!r}")
         integer("ExecutorConfig.serving_conc", self.serving_conc, 1, MAX_SERVING_CONC)
         if self.wait_poll_us is not None and (isinstance(self.wait_poll_us, bool) or
                                               not isinstance(self.wait_poll_us, (int, float)) or
@@ -171,30 +153,21 @@ class ExecutorConfig:
                 f"depth {self.depth}")
 
     # -- building one -------------------------------------------------------------------
-    @classmethod
-    def for_mode(cls, mode: str, **overrides) -> "ExecutorConfig":
-        """The config of a mode by its name in MODES; keyword overrides for the other fields."""
-        if mode not in MODES:
-            raise ValueError(f"unknown executor mode {mode!r}; choose from {', '.join(MODES)}"
-                             + _renamed_hint(mode, ""))
-        return cls(mode=mode, **overrides)
-
     def replace(self, **changes) -> "ExecutorConfig":
         return dataclasses.replace(self, **changes)
 
     @classmethod
     def from_env(cls, environ=None, **overrides) -> "ExecutorConfig":
         """Config from VT_* environment variables; keyword overrides win over the environment
-        (a `mode` override replaces the mode variables entirely)."""
-        _refuse_removed_fields(overrides)
+        (a `mode` override replaces the mode variables entirely). The one place the
+        configuration reads the environment; Engine(config=None) calls it."""
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = set(overrides) - fields
         if unknown:
             raise TypeError(f"ExecutorConfig has no field(s) {sorted(unknown)}; fields: {sorted(fields)}")
-        env.refuse_removed(environ)
         values, from_vars = {}, []
         if "mode" not in overrides:
-            values["mode"] = mode_from_env(environ)
+            values["mode"] = _mode_from_env(environ)
             from_vars += [v for v in MODE_VARS if env.is_set(v, environ)]
         for field, var in ENV_VARS.items():
             if field not in overrides and env.is_set(var, environ):
@@ -208,7 +181,7 @@ class ExecutorConfig:
             raise ValueError(f"{e} (environment: {', '.join(shown) or 'none set'})") from None
 
 
-def mode_from_env(environ=None) -> str:
+def _mode_from_env(environ=None) -> str:
     """The mode the environment names: VT_ASYNC_EXECUTOR=1 the ring, VT_ASYNC_EXECUTOR_NO_DBUF=1
     the unguarded test arm, neither the drain (the default)."""
     ring = env.get("VT_ASYNC_EXECUTOR", environ)
@@ -220,14 +193,3 @@ def mode_from_env(environ=None) -> str:
             "safely; set one of them (environment: VT_ASYNC_EXECUTOR=1, "
             "VT_ASYNC_EXECUTOR_NO_DBUF=1)")
     return "ring" if ring else "unguarded" if unguarded else "drain"
-
-
-def _renamed_hint(mode, prefix: str) -> str:
-    new = RENAMED_MODES.get(mode) if isinstance(mode, str) else None
-    return f" ({mode!r} was renamed: use {prefix}{new!r})" if new else ""
-
-
-def _refuse_removed_fields(kwargs) -> None:
-    for name in kwargs:
-        if name in REMOVED_FIELDS:
-            raise TypeError(f"ExecutorConfig.{name} was removed; use {REMOVED_FIELDS[name]}")

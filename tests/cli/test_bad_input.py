@@ -88,27 +88,8 @@ def test_unknown_mode_lists_the_canonical_names(capsys):
     refused(capsys, ["run", "--mode", "fast"], "'fast'", "staged", "unguarded")
 
 
-@pytest.mark.parametrize("argv,needles", [
-    (["--mode", "off"], ["mode 'off' was renamed: use drain"]),
-    (["--mode", "no_dbuf"], ["mode 'no_dbuf' was renamed: use unguarded"]),
-    (["--h2d", "staged"], ["--h2d was removed", "--mode staged"]),
-    (["--h2d=graph"], ["--h2d was removed", "--mode staged"]),
-    (["--h2d"], ["--h2d was removed"]),
-    (["--unsafe-no-dbuf"], ["--unsafe-no-dbuf was removed", "--unsafe-unguarded"]),
-])
-def test_removed_flags_and_values_name_the_replacement(capsys, nothing_started, argv, needles):
-    refused(capsys, ["run", *argv], *needles)
-
-
-@pytest.mark.parametrize("var,needle", [("VT_ASYNC_EXECUTOR_H2D", "--mode staged"),
-                                        ("VT_ASYNC_EXECUTOR_RING", "2 slots per size")])
-def test_removed_variables_name_the_replacement(capsys, monkeypatch, nothing_started, var, needle):
-    monkeypatch.setenv(var, "staged")
-    refused(capsys, ["run"], f"{var} was removed", needle)
-
-
-def test_bench_refuses_a_renamed_mode(capsys, nothing_started):
-    refused(capsys, ["bench", "--modes", "ring", "no_dbuf"], "'no_dbuf' was renamed: use unguarded")
+def test_bench_refuses_an_unknown_mode(capsys, nothing_started):
+    refused(capsys, ["bench", "--modes", "ring", "fast"], "'fast'", "staged", "unguarded")
 
 
 def test_trace_in_a_missing_directory_is_refused_before_the_run(capsys, nothing_started):

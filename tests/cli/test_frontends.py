@@ -117,23 +117,19 @@ RUN_FLAGS = {
     "--seed": bad_int(0, lim.MAX_SEED),
     "--sim-delay-ms": bad_float(0, lim.MAX_SIM_DELAY_MS),
     "--mode": bad_choice(list(MODES)),
-    "--h2d": st.sampled_from(["graph", "staged", "x", ""]),       # removed: any value
     "--preset": bad_choice(list(PRESETS)) | st.sampled_from([p for p in PRESETS if p.startswith("bench-")]),
     "--trace": bad_path(".json"),
     "--backend": bad_choice(["auto", "cuda", "sim"]),
     "--force": st.sampled_from(["x", "1", "yes"]),           # a switch given a value
     "--unsafe-unguarded": st.sampled_from(["x", "1", "yes"]),
-    "--unsafe-no-dbuf": st.sampled_from(["", "x"]),             # removed: any value
 }
 ENV_VARS = {
     "VT_ASYNC_EXECUTOR": bad_choice(["0", "1"]),
     "VT_ASYNC_EXECUTOR_NO_DBUF": st.just("1"),   # the unsafe arm without --unsafe-unguarded
     "VT_ASYNC_SERVING_CONC": bad_int(1, lim.MAX_SERVING_CONC),
-    "VT_ASYNC_EXECUTOR_RING": st.sampled_from(["2", "3", "x"]),   # removed: any value
     "VT_CAPTURE_SIZES": st.sampled_from(["0", "1,x", "65", "1,2000", ",".join(map(str, range(1, 70))), ""]),
     "VT_WAIT_POLL_US": bad_float(0, 1e6, hi_open=True),
     "VT_ASYNC_EXECUTOR_TRACE": st.sampled_from(["yes", "true", "/nonexistent-dir/t.json"]),
-    "VT_ASYNC_EXECUTOR_H2D": st.sampled_from(["graph", "staged", "x"]),   # removed: any value
     "VT_POOL_DEBUG": st.sampled_from(["on", "2", "yes"]),
 }
 

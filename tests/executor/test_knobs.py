@@ -87,16 +87,6 @@ def test_invalid_environment_values_name_the_variable(var, value):
         ExecutorConfig.from_env({var: value})
 
 
-@pytest.mark.parametrize("var,replacement", [
-    ("VT_ASYNC_EXECUTOR_H2D", "--mode staged"), ("VT_ASYNC_EXECUTOR_RING", "2 slots per size")])
-def test_removed_variables_are_refused_naming_the_replacement(var, replacement):
-    for value in ("staged", "graph", "2", "3", ""):
-        with pytest.raises(ValueError, match=f"{var} was removed; .*{replacement}"):
-            ExecutorConfig.from_env({var: value})
-        with pytest.raises(ValueError, match=f"{var} was removed"):
-            env.check({var: value})
-
-
 def test_a_config_error_from_the_environment_lists_the_variables():
     with pytest.raises(ValueError, match=r"makes no sense.*VT_ASYNC_EXECUTOR=1"):
         ExecutorConfig.from_env({"VT_ASYNC_EXECUTOR": "1", "VT_ASYNC_EXECUTOR_NO_DBUF": "1"})
@@ -106,7 +96,6 @@ def test_a_config_error_from_the_environment_lists_the_variables():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(mode="fast"), "mode must be one of sync, drain, ring, staged, unguarded, got 'fast'"),
-    (dict(mode="off"), "'off' was renamed: use mode='drain'"),
     (dict(mode=None), "mode must be one of"),
     (dict(capture_sizes=(1, 2, 2)), "duplicates"),
     (dict(capture_sizes=(0, 4)), r"capture_sizes entry must be an integer in \[1, 1024\], got 0"),
@@ -118,15 +107,20 @@ def test_nonsense_configs_are_rejected_with_the_reason(kwargs, match):
         ExecutorConfig(**kwargs)
 
 
-@pytest.mark.parametrize("field,replacement", [
-    ("async_executor", "mode='ring'"), ("no_dbuf", "mode='unguarded'"), ("h2d", "mode='staged'"),
-    ("depth", "mode='sync'"), ("ring_depth", "2"), ("poison", "vt.testing.Poison"),
-    ("skip_pool_reserve", "vt.testing.NoPoolPreGrow")])
-def test_removed_fields_name_their_replacement(field, replacement):
-    with pytest.raises(TypeError, match=f"ExecutorConfig.{field} was removed.*{replacement}"):
-        ExecutorConfig(**{field: 1})
-    with pytest.raises(TypeError, match=f"{field} was removed"):
-        ExecutorConfig.from_env({}, **{field: 1})
+def test_one_way_to_build_a_config():
+    """The constructor with keyword fields, which reads no environment; from_env() is the one
+    reader of the VT_* variables; replace() derives one from another. No other builder."""
+    builders = {name for name, attr in vars(ExecutorConfig).items()
+                if isinstance(attr, (classmethod, staticmethod))}
+    assert builders == {"from_env"}
+    assert ExecutorConfig(mode="ring", serving_conc=8) == ExecutorConfig.from_env({}, mode="ring")
+
+
+def test_the_constructor_reads_no_environment(monkeypatch):
+    monkeypatch.setenv("VT_ASYNC_EXECUTOR", "1")
+    monkeypatch.setenv("VT_ASYNC_SERVING_CONC", "4")
+    assert ExecutorConfig() == ExecutorConfig(mode="drain", serving_conc=8)
+    assert ExecutorConfig.from_env() == ExecutorConfig(mode="ring", serving_conc=4)
 
 
 def test_unknown_override_is_a_type_error():

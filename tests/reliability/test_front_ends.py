@@ -176,7 +176,6 @@ BAD = {   # every registered variable: values it must refuse
     "VT_ASYNC_EXECUTOR": ["yes", "2", "true", ""], "VT_ASYNC_EXECUTOR_NO_DBUF": ["on"],
     "VT_ASYNC_EXECUTOR_POISON": ["-1"], "VT_ASYNC_EXECUTOR_TRACE": ["yes", "out.txt"],
     "VT_ASYNC_SERVING_CONC": ["0", "many", "+8", "8.0"],
-    "VT_ASYNC_EXECUTOR_RING": ["2", "1.5"], "VT_ASYNC_EXECUTOR_H2D": ["staged", "pinned"],   # removed
     "VT_CAPTURE_SIZES": ["", "1,x", "0,2", "1,,2"],
     "VT_WAIT_POLL_US": ["nan", "-1", "1e6", "fast"], "VT_POOL_DEBUG": ["yes"],
     "VT_BATCH_INVARIANT": ["yes", "2"], "VT_PREFILL_GRAPHS": ["2", "yes", "off"],

@@ -43,7 +43,6 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag, with its bound (vt/bench/limits.py); list flags take at most MAX_LIST_VALUES."""
     from vt.bench import limits as lim
-    from vt.cli.common import mode_name
     from vt.knobs import MODES, SAFE_MODES
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--workload", default="synthetic",
@@ -79,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conc", type=int, nargs="+", default=None,
                    help=f"rows per decode step, S, each 1 to {lim.MAX_SERVING_CONC} (default: 1 32; "
                         f"model: 1 32 64)")
-    p.add_argument("--modes", nargs="+", default=None, type=mode_name, choices=list(MODES),
+    p.add_argument("--modes", nargs="+", default=None, choices=list(MODES),
                    help=f"executor modes (default: {' '.join(SAFE_MODES)}; torch: sync drain ring; "
                         f"unguarded only when named)")
     p.add_argument("--steps", type=int, default=None,

@@ -23,27 +23,6 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message}; see {self.prog} --help\n")
 
 
-class RemovedFlag(argparse.Action):
-    """A flag vt no longer takes: hidden from --help, and refused with one line that names
-    what replaced it (add_argument(..., action=RemovedFlag, replacement="use ..."))."""
-
-    def __init__(self, option_strings, dest, *, replacement: str, **kwargs):
-        super().__init__(option_strings, dest=argparse.SUPPRESS, nargs="?",
-                         default=argparse.SUPPRESS, help=argparse.SUPPRESS)
-        self.replacement = replacement
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        parser.error(f"{option_string} was removed; {self.replacement}")
-
-
-def mode_name(value: str) -> str:
-    """argparse type of a mode flag: a mode's old name is refused with its new one."""
-    from vt.knobs import RENAMED_MODES
-    if value in RENAMED_MODES:
-        raise argparse.ArgumentTypeError(f"mode {value!r} was renamed: use {RENAMED_MODES[value]}")
-    return value
-
-
 class Terminated(BaseException):
     """SIGTERM, raised in the main thread so that cleanup runs (an output file being written
     is removed whole, the engine is closed) before `vt` exits 143."""

@@ -7,7 +7,7 @@ import importlib.metadata
 import platform
 
 from vt import __version__
-from vt.cli.common import OneLineParser, RemovedFlag, mode_name, run_command
+from vt.cli.common import OneLineParser, run_command
 from vt.knobs import MODES
 
 DISTRIBUTION = "vt-graphs"   # pyproject.toml's name; the import name is vt
@@ -78,18 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--concurrency", type=int, default=None,
                      help=f"max requests decoded together, at most {lim.MAX_SERVING_CONC} "
                           f"(default: VT_ASYNC_SERVING_CONC or 8)")
-    run.add_argument("--mode", default=None, type=mode_name, choices=list(MODES),
+    run.add_argument("--mode", default=None, choices=list(MODES),
                      help="executor mode (default: from VT_ASYNC_EXECUTOR and "
                           "VT_ASYNC_EXECUTOR_NO_DBUF, i.e. drain; a mode given here replaces "
                           "them); unguarded is the unsafe test arm and needs --unsafe-unguarded")
     run.add_argument("--unsafe-unguarded", action="store_true",
                      help="allow the unguarded mode (--mode unguarded or "
                           "VT_ASYNC_EXECUTOR_NO_DBUF=1), which produces wrong tokens on purpose")
-    run.add_argument("--unsafe-no-dbuf", action=RemovedFlag,
-                     replacement="use --unsafe-unguarded (the mode no_dbuf is now unguarded)")
-    run.add_argument("--h2d", action=RemovedFlag,
-                     replacement="the staged H2D is a mode: use --mode staged (--mode ring "
-                                 "keeps the H2D in the graph)")
     run.add_argument("--steps", type=int, default=32,
                      help="new tokens per request (prompt + new tokens - 1 must fit the preset's "
                           "max_context, as in Engine.generate)")

@@ -70,12 +70,15 @@ class Engine:
     """Engine(backend, model_or_forward, config): captures at construction; close() when done.
 
     model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
+    config: an ExecutorConfig, built with its constructor (`ExecutorConfig(mode="ring")`);
+    None reads the configuration from the environment, `ExecutorConfig.from_env()`, the
+    VT_* variables of docs/configuration.md. An explicit config reads no environment.
     profile=True: device timing events around each step and the per-phase host split.
     start_up_progress: called with a vt.engine.progress.StartUpProgress as each phase of the
     construction (capturing the decode graphs, warming up the eager steps) starts and after
     each of its pieces, in this thread; None (the default) reports nothing.
-    hooks: the test arms (vt.testing, e.g. Poison()); with config=None they come from the
-    environment too (VT_ASYNC_EXECUTOR_POISON).
+    hooks: the test arms (vt.testing, e.g. Poison()). None: none, except with config=None,
+    where `vt.testing.hooks_from_env()` reads them too (VT_ASYNC_EXECUTOR_POISON=1: Poison).
     prefix_caching: share the KV blocks of cached prompt prefixes between requests
     (vt/engine/kv_blocks.py). None (the default): on when the step model declares its KV
     position-addressed (StepModel.prefix_cacheable, e.g. vt.torch's LlamaDecoder) and
