@@ -210,9 +210,9 @@ def mode_config(case: Case, mode: str):
     base = dict(serving_conc=case.serving_conc, capture_sizes=case.capture_sizes,
                 wait_poll_us=case.wait_poll_us)
     if mode == UNSAFE:
-        return ExecutorConfig.for_mode("unguarded", **base), Poison()
+        return ExecutorConfig(mode="unguarded", **base), Poison()
     poison = mode in ASYNC_MODES or (mode == "drain" and case.drain_poison)
-    return ExecutorConfig.for_mode(mode, **base), (Poison() if poison else NULL_HOOKS)
+    return ExecutorConfig(mode=mode, **base), (Poison() if poison else NULL_HOOKS)
 
 
 class Models:

@@ -105,7 +105,7 @@ def run(args) -> dict:
     model = TorchForwardModel(be, module, prefill="flat")
     prompt = torch.randint(1, shape["vocab"], (args.prompt,), generator=torch.Generator()
                            .manual_seed(1)).tolist()
-    config = ExecutorConfig.for_mode("ring", serving_conc=SIM_ROWS,
+    config = ExecutorConfig(mode="ring", serving_conc=SIM_ROWS,
                                      capture_sizes=(1, 2, 4, SIM_ROWS))
     vt_runs, hf_runs = [], []
     with Engine(be, model, config) as eng:

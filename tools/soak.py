@@ -146,7 +146,7 @@ def soak(be, *, model: str = "toy", steps: int = 10_000, mode: str = "ring", con
     """Run the soak on backend `be`; returns the report (see the module docstring)."""
     rng = np.random.default_rng(seed)
     m = _Model(be, model, max_seqs=16)
-    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=capture_sizes)
+    config = ExecutorConfig(mode=mode, serving_conc=conc, capture_sizes=capture_sizes)
     hooks = Poison() if config.guarded else NULL_HOOKS   # the ring modes poison
     t0 = time.perf_counter()
     report = dict(backend=be.name, model=model, mode=config.mode, conc=conc, seed=seed,
@@ -198,7 +198,7 @@ def soak(be, *, model: str = "toy", steps: int = 10_000, mode: str = "ring", con
             report["driver_mallocs_since_warm_up"] = st["driver_mallocs_since_warm_up"]
         report["before_engine"] = before_engine
         # The first measured chunk and the last one again, on a fresh synchronous engine.
-        ref_config = ExecutorConfig.for_mode("sync", serving_conc=conc, capture_sizes=capture_sizes)
+        ref_config = ExecutorConfig(mode="sync", serving_conc=conc, capture_sizes=capture_sizes)
         bad = 0
         with Engine(be, m.step_model(), ref_config) as ref:
             for work, results in kept:

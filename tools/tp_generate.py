@@ -88,7 +88,7 @@ def weight_bytes_per_rank(cfg: LlamaConfig, size: int, itemsize: int) -> tuple[i
 
 
 def serve(be, model, args, size: int) -> dict:
-    cfg = ExecutorConfig.for_mode(args.mode, serving_conc=args.requests)
+    cfg = ExecutorConfig(mode=args.mode, serving_conc=args.requests)
     rng = np.random.default_rng(args.seed)
     vocab = PRESETS[args.preset].vocab
     prompts = [rng.integers(0, vocab, int(rng.integers(1, args.prompt_len + 1))).tolist()

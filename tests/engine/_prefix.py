@@ -152,7 +152,7 @@ def run(be, prompts, budgets, *, mode="sync", prefix_caching=True, geometry=None
     toy = PositionalToy(be, geo)
     if poison:
         hooks = KVPoison(toy.poison_writer(), fence=poison_fence)
-    cfg = ExecutorConfig.for_mode(mode, serving_conc=conc,
+    cfg = ExecutorConfig(mode=mode, serving_conc=conc,
                                   capture_sizes=tuple(s for s in (1, 2, 4, 8) if s <= conc))
     with Engine(be, toy.step_model(device_work_s), cfg, hooks=hooks,
                 prefix_caching=prefix_caching) as eng:

@@ -42,7 +42,7 @@ def _engine(be, mode, record_logits=False):
         be.launch(stream, kernel, table, inputs.token_rows, logits_out)
 
     model = ForwardModel(be, forward, vocab=VOCAB, token_table=table, geometry=geo)
-    return Engine(be, model, ExecutorConfig.for_mode(mode, serving_conc=4, capture_sizes=(1, 2, 4)),
+    return Engine(be, model, ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4)),
                   record_logits=record_logits)
 
 

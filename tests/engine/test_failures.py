@@ -136,7 +136,7 @@ def _workload(seed=0, n=12):
 def _config(mode="ring", **kw):
     base = dict(serving_conc=6, capture_sizes=SIZES)
     base.update(kw)
-    return ExecutorConfig.for_mode(mode, **base)
+    return ExecutorConfig(mode=mode, **base)
 
 
 def _engine(be, config, fwd=None):
@@ -443,7 +443,7 @@ def work(seed):
                 stop_token=5)
 
 be = get_backend("sim", device_delay_s=2e-4)
-cfg = ExecutorConfig.for_mode(sys.argv[1], serving_conc=6, capture_sizes=(1, 2, 4, 8))
+cfg = ExecutorConfig(mode=sys.argv[1], serving_conc=6, capture_sizes=(1, 2, 4, 8))
 eng = Engine(be, ToyForward(be).step_model(), cfg)
 ref = [r.tokens for r in eng.generate(**work(99))]
 main, rnd, where, bad = threading.main_thread().ident, random.Random(int(sys.argv[2])), {}, 0

@@ -22,7 +22,7 @@ MODES = ["sync", "drain", "ring", "staged"]
 
 
 def _config(mode, **kw):
-    return ExecutorConfig.for_mode(mode, **{"serving_conc": 6, "capture_sizes": SIZES, **kw})
+    return ExecutorConfig(mode=mode, **{"serving_conc": 6, "capture_sizes": SIZES, **kw})
 
 
 def _engine(be, mode="ring", fwd=None, **kw):

@@ -29,7 +29,7 @@ def soak(steps: int, mode: str, seed: int = 0) -> dict:
     try:
         threads_before = {t.ident for t in threading.enumerate()}
         eng = Engine(be, ToyForward(be, vocab=VOCAB, geometry=GEO).step_model(),
-                     ExecutorConfig.for_mode(mode, serving_conc=6, capture_sizes=SIZES))
+                     ExecutorConfig(mode=mode, serving_conc=6, capture_sizes=SIZES))
         sample, stop = [], threading.Event()
 
         def client():

@@ -66,7 +66,7 @@ def test_fully_cached_prompt_still_computes_its_last_token(be):
     from ._prefix import PositionalToy
     from vt.knobs import ExecutorConfig
     toy = PositionalToy(be, geo)
-    with Engine(be, toy.step_model(), ExecutorConfig.for_mode("sync", capture_sizes=(1,))) as eng:
+    with Engine(be, toy.step_model(), ExecutorConfig(mode="sync", capture_sizes=(1,))) as eng:
         first = eng.generate([prompt], max_new_tokens=5)
         second = eng.generate([prompt], max_new_tokens=5)
         pc = eng.stats()["prefix_cache"]

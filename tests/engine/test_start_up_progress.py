@@ -10,7 +10,7 @@ from vt.knobs import ExecutorConfig
 
 
 def _run(be, mode, sizes, **kwargs):
-    config = ExecutorConfig.for_mode(mode, serving_conc=4, capture_sizes=sizes)
+    config = ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=sizes)
     with Engine(be, ToyForward(be).step_model(), config, **kwargs) as eng:
         return eng.generate([[1, 2, 3]], max_new_tokens=3)
 

@@ -49,7 +49,7 @@ def _serve(be, preset, mode, max_prefill_tokens, batch_invariant=None):
         calls.append([(s.start, len(s.tokens)) for s in seqs])
         return real(seqs)
     step.prepare_prefill = recording
-    config = ExecutorConfig.for_mode(mode, serving_conc=6, capture_sizes=(1, 2, 4, 8))
+    config = ExecutorConfig(mode=mode, serving_conc=6, capture_sizes=(1, 2, 4, 8))
     try:
         with Engine(be, step, config, record_logits=True,
                     max_prefill_tokens=max_prefill_tokens) as eng:

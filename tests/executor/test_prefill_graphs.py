@@ -23,7 +23,7 @@ def _serve(be, preset, capture: bool, max_prefill_tokens):
     step = HybridStepModel(be, model, capture_prefill=capture)
     launches = []
     try:
-        config = ExecutorConfig.for_mode("ring", serving_conc=6, capture_sizes=(1, 2, 4, 8))
+        config = ExecutorConfig(mode="ring", serving_conc=6, capture_sizes=(1, 2, 4, 8))
         with Engine(be, step, config, record_logits=True,
                     max_prefill_tokens=max_prefill_tokens) as eng:
             graphs = dict(step._graphs)

@@ -33,7 +33,7 @@ def _prompts(seed=0, n=6):
 
 
 def _config(mode):
-    return ExecutorConfig.for_mode(mode, serving_conc=4, capture_sizes=(1, 2, 4))
+    return ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4))
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,7 +188,7 @@ from vt.engine import Engine
 from vt.knobs import ExecutorConfig
 
 if __name__ == "__main__":
-    eng = Engine(get_backend("sim"), build, ExecutorConfig.for_mode("ring", serving_conc=2,
+    eng = Engine(get_backend("sim"), build, ExecutorConfig(mode="ring", serving_conc=2,
                  capture_sizes=(1, 2)), tensor_parallel=2)
     eng.generate([[1, 2, 3]], max_new_tokens=3)
     print(eng.runner.group.worker_pids[0], flush=True)

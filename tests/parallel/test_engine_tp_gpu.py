@@ -27,7 +27,7 @@ GEO = KVGeometry(max_seqs=8, num_kv_blocks=8 * 16 + 1, block_size=16, max_contex
 def _tokens(be, model, mode, *, sizes=(1, 2, 4, 8), tp=2, poison=False):
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 32000, int(rng.integers(1, 120))).tolist() for _ in range(8)]
-    cfg = ExecutorConfig.for_mode(mode, serving_conc=8, capture_sizes=sizes)
+    cfg = ExecutorConfig(mode=mode, serving_conc=8, capture_sizes=sizes)
     with Engine(be, model, cfg, max_prefill_tokens=64, tensor_parallel=tp,
                 hooks=Poison() if poison else None) as eng:
         return [list(map(int, r.tokens)) for r in eng.generate(prompts, max_new_tokens=24)]

@@ -184,7 +184,7 @@ def test_a_forward_that_does_not_write_logits_out_is_refused(backend, forward, m
     geo = KVGeometry(max_seqs=4, num_kv_blocks=8, block_size=4, max_context=16)
     model = TorchForwardModel(backend, forward, vocab=16, geometry=geo)
     with pytest.raises(Exception) as info:
-        Engine(backend, model, ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=(2,)))
+        Engine(backend, model, ExecutorConfig(mode="ring", serving_conc=2, capture_sizes=(2,)))
     chain, exc = [], info.value
     while exc is not None:
         chain.append(str(exc))
@@ -299,7 +299,7 @@ def test_the_sim_capture_refuses_what_cuda_refuses(sim_backend, call):
     geo = KVGeometry(max_seqs=4, num_kv_blocks=8, block_size=4, max_context=16)
     model = TorchForwardModel(sim_backend, REFUSED[call], vocab=16, geometry=geo)
     with pytest.raises(CaptureError) as info:
-        Engine(sim_backend, model, ExecutorConfig.for_mode("ring", serving_conc=2,
+        Engine(sim_backend, model, ExecutorConfig(mode="ring", serving_conc=2,
                                                            capture_sizes=(2,)))
     cause = info.value.__cause__
     assert isinstance(cause, TorchCaptureError), repr(cause)
@@ -324,7 +324,7 @@ def test_a_python_counter_is_frozen_at_capture_on_the_sim(sim_backend):
 
     geo = KVGeometry(max_seqs=2, num_kv_blocks=16, block_size=4, max_context=32)
     model = TorchForwardModel(sim_backend, forward, vocab=vocab, geometry=geo)
-    cfg = ExecutorConfig.for_mode("drain", serving_conc=1, capture_sizes=(1,))
+    cfg = ExecutorConfig(mode="drain", serving_conc=1, capture_sizes=(1,))
     with Engine(sim_backend, model, cfg) as eng:
         built = state["calls"]
         res = eng.generate([[1]], max_new_tokens=12)[0]

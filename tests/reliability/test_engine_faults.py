@@ -32,7 +32,7 @@ VOCAB = 64
 
 
 def _config(mode, **kw):
-    return ExecutorConfig.for_mode(mode, **{"serving_conc": 6, "capture_sizes": (1, 2, 4), **kw})
+    return ExecutorConfig(mode=mode, **{"serving_conc": 6, "capture_sizes": (1, 2, 4), **kw})
 
 
 class _CountUp:

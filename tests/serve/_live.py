@@ -91,8 +91,8 @@ class InProcessServer:
         from vt.serve.metrics import ServeMetrics
         from vt.serve.server import address, bind, make_server
 
-        self.engine = Engine(be, served.step_model, ExecutorConfig.for_mode(
-            "ring", serving_conc=conc, capture_sizes=tuple(s for s in (1, 2, 4, 8) if s <= conc)),
+        self.engine = Engine(be, served.step_model, ExecutorConfig(
+            mode="ring", serving_conc=conc, capture_sizes=tuple(s for s in (1, 2, 4, 8) if s <= conc)),
             tensor_parallel=tensor_parallel)
         self.service = GenerationService(self.engine, served, ServeMetrics(served.name),
                                          serving_conc=conc, max_queued=max_queued)

@@ -79,7 +79,7 @@ def test_an_http_cell_has_the_in_process_cells_keys(served_url):
     cfg = PRESETS["tiny-dense"]
     model = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=2, num_kv_blocks=64)
     try:
-        with Engine(be, model, ExecutorConfig.for_mode("ring", serving_conc=2)) as eng:
+        with Engine(be, model, ExecutorConfig(mode="ring", serving_conc=2)) as eng:
             engine_row, _ = serve_cell(eng, [([1, 2], 3), ([3], 2)], "closed", 2, 0)
     finally:
         model.close()

@@ -43,7 +43,7 @@ def _wait(cond, timeout_s: float, what: str) -> None:
 def dead_service():
     """A GenerationService over a tensor-parallel engine that served, then lost rank 1."""
     be = get_backend("sim")
-    engine = Engine(be, build, ExecutorConfig.for_mode("ring", serving_conc=2,
+    engine = Engine(be, build, ExecutorConfig(mode="ring", serving_conc=2,
                                                        capture_sizes=(1, 2)), tensor_parallel=2)
     try:
         served = ServedModel("toy", build, GEO, VOCAB, None, ())

@@ -44,7 +44,7 @@ def generate(be, model, mode, ps, new, *, sampling=None, conc=4, poison=False, s
     (no decode batch is larger than conc: a bigger graph would be captured, never replayed)."""
     if sizes is None:
         sizes = tuple(s for s in (1, 2, 4, 8) if s <= conc)
-    cfg = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=sizes)
+    cfg = ExecutorConfig(mode=mode, serving_conc=conc, capture_sizes=sizes)
     with Engine(be, model, cfg, hooks=Poison() if poison else None) as eng:
         res = eng.generate(ps, max_new_tokens=new, sampling=sampling)
         assert eng.stats()["graph_steps"] > 0

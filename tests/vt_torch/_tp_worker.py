@@ -183,7 +183,7 @@ def engine_job(rank, *modes):
         runs.append((modes[-1], "tp", SamplingParams(temperature=1.0, seed=11)))
         for mode, name, sampling in runs:
             fm = TorchForwardModel(be, models[name], prefill="flat")
-            ec = ExecutorConfig.for_mode(mode, serving_conc=4, capture_sizes=(1, 2, 4))
+            ec = ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4))
             collectives.clear()
             with Engine(be, fm, ec, max_prefill_tokens=8) as eng:
                 res = eng.generate(prompts, max_new_tokens=6, sampling=sampling)

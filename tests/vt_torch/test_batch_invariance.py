@@ -268,7 +268,7 @@ def serve_alone_and_among_30(be, m: LlamaDecoder, prompt, mode: str):
               for _ in range(30)]
     batch = others[:12] + [prompt] + others[12:]
     model = TorchForwardModel(be, m, prefill="flat")
-    cfg = ExecutorConfig.for_mode(mode, serving_conc=32, capture_sizes=(1, 32))
+    cfg = ExecutorConfig(mode=mode, serving_conc=32, capture_sizes=(1, 32))
     with Engine(be, model, cfg, record_logits=True, max_prefill_tokens=24) as eng:
         alone = eng.generate([prompt], max_new_tokens=6)[0]
         among = eng.generate(batch, max_new_tokens=6)[12]

@@ -438,7 +438,7 @@ def _alone_and_among_others(batch_invariant: bool, seed: int):
     try:
         model = TorchForwardModel(be, _decoder(batch_invariant), prefill="flat")
         for mode in ("sync", "ring"):
-            config = ExecutorConfig.for_mode(mode, serving_conc=32,
+            config = ExecutorConfig(mode=mode, serving_conc=32,
                                              capture_sizes=(1, 2, 4, 8, 16, 32))
             with Engine(be, model, config, record_logits=True, max_prefill_tokens=96) as eng:
                 if not alone:

@@ -160,7 +160,7 @@ def test_staggered_run_ends_every_request_on_one_full_step(sim_backend, mode):
     cfg = dataclasses.replace(TINY, qk_norm=False)
     model = TorchForwardModel(sim_backend, tiny_llama(sim_backend, cfg=cfg, geometry=geo),
                               vocab=cfg.vocab, geometry=geo, prefill="flat")
-    config = ExecutorConfig.for_mode(mode, serving_conc=8, capture_sizes=(1, 8))
+    config = ExecutorConfig(mode=mode, serving_conc=8, capture_sizes=(1, 8))
     with Engine(sim_backend, model, config, max_prefill_tokens=8) as eng:
         times = staggered_run(eng, seeded_prompts(cfg.vocab, 8, 12, 7), 6, 8)
         assert len({t[-1] for t in times}) == 1

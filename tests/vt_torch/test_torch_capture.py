@@ -66,7 +66,7 @@ def _corrupted_after_replays(be, model) -> int:
     """Build a ring engine (captures), then allocate tensors of the intermediates' size on vt's
     stream, as anything else run on it would (an eager step, the user's own code), fill them,
     replay many decode steps, and count the tensors no longer holding what was written."""
-    cfg = ExecutorConfig.for_mode("ring", serving_conc=ROWS, capture_sizes=(ROWS,))
+    cfg = ExecutorConfig(mode="ring", serving_conc=ROWS, capture_sizes=(ROWS,))
     with Engine(be, model, cfg) as eng:
         external = torch.cuda.ExternalStream(eng.runner.stream.handle)
         with torch.cuda.stream(external):
@@ -103,7 +103,7 @@ def test_plain_external_stream_forward_corrupts_tensors_allocated_after_capture(
 
 def _refusal(cuda, forward):
     model = TorchForwardModel(cuda, forward, vocab=VOCAB, geometry=GEO)
-    cfg = ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=(2,))
+    cfg = ExecutorConfig(mode="ring", serving_conc=2, capture_sizes=(2,))
     with pytest.raises(Exception) as info:
         Engine(cuda, model, cfg)
     chain, exc = [], info.value
@@ -139,7 +139,7 @@ def test_an_exception_in_the_forward_during_capture_surfaces_as_it_is(cuda):
         out.zero_()
     model = TorchForwardModel(cuda, forward, vocab=VOCAB, geometry=GEO)
     with pytest.raises(KeyError, match="raised by the user"):
-        Engine(cuda, model, ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=(2,)))
+        Engine(cuda, model, ExecutorConfig(mode="ring", serving_conc=2, capture_sizes=(2,)))
     assert model.torch_memory_pools() == 0   # the failed engine's close dropped its pool
     module = tiny_llama(cuda)
     assert len(generate(cuda, step_model(cuda, module), "drain", prompts(2, seed=1), 3)[1]) == 3
@@ -149,7 +149,7 @@ def test_an_exception_in_the_forward_during_capture_surfaces_as_it_is(cuda):
 def test_the_private_pool_lives_as_long_as_the_engine(cuda):
     """One pool per engine while it is open; close() frees it and its memory."""
     model = step_model(cuda, tiny_llama(cuda))
-    eng = Engine(cuda, model, ExecutorConfig.for_mode("ring", serving_conc=4, capture_sizes=(1, 2, 4)))
+    eng = Engine(cuda, model, ExecutorConfig(mode="ring", serving_conc=4, capture_sizes=(1, 2, 4)))
     eng.generate(prompts(4, seed=2), max_new_tokens=4)
     assert model.torch_memory_pools() == 1
     reserved_open = torch.cuda.memory_reserved()
@@ -169,7 +169,7 @@ def test_pool_and_torch_memory_stay_flat_over_many_generate_calls(backend):
     calls = 1000 if cuda else 40
     rng = np.random.default_rng(5)
     model = step_model(backend, tiny_llama(backend))
-    cfg = ExecutorConfig.for_mode("ring", serving_conc=8, capture_sizes=(1, 2, 4, 8))
+    cfg = ExecutorConfig(mode="ring", serving_conc=8, capture_sizes=(1, 2, 4, 8))
 
     def call(eng):
         n = int(rng.integers(1, 9))

@@ -33,7 +33,7 @@ def _model(be, module, prefill="flat", forward=None, geometry=GEO):
 
 def _run(be, model, mode, ps, new, *, max_prefill_tokens=None, conc=4, record=False,
          poison=False):
-    cfg = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=_sizes(conc))
+    cfg = ExecutorConfig(mode=mode, serving_conc=conc, capture_sizes=_sizes(conc))
     with Engine(be, model, cfg, max_prefill_tokens=max_prefill_tokens, record_logits=record,
                 hooks=Poison() if poison else None) as eng:
         res = eng.generate(ps, max_new_tokens=new)
@@ -99,7 +99,7 @@ def test_a_prompt_costs_one_forward_call_per_chunk(sim_backend, max_prefill_toke
     module = tiny_llama(sim_backend)
     forward = _Counting(module)
     model = _model(sim_backend, module, forward=forward)
-    cfg = ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=_sizes(2))
+    cfg = ExecutorConfig(mode="ring", serving_conc=2, capture_sizes=_sizes(2))
     P = 27
     prompt = prompts(1, seed=3, max_len=1)[0] * P
     with Engine(sim_backend, model, cfg, max_prefill_tokens=max_prefill_tokens) as eng:
@@ -118,7 +118,7 @@ def test_a_mixed_step_is_one_forward_call_over_decode_rows_and_chunks(sim_backen
     forward = _Counting(module)
     model = _model(sim_backend, module, forward=forward)
     first, late = prompts(2, seed=8, max_len=6), [5, 9, 17, 3, 3, 40, 2]
-    cfg = ExecutorConfig.for_mode("sync", serving_conc=4, capture_sizes=_sizes(4))
+    cfg = ExecutorConfig(mode="sync", serving_conc=4, capture_sizes=_sizes(4))
     with Engine(sim_backend, model, cfg) as eng:
         forward.calls.clear()
         handles = [eng.submit(p, max_new_tokens=12) for p in first]

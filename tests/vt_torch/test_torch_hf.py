@@ -104,7 +104,7 @@ def test_flat_prefill_equals_transformers_generate_for_prompts_of_1_to_300_token
     model = TorchForwardModel(backend, module, vocab=module.cfg.vocab, geometry=LONG_GEO,
                               prefill="flat")
     for mpt in (None, 48):
-        cfg = ExecutorConfig.for_mode("ring", serving_conc=3, capture_sizes=(1, 2, 4))
+        cfg = ExecutorConfig(mode="ring", serving_conc=3, capture_sizes=(1, 2, 4))
         with Engine(backend, model, cfg, max_prefill_tokens=mpt) as eng:
             got = [list(map(int, r.tokens)) for r in eng.generate(ps, max_new_tokens=new)]
             assert eng.stats()["mixed_steps"] > 0

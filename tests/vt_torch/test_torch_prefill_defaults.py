@@ -43,7 +43,7 @@ def test_a_llama_decoder_prefills_flat_by_default(sim_backend):
     model = TorchForwardModel(sim_backend, forward)
     assert model.prefill_mode == "flat"
     prompt = list(np.random.default_rng(4).integers(0, module.cfg.vocab, size=24))
-    cfg = ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=(1, 2))
+    cfg = ExecutorConfig(mode="ring", serving_conc=2, capture_sizes=(1, 2))
     with Engine(sim_backend, model, cfg) as eng:
         forward.calls.clear()   # construction's warm-up
         res = eng.generate([prompt], max_new_tokens=3)
@@ -83,7 +83,7 @@ def test_the_prompt_path_warms_up_to_the_budget_on_cuda_and_with_short_steps_on_
     geo = KVGeometry(max_seqs=2, num_kv_blocks=2 * 20 + 1, block_size=16, max_context=320)
     module = tiny_llama(backend, geometry=geo)
     forward = _Counting(module)
-    cfg = ExecutorConfig.for_mode("ring", serving_conc=2, capture_sizes=(1, 2))
+    cfg = ExecutorConfig(mode="ring", serving_conc=2, capture_sizes=(1, 2))
     with Engine(backend, TorchForwardModel(backend, forward, prefill="flat"), cfg) as eng:
         assert eng.max_prefill_tokens == 320
         warmed = forward.prompt_tokens()

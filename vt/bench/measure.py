@@ -11,7 +11,7 @@ def make_engine(be, model, mode: str, conc: int, *, profile: bool, max_prefill_t
     decode step of this bench ever uses."""
     from vt.engine.engine import Engine
     from vt.knobs import ExecutorConfig
-    config = ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=(conc,),
+    config = ExecutorConfig(mode=mode, serving_conc=conc, capture_sizes=(conc,),
                                      wait_poll_us=wait_poll_us)
     return Engine(be, model, config, profile=profile, max_prefill_tokens=max_prefill_tokens)
 

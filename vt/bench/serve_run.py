@@ -105,8 +105,8 @@ def run_serve(args, progress_factory) -> dict:
                 engines = {}
                 try:
                     for mode in args.modes:
-                        config = ExecutorConfig.for_mode(
-                            mode, serving_conc=conc, wait_poll_us=args.wait_poll_us,
+                        config = ExecutorConfig(
+                            mode=mode, serving_conc=conc, wait_poll_us=args.wait_poll_us,
                             capture_sizes=tuple(s for s in CAPTURE_SIZES if s <= conc))
                         engines[mode] = Engine(be, model, config, profile=True)
                         serve_cell(engines[mode], warm, "closed", conc, args.seed)

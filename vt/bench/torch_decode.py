@@ -139,7 +139,7 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
     out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * dtype.itemsize
     out["embed_row_bytes"] = cfg.hidden * dtype.itemsize
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
-    config = ExecutorConfig.for_mode(args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
+    config = ExecutorConfig(mode=args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
     peer_ok = be.name == "cuda" and not args.no_peer
     with Engine(be, model, config, max_prefill_tokens=args.prefill_chunk) as eng:
         out["setup_s"] = time.perf_counter() - t0

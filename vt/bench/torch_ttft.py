@@ -117,7 +117,7 @@ def _run_vt(be, cfg, dtype, args) -> dict:
         params += module.embed.weight.numel()
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < args.conc) + (args.conc,)
-    config = ExecutorConfig.for_mode(args.mode, serving_conc=args.conc, capture_sizes=sizes)
+    config = ExecutorConfig(mode=args.mode, serving_conc=args.conc, capture_sizes=sizes)
     prompts = seeded_prompts(cfg.vocab, args.conc, args.prompt_len)
     new = args.context - args.prompt_len
     with Engine(be, model, config, max_prefill_tokens=args.conc * args.prompt_len) as eng:

@@ -90,7 +90,7 @@ def serving_config(mode: str, conc: int):
     one of `conc` itself."""
     from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig
     sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s < conc) + (conc,)
-    return ExecutorConfig.for_mode(mode, serving_conc=conc, capture_sizes=sizes)
+    return ExecutorConfig(mode=mode, serving_conc=conc, capture_sizes=sizes)
 
 
 def open_served(args, who: str, out=None):
