@@ -158,3 +158,39 @@ def test_captured_graph_replays_the_same_tokens():
             g.launch(s)
             s.synchronize()
             np.testing.assert_array_equal(out.get(), eager)
+
+
+@pytest.mark.parametrize("V", [32000, 151936], ids=["V32000", "V151936"])
+def test_kernel_token_records_equal_numpy_twin(V):
+    """Records (vt/sampling/logprobs.py) of a batch mixing every mode and logprobs counts from
+    none to MAX_LOGPROBS: tokens and top ids equal, logprobs within 1e-5; unasked words untouched."""
+    from vt.sampling.logprobs import RECORD_WORDS
+    from vt.sampling.params import MAX_LOGPROBS
+
+    rng = np.random.default_rng(V)
+    S = 64
+    modes = list(rng.choice(list(MODES), S))
+    x = random_logits(rng, S, V, ties=True)
+    kn = knobs(modes)
+    counts = rng.integers(-1, MAX_LOGPROBS + 1, S).astype(np.int32)
+    pos = np.arange(S, dtype=np.int32) * 3
+    rows = np.arange(S, dtype=np.int32)
+    got = cp.full((S, RECORD_WORDS), -999, cp.int32)
+    Sampler().run_cupy(0, cp.asarray(x), cp.asarray(rows), cp.asarray(pos),
+                       *(cp.asarray(kn[n]) for n in ("temperature", "top_k", "top_p", "min_p", "seed")),
+                       got, cp.zeros(S + 1, cp.int32), cp.asarray(counts))
+    want = np.full((S, RECORD_WORDS), -999, np.int32)
+    Sampler().run_numpy(x, rows, pos, *(kn[n] for n in ("temperature", "top_k", "top_p", "min_p", "seed")),
+                        want, np.zeros(S + 1, np.int32), counts)
+    got = got.get()
+    np.testing.assert_array_equal(got[:, 0], want[:, 0])
+    for r in range(S):
+        n = int(counts[r])
+        if n < 0:
+            assert (got[r, 2:] == -999).all() and got[r, 1] == want[r, 1]
+            continue
+        np.testing.assert_array_equal(got[r, 2:2 + n], want[r, 2:2 + n])
+        f_got, f_want = got[r].view(np.float32), want[r].view(np.float32)
+        np.testing.assert_allclose(f_got[1], f_want[1], atol=1e-5)
+        np.testing.assert_allclose(f_got[2 + MAX_LOGPROBS:2 + MAX_LOGPROBS + n],
+                                   f_want[2 + MAX_LOGPROBS:2 + MAX_LOGPROBS + n], atol=1e-5)

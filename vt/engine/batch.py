@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vt.sampling.params import NO_LOGPROBS
 from vt.step.contract import SamplingParams, kv_slot
 
 
@@ -47,6 +48,7 @@ class DecodeBatch:
         self.top_p = np.ones(capacity, np.float32)
         self.min_p = np.zeros(capacity, np.float32)
         self.seed = np.zeros(capacity, np.uint64)
+        self.logprobs = np.full(capacity, NO_LOGPROBS, np.int32)
         self.dest_off = np.zeros(capacity, np.int64)    # where its next token goes - t (intp: an index)
         # Stop tokens, -1 padded: [capacity, widest set so far] (widened when a request with
         # more joins); n_stopping entries have at least one.
@@ -67,6 +69,7 @@ class DecodeBatch:
         self.slot_off[i] = kv_slot(block_table, pos, bs) - t
         self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.top_k or 0, sampling.seed
         self.top_p[i], self.min_p[i] = sampling.top_p, sampling.min_p
+        self.logprobs[i] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
         self.dest_off[i] = dest - t
         if len(stops) > self.stops.shape[1]:
             wider = np.full((self.capacity, len(stops)), -1, np.int32)
@@ -95,7 +98,8 @@ class DecodeBatch:
             self.reqs[i] = moved
             moved.batch_index = i
             for a in (self.rows, self.pos_off, self.len_off, self.slot_off, self.block_tables,
-                      self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.dest_off,
+                      self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.logprobs,
+                      self.dest_off,
                       self.stops):
                 a[i] = a[last]
         self.reqs[last] = None
@@ -162,6 +166,7 @@ class BatchStep:
             inp.top_p[:n] = b.top_p[:n]
             inp.min_p[:n] = b.min_p[:n]
             inp.seed[:n] = b.seed[:n]
+            inp.logprobs[:n] = b.logprobs[:n]
             inp.block_tables[:n] = b.block_tables[:n]
             block.pad_from(n, pad)
             block.filled = (b, b.version, n)

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from vt.engine.outputs import TokenBuffer
+from vt.sampling.logprobs import read_record
 from vt.engine.requests import Request, RequestResult
 
 _EMPTY = np.zeros(0, np.int32)
@@ -96,6 +97,20 @@ class TokenReader:
         got = self._buffer.tokens[req.span_start:req.span_start + n].copy() if n else _EMPTY
         final = req.final      # finished meanwhile: its span may be reused, take the copy
         return (final, True) if final is not None else (got, False)
+
+    def record(self, i: int) -> np.ndarray | None:
+        """The record [RECORD_WORDS] of its token i (stored: i < the tokens taken), or None
+        when its sampling asks for no logprobs."""
+        req = self._req
+        if req.sampling.logprobs is None:
+            return None
+        final = req.final_records
+        if final is None:
+            got = self._buffer.records.get(req.span_start + i)
+            final = req.final_records     # finished meanwhile: the entry may be gone, take the copy
+            if final is None:
+                return got
+        return final[i]
 
     def take(self, sent: int) -> tuple[list, int, bool]:
         """The tokens after the first `sent`, how many there are now, and whether it ended."""
@@ -178,6 +193,13 @@ class RequestHandle:
     def snapshot(self) -> tuple[np.ndarray, bool]:
         """(the tokens so far, finished?) without blocking."""
         return self._reader.snapshot()
+
+    def logprobs(self, i: int) -> tuple[float, list[tuple[int, float]]] | None:
+        """Of its token i (one the handle has handed out): (its logprob, [(token, logprob)] of
+        the sampling.logprobs most likely tokens), or None when its sampling asks for none
+        (vt.SamplingParams.logprobs says which distribution)."""
+        rec = self._reader.record(i)
+        return None if rec is None else read_record(rec, self._req.sampling.logprobs)
 
     def stream(self, timeout: float | None = None):
         """Iterate the tokens as they arrive. timeout: the longest wait for the next one."""

@@ -19,12 +19,14 @@ import traceback
 import numpy as np
 
 from vt.engine.requests import Request, RequestPhase
+from vt.sampling.logprobs import RECORD_WORDS, UNASKED
 
 # Step times kept for the token times of the requests running: more than any request lives.
 _TIME_RING_MIN = 1024
 # ndarray.min() goes through a Python wrapper (numpy's _methods._amin); the ufunc's reduce is
 # the same C loop without it, once per step on the host's critical path.
 _smallest = np.minimum.reduce
+_NO_RECORD = np.array([-1, UNASKED] + [0] * (RECORD_WORDS - 2), np.int32)
 
 
 class TokenBuffer:
@@ -38,11 +40,18 @@ class TokenBuffer:
         self.tokens_out = 0          # tokens of every finished request
         self.finished = 0
         self.live: set[Request] = set()   # admitted and not finished (the loop adds them)
+        # entry -> token record [RECORD_WORDS] of the tokens whose request asks for logprobs
+        # (vt/sampling/logprobs.py): few requests ask, so a dict, not a [rows * span] array
+        self.records: dict[int, np.ndarray] = {}
 
-    def store(self, tag, tokens: np.ndarray, host_logits, now: float) -> list[Request]:
-        """Put a step's tokens where they belong (tag: Scheduler's StepTag) and finish the
-        requests it completes; returns those that just sampled a stop token."""
+    def store(self, tag, tokens: np.ndarray, host_logits, now: float, records=None) -> list[Request]:
+        """Put a step's tokens (and the records [n, RECORD_WORDS] of the rows that asked for
+        logprobs) where they belong (tag: Scheduler's StepTag) and finish the requests it
+        completes; returns those that just sampled a stop token."""
         self.tokens[tag.dest] = tokens
+        if records is not None:
+            for i in np.flatnonzero(records[:, 1] != UNASKED):
+                self.records[int(tag.dest[i])] = records[i]
         if self.logits is not None:
             self.logits[tag.dest] = host_logits
         self._times[tag.t & self._mask] = now
@@ -105,6 +114,9 @@ class TokenBuffer:
         req.token_times = self._times[np.arange(first, first + n) & self._mask]
         req.error = error
         req.finish_reason = reason
+        if req.sampling.logprobs is not None:
+            req.final_records = np.array([self.records.pop(d, _NO_RECORD) for d in range(span.start, span.stop)],
+                                         np.int32).reshape(n, RECORD_WORDS)
         req.final = self.tokens[span].copy()
         req.phase = RequestPhase.FINISHED   # last: readers take it as "everything is settled"
         self.tokens_out += n

@@ -287,7 +287,8 @@ class ServingLoop:
         stops go to the pipeline, which applies them."""
         tokens = self.runner.collect(ready)
         self._sched.completed(ready.tag.t)   # its done event seen: its released blocks reusable
-        stopped = self._buffer.store(ready.tag, tokens, ready.host_logits, time.perf_counter())
+        stopped = self._buffer.store(ready.tag, tokens, ready.host_logits, time.perf_counter(),
+                                     ready.records)
         if stopped:
             self._pipeline.collected(stopped)
         if self._progress_sinks:

@@ -14,7 +14,7 @@ import numpy as np
 
 from vt.graphs import ForwardLogits
 from vt.step.inputblock import InputBlock
-from vt.step.contract import LOGITS_DTYPE, DecodeRows, prefill_last_rows
+from vt.step.contract import LOGITS_DTYPE, RECORD_WORDS, DecodeRows, prefill_last_rows
 
 
 class EagerPath:
@@ -31,8 +31,9 @@ class EagerPath:
         # steps in flight and the one being launched); later users are stream-ordered after.
         self._logits = [be.empty((capacity, model.vocab), LOGITS_DTYPE) for _ in range(3)]
         self._turn = 0
-        self.out_device = be.empty((capacity,), np.int32)
-        self.out_host = [be.pinned_empty((capacity,), np.int32) for _ in range(2)]   # per parity
+        # token records [capacity, RECORD_WORDS] (vt/sampling/logprobs.py)
+        self.out_device = be.empty((capacity, RECORD_WORDS), np.int32)
+        self.out_host = [be.pinned_empty((capacity, RECORD_WORDS), np.int32) for _ in range(2)]   # per parity
         self.done = [be.event(blocking_sync=True) for _ in range(2)]
 
     def bucket(self, n: int) -> int:

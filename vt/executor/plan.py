@@ -29,18 +29,19 @@ class StepHandle:
     slots: one is made per step, on the host's critical path.)"""
 
     __slots__ = ("index", "kind", "n", "size", "logits", "tag", "out_host", "done", "slot",
-                 "timing", "host_logits", "tokens")
+                 "timing", "host_logits", "tokens", "records")
 
     def __init__(self, index: int, kind: str, n: int, size: int, logits: ForwardLogits, tag,
                  out_host: np.ndarray, done, slot=None):
         self.index, self.kind, self.n, self.size = index, kind, n, size   # kind: graph|eager|mixed|prefill
         self.logits, self.tag = logits, tag
-        self.out_host = out_host      # pinned [>= n]: the step's tokens land here
+        self.out_host = out_host      # pinned [>= n, RECORD_WORDS]: the step's token records land here
         self.done = done              # event recorded after everything the step does
         self.slot = slot              # the graph slot (None: eager)
         self.timing = None            # (start, end) timing events with profile
         self.host_logits = None       # [n, vocab] when recorded
         self.tokens = None            # host copy, taken when the host saw `done`
+        self.records = None           # [n, RECORD_WORDS] host copy of the token records, with tokens
 
 
 @dataclass

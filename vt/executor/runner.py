@@ -194,7 +194,8 @@ class Runner:
 
     # -- collect ------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> np.ndarray:
-        """Wait for the oldest step in flight and return its sampled tokens [n] (a host copy)."""
+        """Wait for the oldest step in flight and return its sampled tokens [n] (a host copy;
+        handle.records [n, RECORD_WORDS] holds them with the logprobs rows asked for)."""
         if self._closed:
             raise ClosedError("Runner is closed")
         inflight = self._inflight
@@ -220,7 +221,9 @@ class Runner:
         was already done)."""
         waited = wait_event(handle.done, self._poll_s)
         self.timer.waited(handle, drain, waited)
-        handle.tokens = handle.out_host[:handle.n].copy()
+        out = handle.out_host[:handle.n]   # [n, RECORD_WORDS]: the tokens and their logprobs
+        handle.tokens = out[:, 0].copy()
+        handle.records = out.copy()
         if handle.slot is not None:
             handle.slot.collected(handle.index)
         st = self.stats

@@ -152,7 +152,7 @@ class ForwardModel(StepModel):
     def sample(self, stream, logits, inputs, out_tokens) -> None:
         self.be.launch(stream, self._sample, logits, inputs.token_rows, inputs.sample_positions,
                        inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
-                       out_tokens, self.token_table)
+                       out_tokens, self.token_table, inputs.logprobs)
 
 
 def _check_args(forward, vocab, token_table, geometry) -> None:

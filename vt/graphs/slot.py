@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from vt.graphs.logits import ForwardLogits, GraphOutput
-from vt.step.contract import PadRow
+from vt.step.contract import RECORD_WORDS, PadRow
 from vt.step.inputblock import InputBlock
 from vt.backend.waits import wait_event
 
@@ -31,8 +31,9 @@ class SizeSlot:
         self.name = f"S={size} slot={index}"
         self.host = InputBlock(be.pinned_empty, size, max_blocks)
         self.device = shared.device if shared else InputBlock(be.empty, size, max_blocks)
-        self.out_device = shared.out_device if shared else be.empty((size,), np.int32)   # [S]
-        self.out_host = be.pinned_empty((size,), np.int32)    # [S] this slot's sampled tokens
+        # [S, RECORD_WORDS]: each row's token and the logprobs it asks for (vt/sampling/logprobs.py)
+        self.out_device = shared.out_device if shared else be.empty((size, RECORD_WORDS), np.int32)
+        self.out_host = be.pinned_empty((size, RECORD_WORDS), np.int32)   # this slot's records
         self.output: GraphOutput | None = None
         # Blocking sync: the host sleeps in the driver instead of spinning a core (docs/design.md:
         # 0.5 ms of CPU against 202 ms for a 200 ms wait).
@@ -77,7 +78,7 @@ class SizeSlot:
         return ForwardLogits(self.output.logits, n, self.output, gen)
 
     def copy_tokens(self, dst, stream) -> None:
-        """The last launch's sampled tokens [len(dst)] into the device array `dst`, on
+        """The last launch's token records [len(dst)] into the device array `dst`, on
         `stream` (a mixed step gathers its decode rows' tokens with its prefill's)."""
         self.be.copy_d2d(dst, self.out_device[:len(dst)], stream)
 

@@ -61,11 +61,12 @@ class PrefillInputs:
     token_rows: object
     state_idx: object
     block_tables: object
-    temperature: object = None   # [B] f32, top_k [B] i32, top_p, min_p [B] f32, seed [B] u64:
-    top_k: object = None         # each sequence's sampling
+    temperature: object = None   # [B] f32, top_k [B] i32, top_p, min_p [B] f32, seed [B] u64,
+    top_k: object = None         # logprobs [B] i32: each sequence's sampling
     top_p: object = None
     min_p: object = None
     seed: object = None
+    logprobs: object = None
 
     @property
     def batch(self) -> int:

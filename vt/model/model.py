@@ -172,10 +172,12 @@ class HybridModel:
         self._logits(s, last, B, logits_out)
 
     def sample(self, s, logits, inp, out_tokens) -> None:
-        """out_tokens[S] int32 <- sampled tokens (each row's sampling knobs from `inp`; -1 for
-        an error row: vt/sampling/sampler.py); also token_table[inp.token_rows]."""
+        """out_tokens[S] int32 (or records [S, RECORD_WORDS]) <- sampled tokens (each row's
+        sampling knobs from `inp`; -1 for an error row: vt/sampling/sampler.py); also
+        token_table[inp.token_rows]."""
         self.be.launch(s, self._sample, logits, inp.token_rows, inp.sample_positions, inp.temperature,
-                       inp.top_k, inp.top_p, inp.min_p, inp.seed, out_tokens, self.token_table)
+                       inp.top_k, inp.top_p, inp.min_p, inp.seed, out_tokens, self.token_table,
+                       inp.logprobs)
 
     def _padded(self, n: int) -> int:
         """Rows of a GEMM operand for n rows: n, or the next multiple of the invariant block

@@ -16,7 +16,11 @@ ROW_VECTORS: dict[str, np.dtype] = {
     "top_p": np.dtype(np.float32),
     "min_p": np.dtype(np.float32),
     "seed": np.dtype(np.uint64),
+    "logprobs": np.dtype(np.int32),
 }
+# logprobs: -1 = none; n >= 0 = the sampled token's logprob and the n most likely tokens'.
+NO_LOGPROBS = -1
+MAX_LOGPROBS = 20               # the most top tokens a row asks for (OpenAI's top_logprobs bound)
 
 _SEED_END = 2**63
 _TOP_K_END = 2**31              # the sampler reads top_k as int32
@@ -60,6 +64,11 @@ class SamplingParams:
 
     The sampler reads the knobs as float32: a temperature that rounds to 0 there is greedy, and
     one so small that the largest logit / temperature overflows takes the limit, the argmax.
+
+    logprobs: None (none), or n in [0, MAX_LOGPROBS]: the sampler also returns the sampled
+    token's log-probability and the n most likely tokens with theirs, of the distribution it
+    samples from after temperature and before top_k/top_p/min_p (log_softmax(logits /
+    temperature); greedy rows: log_softmax(logits)).
     """
     temperature: float = 0.0
     # The rest by name only: a positional SamplingParams(0.8, 8, seed) of an older order would
@@ -69,6 +78,7 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -90,9 +100,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.min_p={m!r} must be in [0, 1)")
         if not 0 <= _int("seed", self.seed) < _SEED_END:
             raise ValueError(f"SamplingParams.seed={_shown(self.seed)} must be in [0, 2**63)")
+        if self.logprobs is not None and not 0 <= _int("logprobs", self.logprobs) <= MAX_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs={_shown(self.logprobs)} must be None or in "
+                             f"[0, {MAX_LOGPROBS}]")
         # Plain Python numbers from here on: numpy scalars compare, hash and serialize the same.
         for name, v in (("temperature", t), ("top_p", p), ("min_p", m), ("seed", int(self.seed)),
-                        ("top_k", None if self.top_k is None else int(self.top_k))):
+                        ("top_k", None if self.top_k is None else int(self.top_k)),
+                        ("logprobs", None if self.logprobs is None else int(self.logprobs))):
             object.__setattr__(self, name, v)
 
     @property
@@ -117,4 +131,6 @@ def row_vectors(params: list[SamplingParams]) -> dict[str, np.ndarray]:
         "top_p": np.array([p.top_p for p in params], np.float32),
         "min_p": np.array([p.min_p for p in params], np.float32),
         "seed": np.array([p.seed for p in params], np.uint64),
+        "logprobs": np.array([NO_LOGPROBS if p.logprobs is None else p.logprobs for p in params],
+                             np.int32),
     }

@@ -18,8 +18,10 @@ keeps SMs busy for good.
 Arguments (S rows, vocabulary V):
   logits [S, V] f32, token_rows [S] i32, positions [S] i32, temperature [S] f32,
   top_k [S] i32 (0 = all), top_p [S] f32, min_p [S] f32, seed [S] u64,
-  out_tokens [S] i32, token_table [*] i32
-Writes out_tokens[r] and token_table[token_rows[r]] (the next step's input token).
+  out_tokens [S] i32, or records [S, RECORD_WORDS] i32 (vt/sampling/logprobs.py),
+  token_table [*] i32, logprobs [S] i32 (with records: -1, or how many top tokens a row asks)
+Writes out_tokens[r] (records: the record of row r, its token first, then the logprobs the row
+asks for) and token_table[token_rows[r]] (the next step's input token).
 
 Error rows: a row with a NaN or +inf logit, or only -inf logits, gets out_tokens[r] = -1 (the
 engine finishes that request with an error) and token_table[token_rows[r]] = 0, so the next
@@ -34,6 +36,7 @@ import numpy as np
 from . import reference
 from .device_code import counter_bytes, workspace_bytes
 from .kernels import BLOCKS_PER_SM, CODE
+from .logprobs import RECORD_WORDS, launch_records, write_records
 
 _MIN_CHUNK = 1024      # elements per block: below this a block is mostly launch overhead
 COUNTER_ROWS = 4096    # rows whose counters an instance keeps zeroed between calls
@@ -57,12 +60,17 @@ class Sampler:
         self._counters = {}    # CUDA device id -> this instance's zeroed counter buffer
 
     def run_numpy(self, logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
-                  out_tokens, token_table):
-        out_tokens[...] = reference.sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed)
-        token_table[token_rows] = np.maximum(out_tokens, 0)
+                  out_tokens, token_table, logprobs=None):
+        records = _records(out_tokens, logprobs)
+        tokens = reference.sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed)
+        if records is None:
+            out_tokens[...] = tokens
+        else:
+            write_records(records, logits, tokens, temperature, logprobs)
+        token_table[token_rows] = np.maximum(tokens, 0)
 
     def run_cupy(self, stream_handle, logits, token_rows, positions, temperature, top_k, top_p,
-                 min_p, seed, out_tokens, token_table):
+                 min_p, seed, out_tokens, token_table, logprobs=None):
         import cupy as cp
 
         from vt.backend.nvrtc import cuda_function, sm_count
@@ -70,6 +78,7 @@ class Sampler:
         S, V = logits.shape
         if not S:
             return
+        records = _records(out_tokens, logprobs)
         if logits.dtype != np.float32 or not logits.flags.c_contiguous or V >= 2**23:
             raise ValueError(f"Sampler: logits must be C-contiguous float32 [S, V] with V < 2**23, "
                              f"got {logits.dtype} {logits.shape}")
@@ -77,10 +86,16 @@ class Sampler:
         B, C = split(S, V, sm_count())
         ws = cp.empty(workspace_for(S, V, sm_count()), cp.uint8)
         cnt = self._zeroed_counters(cp, S, ws)
+        if records is not None:   # the tokens go to the workspace's head, then into the records
+            tokens, ws = ws[:4 * S].view(cp.int32), ws[_token_head(S):]
+        else:
+            tokens = out_tokens
         cuda_function(CODE, "sample", VEC4=vec)(
             (S * B,), (256,), (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
-                               out_tokens, token_table, cnt, ws, np.int32(S), np.int32(V), np.int32(B),
+                               tokens, token_table, cnt, ws, np.int32(S), np.int32(V), np.int32(B),
                                np.int32(C)))
+        if records is not None:
+            launch_records(logits, tokens, temperature, logprobs, records)
 
     def _zeroed_counters(self, cp, S: int, ws):
         """Counters for S rows that are zero now: the instance's own buffer (the kernel leaves
@@ -100,6 +115,24 @@ class Sampler:
         return self._counters[dev]
 
 
+def _records(out, logprobs):
+    """out as a records array [S, RECORD_WORDS] (None: out is tokens [S]); records need the
+    rows' logprobs counts."""
+    if out.ndim == 1:
+        return None
+    if out.shape[1:] != (RECORD_WORDS,) or logprobs is None:
+        raise ValueError(f"Sampler: out must be tokens [S] or records [S, {RECORD_WORDS}] with the "
+                         f"rows' logprobs counts, got {tuple(out.shape)} with logprobs "
+                         f"{'absent' if logprobs is None else 'given'}")
+    return out
+
+
+def _token_head(S: int) -> int:
+    """Bytes at the workspace's head that hold a records call's tokens [S] i32 (the kernel's
+    own workspace follows, 256-byte aligned as the allocator's)."""
+    return (4 * S + 255) // 256 * 256
+
+
 _ZERO: list = []
 
 
@@ -117,7 +150,7 @@ def workspace_for(S: int, V: int, sms: int) -> int:
     with them serves every later call without growing (prefill steps sample any row count)."""
     rows = 1 << max(0, S - 1).bit_length()
     return (workspace_bytes(rows, 1) + 16 * max(rows, BLOCKS_PER_SM * sms) + 64
-            + (counter_bytes(rows) if rows > COUNTER_ROWS else 0))
+            + _token_head(rows) + (counter_bytes(rows) if rows > COUNTER_ROWS else 0))
 
 
 def workspace_sizes(max_rows: int, V: int, sms: int) -> list[int]:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from vt.sampling.logprobs import RECORD_WORDS  # noqa: F401  (part of the contract)
 from vt.sampling.params import GREEDY, SamplingParams, row_vectors  # noqa: F401  (part of the contract)
 from vt.validate import integer
 
@@ -99,7 +100,7 @@ class KVGeometry:
 # The per-row vectors of a decode step, in the order of the contiguous input block
 # (vt/step/inputblock.py). The first six are what a forward reads; the last three the sampler.
 FORWARD_FIELDS = ("token_rows", "positions", "seq_lens", "slot_mapping", "block_tables", "state_idx")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed")   # vt.sampling.ROW_VECTORS
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")   # vt.sampling.ROW_VECTORS
 FIELDS = FORWARD_FIELDS + SAMPLING_FIELDS
 
 
@@ -111,7 +112,8 @@ class DecodeInputs:
     positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
     write (position + 1); slot_mapping[S]: KV cache slot written; block_tables[S, max_blocks];
     state_idx[S]: recurrent (GDN) state slot; temperature[S] f32, top_k[S] i32 (0: all),
-    top_p[S] f32, min_p[S] f32, seed[S] u64: each row's sampling (vt.sampling.SamplingParams). Padded rows point at the model's scratch row and sample greedily.
+    top_p[S] f32, min_p[S] f32, seed[S] u64, logprobs[S] i32 (-1: none): each row's sampling
+    (vt.sampling.SamplingParams). Padded rows point at the model's scratch row and sample greedily.
     """
     token_rows: object
     positions: object
@@ -124,6 +126,7 @@ class DecodeInputs:
     top_p: object = None
     min_p: object = None
     seed: object = None
+    logprobs: object = None
 
     @property
     def batch(self) -> int:
@@ -155,6 +158,7 @@ class DecodeRows:
     top_p: np.ndarray | None = None         # [n] f32
     min_p: np.ndarray | None = None         # [n] f32
     seed: np.ndarray | None = None          # [n] uint64
+    logprobs: np.ndarray | None = None      # [n] int32, -1: none (None: none for every row)
 
     def __len__(self):
         return len(self.token_rows)
@@ -202,7 +206,8 @@ class StepModel(abc.ABC):
     - `prefill(stream, seqs, logits_out)`: the prompts (or chunks) of `seqs`, eagerly; each
       sequence's last-token logits into logits_out [len(seqs), vocab];
     - `sample(stream, logits, inputs, out_tokens)`: each row's sampling read from `inputs`;
-      writes out_tokens and the token table.
+      writes out_tokens [S] (or token records [S, RECORD_WORDS] with the logprobs the rows ask
+      for: vt/sampling/logprobs.py) and the token table.
     """
     vocab: int
     geometry: KVGeometry

@@ -4,17 +4,18 @@ The host twin is pinned memory, the device twin pool memory, and a step's inputs
 one copy (one H2D node inside a graph, or one staged memcpy); refreshing the host twin is a
 few numpy slice writes. Layout, in int32 words (seed first: its uint64 view stays 8-byte
 aligned): seed[2S] | token_rows | positions | seq_lens | slot_mapping | state_idx | top_k |
-temperature | top_p | min_p (the last three f32 bits) | block_tables[S * max_blocks].
+logprobs | temperature | top_p | min_p (the last three f32 bits) | block_tables[S * max_blocks].
 """
 from __future__ import annotations
 
 import numpy as np
 
+from vt.sampling.params import NO_LOGPROBS
 from vt.step.contract import FIELDS, DecodeInputs, DecodeRows, PadRow
 
 # positions, seq_lens, slot_mapping adjacent and in this order: InputBlock.advancing
-_PER_ROW = ("token_rows", "positions", "seq_lens", "slot_mapping", "state_idx", "top_k", "temperature",
-            "top_p", "min_p")
+_PER_ROW = ("token_rows", "positions", "seq_lens", "slot_mapping", "state_idx", "top_k", "logprobs",
+            "temperature", "top_p", "min_p")
 _F32 = ("temperature", "top_p", "min_p")
 
 
@@ -95,6 +96,8 @@ class InputBlock:
                 getattr(inp, f)[start:start + n] = value
         if rows.temperature is None:          # no sampling given: greedy
             _greedy(inp, slice(start, start + n))
+        elif rows.logprobs is None:
+            inp.logprobs[start:start + n] = NO_LOGPROBS
 
 
 def _greedy(inp, span) -> None:
@@ -104,3 +107,4 @@ def _greedy(inp, span) -> None:
     inp.top_p[span] = 1
     inp.min_p[span] = 0
     inp.seed[span] = 0
+    inp.logprobs[span] = NO_LOGPROBS
