@@ -241,14 +241,28 @@ def _commands(block: Block):
             if len(words) > 2 and re.fullmatch(r"python3?", words[0]) and words[1] == "-m":
                 words = words[2:]          # python3 -m vt run ... is vt run ...
             if words[:1] == ["vt"] and len(words) > 1 and not words[1].startswith("-"):
-                yield ("vt", words[1]), words[2:]
+                yield ("vt", words[1], *_own_parser_workload(words[1], words[2:])), words[2:]
             elif words and words[0].startswith("vt."):
                 yield (words[0],), words[1:]
 
 
+def _own_parser_workload(command: str, args: list[str]) -> tuple[str, ...]:
+    """("--workload", NAME) for `vt bench --workload NAME` of a workload with options of its
+    own, whose --help lists them; () otherwise."""
+    from vt.cli.bench import STANDALONE
+    if command != "bench":
+        return ()
+    for i, arg in enumerate(args):
+        name = args[i + 1] if arg == "--workload" and i + 1 < len(args) else (
+            arg.split("=", 1)[1] if arg.startswith("--workload=") else None)
+        if name is not None:
+            return ("--workload", name) if name in STANDALONE else ()
+    return ()
+
+
 @functools.cache
 def _help(program: tuple[str, ...]) -> str | None:
-    module, *sub = ("vt", program[1]) if program[0] == "vt" else program
+    module, *sub = ("vt", *program[1:]) if program[0] == "vt" else program
     p = subprocess.run([sys.executable, "-m", module, *sub, "--help"], cwd=ROOT, env=_env(),
                        capture_output=True, text=True, timeout=120)
     if p.returncode and "ModuleNotFoundError" in p.stderr:
