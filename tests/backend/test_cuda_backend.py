@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def be():
-    """A CudaBackend; VT_POOL_DEBUG=1 (tools/memcheck.sh) gives every buffer its own cudaMalloc."""
+    """A CudaBackend; VT_POOL_DEBUG=1 (tools/sanitize.sh memcheck) gives every buffer its own cudaMalloc."""
     from vt.backend.cuda import CudaBackend
     backend = CudaBackend(pool_debug=env.get("VT_POOL_DEBUG"))
     yield backend

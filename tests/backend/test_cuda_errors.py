@@ -1,6 +1,6 @@
 """CUDA errors raised on purpose: names from the runtime, and the global-mode capture rule.
 
-Marked api_errors: tools/memcheck.sh runs these with --report-api-errors no, because
+Marked api_errors: tools/sanitize.sh runs these with --report-api-errors no, because
 compute-sanitizer counts every failing CUDA call, deliberate ones included."""
 
 import numpy as np

@@ -25,7 +25,7 @@ def get_backend(name: str = "auto", *, device_delay_s: float = 0.0, pool_debug: 
 
     `device_delay_s` (sim only) sleeps before each device op so the host runs ahead of the
     device deterministically; `pool_debug` gives every pool buffer its own driver allocation
-    (default: VT_POOL_DEBUG=1 in the environment, which tools/memcheck.sh sets).
+    (default: VT_POOL_DEBUG=1 in the environment, which `tools/sanitize.sh memcheck` sets).
     """
     if pool_debug is None:
         pool_debug = _pool_debug_from_env()

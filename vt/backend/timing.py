@@ -1,5 +1,5 @@
-"""The one replay timer: Engine.device_ceiling_us, vt bench, tools/bench_step.py and
-tools/profile_step.py all time back-to-back device work with it."""
+"""The one replay timer: Engine.device_ceiling_us and vt bench time back-to-back device work
+with it."""
 from __future__ import annotations
 
 import statistics

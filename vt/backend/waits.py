@@ -5,7 +5,7 @@ instead of spinning a core (a 200 ms wait costs ~0.5 ms of CPU, spinning ~202 ms
 from that sleep adds latency on the critical path when the awaited step ends within tens
 of microseconds; polling with cudaEventQuery for at most `poll_s` first removes that wake-up
 for short waits and caps the CPU a long wait burns. docs/design.md has the measurement
-(tools/wait_latency.py) the default is taken from.
+the default is taken from.
 """
 from __future__ import annotations
 

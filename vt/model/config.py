@@ -121,10 +121,10 @@ _BENCH = dict(hidden=4096, layers=8, heads=32, head_dim=128, kv_heads=8, layer_p
 
 # bench-small: a model whose captured decode step at batch 32 should take ~0.15 ms on the H200
 # (0.1-0.2 ms asked), where the host's cost per step decides throughput. Estimated from the
-# per-kernel times of bench-dense's step (measured on the H200 with tools/profile_step.py): ~35 us per GDN layer and
+# per-kernel times of bench-dense's step (measured on the H200): ~35 us per GDN layer and
 # ~55 us for the attention one at hidden 1024 (latency-bound kernels), ~25 us for the 1024x32000
-# logits GEMM and ~35 us for sampling 32 x 32000 logits; confirm with
-# `python3 tools/bench_step.py --preset bench-small --batch 1 32`.
+# logits GEMM and ~35 us for sampling 32 x 32000 logits; `vt bench --workload model --preset
+# bench-small` reports its step's device time (ceiling_us).
 _BENCH_SMALL = dict(hidden=1024, layers=3, heads=8, head_dim=128, kv_heads=2, layer_pattern="GGA",
                     gdn_heads=8, gdn_dk=64, gdn_dv=64, vocab=32000, kv_block_size=16,
                     max_seqs=64, max_context=2048)
