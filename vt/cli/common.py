@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 
+from vt.cli.interrupt import forget_unhandled_mark, remembered_sigint
 from vt.bench.errors import CommandFailed, OutputError, UsageError  # noqa: F401 (the front ends')
 from vt.bench.setup import (backend_name, build_model, pick_backend, pick_preset,  # noqa: F401
                             random_prompts, resolve_preset, what_to_do)
@@ -48,7 +49,8 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     previous = _on_sigterm()
     try:
         _check_environment(who)
-        return args.func(args)
+        with remembered_sigint():
+            return args.func(args)
     except UsageError as e:
         print(e.message, file=sys.stderr)
         return 2
@@ -62,6 +64,7 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
         return 141   # what a shell reports for a writer killed by SIGPIPE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
+        forget_unhandled_mark()
         return 130
     except Terminated:
         print("terminated", file=sys.stderr)
