@@ -1,4 +1,4 @@
-"""`vt bench` from Python (vt.cli.bench.main) runs the sweep; --wait-poll-us reaches the engines;
+"""`vt bench` through `vt`'s main runs the sweep; --wait-poll-us reaches the engines;
 the model workload's premise: engines run one after another on one shared model give the
 tokens a fresh model gives."""
 import json
@@ -16,7 +16,7 @@ def bench_main(argv) -> int:
     return vt_main(["bench", *argv])
 
 
-def test_vt_bench_from_python_runs_the_sweep(tmp_path):
+def test_vt_bench_runs_the_sweep(tmp_path):
     out = tmp_path / "bench.json"
     assert bench_main(["--backend", "sim", "--device-us", "0", "--conc", "2", "--modes", "drain",
                        "ring", "--steps", "3", "--no-bar", "--json", str(out)]) == 0
