@@ -5,6 +5,7 @@ import pathlib
 
 import pytest
 
+from vt.backend import available_backends
 from vt.cli.bench import STANDALONE
 from vt.cli.main import main
 
@@ -44,6 +45,12 @@ def test_a_bad_flag_of_such_a_workload_is_one_line_and_exit_2(capsys, argv, mess
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.skipif("cuda" in available_backends(), reason="on a GPU the workload runs")
+def test_the_invariance_workload_is_refused_without_a_gpu(capsys):
+    assert main(["bench", "--workload", "invariance", "--parts", "step"]) == 2
+    assert "--workload invariance needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_the_other_workloads_still_parse_the_shared_flags(capsys):

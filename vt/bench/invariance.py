@@ -1,6 +1,8 @@
 """`vt bench --workload invariance`: the cost of LlamaDecoder(batch_invariant=True) on CUDA at
 Llama-3-8B's shape, and a check of it, in one run on one GPU (random bf16 weights, every part
-against the default decoder in the same run). The parts (linear, attention, step) are
+against the default decoder in the same run).
+
+The parts (linear, attention, step) are
 described in vt/bench/invariance_parts.py, which imports PyTorch; this module does not, so that
 `vt bench --workload invariance --help` and its refusals work without it."""
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """`vt bench`: the executor modes against a hand-written PyTorch CUDA-graph loop and the
-device ceiling, at equal device work, in one run (docs/design.md, "Performance protocol")."""
+device ceiling, at equal device work, in one run (docs/design.md, "Performance protocol").
+
+This module is the front end: the flags, their checks before any work, the dispatch to the
+workloads of vt.bench, the tables and output files. Workloads with options of their own
+(STANDALONE) get a parser of their own: `vt bench --workload NAME --help`."""
 from __future__ import annotations
 
 import argparse
