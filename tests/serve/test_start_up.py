@@ -129,14 +129,18 @@ def test_a_missing_dependency_names_the_extra_to_install(checkpoint, monkeypatch
                        f"'vt-graphs[serve]' (from a checkout: pip install '.[serve]')"), err
 
 
-@pytest.mark.parametrize("after", ["vt serve: loading ", "vt serve: ring mode, decode graphs"])
-def test_ctrl_c_during_the_start_up_exits_at_once(checkpoint, after):
+@pytest.mark.parametrize("after, inherited", [
+    ("vt serve: loading ", signal.SIG_DFL),
+    # started as a background job of a script is (SIGINT ignored), while it captures
+    ("vt serve: ring mode, decode graphs", signal.SIG_IGN)])
+def test_ctrl_c_during_the_start_up_exits_at_once(checkpoint, after, inherited):
     """SIGINT while `vt serve` loads, and while it captures its graphs: exit 130 within a
-    few seconds, never listening."""
+    few seconds, never listening, whatever SIGINT disposition the process inherited."""
     proc = subprocess.Popen([sys.executable, "-m", "vt", "serve", "--model", str(checkpoint),
                              *FLAGS, "--port", "0"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env=dict(os.environ, PYTHONFAULTHANDLER="1"))
+                            env=dict(os.environ, PYTHONFAULTHANDLER="1"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, inherited))
     try:
         line = proc.stderr.readline()
         while line and not line.startswith(after):

@@ -10,7 +10,7 @@ import signal
 import sys
 import threading
 
-from vt.cli.interrupt import forget_unhandled_mark, remembered_sigint
+from vt.cli.interrupt import forget_unhandled_mark, sigint_raises
 from vt.bench.errors import CommandFailed, OutputError, UsageError  # noqa: F401 (the front ends')
 from vt.bench.setup import (backend_name, build_model, pick_backend, pick_preset,  # noqa: F401
                             random_prompts, resolve_preset, what_to_do)
@@ -49,7 +49,7 @@ def run_command(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     previous = _on_sigterm()
     try:
         _check_environment(who)
-        with remembered_sigint():
+        with sigint_raises():
             return args.func(args)
     except UsageError as e:
         print(e.message, file=sys.stderr)

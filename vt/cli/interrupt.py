@@ -1,19 +1,16 @@
-"""Ctrl-C for a command's whole run, start-up included: SIGINT raises KeyboardInterrupt at
-once, as Python's default handler does, and is also remembered.
+"""Ctrl-C for a command's whole run, start-up included.
 
-With Python's default handler, `vt serve` interrupted while it captured its graphs was seen
-to finish its start-up and serve on, the Ctrl-C lost (three of three tries at one timing on
-the sim); with a handler of vt's own it never was. What depends on the default handler being
-installed is asyncio's: `asyncio.run` (uvicorn's) replaces exactly that handler with one that
-only cancels its main task, and restores it afterwards. Remembering the signal is the second
-guard: `raise_if_interrupted()`, called at each start-up line and before serving, raises a
-KeyboardInterrupt that something caught and dropped (a bare `except:` in a library imported
-lazily during start-up would).
+A process started in the background by a non-interactive shell (`vt serve ... &` in a
+script, a job runner) inherits SIGINT ignored, and Python leaves an ignored SIGINT ignored:
+`vt serve` started that way let Ctrl-C or `kill -INT` pass through its whole start-up and then
+served on, although its server, once up, stops on SIGINT whatever was inherited (uvicorn
+installs its own handler). Every `vt` command therefore runs with SIGINT raising
+KeyboardInterrupt, as in a process started in the foreground.
 
-CPython also marks a KeyboardInterrupt raised inside code compiled from a string (the
-`exec` by which `dataclasses` builds methods, inside those lazy imports) as unhandled even
-when it is caught, and then ends the process by SIGINT instead of with its exit code;
-`forget_unhandled_mark()` clears that mark (any string code run clears it) so that the
+CPython also marks a KeyboardInterrupt raised inside code compiled from a string (the `exec`
+by which `dataclasses` builds methods, in modules imported lazily during start-up) as
+unhandled even when it is caught, and then ends the process by SIGINT instead of with its exit
+code; `forget_unhandled_mark()` clears that mark (running any string code clears it), so the
 command exits 130 as documented.
 """
 from __future__ import annotations
@@ -22,39 +19,22 @@ import contextlib
 import signal
 import threading
 
-_interrupted = False
-
-
-def _on_sigint(signum, frame) -> None:
-    global _interrupted
-    _interrupted = True
-    raise KeyboardInterrupt
-
 
 @contextlib.contextmanager
-def remembered_sigint():
-    """SIGINT raises KeyboardInterrupt and is remembered while the block runs (main thread
-    only: elsewhere signals cannot be set, and nothing is changed)."""
-    global _interrupted
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt while the block runs, whatever the process inherited
+    (main thread only: elsewhere signals cannot be set, and nothing is changed)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _interrupted = False
-    previous = signal.signal(signal.SIGINT, _on_sigint)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-        _interrupted = False
-
-
-def raise_if_interrupted() -> None:
-    """KeyboardInterrupt if SIGINT came while remembered_sigint() was on, whoever caught it."""
-    if _interrupted:
-        raise KeyboardInterrupt
 
 
 def forget_unhandled_mark() -> None:
-    """Clear CPython's "unhandled KeyboardInterrupt" mark after the interrupt was handled
-    (module docstring): running any code compiled from a string resets it."""
+    """Clear CPython's "unhandled KeyboardInterrupt" mark once the interrupt was handled
+    (module docstring)."""
     exec("")   # noqa: S102 (the reset is a side effect of running string code)

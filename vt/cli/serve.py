@@ -173,7 +173,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_queued < 0 or not 0 <= args.shutdown_timeout <= 3600:
         raise UsageError("vt serve: --max-queued must be >= 0 and --shutdown-timeout in [0, 3600]")
     require_serve_extra("vt serve", SERVER_MODULES)
-    from vt.cli.interrupt import raise_if_interrupted
     from vt.serve.server import address, bind, make_server
     from vt.serve.generation import GenerationService
     from vt.serve.metrics import ServeMetrics
@@ -196,7 +195,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
             server = make_server(service, shutdown_timeout_s=args.shutdown_timeout,
                                  log_level=args.log_level,
                                  on_listening=lambda: print(listening, flush=True))
-            raise_if_interrupted()   # before serving: a Ctrl-C the start-up's end swallowed
             server.run(sockets=[sock])
         finally:
             engine.close()

@@ -5,14 +5,12 @@ counts, e.g. `vt serve: capturing decode graphs 3/8 (size 4, slot 0)`.
 On a terminal the phase's line is rewritten in place as it advances and ends with the
 phase's time. Elsewhere (a log file, a pipe, a test) the line is printed when the phase ends,
 and while a phase runs longer than PERIOD_S, once every PERIOD_S, so that a log shows where
-a slow start-up is without a line per piece. Each call first raises a Ctrl-C that the phase
-before it swallowed (vt/cli/interrupt.py)."""
+a slow start-up is without a line per piece."""
 from __future__ import annotations
 
 import sys
 import time
 
-from vt.cli.interrupt import raise_if_interrupted
 from vt.engine.progress import StartUpProgress
 
 PERIOD_S = 5.0
@@ -31,7 +29,6 @@ class StartUpLog:
         self._open = False   # a terminal line without its newline yet
 
     def __call__(self, p: StartUpProgress) -> None:
-        raise_if_interrupted()   # a Ctrl-C that something during this phase swallowed
         now = self.clock()
         if p.phase != self._phase:
             self._end_open_line()
@@ -51,7 +48,6 @@ class StartUpLog:
             self._phase = None
 
     def line(self, msg: str) -> None:
-        raise_if_interrupted()
         self._end_open_line()
         print(msg, file=self.out, flush=True)
 
