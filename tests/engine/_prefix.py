@@ -163,3 +163,35 @@ def run(be, prompts, budgets, *, mode="sync", prefix_caching=True, geometry=None
 
 def tokens(results):
     return [(list(map(int, r.tokens)), r.finish_reason) for r in results]
+
+
+def run_turns(be, prompts, budgets, *, mode="sync", prefix_caching=True, geometry=None,
+              seed=None, conc=4, tail=(1, 5)):
+    """Two turns of a conversation per prompt on one engine: the second turn's prompt is the
+    first's, its answer and a new random tail (the whole history again, as a chat client
+    sends it). seed: None for greedy, else each turn's requests sample with seeds from it.
+    Returns (first results, second results, the second prompts, prefix_cache stats after
+    the first turn, after the second)."""
+    geo = geometry or KVGeometry(max_seqs=8, num_kv_blocks=128, block_size=4, max_context=40)
+    toy = PositionalToy(be, geo)
+    cfg = ExecutorConfig(mode=mode, serving_conc=conc,
+                         capture_sizes=tuple(s for s in (1, 2, 4, 8) if s <= conc))
+    rng = np.random.default_rng(7)
+
+    def sampling(turn):
+        if seed is None:
+            return None
+        from vt.sampling import SamplingParams
+        return [SamplingParams(temperature=0.9, top_k=20, seed=seed + 100 * turn + i)
+                for i in range(len(prompts))]
+
+    with Engine(be, toy.step_model(), cfg, prefix_caching=prefix_caching) as eng:
+        first = eng.generate(prompts, max_new_tokens=budgets, sampling=sampling(0))
+        after_first = dict(eng.stats()["prefix_cache"])
+        second_prompts = [np.concatenate([p, np.asarray(r.tokens, np.int32),
+                                          rng.integers(0, VOCAB, int(rng.integers(tail[0], tail[1] + 1)))
+                                          ]).astype(np.int32)
+                          for p, r in zip(prompts, first)]
+        second = eng.generate(second_prompts, max_new_tokens=budgets, sampling=sampling(1))
+        after_second = dict(eng.stats()["prefix_cache"])
+    return first, second, second_prompts, after_first, after_second

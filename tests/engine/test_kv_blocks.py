@@ -138,3 +138,38 @@ def test_on_reuse_sees_every_block_an_allocation_hands_out():
     pool = BlockPool(4, 0, on_reuse=seen.append)
     got = pool.alloc(2)
     assert seen == [got]
+
+
+def test_a_fenced_block_named_after_release_becomes_evictable_with_its_name():
+    """Decode blocks are named when their tokens are known, after the request released them:
+    a fenced block takes the name and, once its fence lifts, is a cached prefix (evictable),
+    not a free block."""
+    pool = BlockPool(6, 0)
+    got = pool.alloc(3)
+    seq = np.arange(12, dtype=np.int32)
+    pool.release(got, step=4)
+    hs = _named(pool, got, seq)
+    pool.complete(4)
+    assert pool.cached_count == 3 and pool.evictable_count == 3
+    assert pool.match(hs, seq, BS, 3) == got
+
+
+def test_a_reusable_block_is_not_named():
+    """Once a released block is reusable an allocation may hand it out and another sequence
+    may write it: naming it then would serve that sequence's KV as this one's prefix."""
+    pool = BlockPool(3, 0)
+    got = pool.alloc(2)
+    pool.release(got, step=1)
+    pool.complete(1)
+    seq = np.arange(8, dtype=np.int32)
+    hs = _named(pool, got, seq)
+    assert pool.cached_count == 0 and pool.match(hs, seq, BS, 2) == []
+    again = pool.alloc(2)          # another owner now: the name must not point at them
+    assert sorted(again) == sorted(got) and pool.match(hs, seq, BS, 2) == []
+
+
+def test_block_hashes_of_a_longer_sequence_continue_the_prompts_chain():
+    prompt = np.arange(9, dtype=np.int32)
+    seq = np.arange(17, dtype=np.int32)
+    hp = block_hashes(prompt, BS, ROOT)
+    assert hp + block_hashes(seq, BS, hp[-1], first=len(hp)) == block_hashes(seq, BS, ROOT)

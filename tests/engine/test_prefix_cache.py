@@ -11,7 +11,7 @@ from vt.forward.toy import ToyForward
 from vt.forward.user import KVGeometry
 from vt.sampling import SamplingParams
 
-from ._prefix import run, shared_prefix_workload, tokens
+from ._prefix import run, run_turns, shared_prefix_workload, tokens
 
 MODES = ("sync", "drain", "ring", "staged")
 TINY_POOL = KVGeometry(max_seqs=8, num_kv_blocks=14, block_size=4, max_context=32)
@@ -133,3 +133,75 @@ def test_llama_decoder_declares_it():
     torch = pytest.importorskip("torch")  # noqa: F841
     from vt.torch.llama import LlamaDecoder
     assert LlamaDecoder.prefix_cacheable is True
+
+
+# -- a conversation's next turn: the blocks the first turn's decoding wrote are cached -----
+TURN_POOL = KVGeometry(max_seqs=8, num_kv_blocks=24, block_size=4, max_context=40)
+
+
+@pytest.fixture(scope="module")
+def turns_reference(be):
+    """Caching off, sync: both turns' tokens, greedy and seeded, of 8 conversations whose
+    answers fill whole blocks (prompts of 5-11 tokens, 9-12 new tokens)."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(0, 64, int(rng.integers(5, 12))).astype(np.int32) for _ in range(8)]
+    budgets = [int(rng.integers(9, 13)) for _ in range(8)]
+    ref = {}
+    for kind, seed in (("greedy", None), ("seeded", 5)):
+        first, second, _, _, _ = run_turns(be, prompts, budgets, prefix_caching=False, seed=seed)
+        ref[kind] = (tokens(first), tokens(second))
+    return prompts, budgets, ref
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ("greedy", "seeded"))
+def test_second_turn_takes_the_first_turns_answer_from_the_cache(be, turns_reference, mode, kind):
+    """Every second-turn prompt finds cached all full blocks of its history but the last
+    answer token (whose KV no step wrote): the answer's blocks, not only the first prompt's;
+    tokens equal those with caching off, and the hit rate counts the answer's blocks."""
+    prompts, budgets, ref = turns_reference
+    first, second, second_prompts, st1, st2 = run_turns(
+        be, prompts, budgets, mode=mode, seed=None if kind == "greedy" else 5)
+    assert (tokens(first), tokens(second)) == ref[kind]
+    bs = 4
+    expected = sum(min((len(p) + len(r.tokens) - 1) // bs, (len(q) - 1) // bs) * bs
+                   for p, r, q in zip(prompts, first, second_prompts))
+    prompt_only = sum(len(p) // bs * bs for p in prompts)
+    assert st2["cached_tokens"] - st1["cached_tokens"] == expected > prompt_only
+    assert st2["prompt_tokens"] - st1["prompt_tokens"] == sum(map(len, second_prompts))
+    assert st2["evictions"] == 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_second_turn_tokens_equal_under_eviction_pressure(be, turns_reference, mode):
+    """23 usable blocks for 4 conversations of up to 10 blocks each at a time: answer
+    blocks are cached, evicted and rewritten while the second turn runs."""
+    prompts, budgets, ref = turns_reference
+    first, second, _, _, st2 = run_turns(be, prompts, budgets, mode=mode, geometry=TURN_POOL, seed=5)
+    assert (tokens(first), tokens(second)) == ref["seeded"]
+    assert st2["evictions"] >= 5 and st2["cached_tokens"] > 0, st2
+
+
+def test_a_stopped_answer_is_cached_only_as_far_as_its_tokens(be):
+    """A request ended by a stop token names the full blocks of the tokens it returned, not
+    the ones its row decoded after the stop: the next turn, sending the history up to the
+    stop, matches exactly that many blocks and equals the uncached run."""
+    prompt = np.arange(3, 10, dtype=np.int32)
+    geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=40)
+    from ._prefix import PositionalToy
+    from vt.knobs import ExecutorConfig
+    free = tokens(run(be, [prompt], [20], prefix_caching=False, geometry=geo)[0])[0][0]
+    stop = free[9]          # the 10th token ends the answer (the first time it appears)
+    n = free.index(stop) + 1
+    outs = {}
+    for caching in (False, True):
+        toy = PositionalToy(be, geo)
+        with Engine(be, toy.step_model(), ExecutorConfig(mode="ring", capture_sizes=(1,)),
+                    prefix_caching=caching) as eng:
+            a = eng.generate([prompt], max_new_tokens=20, stop_token=stop)[0]
+            nxt = np.concatenate([prompt, np.asarray(a.tokens, np.int32), [1, 2]]).astype(np.int32)
+            b = eng.generate([nxt], max_new_tokens=6)[0]
+            outs[caching] = (a.tokens, a.finish_reason, b.tokens, eng.stats()["prefix_cache"])
+    assert outs[True][:3] == outs[False][:3]
+    assert outs[True][0] == free[:n] and outs[True][1] == "stop"
+    assert outs[True][3]["cached_tokens"] == (len(prompt) + n - 1) // 4 * 4

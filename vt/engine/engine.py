@@ -63,7 +63,7 @@ def resolve_prefix_caching(model, requested: bool | None) -> tuple[bool, str]:
         return False, (f"prefix caching off: the step model {name} does not declare its KV "
                        f"position-addressed (per-sequence state such as a recurrent one "
                        f"cannot start from another sequence's cached blocks)")
-    return True, "prefix caching on: full prompt blocks are shared between requests"
+    return True, "prefix caching on: full blocks of prompts and answers are shared between requests"
 
 
 class Engine:

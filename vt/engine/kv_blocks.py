@@ -7,7 +7,7 @@ it is not known to be done), or reusable: free (no known content) or evictable (
 prefix nobody holds, kept until an allocation needs its memory, least recently released
 first).
 
-Prefix caching. A full block of a prompt is named by a chained hash of its parent's hash
+Prefix caching. A full block of a sequence is named by a chained hash of its parent's hash
 and its token ids, the root salted with the model's identity and the block size, so equal
 names mean equal KV (the model's KV of a position depends only on the tokens up to it:
 StepModel.prefix_cacheable). A request whose prompt starts with cached blocks takes them
@@ -15,6 +15,13 @@ StepModel.prefix_cacheable). A request whose prompt starts with cached blocks ta
 last, partial one, and never the block of the last prompt token (its logits are needed, so
 at least that token is computed). A hit compares the block's token ids too: a hash
 collision is a miss, never another prompt's KV.
+
+Blocks written by decoding are named too, once the host knows their tokens: when a request
+finishes with its tokens (a stop or its length), the full blocks of its prompt and all but
+its last token (whose KV no step wrote) are named, chained from its prompt's hashes, so a
+conversation's next turn, which sends that history again, finds the answer cached. At that
+moment its blocks are still held or fenced (the loop names them before it lifts the fence
+of the step it collected), so their KV is the request's.
 
 Reuse is fenced by the device, not by the host's word. A block released after step t was
 launched may still be read (or written) by step t in flight: it becomes reusable only once
@@ -52,12 +59,13 @@ def root_hash(identity: int, block_size: int) -> int:
     return hash(("vt-prefix", identity, block_size))
 
 
-def block_hashes(prompt: np.ndarray, block_size: int, root: int) -> list[int]:
-    """The chained hashes of the prompt's full blocks."""
-    out, parent = [], root
-    data = prompt.tobytes()
-    step = block_size * prompt.itemsize
-    for i in range(len(prompt) // block_size):
+def block_hashes(tokens: np.ndarray, block_size: int, parent: int, first: int = 0) -> list[int]:
+    """The chained hashes of the full blocks first, first + 1, ... of a sequence's tokens;
+    parent: the hash of block first - 1 (the root for block 0)."""
+    out = []
+    data = tokens.tobytes()
+    step = block_size * tokens.itemsize
+    for i in range(first, len(tokens) // block_size):
         parent = hash((parent, data[i * step:(i + 1) * step]))
         out.append(parent)
     return out
@@ -164,10 +172,13 @@ class BlockPool:
             ref[b] += 1
 
     def register(self, block: int, h: int, tokens: bytes) -> None:
-        """The held block now holds the full block named h (its tokens' KV is computed by the
-        step being planned, before any later step reads it). A prefix cached in another
-        block already keeps that one."""
+        """The block, held or fenced, now holds the full block named h (its tokens' KV is
+        computed by a launched step or the step being planned, before any later step reads
+        it). A prefix cached in another block already keeps that one. A reusable block is
+        not named: an allocation may have handed it out, its KV is not known."""
         if h in self._cached or self._hash[block] is not None:
+            return
+        if self._ref[block] == 0 and self._fence_of[block] == -1:
             return
         self._cached[h] = block
         self._hash[block], self._tokens[block] = h, tokens

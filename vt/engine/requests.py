@@ -79,6 +79,9 @@ class Request:
     block_hashes: list | None = None
     cached_blocks: int = 0
     cached_tokens: int = 0
+    # its KV blocks after it let them go and before it finishes (the full ones its decoding
+    # wrote are named then, when its tokens are known)
+    released_blocks: list | None = None
     batch_index: int = -1     # the DecodeBatch's entry for it (the batch's, -1: not in it)
     finish_reason: str | None = None
     final: np.ndarray | None = None          # its tokens, once finished

@@ -15,7 +15,9 @@ With prefix caching, an admitted request first takes the cached blocks of its pr
 longest cached prefix (vt/engine/kv_blocks.py) and is prefilled from the first token they
 do not hold; the full prompt blocks each plan computes are named (registered) after the
 plan, so a request admitted in the same plan never reads a block that step writes: one
-whose next block that step computes waits for the next plan, which finds it cached.
+whose next block that step computes waits for the next plan, which finds it cached. The
+full blocks its decoding writes are named when it finishes (`cache_generated`), so the next
+turn of a conversation finds its answer cached too.
 
 Each row owns a span of max_context tokens in the engine's token buffer (a request's tokens go
 to [row * max_context, ...)): a row's next request writes its first token one step after the
@@ -208,6 +210,27 @@ class Scheduler:
                     pool.register(blocks[i], hashes[i], prompt[i * bs:(i + 1) * bs].tobytes())
                 req.cached_blocks = full
 
+    def cache_generated(self, reqs) -> None:
+        """Name the full blocks the decoding of these just-finished requests wrote (the
+        prompt's are named already): those of the prompt and every token but the last (no
+        step wrote its KV), chained from the prompt's hashes. Only for a stop or a length
+        (a cancelled or failed request's tokens may not be the ones its KV holds), and
+        before the loop lifts the fence of the step it collected, while the blocks are held
+        or fenced (kv_blocks.py)."""
+        bs, pool = self.geo.block_size, self.blocks
+        for req in reqs:
+            blocks = req.blocks or req.released_blocks
+            req.released_blocks = None
+            hashes = req.block_hashes
+            if (not blocks or hashes is None or req.final is None or
+                    req.finish_reason not in ("stop", "length")):
+                continue
+            seq = np.concatenate([req.prompt, req.final[:-1].astype(req.prompt.dtype)])
+            first = req.prompt_len // bs
+            more = block_hashes(seq, bs, hashes[-1] if hashes else self._root, first)
+            for i, h in enumerate(more, first):
+                pool.register(blocks[i], h, seq[i * bs:(i + 1) * bs].tobytes())
+
     def completed(self, t: int) -> None:
         """The host has seen batch step t complete (the loop collected it): the blocks
         released while it could read them are reusable."""
@@ -273,4 +296,6 @@ class Scheduler:
         if req.row is not None:
             self.rows.free(req.row)
             self.blocks.release(req.blocks, self.launched)
+            if self.caching:     # named once its tokens are known: cache_generated
+                req.released_blocks = req.blocks
             req.row, req.blocks = None, []

@@ -286,9 +286,13 @@ class ServingLoop:
         """A step's tokens into the buffer (finishing the requests they complete); its
         stops go to the pipeline, which applies them."""
         tokens = self.runner.collect(ready)
-        self._sched.completed(ready.tag.t)   # its done event seen: its released blocks reusable
         stopped = self._buffer.store(ready.tag, tokens, ready.host_logits, time.perf_counter(),
                                      ready.records)
+        sched = self._sched
+        if sched.caching and (stopped or ready.tag.leaving):
+            # before the fence below lifts: the finished requests' blocks are still theirs
+            sched.cache_generated([*stopped, *ready.tag.leaving])
+        sched.completed(ready.tag.t)   # its done event seen: its released blocks reusable
         if stopped:
             self._pipeline.collected(stopped)
         if self._progress_sinks:
