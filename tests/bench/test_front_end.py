@@ -16,12 +16,12 @@ def test_vt_bench_help_lists_every_workload(capsys):
     assert main(["bench", "--help"]) == 0
     out = capsys.readouterr().out
     for name in ("synthetic", "model", "torch", "sampler", "serve", "torch-decode", "torch-ttft",
-                 "invariance"):
+                 "invariance", "prefix-cache"):
         assert name in out, name
 
 
 @pytest.mark.parametrize("name, flag", [("torch-decode", "--rows"), ("torch-ttft", "--single"),
-                                        ("invariance", "--parts")])
+                                        ("invariance", "--parts"), ("prefix-cache", "--shapes")])
 @pytest.mark.parametrize("spelling", ["split", "joined"])
 def test_a_workload_with_options_of_its_own_lists_them(capsys, name, flag, spelling):
     """`vt bench --workload NAME --help` (or --workload=NAME) is that workload's parser."""

@@ -26,6 +26,9 @@ STANDALONE = {
                      "memory-bandwidth floor, the torch graph loop and transformers generate"),
     "torch-ttft": ("torch_ttft", "TTFT and TPOT of a Llama decoder served by vt against "
                    "transformers generate"),
+    "prefix-cache": ("prefix_cache", "prefix caching on against off under multi-turn chat, a "
+                     "shared system prompt, a long cached prefix and prompts that never hit, on a "
+                     "Llama decoder"),
     "invariance": ("invariance", "the cost of LlamaDecoder(batch_invariant=True) at Llama-3-8B's "
                    "shape on one GPU, and a check of it"),
 }
@@ -41,6 +44,7 @@ EXAMPLES = """examples:
   vt bench --workload torch-decode --rows 1 8 32 --live 256 2048 --json decode.json
   vt bench --workload torch-ttft --conc 32 --prompt-len 512 --context 640 --json ttft.json
   vt bench --workload invariance --parts linear step --json invariance.json
+  vt bench --workload prefix-cache --clients 16 --json prefix.json
 """
 
 
@@ -143,6 +147,12 @@ def _add_serve_arguments(p) -> None:
                    help="drive a running `vt serve` at this address (http://HOST:PORT) through "
                         "streamed /v1/completions instead of an engine in this process: the same "
                         "requests, its model and mode (vt/bench/serve_http.py)")
+    g.add_argument("--request-fields", default=None, metavar="JSON",
+                   help="with --url: more fields of every request's body, e.g. "
+                        "'{\"logprobs\": 5}' (the cost of what a request asks for)")
+    g.add_argument("--request-fields-share", type=float, default=1.0, metavar="F",
+                   help="with --url: the share of the requests that carry --request-fields "
+                        "(0.5: every other one; each half's latencies are reported apart)")
     g.add_argument("--prompt-range", type=int, nargs="+", default=None, metavar="N",
                    help="prompt tokens: N, or MIN MAX (default: 16 64 on cuda, 2 6 on sim)")
 
@@ -353,6 +363,8 @@ def _cmd_serve(args: argparse.Namespace, error) -> int:
     from vt.bench.progress import ProgressBar
     from vt.bench.serve_run import run_serve
     progress = lambda total: ProgressBar(total, bar=False if args.no_bar else None)  # noqa: E731
+    if args.url is None and (args.request_fields is not None or args.request_fields_share != 1):
+        error("--request-fields and --request-fields-share need --url (they shape HTTP requests)")
     if args.url is not None:
         from vt.bench.serve_http import resolve_http, run_serve_http
         resolve_http(args, error)
