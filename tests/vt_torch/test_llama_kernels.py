@@ -137,16 +137,16 @@ def test_linear_choice_is_checked(sim_backend):
 @pytest.mark.parametrize("kernels,linear,rows,want", [
     ("vt", "auto", 1, "fused"), ("vt", "auto", 4, "fused"), ("vt", "triton", 4, "fused"),
     ("vt", "torch", 1, "torch"), ("torch", "auto", 1, "torch")])
-def test_step_matmul_follows_linear_and_kernels(sim_backend, kernels, linear, rows, want):
+def test_step_linear_follows_linear_and_kernels(sim_backend, kernels, linear, rows, want):
     """linear="auto" takes the Triton linears (fused.linear) in decode steps on vt's kernels,
     nn.Linear's F.linear on the torch ops; a step with prompt tokens always takes F.linear."""
     import torch.nn.functional as F
     from vt.torch import fused
     ref = tiny_llama(sim_backend, cfg=CONFIGS["llama"], kernels="torch")
     m = twin(ref, kernels, linear)
-    step = random_decode_step(ref, [5] * rows, seed=1)
-    assert m.step_matmul(step) is (fused.linear if want == "fused" else F.linear)
-    assert m.step_matmul(random_mixed_step(ref, [5] * rows, [(3, 3)], seed=1)) is F.linear
+    ops = m.step_ops(random_decode_step(ref, [5] * rows, seed=1))
+    assert ops.linear is ops.attn_linear is (fused.linear if want == "fused" else F.linear)
+    assert m.step_ops(random_mixed_step(ref, [5] * rows, [(3, 3)], seed=1)).linear is F.linear
 
 
 @pytest.mark.parametrize("arch", sorted(CONFIGS))

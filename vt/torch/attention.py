@@ -3,12 +3,13 @@ context every layer shares, and the kernels it picks between. The place a paged 
 attention kernel plugs in: replace `decode_attention` (one query per sequence, captured) or
 `prefill_attention` (a prompt chunk, eager).
 
-With `fused` set (LlamaDecoder's `kernels`), a decode step goes through
+With `fused` set (a step on vt's kernels: LlamaDecoder's `kernels` for a decode step,
+`prompt_kernels` for a step with prompt tokens), a decode step goes through
 vt.torch.paged_attention.paged_decode_attention instead, which reads each row's live tokens
 only (on CUDA: Triton, capturable), and the layers use vt.torch.fused's RoPE-and-cache: this
-step's K and V are then read back from the cache. With `fused_prompts` too (LlamaDecoder's
-`prompt_kernels="vt"`), a step with prompt tokens is one paged_varlen_attention call per
-layer, its decode rows and prompt chunks together, in place of a call per chunk.
+step's K and V are then read back from the cache; a step with prompt tokens is one
+paged_varlen_attention call per layer, its decode rows and prompt chunks together, in place
+of a call per chunk.
 
 A step's tokens are decode rows (one token per sequence, leading the batch) and prompt chunks:
 - a decode step (inputs.is_decode: captured, shapes fixed by B) is all decode rows; each row
@@ -73,12 +74,10 @@ class FusedStep:
 
 
 def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor,
-                  fused: bool = False, fused_prompts: bool = False,
-                  invariant: bool = False) -> AttentionContext:
+                  fused: bool = False, invariant: bool = False) -> AttentionContext:
     """The step's AttentionContext; `context`: arange(max_blocks * block_size) on the device.
-    fused: a decode step runs on vt's kernels (paged_decode_attention: no dense slots or
-    mask); fused_prompts: a step with prompt tokens too; invariant: their batch-invariant
-    forms (LlamaDecoder's batch_invariant, which runs both)."""
+    fused: the step runs on vt's kernels (paged attention: no dense slots, mask or chunks);
+    invariant: their batch-invariant forms (LlamaDecoder's batch_invariant)."""
     pos = inputs.positions.long()
     cos, sin = cos_table[pos].unsqueeze(1), sin_table[pos].unsqueeze(1)
     if inputs.is_decode and fused:
@@ -96,7 +95,7 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
         slots, mask = row_slots(slice(None), context)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, slots, mask)
     qsl, lens = inputs.query_start_loc_cpu, inputs.seq_lens_cpu
-    if fused and fused_prompts:   # one paged_varlen_attention call: no per-chunk work here
+    if fused:   # one paged_varlen_attention call: no per-chunk work here
         longest = max(qsl[i + 1] - qsl[i] for i in range(len(lens)))
         step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
                          sin_table, block_size, inputs.query_start_loc, longest, invariant)

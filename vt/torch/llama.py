@@ -3,15 +3,23 @@
 One call runs every token of a step, as a flattened batch (vt.torch.TorchInputs: T tokens of
 B sequences; a decode step is one token per sequence):
 
-    x = embed(input_ids)                                                # [T, hidden]
+    x, delta = embed(input_ids), None                                   # [T, hidden]
     ctx = build_context(inputs)        # once per step: RoPE rows, the KV slots, the masks
-    per layer (Layer.forward(x, ctx)):
-                q, k, v = qkv(rms_norm(x))        (+ bias: Qwen2; q/k RMSNorm: Qwen3)
+    per layer (Layer.forward):
+                x = x + delta;  h = rms_norm(x)   # delta: the previous layer's MLP output
+                q, k, v = qkv(h)                  (+ bias: Qwen2; q/k RMSNorm: Qwen3)
                 q, k = rope(q, k, positions)
                 k_cache[slot_mapping], v_cache[slot_mapping] = k, v     # the paged KV write
-                x += o(attend(q, ...))           (vt/torch/attention.py: causal per sequence)
-                x += down(silu(gate(h)) * up(h)),  h = rms_norm(x)
-    logits_out = lm_head(rms_norm(x[logits_indices]))                   # [B, vocab] f32
+                x = x + o(attend(q, ...))         (vt/torch/attention.py: causal per sequence)
+                h = rms_norm(x);  delta = down(silu(gate(h)) * up(h))
+    logits_out = lm_head(rms_norm((x + delta)[logits_indices]))         # [B, vocab] f32
+
+Every layer's forward is that one path. What computes each of its parts (a LayerOps: the
+linears, the residual add with the norm after it, the SiLU product, and RoPE with the KV
+write and attention) is chosen when the decoder is built, by the settings below, once per
+kind of step: decode steps (decode_ops, and one_row_ops for a step of one row) and steps
+with prompt tokens (prompt_ops). The decoder's forward picks the step's LayerOps and passes
+it down.
 
 A decode step's shapes are fixed by B and the geometry, so it has no host sync and vt captures
 it as it is. `kernels` picks its attention and layer ops: "torch" reads max_context slots per
@@ -62,7 +70,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -121,12 +131,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-# rope_cache_decode_attention's Triton kernel rotates head_dim's halves as power-of-two tiles
-# of at least 16. It runs one-row decode steps only: in tools/decode_floor.py on an H100 it
-# saved 45-67 us a step at one row and cost 476-640 us at 16 and 32 rows.
-ONE_KERNEL_MIN_HEAD_DIM = 32
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, tp: TensorParallel):
         super().__init__()
@@ -139,51 +143,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
 
-    def forward(self, x, ctx: AttentionContext, k_cache, v_cache, matmul=F.linear):
-        """matmul: the step's projections on vt's kernels (LlamaDecoder.step_matmul)."""
-        hd, heads, kv_heads = self.cfg.head_dim, self.heads, self.kv_heads
-        T = x.shape[0]
-        p = ctx.fused
-        if p is not None and self.q_norm is None:
-            qkv = matmul(x, self.qkv.weight, self.qkv.bias)
-            shape = dict(heads=heads, kv_heads=kv_heads, head_dim=hd)
-            if T == 1 and p.query_start_loc is None and hd >= ONE_KERNEL_MIN_HEAD_DIM:
-                # A one-row decode step: RoPE, the KV write and attention in one kernel.
-                out = rope_cache_decode_attention(
-                    qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache,
-                    ctx.slot_mapping, p.block_tables, p.seq_lens, block_size=p.block_size,
-                    invariant=p.invariant, **shape).reshape(T, -1)
-                return self.tp.row_parallel(self.o, out, matmul)
-            # RoPE and the paged KV write in one pass over the fused projection.
-            q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table,
-                                     k_cache, v_cache, ctx.slot_mapping, **shape)
-            out = attend(q, None, None, k_cache, v_cache, ctx).reshape(T, -1)
-            return self.tp.row_parallel(self.o, out, matmul)
-        # batch_invariant: the projections and the q/k norms in their row-invariant forms.
-        invariant = p is not None and p.invariant
-        qkv = matmul(x, self.qkv.weight, self.qkv.bias) if invariant else self.qkv(x)
-        q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
-        q = q.view(T, heads, hd)
-        k = k.view(T, kv_heads, hd)
-        v = v.view(T, kv_heads, hd)
-        if invariant and self.q_norm is not None:
-            q = self._head_norm(self.q_norm, q)
-            k = self._head_norm(self.k_norm, k)
-        elif self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, ctx.cos, ctx.sin), rope(k, ctx.cos, ctx.sin)
-        # The paged KV write: each token's key and value go to its slot (a pad row's: the
-        # scratch block), before attention, which reads the cache.
-        k_cache.index_copy_(0, ctx.slot_mapping, k)
-        v_cache.index_copy_(0, ctx.slot_mapping, v)
-        out = attend(q, k, v, k_cache, v_cache, ctx).reshape(T, heads * hd)
-        return self.tp.row_parallel(self.o, out, matmul if invariant else None)
-
-    @staticmethod
-    def _head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """Qwen3's per-head RMSNorm of x [T, heads, head_dim], each head's row on its own."""
-        rows = x.reshape(-1, x.shape[-1])
-        return fused.rms_norm(rows, norm.weight, norm.eps, invariant=True).view(x.shape)
+    def forward(self, h, ctx: AttentionContext, ops: LayerOps, k_cache, v_cache):
+        qkv = ops.attn_linear(h, self.qkv.weight, self.qkv.bias)
+        out = ops.attention(self, qkv, ctx, k_cache, v_cache)   # RoPE, the KV write, attention
+        return self.tp.row_parallel(self.o, out, ops.attn_linear)
 
 
 class MLP(nn.Module):
@@ -195,19 +158,9 @@ class MLP(nn.Module):
         self.gate_up = nn.Linear(cfg.hidden, 2 * inter, bias=cfg.mlp_bias)   # fused [gate | up]
         self.down = nn.Linear(inter, cfg.hidden, bias=cfg.mlp_bias)
 
-    def forward(self, x, fused_ops: bool = False, matmul=F.linear, invariant: bool = False):
-        """fused_ops: vt's SiLU-product kernel (invariant: its batch-invariant form); with the
-        Triton linears as the step's matmul (LlamaDecoder.step_matmul), the SiLU product
-        inside the gate_up projection's kernel at one row."""
-        if fused_ops:
-            w, b = self.gate_up.weight, self.gate_up.bias
-            if matmul is fused.linear:
-                act = fused.linear_silu_mul(x, w, b)
-            else:
-                act = fused.silu_mul(matmul(x, w, b), invariant=invariant)
-            return self.tp.row_parallel(self.down, act, matmul)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.tp.row_parallel(self.down, F.silu(gate) * up)
+    def forward(self, h, ops: LayerOps):
+        act = ops.gate_up_silu(h, self.gate_up.weight, self.gate_up.bias)   # silu(gate) * up
+        return self.tp.row_parallel(self.down, act, ops.linear)
 
 
 class Layer(nn.Module):
@@ -218,24 +171,13 @@ class Layer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, cfg.rms_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, ctx: AttentionContext, k_cache, v_cache, delta=None, matmul=F.linear):
+    def forward(self, x, delta, ctx: AttentionContext, ops: LayerOps, k_cache, v_cache):
         """The layer over the residual stream x + delta (delta: the previous layer's MLP
-        output, not added yet; None: nothing pending). Returns the same pair for the next
-        layer: on vt's kernels the residual add of each MLP output is made by the next norm's
-        kernel (add_rms_norm), one kernel less per layer; the torch ops add it at once."""
-        if ctx.fused is not None:   # a step on vt's kernels
-            a, m, invariant = self.attn_norm, self.mlp_norm, ctx.fused.invariant
-            if delta is None:
-                h = fused.rms_norm(x, a.weight, a.eps, invariant=invariant)
-            else:
-                x, h = fused.add_rms_norm(x, delta, a.weight, a.eps, invariant=invariant)
-            attn_out = self.attn(h, ctx, k_cache, v_cache, matmul)
-            x, h = fused.add_rms_norm(x, attn_out, m.weight, m.eps, invariant=invariant)
-            return x, self.mlp(h, fused_ops=True, matmul=matmul, invariant=invariant)
-        if delta is not None:
-            x = x + delta
-        x = x + self.attn(self.attn_norm(x), ctx, k_cache, v_cache)
-        return x + self.mlp(self.mlp_norm(x)), None
+        output, not added yet, so that the add and the norm after it can be one kernel;
+        None before the first layer). Returns the same pair for the next layer."""
+        x, h = ops.add_norm(x, delta, self.attn_norm)
+        x, h = ops.add_norm(x, self.attn(h, ctx, ops, k_cache, v_cache), self.mlp_norm)
+        return x, self.mlp(h, ops)
 
 
 class LlamaDecoder(nn.Module):
@@ -274,6 +216,14 @@ class LlamaDecoder(nn.Module):
         self.kernels, self.prompt_kernels = resolve_kernels(
             kernels, prompt_kernels, torch.device(device), cfg.head_dim, batch_invariant)
         self.linear = resolve_linear(linear, self.kernels, batch_invariant)
+        # Each kind of step's implementations, chosen here once: a decode step's projections
+        # take the `linear` choice (its rows are the captured batch: the Triton GEMV's
+        # regime), a step with prompt tokens' cuBLAS's (many rows) unless batch_invariant.
+        prompt_linear = "invariant" if batch_invariant else "torch"
+        self.decode_ops = layer_ops(cfg, self.kernels, self.linear, batch_invariant)
+        self.one_row_ops = layer_ops(cfg, self.kernels, self.linear, batch_invariant,
+                                     one_row=True)
+        self.prompt_ops = layer_ops(cfg, self.prompt_kernels, prompt_linear, batch_invariant)
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
@@ -304,41 +254,156 @@ class LlamaDecoder(nn.Module):
     def forward(self, inputs: TorchInputs, logits_out: torch.Tensor) -> None:
         """Every token of the step through the layers; logits_out [B, vocab] of each
         sequence's logits_indices token (a decode step's are all of its tokens)."""
+        ops = self.step_ops(inputs)
         ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context,
-                            fused=self.kernels == "vt", fused_prompts=self.prompt_kernels == "vt",
-                            invariant=self.batch_invariant)
+                            fused=ops.fused, invariant=self.batch_invariant)
         x, delta = self.embed(inputs.input_ids.long()), None
-        matmul = self.step_matmul(inputs)
         for i, layer in enumerate(self.layers):
-            x, delta = layer(x, ctx, self.k_cache[i], self.v_cache[i], delta, matmul)
-        if delta is not None:   # vt's kernels: the last add in the final norm
-            if not inputs.is_decode:   # a decode step's tokens are its sequences
-                wanted = inputs.logits_indices.long()
-                x, delta = x[wanted], delta[wanted]
-            x = fused.add_rms_norm(x, delta, self.norm.weight, self.norm.eps,
-                                   invariant=self.batch_invariant)[1]
-            logits = matmul(x, self.head_weight())   # [B, vocab_shard]: this rank's shard
-        else:
-            if not inputs.is_decode:   # a decode step's tokens are its sequences
-                x = x[inputs.logits_indices.long()]
-            logits = F.linear(self.norm(x), self.head_weight())
+            x, delta = layer(x, delta, ctx, ops, self.k_cache[i], self.v_cache[i])
+        if not inputs.is_decode:   # a decode step's tokens are its sequences
+            wanted = inputs.logits_indices.long()
+            x, delta = x[wanted], delta[wanted]
+        h = ops.add_norm(x, delta, self.norm)[1]   # the last layer's add in the final norm
+        logits = ops.linear(h, self.head_weight())   # [B, vocab_shard]: this rank's shard
         # The vocab-parallel head: the ranks' shards side by side, the padding dropped.
         logits_out.copy_(self.tp.all_gather(logits, dim=-1)[:, :self.cfg.vocab])
 
-    def step_matmul(self, inputs: TorchInputs):
-        """What computes the step's projections and head: the `linear` choice in a decode step
-        (its row count is the captured batch: the Triton GEMV's regime), F.linear in a step
-        with prompt tokens (many rows: cuBLAS's); batch_invariant: the row-invariant linear
-        in every step."""
-        if self.linear == "invariant":
-            return fused.invariant_linear
-        return fused.linear if inputs.is_decode and self.linear == "triton" else F.linear
+    def step_ops(self, inputs: TorchInputs) -> LayerOps:
+        """The implementations this kind of step runs (built in __init__): a decode step's
+        (one_row_ops for one row: a decode step's shapes are fixed by its row count), or a
+        step with prompt tokens'."""
+        if not inputs.is_decode:
+            return self.prompt_ops
+        return self.one_row_ops if inputs.batch == 1 else self.decode_ops
 
     def head_weight(self) -> torch.Tensor:
         """[vocab_shard, hidden]: lm_head's, or (tied) the embedding's rows of this shard."""
         if self.lm_head is not None:
             return self.lm_head.weight
         return self.embed.weight[self.tp.shard(self.embed.weight.shape[0], "vocab")]
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """What one kind of step computes each part of a layer with, chosen when the decoder is
+    built (layer_ops), so that a layer's forward is one path whatever the settings."""
+    fused: bool   # vt's kernels (build_context's `fused`: paged attention, no dense slots)
+    linear: Callable        # F.linear's signature (x, weight, bias): the MLP's and the head
+    attn_linear: Callable   # the same, for qkv and o
+    # (x, delta, norm) -> (x + delta, norm(x + delta)); delta None: (x, norm(x))
+    add_norm: Callable
+    # (x, weight, bias) -> silu(gate) * up of the [gate | up] projection
+    gate_up_silu: Callable
+    # (attn, qkv, ctx, k_cache, v_cache) -> [T, heads * head_dim]: RoPE, the KV write, attention
+    attention: Callable
+
+
+# rope_cache_decode_attention's Triton kernel rotates head_dim's halves as power-of-two tiles
+# of at least 16. It runs one-row decode steps only: measured on an H100 with the 8B shape,
+# it made a one-row step faster and a 32-row step slower (docs/torch.md).
+ONE_KERNEL_MIN_HEAD_DIM = 32
+
+
+def layer_ops(cfg: LlamaConfig, kernels: str, linear: str, invariant: bool,
+              one_row: bool = False) -> LayerOps:
+    """The LayerOps of a kind of step: kernels "torch" (plain torch ops) or "vt" (vt.torch.fused
+    and paged attention), whose projections `linear` computes ("torch": F.linear, "triton":
+    fused.linear, "invariant": fused.invariant_linear) and, with invariant (batch_invariant),
+    whose norms and SiLU product run in their row-invariant forms. one_row: a one-row decode
+    step, whose RoPE, KV write and attention are one kernel where head_dim allows."""
+    if kernels == "torch":
+        head_norm = module_head_norm if cfg.qk_norm else no_head_norm
+        return LayerOps(False, F.linear, F.linear, torch_add_norm, torch_gate_up_silu,
+                        partial(torch_rope_attention, head_norm=head_norm))
+    add_norm = partial(fused_add_norm, invariant=invariant)
+    matmul = dict(torch=F.linear, triton=fused.linear, invariant=fused.invariant_linear)[linear]
+    if linear == "triton":   # the Triton GEMV: at one row, silu_mul in gate_up's epilogue
+        gate_up_silu = fused.linear_silu_mul
+    else:
+        gate_up_silu = partial(linear_then_silu_mul, linear=matmul, invariant=invariant)
+    if cfg.qk_norm:
+        # Qwen3's q/k norms sit between the projection and RoPE, so RoPE is torch's; qkv and o
+        # are F.linear's (the Triton GEMV serves the MLP and the head only) unless invariant.
+        head_norm = invariant_head_norm if invariant else module_head_norm
+        return LayerOps(True, matmul, matmul if invariant else F.linear, add_norm, gate_up_silu,
+                        partial(torch_rope_attention, head_norm=head_norm))
+    if one_row and cfg.head_dim >= ONE_KERNEL_MIN_HEAD_DIM:
+        attention = one_kernel_attention
+    else:
+        attention = fused_rope_attention
+    return LayerOps(True, matmul, matmul, add_norm, gate_up_silu, attention)
+
+
+def torch_add_norm(x, delta, norm: RMSNorm):
+    if delta is not None:
+        x = x + delta
+    return x, norm(x)
+
+
+def fused_add_norm(x, delta, norm: RMSNorm, *, invariant: bool):
+    if delta is None:
+        return x, fused.rms_norm(x, norm.weight, norm.eps, invariant=invariant)
+    return fused.add_rms_norm(x, delta, norm.weight, norm.eps, invariant=invariant)
+
+
+def torch_gate_up_silu(x, weight, bias):
+    gate, up = F.linear(x, weight, bias).chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def linear_then_silu_mul(x, weight, bias, *, linear, invariant: bool):
+    return fused.silu_mul(linear(x, weight, bias), invariant=invariant)
+
+
+def torch_rope_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v_cache, *,
+                         head_norm):
+    """q, k and v apart, the q/k norms (head_norm), RoPE and the paged KV write in torch ops,
+    then attend (dense, or on vt's kernels paged: the context says)."""
+    hd, heads, kv_heads = attn.cfg.head_dim, attn.heads, attn.kv_heads
+    T = qkv.shape[0]
+    q, k, v = qkv.split([heads * hd, kv_heads * hd, kv_heads * hd], dim=-1)
+    q = head_norm(attn.q_norm, q.view(T, heads, hd))
+    k = head_norm(attn.k_norm, k.view(T, kv_heads, hd))
+    v = v.view(T, kv_heads, hd)
+    q, k = rope(q, ctx.cos, ctx.sin), rope(k, ctx.cos, ctx.sin)
+    # The paged KV write: each token's key and value go to its slot (a pad row's: the
+    # scratch block), before attention, which reads the cache.
+    k_cache.index_copy_(0, ctx.slot_mapping, k)
+    v_cache.index_copy_(0, ctx.slot_mapping, v)
+    return attend(q, k, v, k_cache, v_cache, ctx).reshape(T, heads * hd)
+
+
+def fused_rope_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v_cache):
+    """RoPE and the paged KV write in one pass over the projection (fused.rope_and_cache),
+    then attend, which reads this step's K and V back from the cache."""
+    p = ctx.fused
+    q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache,
+                             ctx.slot_mapping, heads=attn.heads, kv_heads=attn.kv_heads,
+                             head_dim=attn.cfg.head_dim)
+    return attend(q, None, None, k_cache, v_cache, ctx).reshape(qkv.shape[0], -1)
+
+
+def one_kernel_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v_cache):
+    """A one-row decode step's RoPE, KV write and attention in one call."""
+    p = ctx.fused
+    return rope_cache_decode_attention(
+        qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache, ctx.slot_mapping,
+        p.block_tables, p.seq_lens, block_size=p.block_size, invariant=p.invariant,
+        heads=attn.heads, kv_heads=attn.kv_heads, head_dim=attn.cfg.head_dim).reshape(1, -1)
+
+
+def no_head_norm(norm, x):
+    return x
+
+
+def module_head_norm(norm: RMSNorm, x):
+    return norm(x)
+
+
+def invariant_head_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm of x [T, heads, head_dim], each head's row on its own."""
+    rows = x.reshape(-1, x.shape[-1])
+    return fused.rms_norm(rows, norm.weight, norm.eps, invariant=True).view(x.shape)
 
 
 def check_tensor_parallel(cfg: LlamaConfig, tp: TensorParallel) -> None:

@@ -55,14 +55,14 @@ class TensorParallel:
         funcol = _funcol()
         return _waited(funcol, funcol.all_reduce(x, "sum", self._group()))
 
-    def row_parallel(self, linear, x: torch.Tensor, matmul=None) -> torch.Tensor:
+    def row_parallel(self, linear, x: torch.Tensor, matmul=F.linear) -> torch.Tensor:
         """linear(x) of a row-parallel layer (an nn.Linear holding this rank's columns, x its
         share of the features): the partial products summed over the ranks, then the bias,
-        added once. At size 1: linear(x). matmul: what computes x @ weight.T (+ bias), with
-        F.linear's signature (None: F.linear)."""
+        added once. At size 1: matmul(x, weight, bias). matmul: what computes x @ weight.T
+        (+ bias), with F.linear's signature."""
         if self.size == 1:
-            return linear(x) if matmul is None else matmul(x, linear.weight, linear.bias)
-        out = self.all_reduce((matmul or F.linear)(x, linear.weight))
+            return matmul(x, linear.weight, linear.bias)
+        out = self.all_reduce(matmul(x, linear.weight))
         return out if linear.bias is None else out + linear.bias
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
