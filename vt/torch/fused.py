@@ -14,8 +14,6 @@ kernel rounds it there too), so a fused step stays within float32 rounding of th
                                           other rows or their number (batch_invariant)
     linear_silu_mul(x, weight, bias)      silu_mul(linear(x, weight, bias)); on CUDA at one
                                           row without bias, one kernel
-    silu_mul_linear(gate_up, weight, bias)  linear(silu_mul(gate_up), weight, bias); on CUDA
-                                          at one row, one kernel
 
 Every shape is fixed by the inputs' shapes and nothing is read on the host, so each call
 captures in a CUDA graph as it is. Triton is imported only when a CUDA tensor arrives.
@@ -128,19 +126,6 @@ def linear_silu_mul(x: torch.Tensor, weight: torch.Tensor,
     if _gemv_fits(x, weight) and x.shape[0] == 1 and bias is None:
         return _gemv().linear_silu_mul(x, weight)
     return silu_mul(linear(x, weight, bias))
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor:
-    """linear(silu_mul(gate_up), weight, bias): the MLP's down projection. On CUDA one row in
-    weight's dtype (bf16 or fp16) is one kernel (triton_gemv.silu_mul_linear: the activation
-    computed as the row is read, with silu_mul's roundings); anything else is the two ops.
-    More rows take the two: on an H100 the one kernel's autotuned many-row form made the 8B
-    shape's step about 1.8x slower at 8 rows than silu_mul and then linear."""
-    if _gemv_fits(gate_up, weight) and gate_up.shape[0] == 1:
-        y = _gemv().silu_mul_linear(gate_up, weight)
-        return y if bias is None else y + bias
-    return linear(silu_mul(gate_up), weight, bias)
 
 
 def _check_norm(x, delta, weight):

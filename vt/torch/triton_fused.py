@@ -139,7 +139,8 @@ def _silu_mul(GU, OUT, stride_g, stride_o, I, BLOCK: tl.constexpr, PDL: tl.const
 def silu_times(gate, up):
     """silu(gate) * up in up's dtype, rounded where torch rounds: silu returns the storage
     dtype, so its result is rounded before the product (vt.torch.fused.silu_mul's plain-torch
-    form). Also the SiLU product vt.torch.triton_gemv takes into its down projection."""
+    form). Also the SiLU product vt.torch.triton_gemv.linear_silu_mul takes into gate_up's
+    epilogue."""
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(up.dtype).to(tl.float32)
     return (act * up.to(tl.float32)).to(up.dtype)
