@@ -299,8 +299,8 @@ class LayerOps:
 
 
 # rope_cache_decode_attention's Triton kernel rotates head_dim's halves as power-of-two tiles
-# of at least 16. It runs one-row decode steps only: measured on an H100 with the 8B shape,
-# it made a one-row step faster and a 32-row step slower (docs/torch.md).
+# of at least 16. It runs one-row decode steps only: on an H100 it made the 8B-shaped step
+# faster at one row and slower at 32 rows (docs/torch.md).
 ONE_KERNEL_MIN_HEAD_DIM = 32
 
 
