@@ -149,6 +149,70 @@ def test_step_linear_follows_linear_and_kernels(sim_backend, kernels, linear, ro
     assert m.step_ops(random_mixed_step(ref, [5] * rows, [(3, 3)], seed=1)).linear is F.linear
 
 
+def describe(ops) -> tuple[str, ...]:
+    """A LayerOps's parts by name: its linears, add_norm, gate_up_silu and attention, each
+    with the options bound to it ("/inv": invariant; a head norm after the attention)."""
+    import torch.nn.functional as F
+    from vt.torch import fused, llama
+    names = {F.linear: "F.linear", fused.linear: "triton", fused.invariant_linear: "invariant",
+             fused.linear_silu_mul: "linear_silu_mul", llama.torch_add_norm: "torch",
+             llama.fused_add_norm: "fused", llama.torch_gate_up_silu: "torch",
+             llama.linear_then_silu_mul: "silu_mul", llama.torch_rope_attention: "torch_rope",
+             llama.fused_rope_attention: "fused_rope",
+             llama.one_kernel_attention: "one_kernel", llama.no_head_norm: "",
+             llama.module_head_norm: "module", llama.invariant_head_norm: "invariant"}
+
+    def name(f):
+        kw = getattr(f, "keywords", {})
+        out = names[getattr(f, "func", f)]
+        if "linear" in kw:
+            out += f"({names[kw['linear']]})"
+        if kw.get("invariant"):
+            out += "/inv"
+        if kw.get("head_norm") is not None:
+            out += f"/{names[kw['head_norm']]}".rstrip("/")
+        return out
+    return (ops.fused,) + tuple(name(getattr(ops, part)) for part in
+                                ("linear", "attn_linear", "add_norm", "gate_up_silu", "attention"))
+
+
+TORCH_OPS = (False, "F.linear", "F.linear", "torch", "torch", "torch_rope")
+VT_TRITON = (True, "triton", "triton", "fused", "linear_silu_mul", "fused_rope")
+VT_PROMPT = (True, "F.linear", "F.linear", "fused", "silu_mul(F.linear)", "fused_rope")
+INVARIANT = (True, "invariant", "invariant", "fused/inv", "silu_mul(invariant)/inv", "fused_rope")
+QWEN3 = {"attn_linear": "F.linear", "attention": "torch_rope/module"}
+QWEN3_INVARIANT = {"attention": "torch_rope/invariant"}
+PARTS = ("fused", "linear", "attn_linear", "add_norm", "gate_up_silu", "attention")
+
+
+def like(ops: tuple, **parts) -> tuple:
+    return tuple(parts.get(name, value) for name, value in zip(PARTS, ops))
+
+
+@pytest.mark.parametrize("arch,settings,decode,one_row,prompt", [
+    ("llama", {}, VT_TRITON, VT_TRITON, VT_PROMPT),
+    ("llama-hd32", {}, VT_TRITON, like(VT_TRITON, attention="one_kernel"), VT_PROMPT),
+    ("qwen3", {}, like(VT_TRITON, **QWEN3), like(VT_TRITON, **QWEN3), like(VT_PROMPT, **QWEN3)),
+    ("llama-hd32", dict(linear="torch"), VT_PROMPT, like(VT_PROMPT, attention="one_kernel"),
+     VT_PROMPT),
+    ("llama-hd32", dict(prompt_kernels="torch"), VT_TRITON,
+     like(VT_TRITON, attention="one_kernel"), TORCH_OPS),
+    ("llama-hd32", dict(kernels="torch"), TORCH_OPS, TORCH_OPS, TORCH_OPS),
+    ("qwen3", dict(kernels="torch"), *[like(TORCH_OPS, attention="torch_rope/module")] * 3),
+    ("llama-hd32", dict(batch_invariant=True), INVARIANT,
+     like(INVARIANT, attention="one_kernel"), INVARIANT),
+    ("qwen3", dict(batch_invariant=True), *[like(INVARIANT, **QWEN3_INVARIANT)] * 3)])
+def test_each_kind_of_step_runs_the_ops_its_settings_choose(arch, settings, decode, one_row,
+                                                             prompt):
+    """The implementations each kind of step runs, as chosen when the decoder is built: what
+    the CUDA step launches (on the CPU its torch forms compute the same), pinned per setting.
+    A Qwen3 (q/k norms) on vt's kernels projects qkv and o with F.linear unless invariant."""
+    m = LlamaDecoder(CONFIGS[arch], GEO, dtype=torch.float32, device="cpu",
+                     **dict(dict(batch_invariant=False), **settings))
+    got = (describe(m.decode_ops), describe(m.one_row_ops), describe(m.prompt_ops))
+    assert got == (decode, one_row, prompt)
+
+
 @pytest.mark.parametrize("arch", sorted(CONFIGS))
 def test_triton_linear_wiring_computes_the_torch_step_on_cpu(sim_backend, arch):
     """On the CPU linear="triton" runs fused.linear's torch form: the same ops in the same
