@@ -1,0 +1,73 @@
+"""A causal toy target for speculative decoding on the sim: a paged KV cache and nothing else
+(no recurrent state), every row's KV written before any row reads, so a verify step is a
+decode over its rows (vt/forward/speculative.py's verifies_by_decode)."""
+import numpy as np
+
+from vt.backend.zeros import zeros
+from vt.engine.engine import Engine
+from vt.forward.speculative import SpeculativeConfig, SpeculativeModel, verify_table_rows
+from vt.forward.user import ForwardModel, KVGeometry, kv_slot
+from vt.knobs import ExecutorConfig
+
+VOCAB = 32
+MAX_K = 4
+GEOMETRY = KVGeometry(max_seqs=8, num_kv_blocks=160, block_size=4, max_context=64)
+
+
+class CausalToy:
+    """forward(stream, inputs, logits_out): embeds (token, position), writes it to its KV slot,
+    then each row sums its context's KV (positions < seq_len): logits depend on every token
+    before and at the row's position, as attention's do."""
+
+    verifies_by_decode = True
+
+    def __init__(self, be, *, geometry=GEOMETRY, vocab=VOCAB, max_k=MAX_K):
+        self.be, self.vocab, self.geometry = be, vocab, geometry
+        g = geometry
+        self.token_table = zeros(be, (verify_table_rows(g.max_seqs, g.max_seqs, max_k),), np.int32)
+        self.kv = zeros(be, (g.num_kv_blocks * g.block_size,), np.float32)
+
+    def __call__(self, stream, inputs, logits_out) -> None:
+        self.be.launch(stream, _CAUSAL, self.token_table, inputs.token_rows, inputs.positions,
+                       inputs.seq_lens, inputs.slot_mapping, inputs.block_tables, self.kv,
+                       logits_out, block_size=self.geometry.block_size)
+
+    def step_model(self) -> ForwardModel:
+        return ForwardModel(self.be, self, vocab=self.vocab, token_table=self.token_table,
+                            geometry=self.geometry)
+
+
+class _Causal:
+    name = "causal_toy"
+
+    def run_numpy(self, table, rows, pos, lens, slots, bt, kv, logits, *, block_size):
+        x = np.sin(table[rows].astype(np.float32) * np.float32(12.9898) +
+                   pos.astype(np.float32) * np.float32(78.233)) * np.float32(43758.547)
+        kv[slots] = x - np.floor(x)
+        j = np.arange(logits.shape[1], dtype=np.float32)
+        for r in range(len(rows)):
+            acc = kv[kv_slot(bt[r], np.arange(lens[r]), block_size)].sum(dtype=np.float32)
+            logits[r] = np.sin(acc * (j + 1) * np.float32(0.37) + j)
+
+
+_CAUSAL = _Causal()
+
+
+def workload(n, seed=0, max_len=9, max_new=(5, 20)):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, VOCAB, size=int(rng.integers(1, max_len + 1))) for _ in range(n)]
+    budgets = [int(b) for b in rng.integers(max_new[0], max_new[1] + 1, size=n)]
+    return prompts, budgets
+
+
+def reference(be, prompts, budgets, stop_token=None):
+    """Greedy tokens of the target without speculation (the engine, mode drain)."""
+    with Engine(be, CausalToy(be).step_model(), ExecutorConfig(mode="drain")) as eng:
+        return [r.tokens for r in eng.generate(prompts, max_new_tokens=budgets,
+                                               stop_token=stop_token)]
+
+
+def speculative(be, method, k, prompts=None, refs=None, accept=1.0):
+    refs = None if refs is None else {tuple(int(t) for t in p): r for p, r in zip(prompts, refs)}
+    cfg = SpeculativeConfig(method, k=k, accept=accept, references=refs)
+    return SpeculativeModel(be, CausalToy(be).step_model(), cfg)

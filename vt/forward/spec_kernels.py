@@ -1,0 +1,299 @@
+"""The device half of speculative decoding (vt/forward/speculative.py): the verify step's
+prologue, the proposers and greedy acceptance, each a kernel with its numpy twin beside it
+(run_numpy on the sim, run_cupy on cuda, one CUDA source for all of them).
+
+Per sequence row the device keeps `pos[row]`, the position of the row's last token (the next
+step's input), and `hist[row, :]`, every token of the row by position (prompt, then output).
+The host writes neither once the row decodes: each verify step reads them and writes them
+back advanced by what it accepted, so the next step, already launched, starts from there.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from vt.sampling.logprobs import UNASKED
+from vt.step.contract import kv_slot
+
+# A row's record after a verify step (the sampler's record, vt/sampling/logprobs.py, with
+# the logprobs words reused): [0] its first token, [1] UNASKED, [COUNT] how many tokens it
+# emits (1 .. k + 1), [TOKENS, TOKENS + count) the tokens.
+COUNT = 2
+TOKENS = 3
+
+
+def greedy(logits: np.ndarray) -> np.ndarray:
+    """The greedy token of each row of `logits` [n, vocab] exactly as vt's sampler picks it
+    (vt/sampling/reference.py): NaN ranks lowest, the lowest id wins a tie, a row with a NaN,
+    a +inf or only -inf gives -1."""
+    x = np.asarray(logits, np.float32)
+    finite = np.where(np.isnan(x), -np.inf, x)
+    toks = np.argmax(finite, axis=1).astype(np.int32)
+    err = np.isnan(x).any(1) | np.isposinf(x).any(1) | (finite.max(axis=1) == -np.inf)
+    toks[err] = -1
+    return toks
+
+
+class Prologue:
+    """The verify step's rows: row r's k + 1 tokens (its last token, then its k drafts) become
+    the decode rows r * (k + 1) + j of the target, at positions pos[row] + j, each with its
+    own entry of the token table (`base` + that index) holding its input token. A position
+    past max_context writes the pad slot (such a row's request has ended: nothing reads it);
+    padded rows write the pad slot only."""
+
+    name = "spec_prologue"
+
+    def run_numpy(self, token_rows, block_tables, pos, drafts, token_table, v_rows, v_pos, v_lens,
+                  v_slots, v_tables, v_state, *, k, base, pad_row, pad_slot, pad_state,
+                  block_size, max_context):
+        S, w = len(token_rows), k + 1
+        for r in range(S):
+            row = int(token_rows[r])
+            for j in range(w):
+                v, p = r * w + j, int(pos[row]) + j
+                q = min(p, max_context - 1)
+                live = row != pad_row and p < max_context
+                v_rows[v], v_pos[v], v_lens[v], v_state[v] = base + v, q, q + 1, pad_state
+                v_slots[v] = kv_slot(block_tables[r], q, block_size) if live else pad_slot
+                v_tables[v] = block_tables[r]
+                token_table[base + v] = token_table[row] if j == 0 else drafts[r, j - 1]
+
+    def run_cupy(self, stream_handle, token_rows, block_tables, pos, drafts, token_table, v_rows,
+                 v_pos, v_lens, v_slots, v_tables, v_state, *, k, base, pad_row, pad_slot,
+                 pad_state, block_size, max_context):
+        from vt.backend.nvrtc import cuda_function
+        n = len(token_rows) * (k + 1)
+        mb = block_tables.shape[1]
+        cuda_function(CODE, "spec_prologue")(
+            (-(-n // 128),), (128,),
+            (token_rows, block_tables, pos, drafts, token_table, v_rows, v_pos, v_lens, v_slots,
+             v_tables, v_state, np.int32(n), np.int32(k), np.int32(mb), np.int32(base),
+             np.int32(pad_row), np.int32(pad_slot), np.int32(pad_state), np.int32(block_size),
+             np.int32(max_context)))
+
+
+class OracleDrafts:
+    """drafts[r, j] = ref[row, pos + 1 + j]: the tokens an earlier run produced. The first
+    `right` of the k are those; the rest are made wrong ((token + 1) % vocab), so that a set
+    fraction of the drafts is accepted."""
+
+    name = "spec_oracle"
+
+    def run_numpy(self, token_rows, pos, ref, drafts, *, right, vocab):
+        S, k = drafts.shape
+        width = ref.shape[1]
+        for r in range(S):
+            row = int(token_rows[r])
+            for j in range(k):
+                t = int(ref[row, min(int(pos[row]) + 1 + j, width - 1)])
+                drafts[r, j] = t if j < right else (t + 1) % vocab
+
+    def run_cupy(self, stream_handle, token_rows, pos, ref, drafts, *, right, vocab):
+        from vt.backend.nvrtc import cuda_function
+        S, k = drafts.shape
+        cuda_function(CODE, "spec_oracle")(
+            (-(-(S * k) // 128),), (128,),
+            (token_rows, pos, ref, drafts, np.int32(S), np.int32(k), np.int32(ref.shape[1]),
+             np.int32(right), np.int32(vocab)))
+
+
+class NgramDrafts:
+    """Prompt lookup: the row's last n tokens (n from n_max down to n_min) are looked for
+    earlier in its history (prompt and output); at the latest match the k tokens that
+    followed it are the drafts (past the row's last token: that token again). No match: the
+    last token k times (cheap to reject)."""
+
+    name = "spec_ngram"
+
+    def run_numpy(self, token_rows, pos, hist, drafts, *, n_min, n_max):
+        S, k = drafts.shape
+        for r in range(S):
+            row = int(token_rows[r])
+            p = min(int(pos[row]), hist.shape[1] - 1)
+            h = hist[row]
+            follow = _ngram_match(h, p, n_min, n_max)
+            for j in range(k):
+                drafts[r, j] = h[min(follow + j, p)] if follow >= 0 else h[p]
+
+    def run_cupy(self, stream_handle, token_rows, pos, hist, drafts, *, n_min, n_max):
+        from vt.backend.nvrtc import cuda_function
+        S, k = drafts.shape
+        cuda_function(CODE, "spec_ngram")(
+            (-(-S // 64),), (64,),
+            (token_rows, pos, hist, drafts, np.int32(S), np.int32(k), np.int32(hist.shape[1]),
+             np.int32(n_min), np.int32(n_max)))
+
+
+def _ngram_match(h, p: int, n_min: int, n_max: int) -> int:
+    """Where the tokens after the latest earlier occurrence of h[p - n + 1 .. p] start, for
+    the longest n in [n_min, n_max] that has one; -1: none."""
+    for n in range(min(n_max, p + 1), n_min - 1, -1):
+        tail = h[p - n + 1:p + 1]
+        for s in range(p - n, -1, -1):     # latest first; s + n - 1 < p
+            if np.array_equal(h[s:s + n], tail):
+                return s + n
+    return -1
+
+
+class Accept:
+    """Greedy acceptance, after the target's verify: g = the greedy token of every verify
+    position; row r accepts its drafts while draft j == g[r, j] and emits g[r, 0 .. a] (the
+    accepted drafts, then the target's own token: the correction, or the bonus after k
+    accepted). An error token (-1) ends the run there. Writes the row's record, advances
+    pos[row] and hist[row] by what it emits, puts its last token in the token table (the next
+    step's input) and copies each row's first position's logits into logits_out [S, vocab]."""
+
+    name = "spec_accept"
+
+    def run_numpy(self, v_logits, drafts, token_rows, pos, hist, token_table, records, logits_out,
+                  *, k, pad_row):
+        S, w = len(token_rows), k + 1
+        g = greedy(v_logits[:S * w]).reshape(S, w)
+        width = hist.shape[1]
+        for r in range(S):
+            a = 0
+            while a < k and g[r, a] >= 0 and drafts[r, a] == g[r, a]:
+                a += 1
+            emitted = g[r, :a + 1]
+            rec = records[r]
+            rec[0], rec[1], rec[COUNT] = emitted[0], UNASKED, a + 1
+            rec[TOKENS:TOKENS + a + 1] = emitted
+            row = int(token_rows[r])
+            if row != pad_row:
+                p = int(pos[row])
+                for j in range(a + 1):
+                    hist[row, min(p + 1 + j, width - 1)] = emitted[j]
+                pos[row] = p + a + 1
+                token_table[row] = max(int(emitted[-1]), 0)
+        logits_out[:S] = v_logits[:S * w:w]
+
+    def run_cupy(self, stream_handle, v_logits, drafts, token_rows, pos, hist, token_table, records,
+                 logits_out, *, k, pad_row):
+        from vt.backend.nvrtc import cuda_function
+        S, w = len(token_rows), k + 1
+        V = v_logits.shape[1]
+        greedy_tokens = _greedy_cupy(v_logits[:S * w])
+        cuda_function(CODE, "spec_accept")(
+            (-(-S // 64),), (64,),
+            (greedy_tokens, drafts, token_rows, pos, hist, token_table, records, np.int32(S),
+             np.int32(k), np.int32(hist.shape[1]), np.int32(records.shape[1]),
+             np.int32(pad_row), np.int32(UNASKED)))
+        logits_out[:S] = v_logits[:S * w:w].reshape(S, V)
+
+
+def _greedy_cupy(x):
+    """greedy() on the device (CuPy: its temporaries come from vt's pool under capture)."""
+    import cupy as cp
+    finite = cp.where(cp.isnan(x), cp.float32(-cp.inf), x)
+    toks = cp.argmax(finite, axis=1).astype(cp.int32)
+    err = cp.isnan(x).any(1) | cp.isposinf(x).any(1) | (finite.max(axis=1) == -cp.inf)
+    return cp.where(err, cp.int32(-1), toks)
+
+
+class Seed:
+    """After a prefill step's sampling: each prefilled row's first token (the token table's)
+    goes into hist at the position after its prompt chunk, which becomes pos[row]."""
+
+    name = "spec_seed"
+
+    def run_numpy(self, token_rows, positions, token_table, pos, hist):
+        for i in range(len(token_rows)):
+            row, p = int(token_rows[i]), int(positions[i]) + 1
+            pos[row] = p
+            hist[row, min(p, hist.shape[1] - 1)] = token_table[row]
+
+    def run_cupy(self, stream_handle, token_rows, positions, token_table, pos, hist):
+        from vt.backend.nvrtc import cuda_function
+        n = len(token_rows)
+        cuda_function(CODE, "spec_seed")(
+            (-(-n // 64),), (64,),
+            (token_rows, positions, token_table, pos, hist, np.int32(n), np.int32(hist.shape[1])))
+
+
+PROLOGUE, ORACLE, NGRAM, ACCEPT, SEED = Prologue(), OracleDrafts(), NgramDrafts(), Accept(), Seed()
+
+
+CODE = r"""
+extern "C" __global__ void spec_prologue(
+    const int* token_rows, const int* block_tables, const int* pos, const int* drafts,
+    int* token_table, int* v_rows, int* v_pos, int* v_lens, int* v_slots, int* v_tables,
+    int* v_state, int n, int k, int mb, int base, int pad_row, int pad_slot, int pad_state,
+    int block_size, int max_context) {
+  int v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= n) return;
+  int w = k + 1, r = v / w, j = v % w;
+  int row = token_rows[r];
+  int p = pos[row] + j;
+  int q = p < max_context ? p : max_context - 1;
+  bool live = row != pad_row && p < max_context;
+  v_rows[v] = base + v; v_pos[v] = q; v_lens[v] = q + 1; v_state[v] = pad_state;
+  const int* bt = block_tables + (long long)r * mb;
+  v_slots[v] = live ? bt[q / block_size] * block_size + q % block_size : pad_slot;
+  for (int b = 0; b < mb; ++b) v_tables[(long long)v * mb + b] = bt[b];
+  token_table[base + v] = j == 0 ? token_table[row] : drafts[r * k + j - 1];
+}
+
+extern "C" __global__ void spec_oracle(const int* token_rows, const int* pos, const int* ref,
+                                       int* drafts, int S, int k, int width, int right, int vocab) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= S * k) return;
+  int r = i / k, j = i % k, row = token_rows[r];
+  int at = pos[row] + 1 + j;
+  int t = ref[(long long)row * width + (at < width ? at : width - 1)];
+  drafts[i] = j < right ? t : (t + 1) % vocab;
+}
+
+extern "C" __global__ void spec_ngram(const int* token_rows, const int* pos, const int* hist,
+                                      int* drafts, int S, int k, int width, int n_min, int n_max) {
+  int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= S) return;
+  int row = token_rows[r];
+  int p = pos[row] < width ? pos[row] : width - 1;
+  const int* h = hist + (long long)row * width;
+  int follow = -1;
+  for (int n = (n_max < p + 1 ? n_max : p + 1); n >= n_min && follow < 0; --n) {
+    for (int s = p - n; s >= 0; --s) {
+      bool same = true;
+      for (int i = 0; i < n && same; ++i) same = h[s + i] == h[p - n + 1 + i];
+      if (same) { follow = s + n; break; }
+    }
+  }
+  for (int j = 0; j < k; ++j) {
+    int at = follow >= 0 ? (follow + j < p ? follow + j : p) : p;
+    drafts[r * k + j] = h[at];
+  }
+}
+
+extern "C" __global__ void spec_accept(const int* g, const int* drafts, const int* token_rows,
+                                       int* pos, int* hist, int* token_table, int* records,
+                                       int S, int k, int width, int words, int pad_row,
+                                       int unasked) {
+  int r = blockIdx.x * blockDim.x + threadIdx.x;
+  if (r >= S) return;
+  int w = k + 1;
+  const int* gr = g + r * w;
+  int a = 0;
+  while (a < k && gr[a] >= 0 && drafts[r * k + a] == gr[a]) ++a;
+  int* rec = records + (long long)r * words;
+  rec[0] = gr[0]; rec[1] = unasked; rec[2] = a + 1;
+  for (int j = 0; j <= a; ++j) rec[3 + j] = gr[j];
+  int row = token_rows[r];
+  if (row == pad_row) return;
+  int p = pos[row];
+  for (int j = 0; j <= a; ++j) {
+    int at = p + 1 + j;
+    hist[(long long)row * width + (at < width ? at : width - 1)] = gr[j];
+  }
+  pos[row] = p + a + 1;
+  token_table[row] = gr[a] > 0 ? gr[a] : 0;
+}
+
+extern "C" __global__ void spec_seed(const int* token_rows, const int* positions,
+                                     const int* token_table, int* pos, int* hist, int n,
+                                     int width) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  int row = token_rows[i], p = positions[i] + 1;
+  pos[row] = p;
+  hist[(long long)row * width + (p < width ? p : width - 1)] = token_table[row];
+}
+"""
