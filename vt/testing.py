@@ -145,6 +145,9 @@ class _DeviceWork(StepModel):
     def sample(self, stream, logits, inputs, out_tokens) -> None:
         self._inner.sample(stream, logits, inputs, out_tokens)
 
+    def begin_requests(self, stream, seqs) -> None:
+        self._inner.begin_requests(stream, seqs)
+
     def prepare_prefill(self, seqs):
         return self._inner.prepare_prefill(seqs)
 

@@ -194,3 +194,34 @@ def test_kernel_token_records_equal_numpy_twin(V):
         np.testing.assert_allclose(f_got[1], f_want[1], atol=1e-5)
         np.testing.assert_allclose(f_got[2 + MAX_LOGPROBS:2 + MAX_LOGPROBS + n],
                                    f_want[2 + MAX_LOGPROBS:2 + MAX_LOGPROBS + n], atol=1e-5)
+
+
+def test_penalty_kernels_equal_numpy_twin():
+    """penalize and count_tokens (vt/sampling/penalties.py) on random state: the same float32
+    logits bit for bit (no FMA contraction), the same counts."""
+    from vt.sampling import penalties
+    rng = np.random.default_rng(5)
+    S, V, R, MB = 32, 151936, 40, 1024
+    x = random_logits(rng, S, V, ties=True)
+    rows = rng.permutation(R)[:S].astype(np.int32)
+    pen = (rng.random(S) < 0.7).astype(np.int32)
+    pres, freq = (rng.uniform(-2, 2, S).astype(np.float32) for _ in range(2))
+    rep = rng.uniform(0.5, 2, S).astype(np.float32)
+    counts = rng.integers(0, 3, (R, V)).astype(np.uint16)
+    bits = rng.integers(0, 2**32, (R, -(-V // 32)), dtype=np.uint64).astype(np.uint32)
+    ids = np.full((R, MB), -1, np.int32)
+    vals = np.zeros((R, MB), np.float32)
+    for r in range(R):
+        k = int(rng.integers(0, 50))
+        ids[r, :k] = rng.choice(V, k, replace=False)
+        vals[r, :k] = rng.uniform(-100, 100, k)
+    want = x.copy()
+    penalties.penalize(want, rows, pen, pres, freq, rep, counts, bits, ids, vals)
+    got = cp.asarray(x)
+    dev = [cp.asarray(a) for a in (rows, pen, pres, freq, rep, counts, bits, ids, vals)]
+    penalties.launch_penalize(got, *dev)
+    np.testing.assert_array_equal(got.get(), want)
+    toks = rng.integers(-1, V, S).astype(np.int32)
+    penalties.count(toks, rows, pen, counts)
+    penalties.launch_count(cp.asarray(toks), dev[0], dev[1], dev[5])
+    np.testing.assert_array_equal(dev[5].get(), counts)

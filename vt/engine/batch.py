@@ -49,6 +49,8 @@ class DecodeBatch:
         self.min_p = np.zeros(capacity, np.float32)
         self.seed = np.zeros(capacity, np.uint64)
         self.logprobs = np.full(capacity, NO_LOGPROBS, np.int32)
+        self.penalized = np.zeros(capacity, np.int32)
+        self.penalties = np.zeros((3, capacity), np.float32)   # presence, frequency, repetition
         self.dest_off = np.zeros(capacity, np.int64)    # where its next token goes - t (intp: an index)
         # Stop tokens, -1 padded: [capacity, widest set so far] (widened when a request with
         # more joins); n_stopping entries have at least one.
@@ -70,6 +72,9 @@ class DecodeBatch:
         self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.top_k or 0, sampling.seed
         self.top_p[i], self.min_p[i] = sampling.top_p, sampling.min_p
         self.logprobs[i] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
+        self.penalized[i] = sampling.penalized
+        self.penalties[:, i] = (sampling.presence_penalty, sampling.frequency_penalty,
+                                sampling.repetition_penalty)
         self.dest_off[i] = dest - t
         if len(stops) > self.stops.shape[1]:
             wider = np.full((self.capacity, len(stops)), -1, np.int32)
@@ -99,9 +104,10 @@ class DecodeBatch:
             moved.batch_index = i
             for a in (self.rows, self.pos_off, self.len_off, self.slot_off, self.block_tables,
                       self.temperature, self.top_k, self.top_p, self.min_p, self.seed, self.logprobs,
-                      self.dest_off,
+                      self.penalized, self.dest_off,
                       self.stops):
                 a[i] = a[last]
+            self.penalties[:, i] = self.penalties[:, last]
         self.reqs[last] = None
         self.n = last
         self.version += 1
@@ -167,6 +173,10 @@ class BatchStep:
             inp.min_p[:n] = b.min_p[:n]
             inp.seed[:n] = b.seed[:n]
             inp.logprobs[:n] = b.logprobs[:n]
+            inp.penalized[:n] = b.penalized[:n]
+            inp.presence_penalty[:n] = b.penalties[0, :n]
+            inp.frequency_penalty[:n] = b.penalties[1, :n]
+            inp.repetition_penalty[:n] = b.penalties[2, :n]
             inp.block_tables[:n] = b.block_tables[:n]
             block.pad_from(n, pad)
             block.filled = (b, b.version, n)

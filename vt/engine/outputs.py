@@ -43,13 +43,19 @@ class TokenBuffer:
         # entry -> token record [RECORD_WORDS] of the tokens whose request asks for logprobs
         # (vt/sampling/logprobs.py): few requests ask, so a dict, not a [rows * span] array
         self.records: dict[int, np.ndarray] = {}
+        self._asking = 0             # live requests that ask for logprobs: 0 skips the records
+
+    def admit(self, reqs) -> None:
+        """Requests admitted by a step's plan: live from now."""
+        self.live.update(reqs)
+        self._asking += sum(r.sampling.logprobs is not None for r in reqs)
 
     def store(self, tag, tokens: np.ndarray, host_logits, now: float, records=None) -> list[Request]:
         """Put a step's tokens (and the records [n, RECORD_WORDS] of the rows that asked for
         logprobs) where they belong (tag: Scheduler's StepTag) and finish the requests it
         completes; returns those that just sampled a stop token."""
         self.tokens[tag.dest] = tokens
-        if records is not None:
+        if records is not None and self._asking:
             for i in np.flatnonzero(records[:, 1] != UNASKED):
                 self.records[int(tag.dest[i])] = records[i]
         if self.logits is not None:
@@ -121,7 +127,9 @@ class TokenBuffer:
         req.phase = RequestPhase.FINISHED   # last: readers take it as "everything is settled"
         self.tokens_out += n
         self.finished += 1
-        self.live.discard(req)
+        if req in self.live:
+            self.live.discard(req)
+            self._asking -= req.sampling.logprobs is not None
         req.done_event.set()
         for fn in req.on_done:
             try:

@@ -271,7 +271,7 @@ class ServingLoop:
         move the batch past it; returns its handle (None: an empty plan, which only a step
         in flight or stops still to apply may explain)."""
         if plan.admitted:
-            self._buffer.live.update(plan.admitted)
+            self._buffer.admit(plan.admitted)
         if plan.n:
             handle = self.runner.launch(plan)
             self._sched.after_launch(plan)

@@ -88,6 +88,7 @@ class EagerPath:
             inputs = self._upload(self._prefill, len(prefill))
             if not one_call:
                 launch_prefill(self.stream, block[n_dec:n])
+            model.begin_requests(self.stream, prefill)   # their rows' penalty state, before they sample
             model.sample(self.stream, block[n_dec:n], inputs, out[n_dec:n])
         self.be.copy_d2h(self.out_host[parity][:n], out[:n], self.stream)
         kind = "eager" if not prefill else ("mixed" if n_dec else "prefill")

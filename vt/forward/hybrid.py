@@ -201,6 +201,9 @@ class HybridStepModel(StepModel):
     def sample(self, stream, logits, inputs, out_tokens) -> None:
         self.m.sample(stream, logits, inputs, out_tokens)
 
+    def begin_requests(self, stream, seqs) -> None:
+        self.m.begin_requests(stream, seqs)
+
 
 def prefill_graphs_default() -> bool:
     """VT_PREFILL_GRAPHS: "1" (the default) captures the bundled model's prefill buckets, "0"

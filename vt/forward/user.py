@@ -67,6 +67,7 @@ class ForwardModel(StepModel):
             self._dev_tokens = be.empty((cap,), np.int32)
             self._tmp_logits = be.empty((geometry.max_seqs, vocab), LOGITS_DTYPE)
         self._sample = Sampler()
+        self._sample.bind(be, geometry.max_seqs + 1, vocab)
 
     def decode(self, stream, inputs, logits_out) -> None:
         self.forward(stream, inputs, logits_out)
@@ -152,7 +153,10 @@ class ForwardModel(StepModel):
     def sample(self, stream, logits, inputs, out_tokens) -> None:
         self.be.launch(stream, self._sample, logits, inputs.token_rows, inputs.sample_positions,
                        inputs.temperature, inputs.top_k, inputs.top_p, inputs.min_p, inputs.seed,
-                       out_tokens, self.token_table, inputs.logprobs)
+                       out_tokens, self.token_table, *self._sample.extra_args(inputs))
+
+    def begin_requests(self, stream, seqs) -> None:
+        self._sample.begin_rows(stream, seqs)
 
 
 def _check_args(forward, vocab, token_table, geometry) -> None:

@@ -16,10 +16,14 @@ def _sampling_vectors(sampling: SamplingParams, n: int) -> dict:
     return row_vectors([sampling] * n)
 
 
+_KEEP_DTYPE = ("temperature", "top_p", "min_p", "seed", "presence_penalty", "frequency_penalty",
+               "repetition_penalty")
+
+
 def _upload(be, stream, host: dict) -> dict:
     out = {}
     for name, a in host.items():
-        a = np.ascontiguousarray(a, a.dtype if name in ("temperature", "top_p", "min_p", "seed") else np.int32)
+        a = np.ascontiguousarray(a, a.dtype if name in _KEEP_DTYPE else np.int32)
         pinned = be.pinned_empty(a.shape, a.dtype)
         pinned[...] = a
         out[name] = be.empty(a.shape, a.dtype)
@@ -67,6 +71,10 @@ class PrefillInputs:
     min_p: object = None
     seed: object = None
     logprobs: object = None
+    penalized: object = None
+    presence_penalty: object = None
+    frequency_penalty: object = None
+    repetition_penalty: object = None
 
     @property
     def batch(self) -> int:

@@ -67,6 +67,7 @@ class HybridModel:
         self.token_table = backend.empty((self.max_seqs + 1,), np.int32)   # [max_seqs + 1]
         self._iota = self._const(np.arange(self.max_batch + 1, dtype=np.int32))
         self._sample = Sampler()   # its own: a Sampler's calls must run in order (sampler.py)
+        self._sample.bind(backend, self.max_seqs + 1, cfg.vocab)
         # Everything a step can read is defined: padded rows read the scratch block and state,
         # and sanitizer runs (initcheck) flag reads of memory nobody wrote.
         for a in [*self.states.values(), *self.k_cache.values(), *self.v_cache.values(), self.token_table]:
@@ -177,7 +178,11 @@ class HybridModel:
         token_table[inp.token_rows]."""
         self.be.launch(s, self._sample, logits, inp.token_rows, inp.sample_positions, inp.temperature,
                        inp.top_k, inp.top_p, inp.min_p, inp.seed, out_tokens, self.token_table,
-                       inp.logprobs)
+                       *self._sample.extra_args(inp))
+
+    def begin_requests(self, s, seqs) -> None:
+        """The sampler's penalty state of the rows of `seqs` (vt/sampling/penalties.py)."""
+        self._sample.begin_rows(s, seqs)
 
     def _padded(self, n: int) -> int:
         """Rows of a GEMM operand for n rows: n, or the next multiple of the invariant block

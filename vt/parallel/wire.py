@@ -26,6 +26,7 @@ import struct
 import numpy as np
 
 from vt.executor.plan import StepPlan
+from vt.step.contract import SAMPLING_FIELDS
 from vt.step.inputblock import InputBlock
 
 CAPTURE, WARM_UP, LAUNCH, COLLECT, CEILING, STOP, CLOSE = range(1, 8)
@@ -35,8 +36,7 @@ OP_NAMES = {CAPTURE: "capture", WARM_UP: "warm_up", LAUNCH: "launch", COLLECT: "
 _HEAD = struct.Struct("<BBHIQ")          # op, flags, pad, n, value (an int argument)
 _HAS_ROWS, STATIC, _HAS_PROMPTS = 1, 2, 4   # LAUNCH's flags (STATIC: the rows changed)
 # The block's vectors that change only with the batch, in the order they travel.
-_STATIC_FIELDS = ("token_rows", "state_idx", "top_k", "temperature", "top_p", "min_p", "seed",
-                  "block_tables")
+_STATIC_FIELDS = ("token_rows", "state_idx", *SAMPLING_FIELDS, "block_tables")
 
 
 def simple(op: int, value: int = 0) -> bytes:

@@ -17,10 +17,15 @@ ROW_VECTORS: dict[str, np.dtype] = {
     "min_p": np.dtype(np.float32),
     "seed": np.dtype(np.uint64),
     "logprobs": np.dtype(np.int32),
+    "penalized": np.dtype(np.int32),
+    "presence_penalty": np.dtype(np.float32),
+    "frequency_penalty": np.dtype(np.float32),
+    "repetition_penalty": np.dtype(np.float32),
 }
 # logprobs: -1 = none; n >= 0 = the sampled token's logprob and the n most likely tokens'.
 NO_LOGPROBS = -1
 MAX_LOGPROBS = 20               # the most top tokens a row asks for (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 1024           # the most logit_bias entries of a request (a row's table on the device)
 
 _SEED_END = 2**63
 _TOP_K_END = 2**31              # the sampler reads top_k as int32
@@ -65,6 +70,12 @@ class SamplingParams:
     The sampler reads the knobs as float32: a temperature that rounds to 0 there is greedy, and
     one so small that the largest logit / temperature overflows takes the limit, the argmax.
 
+    Penalties and bias change the logits before all of that (vt/sampling/penalties.py), in
+    vLLM's order: logit_bias (token id -> added to its logit), then repetition_penalty
+    (transformers' definition: a token seen in the prompt or the output so far has its logit
+    divided by it when positive, multiplied when not), then frequency_penalty * (its count in
+    the output so far) + presence_penalty * (1 if it is there) subtracted (OpenAI's).
+
     logprobs: None (none), or n in [0, MAX_LOGPROBS]: the sampler also returns the sampled
     token's log-probability and the n most likely tokens with theirs, of the distribution it
     samples from after temperature and before top_k/top_p/min_p (log_softmax(logits /
@@ -79,6 +90,10 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int = 0
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple = ()          # ((token id, bias), ...), or a dict of them
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -103,11 +118,24 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= _int("logprobs", self.logprobs) <= MAX_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs={_shown(self.logprobs)} must be None or in "
                              f"[0, {MAX_LOGPROBS}]")
+        pres, freq = _real("presence_penalty", self.presence_penalty), _real("frequency_penalty", self.frequency_penalty)
+        rep = _real("repetition_penalty", self.repetition_penalty)
+        if not rep > 0:
+            raise ValueError(f"SamplingParams.repetition_penalty={rep!r} must be > 0 (1: none)")
+        bias = _logit_bias(self.logit_bias)
         # Plain Python numbers from here on: numpy scalars compare, hash and serialize the same.
         for name, v in (("temperature", t), ("top_p", p), ("min_p", m), ("seed", int(self.seed)),
                         ("top_k", None if self.top_k is None else int(self.top_k)),
-                        ("logprobs", None if self.logprobs is None else int(self.logprobs))):
+                        ("logprobs", None if self.logprobs is None else int(self.logprobs)),
+                        ("presence_penalty", pres), ("frequency_penalty", freq),
+                        ("repetition_penalty", rep), ("logit_bias", bias)):
             object.__setattr__(self, name, v)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether penalties or a logit bias change this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +146,25 @@ class SamplingParams:
         """Raise if top_k exceeds the vocabulary (known only where the model is)."""
         if self.top_k is not None and self.top_k > vocab:
             raise ValueError(f"SamplingParams.top_k={self.top_k} exceeds the vocabulary size {vocab}")
+        for tok, _ in self.logit_bias:
+            if tok >= vocab:
+                raise ValueError(f"SamplingParams.logit_bias names token {tok}, outside the "
+                                 f"vocabulary of {vocab}")
+
+
+def _logit_bias(bias) -> tuple:
+    """logit_bias as ((token, bias), ...) sorted by token: plain ints and finite floats."""
+    items = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(_int("logit_bias token", k), _real("logit_bias value", v)) for k, v in items]
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e} (logit_bias maps token ids to biases)") from None
+    if len(pairs) > MAX_LOGIT_BIAS:
+        raise ValueError(f"SamplingParams.logit_bias has {len(pairs)} entries; at most {MAX_LOGIT_BIAS}")
+    toks = [k for k, _ in pairs]
+    if any(k < 0 for k in toks) or len(set(toks)) != len(toks):
+        raise ValueError("SamplingParams.logit_bias token ids must be distinct and >= 0")
+    return tuple(sorted(pairs))
 
 
 GREEDY = SamplingParams()
@@ -133,4 +180,8 @@ def row_vectors(params: list[SamplingParams]) -> dict[str, np.ndarray]:
         "seed": np.array([p.seed for p in params], np.uint64),
         "logprobs": np.array([NO_LOGPROBS if p.logprobs is None else p.logprobs for p in params],
                              np.int32),
+        "penalized": np.array([p.penalized for p in params], np.int32),
+        "presence_penalty": np.array([p.presence_penalty for p in params], np.float32),
+        "frequency_penalty": np.array([p.frequency_penalty for p in params], np.float32),
+        "repetition_penalty": np.array([p.repetition_penalty for p in params], np.float32),
     }

@@ -19,7 +19,10 @@ Arguments (S rows, vocabulary V):
   logits [S, V] f32, token_rows [S] i32, positions [S] i32, temperature [S] f32,
   top_k [S] i32 (0 = all), top_p [S] f32, min_p [S] f32, seed [S] u64,
   out_tokens [S] i32, or records [S, RECORD_WORDS] i32 (vt/sampling/logprobs.py),
-  token_table [*] i32, logprobs [S] i32 (with records: -1, or how many top tokens a row asks)
+  token_table [*] i32, logprobs [S] i32 (with records: -1, or how many top tokens a row asks),
+  then, for penalties and logit bias (vt/sampling/penalties.py), penalized [S] i32,
+  presence [S], frequency [S], repetition [S] f32 and the instance's PenaltyState tables
+  (bind() makes them; extra_args() gives all of these for a step's inputs)
 Writes out_tokens[r] (records: the record of row r, its token first, then the logprobs the row
 asks for) and token_table[token_rows[r]] (the next step's input token).
 
@@ -37,6 +40,7 @@ from . import reference
 from .device_code import counter_bytes, workspace_bytes
 from .kernels import BLOCKS_PER_SM, CODE
 from .logprobs import RECORD_WORDS, launch_records, write_records
+from .penalties import PenaltyState, count, launch_count, launch_penalize, penalize
 
 _MIN_CHUNK = 1024      # elements per block: below this a block is mostly launch overhead
 COUNTER_ROWS = 4096    # rows whose counters an instance keeps zeroed between calls
@@ -58,11 +62,33 @@ class Sampler:
 
     def __init__(self):
         self._counters = {}    # CUDA device id -> this instance's zeroed counter buffer
+        self.penalties: PenaltyState | None = None
+
+    def bind(self, be, rows: int, vocab: int) -> None:
+        """Keep penalty state (counts, prompts, logit bias) for `rows` token-table rows on
+        `be`: the model that owns this sampler calls it once, before any step."""
+        self.penalties = PenaltyState(be, rows, vocab)
+
+    def extra_args(self, inputs) -> tuple:
+        """The launch arguments after token_table for a step's `inputs` (DecodeInputs)."""
+        if self.penalties is None:
+            return (inputs.logprobs,)
+        return (inputs.logprobs, inputs.penalized, inputs.presence_penalty, inputs.frequency_penalty,
+                inputs.repetition_penalty, *self.penalties.args())
+
+    def begin_rows(self, stream, seqs) -> None:
+        """The penalty state of the rows of newly prefilled requests (PenaltyState.begin_rows)."""
+        if self.penalties is not None:
+            self.penalties.begin_rows(stream, seqs)
 
     def run_numpy(self, logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
-                  out_tokens, token_table, logprobs=None):
+                  out_tokens, token_table, logprobs=None, *penalty):
         records = _records(out_tokens, logprobs)
+        if penalty:
+            penalize(logits, token_rows, *penalty)
         tokens = reference.sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed)
+        if penalty:
+            count(tokens, token_rows, penalty[0], penalty[4])
         if records is None:
             out_tokens[...] = tokens
         else:
@@ -70,7 +96,7 @@ class Sampler:
         token_table[token_rows] = np.maximum(tokens, 0)
 
     def run_cupy(self, stream_handle, logits, token_rows, positions, temperature, top_k, top_p,
-                 min_p, seed, out_tokens, token_table, logprobs=None):
+                 min_p, seed, out_tokens, token_table, logprobs=None, *penalty):
         import cupy as cp
 
         from vt.backend.nvrtc import cuda_function, sm_count
@@ -90,10 +116,14 @@ class Sampler:
             tokens, ws = ws[:4 * S].view(cp.int32), ws[_token_head(S):]
         else:
             tokens = out_tokens
+        if penalty:
+            launch_penalize(logits, token_rows, *penalty)
         cuda_function(CODE, "sample", VEC4=vec)(
             (S * B,), (256,), (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
                                tokens, token_table, cnt, ws, np.int32(S), np.int32(V), np.int32(B),
                                np.int32(C)))
+        if penalty:
+            launch_count(tokens, token_rows, penalty[0], penalty[4])
         if records is not None:
             launch_records(logits, tokens, temperature, logprobs, records)
 

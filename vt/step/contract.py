@@ -100,7 +100,8 @@ class KVGeometry:
 # The per-row vectors of a decode step, in the order of the contiguous input block
 # (vt/step/inputblock.py). The first six are what a forward reads; the last three the sampler.
 FORWARD_FIELDS = ("token_rows", "positions", "seq_lens", "slot_mapping", "block_tables", "state_idx")
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")   # vt.sampling.ROW_VECTORS
+SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "penalized",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty")   # vt.sampling.ROW_VECTORS
 FIELDS = FORWARD_FIELDS + SAMPLING_FIELDS
 
 
@@ -112,8 +113,10 @@ class DecodeInputs:
     positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
     write (position + 1); slot_mapping[S]: KV cache slot written; block_tables[S, max_blocks];
     state_idx[S]: recurrent (GDN) state slot; temperature[S] f32, top_k[S] i32 (0: all),
-    top_p[S] f32, min_p[S] f32, seed[S] u64, logprobs[S] i32 (-1: none): each row's sampling
-    (vt.sampling.SamplingParams). Padded rows point at the model's scratch row and sample greedily.
+    top_p[S] f32, min_p[S] f32, seed[S] u64, logprobs[S] i32 (-1: none), penalized[S] i32 (0:
+    no penalty or bias), presence_penalty[S], frequency_penalty[S], repetition_penalty[S] f32:
+    each row's sampling (vt.sampling.SamplingParams). Padded rows point at the model's scratch
+    row and sample greedily.
     """
     token_rows: object
     positions: object
@@ -127,6 +130,10 @@ class DecodeInputs:
     min_p: object = None
     seed: object = None
     logprobs: object = None
+    penalized: object = None
+    presence_penalty: object = None
+    frequency_penalty: object = None
+    repetition_penalty: object = None
 
     @property
     def batch(self) -> int:
@@ -159,6 +166,10 @@ class DecodeRows:
     min_p: np.ndarray | None = None         # [n] f32
     seed: np.ndarray | None = None          # [n] uint64
     logprobs: np.ndarray | None = None      # [n] int32, -1: none (None: none for every row)
+    penalized: np.ndarray | None = None     # [n] int32, 0: none (None: none for every row)
+    presence_penalty: np.ndarray | None = None     # [n] f32
+    frequency_penalty: np.ndarray | None = None    # [n] f32
+    repetition_penalty: np.ndarray | None = None   # [n] f32
 
     def __len__(self):
         return len(self.token_rows)
@@ -234,6 +245,12 @@ class StepModel(abc.ABC):
 
     @abc.abstractmethod
     def sample(self, stream, logits, inputs: DecodeInputs, out_tokens) -> None: ...
+
+    def begin_requests(self, stream, seqs: list[PrefillSeq]) -> None:
+        """Before the sampling of a prefill step: the sampler's per-row state of the rows of
+        `seqs` (each chunk's) set for their requests, in `stream`'s order (vt's sampler keeps
+        each row's penalty counts, prompt and logit bias: vt/sampling/penalties.py). Default:
+        nothing (a sampler without per-row state)."""
 
     def prepare_prefill(self, seqs: list[PrefillSeq]):
         """Prefill's host work, done now; returns its device half, launch(stream, logits_out).

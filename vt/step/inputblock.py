@@ -4,7 +4,8 @@ The host twin is pinned memory, the device twin pool memory, and a step's inputs
 one copy (one H2D node inside a graph, or one staged memcpy); refreshing the host twin is a
 few numpy slice writes. Layout, in int32 words (seed first: its uint64 view stays 8-byte
 aligned): seed[2S] | token_rows | positions | seq_lens | slot_mapping | state_idx | top_k |
-logprobs | temperature | top_p | min_p (the last three f32 bits) | block_tables[S * max_blocks].
+logprobs | penalized | temperature | top_p | min_p | presence_penalty | frequency_penalty |
+repetition_penalty (the last six f32 bits) | block_tables[S * max_blocks].
 """
 from __future__ import annotations
 
@@ -15,8 +16,12 @@ from vt.step.contract import FIELDS, DecodeInputs, DecodeRows, PadRow
 
 # positions, seq_lens, slot_mapping adjacent and in this order: InputBlock.advancing
 _PER_ROW = ("token_rows", "positions", "seq_lens", "slot_mapping", "state_idx", "top_k", "logprobs",
-            "temperature", "top_p", "min_p")
-_F32 = ("temperature", "top_p", "min_p")
+            "penalized", "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")
+_F32 = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+# What a row without logprobs, penalties or bias holds (a DecodeRows without those vectors).
+_PLAIN = {"logprobs": NO_LOGPROBS, "penalized": 0, "presence_penalty": 0, "frequency_penalty": 0,
+          "repetition_penalty": 1}
 
 
 class InputBlock:
@@ -96,8 +101,10 @@ class InputBlock:
                 getattr(inp, f)[start:start + n] = value
         if rows.temperature is None:          # no sampling given: greedy
             _greedy(inp, slice(start, start + n))
-        elif rows.logprobs is None:
-            inp.logprobs[start:start + n] = NO_LOGPROBS
+        else:
+            for f, value in _PLAIN.items():
+                if getattr(rows, f) is None:
+                    getattr(inp, f)[start:start + n] = value
 
 
 def _greedy(inp, span) -> None:
@@ -107,4 +114,5 @@ def _greedy(inp, span) -> None:
     inp.top_p[span] = 1
     inp.min_p[span] = 0
     inp.seed[span] = 0
-    inp.logprobs[span] = NO_LOGPROBS
+    for f, value in _PLAIN.items():
+        getattr(inp, f)[span] = value
