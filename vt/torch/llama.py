@@ -201,6 +201,11 @@ class LlamaDecoder(nn.Module):
     # Its KV of a position depends only on the tokens up to it (no recurrent state): the
     # engine shares cached prompt blocks between sequences (StepModel.prefix_cacheable).
     prefix_cacheable = True
+    # Each layer writes every row's K and V before any row's attention reads the cache, and a
+    # row attends over its seq_len slots only: rows of one sequence at consecutive positions
+    # are that sequence's causal run, so a speculative verify step is a decode over them
+    # (vt/forward/speculative.py). Such a step has at least two rows: never the one-row kernel.
+    verifies_by_decode = True
 
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", linear: str = "auto",
