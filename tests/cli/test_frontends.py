@@ -163,6 +163,8 @@ BENCH_FLAGS = {
     "--output-len": st.sampled_from(["0", "-1", "x", "5 2"]),
     "--prompt-range": st.sampled_from(["0", "-1", "x"]),
     "--url": st.sampled_from(["x", "localhost:8000", "ftp://127.0.0.1:8000"]),
+    "--request-fields": st.sampled_from(["x", "[1]", '{"logprobs": 5}']),   # without --url: refused
+    "--request-fields-share": st.sampled_from(["0", "1.5", "x", "0.5"]),
     "--prompt-kernels": bad_choice(["auto", "torch", "vt"]),
     "--device-us": bad_float(0, lim.MAX_DEVICE_US),
     "--conc": bad_int(1, lim.MAX_SERVING_CONC),

@@ -112,14 +112,15 @@ class CompletionClient:
         self._http = httpx.Client(base_url=url, timeout=httpx.Timeout(
             timeout_s, connect=CONNECT_TIMEOUT_S))
 
-    def stream(self, prompt: list[int], max_tokens: int, sent_at: float | None = None
-               ) -> StreamedCompletion:
-        """Stream one completion; CommandFailed if the server refuses it, the stream breaks,
-        or it does not make exactly `max_tokens` tokens."""
+    def stream(self, prompt: list[int], max_tokens: int, sent_at: float | None = None,
+               fields: dict | None = None) -> StreamedCompletion:
+        """Stream one completion (`fields`: more of the body, e.g. {"logprobs": 5}); CommandFailed
+        if the server refuses it, the stream breaks, or it does not make exactly `max_tokens`
+        tokens."""
         import httpx
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "ignore_eos": True, "stream": True,
-                "stream_options": {"include_usage": True}}
+                "stream_options": {"include_usage": True}, **(fields or {})}
         out = StreamedCompletion(time.perf_counter() if sent_at is None else sent_at)
         try:
             with self._http.stream("POST", "/v1/completions", json=body) as r:
@@ -168,10 +169,17 @@ class ClientPool:
     """CompletionClients by index, made on first use and kept across cells (their connections
     too); close() closes them all."""
 
-    def __init__(self, url: str, model: str, timeout_s: float = CELL_TIMEOUT_S):
+    def __init__(self, url: str, model: str, timeout_s: float = CELL_TIMEOUT_S,
+                 fields: dict | None = None, share: float = 1.0):
         self._args = (url, model, timeout_s)
         self._clients: list[CompletionClient] = []
         self._lock = threading.Lock()
+        self.fields, self.share = fields or {}, share
+
+    def fields_for(self, i: int) -> dict | None:
+        """The extra body fields of request i: on a `share` of the requests, spread evenly
+        (share 0.5: every other one), none on the rest."""
+        return self.fields if self.fields and int((i + 1) * self.share) > int(i * self.share) else None
 
     def get(self, i: int) -> CompletionClient:
         with self._lock:
@@ -198,7 +206,7 @@ def closed_loop(pool: ClientPool, requests, clients: int, timeout_s: float):
                 i = next(nxt, None)
             if i is None:
                 return
-            out[i] = c.stream(*requests[i])
+            out[i] = c.stream(*requests[i], fields=pool.fields_for(i))
     return _run(client, min(clients, len(requests)), out, f"closed loop of {clients} clients",
                 timeout_s)
 
@@ -215,7 +223,7 @@ def open_loop(pool: ClientPool, requests, rate: float, rng, timeout_s: float):
         c = pool.get(k)
         while (item := arrivals.get()) is not None:
             i, at = item
-            out[i] = c.stream(*requests[i], sent_at=at)
+            out[i] = c.stream(*requests[i], sent_at=at, fields=pool.fields_for(i))
 
     def dispatch(t0):
         at = t0
@@ -281,6 +289,10 @@ def http_cell(pool: ClientPool, url: str, requests, arrival: str, load: float, s
                drained_fraction=counts["drains"] / counts["steps"] if counts["steps"] else 0.0,
                drains_after={}, phases={}, **counts)
     row.update(latency_metrics([c.sent_at for c in done], [c.token_times for c in done]))
+    if pool.fields and pool.share < 1:   # the latencies of each half apart
+        for name, carries in (("with_fields", True), ("without_fields", False)):
+            part = [c for i, c in enumerate(done) if (pool.fields_for(i) is not None) == carries]
+            row[name] = latency_metrics([c.sent_at for c in part], [c.token_times for c in part])
     return row, [c.token_ids for c in done]
 
 
@@ -312,6 +324,14 @@ def resolve_http(args, error) -> None:
     if not args.url.startswith(("http://", "https://")):
         error(f"--url must be an http:// or https:// address, got {args.url!r}")
     args.url = args.url.rstrip("/")
+    try:
+        args.request_fields = json.loads(args.request_fields) if args.request_fields else {}
+    except ValueError as e:
+        error(f"--request-fields must be a JSON object, got {args.request_fields!r}: {e}")
+    if not isinstance(args.request_fields, dict):
+        error(f"--request-fields must be a JSON object, got {args.request_fields!r}")
+    if not 0 < args.request_fields_share <= 1:
+        error(f"--request-fields-share must be in (0, 1], got {args.request_fields_share}")
     for flag, value in (("--preset", args.preset), ("--modes", args.modes)):
         if value is not None:
             error(f"{flag} does not apply with --url: the server's model and mode are measured")
@@ -340,7 +360,8 @@ def run_serve_http(args, progress_factory) -> dict:
     conc = max(args.clients)
     work, warm = draw_work(args.seed, loads, args.requests, info.vocab, args.prompt_range,
                            args.output_len, conc)
-    pool = ClientPool(args.url, info.model)
+    pool = ClientPool(args.url, info.model, fields=args.request_fields,
+                      share=args.request_fields_share)
     try:
         with progress_factory(1 + len(loads) * args.repeats) as progress:
             cells = http_cells(pool, args.url, info, work, warm, conc, args.repeats, args.seed,
@@ -356,4 +377,5 @@ def run_serve_http(args, progress_factory) -> dict:
                 arrivals=list(args.arrival), clients=list(args.clients), rates=list(args.rate),
                 requests=args.requests, output_len=list(args.output_len),
                 prompt_len=list(args.prompt_range), seed=args.seed, serving_conc=conc,
+                request_fields=args.request_fields, request_fields_share=args.request_fields_share,
                 tokens_compared=False, cells=cells)

@@ -184,6 +184,9 @@ def _resolve(args: argparse.Namespace, error) -> None:
         given = [flag for flag, v in (("--clients", args.clients), ("--rate", args.rate),
                                       ("--requests", args.requests), ("--output-len", args.output_len),
                                       ("--prompt-range", args.prompt_range), ("--url", args.url),
+                                      ("--request-fields", args.request_fields),
+                                      ("--request-fields-share",
+                                       None if args.request_fields_share == 1 else args.request_fields_share),
                                       ("--arrival", None if args.arrival == ["closed"] else args.arrival))
                  if v is not None]
         if given:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from pathlib import Path
 
 from vt.cli.common import UsageError, backend_name, pick_backend
 
@@ -35,7 +36,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help=f"requests decoded together, the rows of the batch (default: "
                         f"{CUDA_DEFAULT_CONC} on cuda, {SIM_DEFAULT_CONC} on sim)")
-    p.add_argument("--max-context", type=int, default=None,
+    p.add_argument("--max-context", "--max-model-len", dest="max_context", type=int, default=None,
                    help="tokens per sequence, prompt and output, at most the checkpoint's "
                         "max_position_embeddings (default: that, capped at 4096)")
     p.add_argument("--kv-blocks", type=int, default=None,
@@ -161,6 +162,11 @@ def add_parser(sub) -> None:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="compute every prompt whole: no KV blocks shared between requests "
                         "(default: shared when the model's KV is position-addressed)")
+    p.add_argument("--api-key", default=None,
+                   help="every endpoint but /health asks for 'Authorization: Bearer KEY' "
+                        "(default: none)")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to serve with instead of the tokenizer's")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -172,6 +178,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"vt serve: --port must be in [0, 65535], got {args.port}")
     if args.max_queued < 0 or not 0 <= args.shutdown_timeout <= 3600:
         raise UsageError("vt serve: --max-queued must be >= 0 and --shutdown-timeout in [0, 3600]")
+    api_key = args.api_key
+    if api_key is not None and not api_key.strip():
+        raise UsageError("vt serve: --api-key is empty")
+    template = None
+    if args.chat_template is not None:
+        if getattr(args, "preset", None):
+            raise UsageError("vt serve: --chat-template needs --model (a preset has no tokenizer)")
+        try:
+            template = Path(args.chat_template).read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"vt serve: --chat-template {args.chat_template!r} cannot be read: {e}") from None
     require_serve_extra("vt serve", SERVER_MODULES)
     from vt.serve.server import address, bind, make_server
     from vt.serve.generation import GenerationService
@@ -188,13 +205,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         be, served, engine, conc = open_served(args, "vt serve")
         if args.served_model_name and getattr(args, "preset", None):
             served.name = args.served_model_name
+        if template is not None:
+            served.text.use_chat_template(template)
         try:
             service = GenerationService(engine, served, ServeMetrics(served.name),
                                         serving_conc=conc, max_queued=args.max_queued)
             listening = f"vt serve: {served.name!r} listening on {address(sock)}"
             server = make_server(service, shutdown_timeout_s=args.shutdown_timeout,
                                  log_level=args.log_level,
-                                 on_listening=lambda: print(listening, flush=True))
+                                 on_listening=lambda: print(listening, flush=True),
+                                 api_key=api_key)
             server.run(sockets=[sock])
         finally:
             engine.close()

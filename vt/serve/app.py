@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -26,14 +28,17 @@ from starlette.exceptions import HTTPException
 
 from vt.serve.generation import (EngineStopped, Generation, GenerationFailed, GenerationService,
                                  Overloaded, ServiceClosed)
-from vt.serve.protocol import (ChatBody, CompletionBody, RequestError, RequestLimits,
-                               completion_prompt, generation_spec, parse_body)
+from vt.serve.protocol import (ChatBody, CompletionBody, DetokenizeBody, RequestError, RequestLimits,
+                               TokenizeBody,
+                               completion_prompts, generation_spec, parse_body)
 from vt.serve.responses import DONE, ResponseShape, error_body, sse, usage
 
 RETRY_AFTER_S = 1
 
 
-def create_app(service: GenerationService) -> FastAPI:
+def create_app(service: GenerationService, *, api_key: str | None = None) -> FastAPI:
+    """api_key: every endpoint but /health asks for `Authorization: Bearer <api_key>` (401
+    without it); None: none does."""
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
@@ -41,7 +46,36 @@ def create_app(service: GenerationService) -> FastAPI:
 
     app = FastAPI(title="vt serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     _add_error_handlers(app, service)
+    if api_key is not None:
+        app.add_middleware(_BearerAuth, key=api_key)
     model = service.model
+
+    @app.get("/version")
+    async def version():
+        from vt import __version__
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = parse_body(await _read_body(request, service.limits), TokenizeBody)
+        _check_model(body.model, model.name)
+        text = _text_of(model, "prompt" if body.prompt is not None else "messages")
+        if body.prompt is not None:
+            service.limits.check_prompt_chars(len(body.prompt), "prompt")
+            ids = await asyncio.to_thread(text.encode, body.prompt, body.add_special_tokens)
+        else:
+            ids = await _chat_prompt(text, [m.dict_for_template() for m in body.messages],
+                                     **body.template_variables())
+        return {"count": len(ids), "max_model_len": model.geometry.max_context, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        body = parse_body(await _read_body(request, service.limits), DetokenizeBody)
+        _check_model(body.model, model.name)
+        if any(not 0 <= t < model.vocab for t in body.tokens):
+            raise RequestError(f"tokens must be token ids in [0, {model.vocab})", param="tokens")
+        text = _text_of(model, "tokens")
+        return {"prompt": await asyncio.to_thread(text.decode, body.tokens, False)}
 
     @app.get("/health")
     async def health():
@@ -69,18 +103,21 @@ def create_app(service: GenerationService) -> FastAPI:
         body = parse_body(await _read_body(request, service.limits), CompletionBody)
         _check_model(body.model, model.name)
         spec = generation_spec(body, model.vocab)
-        prompt = completion_prompt(body)
-        if isinstance(prompt, str):
-            if model.text is None:
-                raise RequestError("this model has no tokenizer (a preset): send the prompt as "
-                                   "token ids", param="prompt")
-            service.limits.check_prompt_chars(len(prompt), "prompt")
-            ids = await asyncio.to_thread(model.text.encode, prompt)
-        else:
-            ids = prompt
-            if min(ids) < 0 or max(ids) >= model.vocab:
-                raise RequestError(f"prompt token ids must be in [0, {model.vocab})", param="prompt")
-        return await _respond(request, service, ids, spec, ResponseShape(model.name, chat=False),
+        prompts = []
+        for prompt in completion_prompts(body):
+            if isinstance(prompt, str):
+                if model.text is None:
+                    raise RequestError("this model has no tokenizer (a preset): send the prompt "
+                                       "as token ids", param="prompt")
+                service.limits.check_prompt_chars(len(prompt), "prompt")
+                prompts.append(await asyncio.to_thread(model.text.encode, prompt))
+            else:
+                if min(prompt) < 0 or max(prompt) >= model.vocab:
+                    raise RequestError(f"prompt token ids must be in [0, {model.vocab})",
+                                       param="prompt")
+                prompts.append(prompt)
+        return await _respond(request, service, prompts, spec,
+                              ResponseShape(model.name, chat=False, token_text=_token_text(model)),
                               "prompt")
 
     @app.post("/v1/chat/completions")
@@ -93,11 +130,42 @@ def create_app(service: GenerationService) -> FastAPI:
                                "without one): use /v1/completions", param="messages")
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         service.limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        ids = await _chat_prompt(model.text, messages)
-        return await _respond(request, service, ids, spec, ResponseShape(model.name, chat=True),
+        ids = await _chat_prompt(model.text, messages, **body.template_variables())
+        return await _respond(request, service, [ids], spec,
+                              ResponseShape(model.name, chat=True, token_text=_token_text(model)),
                               "messages")
 
     return app
+
+
+class _BearerAuth:
+    """ASGI middleware: a request to any path but /health without `Authorization: Bearer
+    <key>` is answered 401 with an OpenAI error body (a plain ASGI wrapper: Starlette's
+    BaseHTTPMiddleware would stand between a streamed response and its disconnect)."""
+
+    def __init__(self, app, key: str):
+        self.app, self._want = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self._want):
+                body = json.dumps(error_body("a valid API key is needed: send it as "
+                                             "'Authorization: Bearer <key>'",
+                                             code="invalid_api_key")).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"www-authenticate", b"Bearer")]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def _text_of(model, param: str):
+    """The model's TextCodec, or a RequestError: a preset has no tokenizer."""
+    if model.text is None:
+        raise RequestError("this model has no tokenizer (a preset)", param=param)
+    return model.text
 
 
 async def _read_body(request: Request, limits: RequestLimits) -> bytes:
@@ -114,14 +182,14 @@ async def _read_body(request: Request, limits: RequestLimits) -> bytes:
     return b"".join(parts)
 
 
-async def _chat_prompt(text, messages: list[dict]) -> list[int]:
+async def _chat_prompt(text, messages: list[dict], **variables) -> list[int]:
     """The messages through the chat template, in a worker thread. A template that raises
     (raise_exception: Mistral's, Llama-2's and Gemma's do for a role they do not take, or
     roles that do not alternate) refuses the request: 400 with its message. One that cannot
     be parsed is the server's fault: it stays an error of the server."""
     from jinja2 import TemplateError, TemplateSyntaxError   # transformers renders with jinja2
     try:
-        return await asyncio.to_thread(text.chat_prompt, messages)
+        return await asyncio.to_thread(text.chat_prompt, messages, **variables)
     except TemplateSyntaxError:
         raise
     except TemplateError as e:
@@ -135,14 +203,18 @@ def _check_model(asked: str, served: str) -> None:
                            param="model", status=404, code="model_not_found")
 
 
-async def _respond(request: Request, service: GenerationService, ids: list[int], spec,
+async def _respond(request: Request, service: GenerationService, prompts: list[list[int]], spec,
                    shape: ResponseShape, prompt_param: str):
+    """The answer to `prompts` (a chat's one, a completion's one or more), each with n choices."""
     if spec.stop and service.model.text is None:
         raise RequestError("stop strings need a tokenizer; this model (a preset) has none: use "
                            "stop_token_ids", param="stop")
-    gen = service.start(ids, spec, prompt_param)
+    if spec.n > 1 or len(prompts) > 1:
+        return await _respond_choices(request, service, prompts, spec, shape, prompt_param)
+    gen = service.start(prompts[0], spec, prompt_param)
     if spec.stream:
-        return _EventStream(_events(gen, shape, spec.include_usage), gen)
+        return _EventStream(_events(gen, shape, spec.include_usage,
+                                    spec.include_usage and spec.continuous_usage), gen)
     collect = asyncio.ensure_future(_collect(gen))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -157,12 +229,123 @@ async def _respond(request: Request, service: GenerationService, ids: list[int],
     text, token_ids = collect.result()   # GenerationFailed: the 500 handler
     out = gen.outcome
     return shape.whole(text, token_ids, out.finish_reason,
-                       usage(out.prompt_tokens, out.completion_tokens))
+                       usage(out.prompt_tokens, out.completion_tokens), out.logprobs)
+
+
+class _Choices:
+    """The Generations of one request with several choices: n per prompt (choice index
+    prompt * n + i, as vLLM numbers a completion's prompts), one engine request each with its
+    own seed (GenerationSpec.choice_spec). A prompt's choices start together, so the engine
+    computes it once and the others take its cached KV blocks (prefix caching)."""
+
+    def __init__(self, service: GenerationService, prompts: list[list[int]], spec, prompt_param: str):
+        self.gens: list[Generation] = []
+        self._prompt_tokens = sum(map(len, prompts))
+        try:
+            for ids in prompts:
+                for i in range(spec.n):
+                    self.gens.append(service.start(ids, spec.choice_spec(i), prompt_param))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def cancel(self) -> None:
+        for gen in self.gens:
+            gen.cancel()
+
+    def usage(self) -> dict:
+        """Each prompt counted once, the completions of every choice."""
+        return usage(self._prompt_tokens, sum(g.outcome.completion_tokens for g in self.gens))
+
+
+def _numbered(obj: dict, i: int) -> dict:
+    for choice in obj["choices"]:
+        choice["index"] = i
+    return obj
+
+
+async def _respond_choices(request: Request, service: GenerationService, prompts: list[list[int]],
+                           spec, shape: ResponseShape, prompt_param: str):
+    """_respond for n > 1 choices: whole (choices in index order) or streamed (each chunk
+    names its choice's index)."""
+    choices = _Choices(service, prompts, spec, prompt_param)
+    if spec.stream:
+        return _EventStream(_choice_events(choices, shape, spec.include_usage), choices)
+    collect = asyncio.ensure_future(asyncio.gather(*(_collect(g) for g in choices.gens)))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not collect.done():
+            collect.cancel()
+            choices.cancel()
+    if not collect.done() or collect.cancelled():
+        return Response(status_code=499)
+    parts = collect.result()     # GenerationFailed: the 500 handler
+    use = choices.usage()
+    body = None
+    for i, ((text, token_ids), gen) in enumerate(zip(parts, choices.gens)):
+        out = gen.outcome
+        one = _numbered(shape.whole(text, token_ids, out.finish_reason, use, out.logprobs, i), i)
+        if body is None:
+            body = one
+        else:
+            body["choices"].extend(one["choices"])
+    return body
+
+
+async def _choice_events(choices: _Choices, shape: ResponseShape, include_usage: bool):
+    """The streamed events of n choices, interleaved as their tokens arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, gen: Generation):
+        try:
+            async for d in gen.deltas():
+                await queue.put((i, d))
+            await queue.put((i, None))
+        except GenerationFailed as e:
+            await queue.put((i, e))
+
+    if shape.chat:
+        for i in range(len(choices.gens)):
+            yield sse(_numbered(shape.chunk("", [], role=True), i))
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(choices.gens)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if isinstance(item, GenerationFailed):
+                yield sse(error_body(str(item), type="server_error", code=500))
+                yield DONE
+                return
+            if item is None:
+                left -= 1
+                reason = choices.gens[i].outcome.finish_reason
+                yield sse(_numbered(shape.chunk(None if shape.chat else "", [], reason), i))
+            else:
+                yield sse(_numbered(shape.chunk(item.text, item.token_ids,
+                                                logprobs=item.logprobs, index=i), i))
+        if include_usage:
+            yield sse(shape.usage_chunk(choices.usage()))
+        yield DONE
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _collect(gen: Generation) -> tuple[str, list[int]]:
     parts = [d async for d in gen.deltas()]
     return "".join(d.text for d in parts), gen.outcome.token_ids
+
+
+def _token_text(model):
+    """A token's name in logprobs: its decoded text, or vLLM's "token_id:N" without a
+    tokenizer (a preset)."""
+    if model.text is None:
+        return None
+    tok = model.text.tokenizer
+    return lambda t: tok.decode([t])
 
 
 async def _disconnected(request: Request) -> None:
@@ -172,12 +355,20 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(gen: Generation, shape: ResponseShape, include_usage: bool):
+async def _events(gen: Generation, shape: ResponseShape, include_usage: bool,
+                  continuous_usage: bool = False):
+    """continuous_usage (vLLM's continuous_usage_stats, with include_usage): every chunk also
+    carries the usage so far."""
     if shape.chat:
         yield sse(shape.chunk("", [], role=True))
+    done = 0
     try:
         async for d in gen.deltas():
-            yield sse(shape.chunk(d.text, d.token_ids))
+            chunk = shape.chunk(d.text, d.token_ids, logprobs=d.logprobs)
+            if continuous_usage:
+                done += len(d.token_ids)
+                chunk["usage"] = usage(gen.prompt_tokens, done)
+            yield sse(chunk)
     except GenerationFailed as e:
         yield sse(error_body(str(e), type="server_error", code=500))
         yield DONE
@@ -193,7 +384,7 @@ class _EventStream(StreamingResponse):
     """Server-sent events whose request is cancelled however the response ends (done, the
     client gone, the server's task cancelled at shutdown)."""
 
-    def __init__(self, events, gen: Generation):
+    def __init__(self, events, gen):
         super().__init__(events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._gen = gen

@@ -65,8 +65,10 @@ class IncrementalDetokenizer:
 
 
 class StopStrings:
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops = tuple(stops)
+    """include: the stop string found stays in the text (vLLM's include_stop_str_in_output)."""
+
+    def __init__(self, stops: tuple[str, ...], include: bool = False):
+        self.stops, self.include = tuple(stops), include
         self._pending = ""
         self.stopped = False
 
@@ -77,10 +79,10 @@ class StopStrings:
         if not self.stops:
             return text
         buf = self._pending + text
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        cut, found = min(((i, s) for s in self.stops if (i := buf.find(s)) >= 0), default=(-1, ""))
         if cut >= 0:
             self.stopped, self._pending = True, ""
-            return buf[:cut]
+            return buf[:cut + len(found)] if self.include else buf[:cut]
         hold = self._held_tail(buf)
         self._pending = buf[len(buf) - hold:]
         return buf[:len(buf) - hold]
@@ -107,9 +109,10 @@ class TextStream:
     """One request's text: tokens in, text deltas out, until a stop string (`stopped`).
     `tokens` counts the tokens consumed up to and including the one that completed it."""
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()):
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (),
+                 include_stop: bool = False):
         self._detok = IncrementalDetokenizer(decode)
-        self._stops = StopStrings(stop)
+        self._stops = StopStrings(stop, include_stop)
         self.tokens = 0
 
     @property

@@ -43,10 +43,15 @@ class GenerationFailed(VtError):
     """The request's step failed on the engine (or its logits could not be sampled): 500."""
 
 
+# One token's logprobs: (its id, its logprob, [(id, logprob)] of the most likely tokens).
+TokenLogprobs = tuple[int, float, list[tuple[int, float]]]
+
+
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None   # one per token id, when the request asks
 
 
 @dataclass
@@ -55,6 +60,7 @@ class Outcome:
     prompt_tokens: int
     completion_tokens: int
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] | None = None   # one per token id, when the request asks
 
 
 class GenerationService:
@@ -124,7 +130,9 @@ class Generation:
         stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(model.eos_ids))
         self.spec, self.prompt_tokens = spec, n
         self.outcome: Outcome | None = None
-        self._text = model.text.stream(spec.stop) if model.text is not None else None
+        self._text = (model.text.stream(spec.stop, include_stop=spec.include_stop,
+                                        skip_special_tokens=spec.skip_special_tokens)
+                      if model.text is not None else None)
         self._submitted = self._first_at = self._last_at = time.perf_counter()
         try:
             self._handle = service.engine.submit(prompt_ids, max_new_tokens=max_new,
@@ -167,7 +175,7 @@ class Generation:
                 # request ends cuts them, so their ids wait for the delta that settles them.
                 settled = text.settled if text is not None else len(tokens)
                 if settled > sent or piece:
-                    yield Delta(piece, tokens[sent:settled])
+                    yield Delta(piece, tokens[sent:settled], self._logprobs(tokens, sent, settled))
                     sent = settled
                 if text is not None and text.stopped:
                     self._handle.cancel()
@@ -179,7 +187,7 @@ class Generation:
             tail = text.finish() if text is not None else ""
             end = text.tokens if text is not None else len(tokens)
             if tail or end > sent:
-                yield Delta(tail, tokens[sent:end])
+                yield Delta(tail, tokens[sent:end], self._logprobs(tokens, sent, end))
             reason = {"stop": "stop", "length": "length"}.get(result.finish_reason, "abort")
             self._finish("stop" if text is not None and text.stopped else reason, tokens[:end])
         except GenerationFailed:
@@ -191,6 +199,12 @@ class Generation:
         finally:
             await agen.aclose()
             self.cancel()
+
+    def _logprobs(self, tokens: list[int], start: int, stop: int) -> list[TokenLogprobs] | None:
+        """The logprobs of tokens [start, stop) (all stored), or None when none are asked."""
+        if self.spec.sampling.logprobs is None:
+            return None
+        return [(tokens[i], *self._handle.logprobs(i)) for i in range(start, stop)]
 
     def abort(self) -> None:
         """The server stops it: the engine ends it at the next step, and deltas() then ends
@@ -207,7 +221,8 @@ class Generation:
                 self._service.metrics.finished("abort", self.prompt_tokens, 0, None)
 
     def _finish(self, reason: str, tokens: list[int]) -> None:
-        self.outcome = Outcome(reason, self.prompt_tokens, len(tokens), tokens)
+        self.outcome = Outcome(reason, self.prompt_tokens, len(tokens), tokens,
+                               self._logprobs(tokens, 0, len(tokens)))
         times = ((self._first_at - self._submitted, self._last_at - self._first_at, len(tokens))
                  if tokens else None)
         self._service.metrics.finished(reason, self.prompt_tokens, len(tokens), times)

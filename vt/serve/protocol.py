@@ -2,8 +2,8 @@
 
 A body is parsed as JSON and checked against a pydantic model that forbids unknown fields and
 coerces nothing (strict: "5" is not an int, 1.0 is not an int, 1 is a float). What vt cannot do
-is refused by name rather than ignored: n other than 1, logprobs, penalties, echo, suffix,
-best_of, logit_bias. Every refusal is a RequestError, which the app answers with HTTP 400 (or
+is refused by name rather than ignored: n above MAX_CHOICES, echo, suffix, best_of, min_tokens,
+and the chat fields of _refuse_chat_fields. Every refusal is a RequestError, which the app answers with HTTP 400 (or
 the status it carries) and an OpenAI-style error body.
 
 Every string in a body must be text: a lone UTF-16 surrogate (JSON's "\\ud800" escape) is
@@ -15,6 +15,8 @@ Beyond OpenAI's fields, as vLLM names them: top_k, min_p, stop_token_ids, ignore
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import secrets
@@ -24,7 +26,7 @@ from typing import Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 from pydantic import ValidationError
 
-from vt.sampling.params import SamplingParams
+from vt.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from vt.errors import VtError
 
 MAX_STOP_STRINGS = 16
@@ -35,6 +37,9 @@ JSON_BYTES_PER_CHAR = 6
 # The most bytes one token id of a prompt given as ids can take: ten digits, a comma, a space.
 JSON_BYTES_PER_ID = 12
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# The most choices one request may ask for (n): each holds a row of the batch.
+MAX_CHOICES = 16
+
 # A seed drawn for a sampled request that gave none (the sampler keys on it: two requests
 # without seeds must not draw the same tokens).
 _SEED_BOUND = 2**63
@@ -90,6 +95,8 @@ class RequestLimits:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False     # vLLM's: usage in every chunk
+    include_obfuscation: StrictBool | None = None   # ignored: vt pads no chunk
 
 
 class _Body(BaseModel):
@@ -112,7 +119,12 @@ class _Body(BaseModel):
     frequency_penalty: Real = 0
     logit_bias: dict[StrictStr, Real] | None = None
     top_logprobs: StrictInt | None = None
-    user: StrictStr | None = None
+    user: StrictStr | None = None          # accepted, ignored (docs/serve.md's field table)
+    # vLLM's extras
+    min_tokens: StrictInt = 0
+    repetition_penalty: Real = 1
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
 
 
 class CompletionBody(_Body):
@@ -138,11 +150,74 @@ class Message(BaseModel):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
+    def dict_for_template(self) -> dict:
+        return {"role": self.role, "content": self.text()}
 
-class ChatBody(_Body):
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: StrictStr
+
+
+class _Templated(BaseModel):
+    """A body whose messages go through the chat template, with variables of its own."""
+    chat_template_kwargs: dict[StrictStr, object] | None = None   # vLLM's (Qwen3's enable_thinking)
+    reasoning_effort: StrictStr | None = None
+
+    def template_variables(self) -> dict:
+        """What the chat template sees beyond the messages: chat_template_kwargs, and
+        reasoning_effort as the variable of that name (gpt-oss's templates read it)."""
+        out = dict(self.chat_template_kwargs or {})
+        for key in ("tokenize", "conversation", "messages", "chat_template", "add_generation_prompt"):
+            if key in out:
+                raise RequestError(f"chat_template_kwargs.{key} is vt's to set, not the request's",
+                                   param=f"chat_template_kwargs.{key}")
+        if self.reasoning_effort is not None:
+            out.setdefault("reasoning_effort", self.reasoning_effort)
+        return out
+
+
+class ChatBody(_Templated, _Body):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = None
+    # Accepted and ignored: they ask nothing of the generation (docs/serve.md's field table).
+    store: StrictBool | None = None
+    metadata: dict[StrictStr, StrictStr] | None = None
+    service_tier: StrictStr | None = None
+    parallel_tool_calls: StrictBool | None = None
+    prompt_cache_key: StrictStr | None = None
+    safety_identifier: StrictStr | None = None
+    verbosity: StrictStr | None = None
+    # Honoured where vt can, refused by name where not (_refuse_chat_fields).
+    modalities: list[StrictStr] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict] | None = None
+    tool_choice: StrictStr | dict | None = None
+    functions: list[dict] | None = None
+    function_call: StrictStr | dict | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+
+
+class TokenizeBody(_Templated):
+    """/tokenize, as vLLM's: a completion's prompt, or a chat's messages through the template."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: StrictStr
+    prompt: StrictStr | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: StrictBool = True
+
+    def model_post_init(self, _) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("give one of prompt and messages", param="prompt")
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: StrictStr
+    tokens: list[StrictInt]
 
 
 @dataclass(frozen=True)
@@ -155,6 +230,16 @@ class GenerationSpec:
     ignore_eos: bool
     stream: bool
     include_usage: bool
+    n: int = 1                      # choices; choice i samples with seed + i (choice_spec)
+    continuous_usage: bool = False  # usage in every chunk (stream_options.continuous_usage_stats)
+    include_stop: bool = False      # the stop string stays in the text
+    skip_special_tokens: bool = True
+
+    def choice_spec(self, i: int) -> "GenerationSpec":
+        """Choice i of n: one choice whose seed is the request's seed + i (mod 2**63), so that
+        the same request with that seed and n=1 gives the same choice."""
+        sampling = dataclasses.replace(self.sampling, seed=(self.sampling.seed + i) % _SEED_BOUND)
+        return dataclasses.replace(self, sampling=sampling, n=1)
 
 
 def parse_body(raw: bytes, kind: type[_Body]) -> _Body:
@@ -211,26 +296,21 @@ def _is_union_branch(part) -> bool:
 
 def generation_spec(body: _Body, vocab: int) -> GenerationSpec:
     """Refuse what vt cannot honour, by name; map the rest onto the engine's terms."""
-    if body.n != 1:
-        raise RequestError(f"n={body.n} is not supported; vt serve returns one choice (n=1)",
-                           param="n")
-    # A completion's logprobs is a count, and 0 asks for the sampled token's own; only a
-    # chat's false (or an absent field) asks for none.
-    logprobs = getattr(body, "logprobs", None)
-    wants_logprobs = logprobs is not None and logprobs is not False
-    if wants_logprobs or body.top_logprobs is not None:
-        raise RequestError("logprobs are not supported by vt serve (its sampler returns token ids "
-                           "only)", param="logprobs" if wants_logprobs else "top_logprobs")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0:
-            raise RequestError(f"{name} is not supported (only 0)", param=name)
-    if body.logit_bias:
-        raise RequestError("logit_bias is not supported", param="logit_bias")
+    if not 1 <= body.n <= MAX_CHOICES:
+        raise RequestError(f"n must be in [1, {MAX_CHOICES}], got {body.n}", param="n")
+    logprobs = _logprobs(body)
     for name, ok in (("echo", not getattr(body, "echo", False)),
                      ("suffix", getattr(body, "suffix", None) is None),
                      ("best_of", getattr(body, "best_of", None) in (None, 1))):
         if not ok:
             raise RequestError(f"{name} is not supported", param=name)
+    if body.min_tokens != 0:
+        raise RequestError("min_tokens is not supported (only 0)", param="min_tokens")
+    if isinstance(body, ChatBody):
+        _refuse_chat_fields(body)
+        body.template_variables()
+    if body.stream_options is not None and not body.stream:
+        raise RequestError("stream_options needs stream: true", param="stream_options")
     max_tokens = body.max_tokens
     if isinstance(body, ChatBody) and body.max_completion_tokens is not None:
         if max_tokens is not None and max_tokens != body.max_completion_tokens:
@@ -247,11 +327,47 @@ def generation_spec(body: _Body, vocab: int) -> GenerationSpec:
     stop_ids = tuple(body.stop_token_ids or ())
     if any(not 0 <= t < vocab for t in stop_ids):
         raise RequestError(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
-    return GenerationSpec(max_tokens, _sampling(body, vocab), stop, stop_ids, body.ignore_eos,
-                          body.stream, bool(body.stream_options and body.stream_options.include_usage))
+    opts = body.stream_options or StreamOptions()
+    return GenerationSpec(max_tokens, _sampling(body, vocab, logprobs), stop, stop_ids,
+                          body.ignore_eos, body.stream, opts.include_usage, n=body.n,
+                          continuous_usage=opts.continuous_usage_stats,
+                          include_stop=body.include_stop_str_in_output,
+                          skip_special_tokens=body.skip_special_tokens)
 
 
-def _sampling(body: _Body, vocab: int) -> SamplingParams:
+def _refuse_chat_fields(body: ChatBody) -> None:
+    """A chat's fields that ask for what vt cannot do, refused by name."""
+    if body.modalities is not None and body.modalities != ["text"]:
+        raise RequestError(f"modalities {body.modalities} is not supported; vt generates text "
+                           f"only", param="modalities")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise RequestError(f"response_format type {body.response_format.type!r} is not supported "
+                           f"(only 'text')", param="response_format")
+    for name in ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+                 "web_search_options"):
+        if getattr(body, name) is not None:
+            raise RequestError(f"{name} is not supported", param=name)
+
+
+def _logprobs(body: _Body) -> int | None:
+    """How many top tokens each token's logprobs list, or None for no logprobs. A completion's
+    logprobs is that count (0: the sampled token's own only); a chat asks with logprobs: true
+    and counts with top_logprobs (0 when absent), which needs logprobs: true."""
+    if isinstance(body, ChatBody):
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        n, param = (body.top_logprobs or 0) if body.logprobs else None, "top_logprobs"
+    else:
+        if body.top_logprobs is not None:
+            raise RequestError("top_logprobs is a chat field; a completion counts its top tokens "
+                               "with logprobs", param="top_logprobs")
+        n, param = body.logprobs, "logprobs"
+    if n is not None and not 0 <= n <= MAX_LOGPROBS:
+        raise RequestError(f"{param} must be in [0, {MAX_LOGPROBS}], got {n}", param=param)
+    return n
+
+
+def _sampling(body: _Body, vocab: int, logprobs: int | None) -> SamplingParams:
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     if not 0 <= temperature <= 2:
         raise RequestError(f"temperature must be in [0, 2], got {temperature}", param="temperature")
@@ -271,17 +387,54 @@ def _sampling(body: _Body, vocab: int) -> SamplingParams:
     if seed is None:
         seed = secrets.randbelow(_SEED_BOUND) if temperature > 0 else 0
     return SamplingParams(temperature, top_k=None if top_k in (None, -1, 0) else top_k,
-                          top_p=top_p, min_p=min_p, seed=seed)
+                          top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs,
+                          **_penalties(body, vocab))
 
 
-def completion_prompt(body: CompletionBody) -> str | list[int]:
-    """The one prompt of a completion: a string or token ids (a list of one of either)."""
+def _penalties(body: _Body, vocab: int) -> dict:
+    """presence_penalty and frequency_penalty in [-2, 2] (OpenAI's range), repetition_penalty
+    > 0 (vLLM's), logit_bias: token ids (as strings) in the vocabulary to biases in [-100, 100]."""
+    out = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = float(getattr(body, name))
+        if not -2 <= v <= 2:
+            raise RequestError(f"{name} must be in [-2, 2], got {v}", param=name)
+        out[name] = v
+    rep = float(body.repetition_penalty)
+    if not 0 < rep <= 100:
+        raise RequestError(f"repetition_penalty must be in (0, 100], got {rep}", param="repetition_penalty")
+    out["repetition_penalty"] = rep
+    bias = {}
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or not 0 <= int(key) < vocab:
+            raise RequestError(f"logit_bias keys must be token ids in [0, {vocab}), got {key!r}",
+                               param="logit_bias")
+        if not -100 <= value <= 100:
+            raise RequestError(f"logit_bias values must be in [-100, 100], got {value} for token "
+                               f"{key}", param="logit_bias")
+        if int(key) in bias:
+            raise RequestError(f"logit_bias names token {int(key)} twice", param="logit_bias")
+        bias[int(key)] = float(value)
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS}",
+                           param="logit_bias")
+    out["logit_bias"] = bias
+    return out
+
+
+MAX_PROMPTS = 64     # prompts of one completion request (each gives n choices)
+
+
+def completion_prompts(body: CompletionBody) -> list[str | list[int]]:
+    """A completion's prompts, each a string or token ids: one, or a list of either (each
+    prompt its own choices, as vLLM and OpenAI's legacy API answer it)."""
     p = body.prompt
-    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-        if len(p) != 1:
-            raise RequestError(f"prompt holds {len(p)} prompts; vt serve takes one per request",
+    prompts = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+    if len(prompts) * body.n > MAX_PROMPTS:
+        raise RequestError(f"prompt holds {len(prompts)} prompts of n={body.n} choices each; one "
+                           f"request takes at most {MAX_PROMPTS} choices", param="prompt")
+    for i, one in enumerate(prompts):
+        if not one:
+            raise RequestError("prompt is empty" if len(prompts) == 1 else f"prompt {i} is empty",
                                param="prompt")
-        p = p[0]
-    if not p:
-        raise RequestError("prompt is empty", param="prompt")
-    return p
+    return prompts

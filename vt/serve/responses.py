@@ -30,37 +30,78 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-class ResponseShape:
-    """The ids, timestamps and object names one response's bodies share."""
+# The logprob OpenAI's bodies give a token of probability 0 (JSON has no -Infinity), as vLLM's.
+LOWEST_LOGPROB = -9999.0
 
-    def __init__(self, model: str, chat: bool):
+
+def _lp(v: float) -> float:
+    return max(v, LOWEST_LOGPROB)
+
+
+class ResponseShape:
+    """The ids, timestamps and object names one response's bodies share. `token_text(id)`
+    names a token in logprobs (its decoded text)."""
+
+    def __init__(self, model: str, chat: bool, token_text=None):
         self.model, self.chat = model, chat
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
+        self._text = token_text or (lambda t: f"token_id:{t}")
+        self._offsets: dict[int, int] = {}   # choice -> a completion's text_offset so far
+
+    def logprobs(self, entries, index: int = 0) -> dict | None:
+        """OpenAI's logprobs object of some tokens ((id, logprob, top) each; None: not asked).
+        Chat: {"content": [{token, logprob, bytes, top_logprobs}], "refusal"}. Completion:
+        {tokens, token_logprobs, top_logprobs, text_offset}; as vLLM's, each top_logprobs dict
+        also holds the sampled token, so logprobs=0 gives its logprob there too."""
+        if entries is None:
+            return None
+        name = self._text
+        if self.chat:
+            def item(t, v):
+                text = name(t)
+                return {"token": text, "logprob": _lp(v), "bytes": list(text.encode())}
+            return {"content": [{**item(t, v), "top_logprobs": [item(i, w) for i, w in top]}
+                                for t, v, top in entries], "refusal": None}
+        tokens, offsets, at = [], [], self._offsets.get(index, 0)
+        for t, _, _ in entries:
+            tokens.append(name(t))
+            offsets.append(at)
+            at += len(tokens[-1])
+        self._offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": [_lp(v) for _, v, _ in entries],
+                "top_logprobs": [{**{name(i): _lp(w) for i, w in top}, name(t): _lp(v)}
+                                 for t, v, top in entries],
+                "text_offset": offsets}
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, token_ids: list[int], finish_reason: str, use: dict) -> dict:
+    def whole(self, text: str, token_ids: list[int], finish_reason: str, use: dict,
+              logprobs=None, index: int = 0) -> dict:
+        """logprobs: the tokens' (id, logprob, top) or None (not asked); index: the choice's."""
+        lp = self.logprobs(logprobs, index)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish_reason, "token_ids": token_ids}
+            choice = {"index": index, "message": {"role": "assistant", "content": text},
+                      "logprobs": lp, "finish_reason": finish_reason, "token_ids": token_ids}
             return {**self._head("chat.completion"), "choices": [choice], "usage": use}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
+        choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
                   "token_ids": token_ids}
         return {**self._head("text_completion"), "choices": [choice], "usage": use}
 
     def chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None = None,
-              *, role: bool = False) -> dict:
-        """One streamed choice delta (the chat's first one carries the role)."""
+              *, role: bool = False, logprobs=None, index: int = 0) -> dict:
+        """One streamed choice delta (the chat's first one carries the role); logprobs: its
+        tokens' (id, logprob, top), or None; index: the choice's."""
+        lp = self.logprobs(logprobs, index)
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+            choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                       "token_ids": token_ids}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason,
+        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason,
                   "token_ids": token_ids}
         return {**self._head("text_completion"), "choices": [choice]}
 

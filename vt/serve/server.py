@@ -110,10 +110,11 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def make_server(service: GenerationService, *, shutdown_timeout_s: float,
-                log_level: str = "warning", on_listening=None) -> GracefulServer:
-    """The server of `service`'s app (vt/serve/app.py); on_listening() is called once it
-    accepts connections and handles SIGINT/SIGTERM."""
-    config = uvicorn.Config(create_app(service), log_level=log_level, access_log=False,
+                log_level: str = "warning", on_listening=None,
+                api_key: str | None = None) -> GracefulServer:
+    """The server of `service`'s app (vt/serve/app.py; `api_key`: its Bearer key, None for
+    none); on_listening() is called once it accepts connections and handles SIGINT/SIGTERM."""
+    config = uvicorn.Config(create_app(service, api_key=api_key), log_level=log_level, access_log=False,
                             lifespan="on", timeout_keep_alive=30,
                             timeout_graceful_shutdown=shutdown_timeout_s + ABORT_GRACE_S)
     return GracefulServer(config, service, shutdown_timeout_s, on_listening)

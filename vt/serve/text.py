@@ -26,25 +26,34 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A completion prompt: the tokenizer's own special tokens added (a BOS, usually)."""
-        return list(self.tokenizer(text).input_ids)
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def chat_prompt(self, messages: list[dict]) -> list[int]:
-        """Messages through the chat template, the assistant's turn opened. The template
-        writes the special tokens itself, so encoding adds none (as transformers does)."""
+    def use_chat_template(self, template: str) -> None:
+        """Serve with `template` (Jinja text, `vt serve --chat-template FILE`) instead of the
+        tokenizer's own."""
+        self.tokenizer.chat_template = template
+
+    def chat_prompt(self, messages: list[dict], **template_kwargs) -> list[int]:
+        """Messages through the chat template, the assistant's turn opened; template_kwargs
+        reach the template as its variables (Qwen3's enable_thinking). The template writes the
+        special tokens itself, so encoding adds none (as transformers does)."""
         if not self.has_chat_template:
             raise ValueError("this checkpoint's tokenizer has no chat template; use /v1/completions")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=True, **template_kwargs)
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def stream(self, stop: tuple[str, ...] = ()) -> TextStream:
-        """An incremental decoder of one request's tokens, cutting at the first stop string."""
-        return TextStream(self.decode, stop)
+    def stream(self, stop: tuple[str, ...] = (), *, include_stop: bool = False,
+               skip_special_tokens: bool = True) -> TextStream:
+        """An incremental decoder of one request's tokens, cutting at the first stop string
+        (keeping it with include_stop)."""
+        decode = self.decode if skip_special_tokens else (lambda ids: self.decode(ids, False))
+        return TextStream(decode, stop, include_stop)
 
 
 def eos_token_ids(path) -> tuple[int, ...]:
