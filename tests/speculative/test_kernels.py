@@ -48,3 +48,33 @@ def test_accept_keeps_drafts_up_to_the_first_mismatch_and_emits_the_targets_toke
     assert hist[0, 3:6].tolist() == [3, 4, 5] and hist[1, 6:10].tolist() == [1, 2, 3, 7]
     assert table[:2].tolist() == [5, 7] and not hist[4].any()
     np.testing.assert_array_equal(out, logits[::k + 1])
+
+
+def test_the_cuda_kernels_compile_for_sm90():
+    """NVRTC builds the speculative step's CUDA source with the options CuPy is given."""
+    from vt.backend.nvrtc import nvrtc_options
+    from vt.forward import spec_kernels
+
+    from tests.model.test_cuda_compile import _assert_holds_kernels, _cubin
+    _assert_holds_kernels(_cubin(spec_kernels.CODE, nvrtc_options({})), spec_kernels.CODE)
+
+
+def test_bad_speculative_configs_and_targets_are_refused_by_name(sim_backend):
+    import pytest
+
+    from vt.forward.speculative import SpeculativeConfig, SpeculativeModel
+    from vt.forward.toy import ToyForward
+    from ._causal import CausalToy
+    with pytest.raises(ValueError, match="method must be one of ngram, oracle, got 'draft'"):
+        SpeculativeConfig("draft")
+    with pytest.raises(ValueError, match="k"):
+        SpeculativeConfig("ngram", k=0)
+    with pytest.raises(ValueError, match="accept must be a fraction in \\[0, 1\\], got 1.5"):
+        SpeculativeConfig("oracle", accept=1.5, references={})
+    with pytest.raises(ValueError, match="'oracle' needs references"):
+        SpeculativeConfig("oracle")
+    with pytest.raises(ValueError, match="does not declare verifies_by_decode"):
+        SpeculativeModel(sim_backend, ToyForward(sim_backend).step_model(), SpeculativeConfig("ngram"))
+    small = CausalToy(sim_backend, max_k=1).step_model()
+    with pytest.raises(ValueError, match="token table has 25 entries; k=4 .* need 49"):
+        SpeculativeModel(sim_backend, small, SpeculativeConfig("ngram", k=4))
