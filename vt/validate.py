@@ -4,7 +4,7 @@ refusal reads, the same everywhere.
 A Python int or a numpy integer (what a shape, a `len` or an array element gives) is an
 integer; a bool is not (True is 1 to Python, never a size to a caller), nor is a float,
 even 8.0. A refusal reads "X must be an integer in [lo, hi], got V" (the command line's
-bounds, vt/cli/limits.py, read the same): a TypeError when V is not an integer at all, a
+bounds, vt/bench/limits.py, read the same): a TypeError when V is not an integer at all, a
 ValueError when it is one outside the range.
 """
 from __future__ import annotations
