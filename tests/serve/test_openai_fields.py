@@ -51,7 +51,6 @@ def test_fields_clients_send_by_default_are_accepted_and_change_nothing(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"), ("response_format", {"type": "json_object"}),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
     ("functions", [{"name": "f"}]), ("prediction", {"type": "content", "content": "x"}),

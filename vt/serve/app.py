@@ -32,6 +32,7 @@ from vt.serve.protocol import (ChatBody, CompletionBody, DetokenizeBody, Request
                                TokenizeBody,
                                completion_prompts, generation_spec, parse_body)
 from vt.serve.responses import DONE, ResponseShape, error_body, sse, usage
+from vt.serve.tools import ToolCallStream, format_of, parse_tool_calls
 
 RETRY_AFTER_S = 1
 
@@ -128,12 +129,16 @@ def create_app(service: GenerationService, *, api_key: str | None = None) -> Fas
         if model.text is None or not model.text.has_chat_template:
             raise RequestError("this model has no chat template (a preset, or a tokenizer "
                                "without one): use /v1/completions", param="messages")
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [m.dict_for_template() for m in body.messages]
         service.limits.check_prompt_chars(sum(len(m["content"]) for m in messages), "messages")
-        ids = await _chat_prompt(model.text, messages, **body.template_variables())
-        return await _respond(request, service, [ids], spec,
-                              ResponseShape(model.name, chat=True, token_text=_token_text(model)),
-                              "messages")
+        variables = body.template_variables()
+        if body.tools:
+            variables["tools"] = [t.for_template() for t in body.tools]
+        ids = await _chat_prompt(model.text, messages, **variables)
+        shape = ResponseShape(model.name, chat=True, token_text=_token_text(model))
+        if body.tools and body.tool_choice != "none":
+            shape.tool_format = format_of(model.text.tokenizer.chat_template)
+        return await _respond(request, service, [ids], spec, shape, "messages")
 
     return app
 
@@ -228,8 +233,12 @@ async def _respond(request: Request, service: GenerationService, prompts: list[l
         return Response(status_code=499)
     text, token_ids = collect.result()   # GenerationFailed: the 500 handler
     out = gen.outcome
-    return shape.whole(text, token_ids, out.finish_reason,
-                       usage(out.prompt_tokens, out.completion_tokens), out.logprobs)
+    calls, reason = None, out.finish_reason
+    if shape.tool_format is not None:
+        text, calls = parse_tool_calls(text, shape.tool_format)
+        reason = "tool_calls" if calls else reason
+    return shape.whole(text, token_ids, reason, usage(out.prompt_tokens, out.completion_tokens),
+                       out.logprobs, tool_calls=calls)
 
 
 class _Choices:
@@ -362,9 +371,11 @@ async def _events(gen: Generation, shape: ResponseShape, include_usage: bool,
     if shape.chat:
         yield sse(shape.chunk("", [], role=True))
     done = 0
+    calls = ToolCallStream(shape.tool_format) if shape.tool_format is not None else None
     try:
         async for d in gen.deltas():
-            chunk = shape.chunk(d.text, d.token_ids, logprobs=d.logprobs)
+            text = calls.push(d.text) if calls is not None else d.text
+            chunk = shape.chunk(text, d.token_ids, logprobs=d.logprobs)
             if continuous_usage:
                 done += len(d.token_ids)
                 chunk["usage"] = usage(gen.prompt_tokens, done)
@@ -374,7 +385,15 @@ async def _events(gen: Generation, shape: ResponseShape, include_usage: bool,
         yield DONE
         return
     out = gen.outcome
-    yield sse(shape.chunk(None if shape.chat else "", [], out.finish_reason))
+    reason = out.finish_reason
+    if calls is not None:
+        rest, made = calls.finish()
+        if rest:
+            yield sse(shape.chunk(rest, []))
+        if made:
+            yield sse(shape.chunk(None, [], tool_calls=made))
+            reason = "tool_calls"
+    yield sse(shape.chunk(None if shape.chat else "", [], reason))
     if include_usage:
         yield sse(shape.usage_chunk(usage(out.prompt_tokens, out.completion_tokens)))
     yield DONE

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
-from pydantic import ValidationError
+from pydantic import ValidationError, model_validator
 
 from vt.sampling.params import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 from vt.errors import VtError
@@ -141,17 +141,82 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
-class Message(BaseModel):
+class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: StrictStr | list[TextPart]
+    name: StrictStr
+    arguments: StrictStr          # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: StrictStr
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class Message(BaseModel):
+    """A chat message. An assistant's may carry the tool_calls it made (its content then
+    optional); a "tool" message is a call's result, naming it by tool_call_id."""
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> "Message":
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a message of role {self.role!r} needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message, and only one, names its tool_call_id")
+        return self
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
     def dict_for_template(self) -> dict:
-        return {"role": self.role, "content": self.text()}
+        """The message as chat templates read it: a call's arguments as an object (the
+        templates of Qwen and Llama write them with tojson)."""
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function",
+                                  "function": {"name": c.function.name,
+                                               "arguments": _arguments(c.function.arguments)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+def _arguments(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+    def for_template(self) -> dict:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
 class ResponseFormat(BaseModel):
@@ -168,7 +233,8 @@ class _Templated(BaseModel):
         """What the chat template sees beyond the messages: chat_template_kwargs, and
         reasoning_effort as the variable of that name (gpt-oss's templates read it)."""
         out = dict(self.chat_template_kwargs or {})
-        for key in ("tokenize", "conversation", "messages", "chat_template", "add_generation_prompt"):
+        for key in ("tokenize", "conversation", "messages", "chat_template", "add_generation_prompt",
+                    "tools"):
             if key in out:
                 raise RequestError(f"chat_template_kwargs.{key} is vt's to set, not the request's",
                                    param=f"chat_template_kwargs.{key}")
@@ -192,8 +258,8 @@ class ChatBody(_Templated, _Body):
     # Honoured where vt can, refused by name where not (_refuse_chat_fields).
     modalities: list[StrictStr] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[dict] | None = None
-    tool_choice: StrictStr | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict | None = None
     functions: list[dict] | None = None
     function_call: StrictStr | dict | None = None
     audio: dict | None = None
@@ -343,7 +409,13 @@ def _refuse_chat_fields(body: ChatBody) -> None:
     if body.response_format is not None and body.response_format.type != "text":
         raise RequestError(f"response_format type {body.response_format.type!r} is not supported "
                            f"(only 'text')", param="response_format")
-    for name in ("tools", "tool_choice", "functions", "function_call", "audio", "prediction",
+    if body.tool_choice not in (None, "none", "auto"):
+        raise RequestError("tool_choice 'required' or a named function is not supported yet "
+                           "(it needs a grammar-constrained sampler); 'auto' and 'none' are",
+                           param="tool_choice")
+    if body.tools and body.n != 1:
+        raise RequestError("tools with n > 1 is not supported", param="n")
+    for name in ("functions", "function_call", "audio", "prediction",
                  "web_search_options"):
         if getattr(body, name) is not None:
             raise RequestError(f"{name} is not supported", param=name)

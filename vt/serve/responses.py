@@ -48,6 +48,7 @@ class ResponseShape:
         self.created = int(time.time())
         self._text = token_text or (lambda t: f"token_id:{t}")
         self._offsets: dict[int, int] = {}   # choice -> a completion's text_offset so far
+        self.tool_format: str | None = None  # a chat with tools: the format calls are parsed in
 
     def logprobs(self, entries, index: int = 0) -> dict | None:
         """OpenAI's logprobs object of some tokens ((id, logprob, top) each; None: not asked).
@@ -77,12 +78,16 @@ class ResponseShape:
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, token_ids: list[int], finish_reason: str, use: dict,
-              logprobs=None, index: int = 0) -> dict:
-        """logprobs: the tokens' (id, logprob, top) or None (not asked); index: the choice's."""
+    def whole(self, text: str | None, token_ids: list[int], finish_reason: str, use: dict,
+              logprobs=None, index: int = 0, tool_calls: list | None = None) -> dict:
+        """logprobs: the tokens' (id, logprob, top) or None (not asked); index: the choice's;
+        tool_calls: the calls parsed from a chat's output (vt/serve/tools.py), if any."""
         lp = self.logprobs(logprobs, index)
         if self.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": text}
+            if tool_calls:
+                message["tool_calls"] = tool_calls
+            choice = {"index": index, "message": message,
                       "logprobs": lp, "finish_reason": finish_reason, "token_ids": token_ids}
             return {**self._head("chat.completion"), "choices": [choice], "usage": use}
         choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish_reason,
@@ -90,14 +95,18 @@ class ResponseShape:
         return {**self._head("text_completion"), "choices": [choice], "usage": use}
 
     def chunk(self, text: str | None, token_ids: list[int], finish_reason: str | None = None,
-              *, role: bool = False, logprobs=None, index: int = 0) -> dict:
+              *, role: bool = False, logprobs=None, index: int = 0,
+              tool_calls: list | None = None) -> dict:
         """One streamed choice delta (the chat's first one carries the role); logprobs: its
-        tokens' (id, logprob, top), or None; index: the choice's."""
+        tokens' (id, logprob, top), or None; index: the choice's; tool_calls: whole calls,
+        each as a delta with its index in the message's list."""
         lp = self.logprobs(logprobs, index)
         if self.chat:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(tool_calls)]
             choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason,
                       "token_ids": token_ids}
             return {**self._head("chat.completion.chunk"), "choices": [choice]}
