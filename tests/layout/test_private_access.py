@@ -55,6 +55,7 @@ ALLOWED = {
         "the float64 reference beside RoutedGemm, in its module, reuses its slot helper",
     ("bench/torch_ttft.py", "model.config._attn_implementation"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch.ops.aten._local_scalar_dense"): _THIRD_PARTY,
+    ("torch/fp8.py", "torch._scaled_mm"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch._subclasses"): _THIRD_PARTY,
     ("torch/simcapture.py", "func._schema"): _THIRD_PARTY,
     ("parallel/communicator.py", "getattr(c10d, '_abort_process_group', None)"): _THIRD_PARTY,

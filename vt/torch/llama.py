@@ -62,6 +62,14 @@ CUDA, one product per row on the CPU), the norms and the SiLU product one row at
 attention with invariant=True, which computes a prompt token as it computes a decode row. It
 costs time (docs/torch.md, "Batch invariance").
 
+quantization="fp8": the four projections of every layer hold FP8 (e4m3) weights with float32
+scales (vt.torch.fp8.Fp8Linear: per output channel, or per 128 x 128 block with
+fp8_scales="block", as the `fp8` checkpoint format stores them); the embedding, the norms and
+the head keep `dtype`. Each LayerOps' linears then take FP8 weights (fp8_ops): the float32
+reference on the CPU, the FP8 GEMV at <= 16 rows on CUDA, and fp8_prompt_linear
+("dequantize" or "scaled_mm") for more rows. quantize_weights_ fills them from dense weights;
+vt.torch.hf.load reads FP8 checkpoints or quantizes at load. One rank, not batch_invariant.
+
 With `tp` (a vt.torch.tensor_parallel.TensorParallel of more than one rank) each rank holds
 its share of the heads, the KV cache, the MLP and the head; `o` and `down` end in an
 all-reduce and the logits in an all-gather (LlamaDecoder's docstring; docs/torch.md).
@@ -71,7 +79,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -80,7 +88,7 @@ from torch import nn
 
 from vt import env
 from vt.step import KVGeometry
-from vt.torch import fused
+from vt.torch import fp8, fused
 from vt.torch.attention import AttentionContext, attend, build_context
 from vt.torch.paged_attention import rope_cache_decode_attention
 from vt.torch.tensor_parallel import TensorParallel
@@ -210,7 +218,8 @@ class LlamaDecoder(nn.Module):
     def __init__(self, cfg: LlamaConfig, geometry: KVGeometry, *, dtype=torch.bfloat16,
                  device="cuda", kernels: str = "auto", linear: str = "auto",
                  prompt_kernels: str = "auto", tp: TensorParallel | None = None,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, quantization: str | None = None,
+                 fp8_scales: str = "channel", fp8_prompt_linear: str = "dequantize"):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
@@ -229,6 +238,12 @@ class LlamaDecoder(nn.Module):
         self.one_row_ops = layer_ops(cfg, self.kernels, self.linear, batch_invariant,
                                      one_row=True)
         self.prompt_ops = layer_ops(cfg, self.prompt_kernels, prompt_linear, batch_invariant)
+        self.quantization = check_quantization(quantization, fp8_scales, fp8_prompt_linear,
+                                               self.tp, batch_invariant)
+        if self.quantization == "fp8":
+            self.decode_ops, self.one_row_ops, self.prompt_ops = (
+                fp8_ops(ops, fp8_prompt_linear)
+                for ops in (self.decode_ops, self.one_row_ops, self.prompt_ops))
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
@@ -237,6 +252,9 @@ class LlamaDecoder(nn.Module):
         with torch.device(device):
             self.layers = nn.ModuleList(Layer(cfg, self.tp)
                                         for _ in range(cfg.layers)).to(dtype)
+            if self.quantization == "fp8":   # after .to(dtype), which would cast FP8 codes
+                for layer in self.layers:
+                    quantized_linears(layer, dtype, per_block=fp8_scales == "block")
             self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
             self.lm_head = None if cfg.tie_embeddings else nn.Linear(
                 cfg.hidden, self.vocab_shard, bias=False, **factory)
@@ -337,6 +355,62 @@ def layer_ops(cfg: LlamaConfig, kernels: str, linear: str, invariant: bool,
     else:
         attention = fused_rope_attention
     return LayerOps(True, matmul, matmul, add_norm, gate_up_silu, attention)
+
+
+def fp8_ops(ops: LayerOps, prompt_linear: str | None = None) -> LayerOps:
+    """ops whose projections take FP8 weights (vt.torch.fp8.linear: the reference on the CPU,
+    the FP8 GEMV or the prompt choice on CUDA); a plain tensor weight (the head) still goes
+    to ops' own linear."""
+    return replace(ops, linear=partial(fp8.linear, dense=ops.linear, prompt_linear=prompt_linear),
+                   attn_linear=partial(fp8.linear, dense=ops.attn_linear,
+                                       prompt_linear=prompt_linear),
+                   gate_up_silu=partial(fp8.linear_silu_mul, dense_silu=ops.gate_up_silu,
+                                        prompt_linear=prompt_linear))
+
+
+def quantized_linears(layer: Layer, dtype: torch.dtype, *, per_block: bool) -> None:
+    """The layer's four projections as vt.torch.fp8.Fp8Linear (zero weights, unit scales:
+    a loader or quantize_weights_ fills them); its norms stay in `dtype`."""
+    for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"),
+                         (layer.mlp, "down")):
+        old = getattr(parent, name)
+        setattr(parent, name, fp8.Fp8Linear(old.in_features, old.out_features,
+                                            bias=old.bias is not None, per_block=per_block,
+                                            dtype=dtype, device=old.weight.device))
+
+
+def check_quantization(quantization, fp8_scales: str, fp8_prompt_linear: str,
+                       tp: TensorParallel, invariant: bool) -> str | None:
+    """None or "fp8"; ValueError, naming the value, for anything LlamaDecoder does not run."""
+    quantization = fp8.check_quantization(quantization)
+    if fp8_scales not in ("channel", "block"):
+        raise ValueError(f"LlamaDecoder: fp8_scales={fp8_scales!r} must be 'channel' or 'block'")
+    if fp8_prompt_linear not in fp8.PROMPT_LINEARS:
+        raise ValueError(f"LlamaDecoder: fp8_prompt_linear={fp8_prompt_linear!r} must be one "
+                         f"of {fp8.PROMPT_LINEARS}")
+    if quantization is not None and tp.size > 1:
+        raise ValueError(f"LlamaDecoder: quantization={quantization!r} runs on one rank; "
+                         f"tensor parallelism (tp size {tp.size}) is not implemented for it")
+    if quantization is not None and invariant:
+        raise ValueError(f"LlamaDecoder: quantization={quantization!r} with "
+                         f"batch_invariant=True is not implemented (its linears are bf16's)")
+    return quantization
+
+
+def quantize_weights_(model: LlamaDecoder, dense: dict[str, torch.Tensor]) -> None:
+    """Fill an FP8 decoder's projections from dense weights (a dense LlamaDecoder's state
+    dict names: "layers.{i}.attn.qkv.weight", ...), each quantized per output channel
+    (vt.torch.fp8.quantize_per_channel); every other tensor copied as it is."""
+    params = model.state_dict()
+    with torch.no_grad():
+        for name, t in dense.items():
+            if name.endswith(".weight") and name.removesuffix(".weight") + ".qweight" in params:
+                w = fp8.quantize_per_channel(t)
+                base = name.removesuffix(".weight")
+                params[base + ".qweight"].copy_(w.data)
+                params[base + ".weight_scale"].copy_(w.scale)
+            else:
+                params[name].copy_(t)
 
 
 def torch_add_norm(x, delta, norm: RMSNorm):
