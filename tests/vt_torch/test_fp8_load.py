@@ -98,14 +98,15 @@ def _quantized(dense, scheme):
 
 def position_logits(module: LlamaDecoder, tokens) -> torch.Tensor:
     """[len(tokens), vocab] float32: each position's logits, one decode step a position."""
-    table = torch.zeros(GEO.max_seqs + 1, dtype=torch.int32)
-    blocks = torch.arange(1, GEO.max_blocks + 1, dtype=torch.int32)[None]
-    logits = torch.empty(1, module.cfg.vocab)
+    geo, dev = module.geometry, module.k_cache.device
+    table = torch.zeros(geo.max_seqs + 1, dtype=torch.int32, device=dev)
+    blocks = torch.arange(1, geo.max_blocks + 1, dtype=torch.int32, device=dev)[None]
+    logits = torch.empty(1, module.cfg.vocab, device=dev)
     rows = []
     for p, tok in enumerate(tokens):
         table[0] = tok
-        i32 = lambda v: torch.tensor([v], dtype=torch.int32)   # noqa: E731
-        slot = int(blocks[0, p // GEO.block_size]) * GEO.block_size + p % GEO.block_size
+        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)   # noqa: E731
+        slot = (p // geo.block_size + 1) * geo.block_size + p % geo.block_size
         module(TorchInputs.decode(table, i32(0), i32(p), i32(p + 1), i32(slot), blocks, i32(0)),
                logits)
         rows.append(logits.clone())

@@ -1,0 +1,106 @@
+"""vt.torch.triton_fp8: the FP8-weight GEMV against vt.torch.fp8.reference_linear (the CPU's
+FP8 linear) and float64 of the dequantized weights: per-channel and 128 x 128 block scales,
+1 to 16 rows, widths that fill no block evenly. On a GPU at the 8B shape's widths in bf16;
+under Triton's CPU interpreter (TRITON_INTERPRET=1) in fp16, whose rounding the interpreter
+shares with torch. The CUDA prompt-step linears (dequantize, scaled_mm) and a captured FP8
+decode step are GPU tests; their sim twins are tests/vt_torch/test_fp8_load.py's."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
+pytestmark = pytest.mark.torch_allocator
+
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="runs the Triton kernel on the CPU only under "
+                                        "TRITON_INTERPRET=1")
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _weight(N, K, per_block, device):
+    from vt.torch import fp8
+    w = torch.randn(N, K, device=device) * K ** -0.5
+    return fp8.quantize_block(w) if per_block else fp8.quantize_per_channel(w)
+
+
+def check(x, per_block, N, tol):
+    from vt.torch import cpu_ops, fp8, triton_fp8
+    K = x.shape[1]
+    w = _weight(N, K, per_block, x.device)
+    got = triton_fp8.linear(x, w.data, w.scale)
+    exact = x.double() @ fp8.dequantize(w).double().T
+    assert got.dtype == x.dtype and rel_err(got, exact) < tol
+    assert rel_err(got, fp8.reference_linear(x, w)) < tol
+    if x.shape[0] == 1:
+        gu = _weight(2 * 256, K, per_block, x.device)
+        want = cpu_ops.silu_mul(fp8.reference_linear(x, gu))
+        assert rel_err(triton_fp8.linear_silu_mul(x, gu.data, gu.scale), want) < tol
+
+
+@interpreted
+@pytest.mark.parametrize("per_block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("S", [1, 3])
+def test_fp8_gemv_in_the_interpreter(S, per_block):
+    """fp16, N = 200 and K = 1000 (partial tiles and blocks): within 1e-3 of float64."""
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    torch.manual_seed(S)
+    check(torch.randn(S, 1000, dtype=torch.float16), per_block, 200, tol=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("per_block", [False, True], ids=["channel", "block"])
+@pytest.mark.parametrize("S", [1, 3, 8, 16])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (77, 1000)])
+def test_fp8_gemv_matches_the_reference(S, N, K, per_block):
+    """bf16 rows (rounded once: ulp 2**-8) within 1e-2 of float64 and of the reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(0)
+    check(torch.randn(S, K, device="cuda", dtype=torch.bfloat16), per_block, N, tol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_linear", ["dequantize", "scaled_mm"])
+def test_prompt_step_linears_match_the_reference(prompt_linear):
+    """More rows than the GEMV holds: dequantize-then-cuBLAS within 1e-2 of the reference;
+    scaled_mm (activations quantized per token to e4m3 too) within 6e-2."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from vt.torch import fp8
+    torch.manual_seed(0)
+    x = torch.randn(300, 4096, device="cuda", dtype=torch.bfloat16)
+    w = _weight(1024, 4096, False, "cuda")
+    got = fp8.linear(x, w, prompt_linear=prompt_linear)
+    tol = 6e-2 if prompt_linear == "scaled_mm" else 1e-2
+    assert rel_err(got, fp8.reference_linear(x, w)) < tol
+
+
+@pytest.mark.gpu
+def test_fp8_decoder_on_cuda_matches_the_cpu_reference():
+    """A tiny FP8 decoder in bf16: CUDA's greedy tokens (captured decode on vt's kernels) equal
+    the CPU reference's, and its one-row logits are within 2e-2 of them."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from vt.torch.llama import LlamaConfig, LlamaDecoder, quantize_weights_
+    from vt.step import KVGeometry
+    from test_fp8_load import position_logits
+    cfg = LlamaConfig(vocab=128, hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
+                      head_dim=32)
+    geo = KVGeometry(max_seqs=2, num_kv_blocks=8, block_size=4, max_context=16)
+    torch.manual_seed(0)
+    dense = {k: (torch.randn_like(v) * v.shape[-1] ** -0.5 if v.dim() == 2 else v)
+             for k, v in LlamaDecoder(cfg, geo, dtype=torch.float32, device="cpu")
+             .state_dict().items()}
+    models = []
+    for device in ("cpu", "cuda"):
+        m = LlamaDecoder(cfg, geo, dtype=torch.bfloat16, device=device, quantization="fp8")
+        quantize_weights_(m, dense)
+        models.append(m)
+    tokens = [1, 5, 9, 17, 33, 65]
+    cpu = position_logits(models[0], tokens)
+    cuda = position_logits(models[1], tokens).cpu()
+    assert rel_err(cuda, cpu) < 2e-2

@@ -1,0 +1,190 @@
+"""A Triton linear over FP8 (e4m3) weights for decode steps of few rows: y = x @ (q * scale).T
+for x [S, K] bf16/fp16 with S <= 16, q float8_e4m3fn [N, K] row-major, its float32 scale per
+output channel ([N]) or per 128 x 128 block ([ceil(N / 128), ceil(K / 128)]), reading each
+weight byte once: half the bytes of the bf16 GEMV (vt.torch.triton_gemv), whose structure
+this follows.
+
+The arithmetic is vt.torch.fp8.reference_linear's: e4m3 codes and the activations widen to
+float32 exactly (every e4m3 value is also exact in bf16, so the tensor-core path's bf16
+operand is exact too), products sum in float32, the scale multiplies in float32 (per channel
+once, in the epilogue; per block, each 128-wide K slice's partial sum), and the output is
+rounded once to x's dtype. Only the summation order differs from the reference.
+
+One row runs on the CUDA cores (as triton_gemv's one-row kernel: a fixed shape, PDL), with
+linear_silu_mul taking the MLP's activation into the gate_up projection's epilogue (gate and
+up rows interleaved in a tile, each scaled, rounded to the storage dtype, then silu_times).
+Two to 16 rows run a 16-row tile through tl.dot with the weight tile widened to x's dtype.
+Shapes are fixed (no autotuning): nothing runs on the host at a call but the launch, so it
+captures. The shapes are untimed on a GPU so far; ONE_ROW repeats triton_gemv's.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from vt.torch import triton_pdl as pdl
+from vt.torch.triton_fused import silu_times
+
+MAX_ROWS = 16
+BLOCK = 128   # the block scales' K and N extent (vt.torch.fp8.BLOCK)
+ONE_ROW = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
+FEW_ROWS = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+
+
+def fits(x: torch.Tensor, weight) -> bool:
+    """Whether linear takes x and the Fp8Weight: CUDA, 2-D x of at most MAX_ROWS rows in
+    bf16/fp16, the codes' last dim contiguous."""
+    return (x.is_cuda and x.dim() == 2 and x.shape[0] <= MAX_ROWS
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.data.stride(-1) == 1)
+
+
+def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [S, K] @ (codes * scale)[N, K].T -> [S, N] in x's dtype (S <= MAX_ROWS)."""
+    S, K = x.shape
+    N = codes.shape[0]
+    _check(x, codes, scale, S <= MAX_ROWS, f"S <= {MAX_ROWS}")
+    y = torch.empty(S, N, dtype=x.dtype, device=x.device)
+    per_block = scale.dim() == 2
+    if S == 1:
+        _launch_one_row(x, codes, scale, y, K, glu_out=False)
+    elif S:
+        cfg = dict(FEW_ROWS, BLOCK_K=BLOCK) if per_block else FEW_ROWS
+        _fp8_gemv[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+            x, codes, scale, y, S, N, K, x.stride(0), codes.stride(0), y.stride(0),
+            _scale_cols(scale), ROWS=MAX_ROWS, PER_BLOCK=per_block, **cfg)
+    return y
+
+
+def linear_silu_mul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of x [1, K] @ (codes * scale)[2 * I, K].T ([gate | up] rows), with
+    vt.torch.fused.silu_mul's roundings after the linear's: [1, I]. One row only."""
+    S, K = x.shape
+    rows = codes.shape[0]
+    _check(x, codes, scale, S == 1 and rows % 2 == 0, "one row and an even row count")
+    if scale.dim() == 2 and (rows // 2) % BLOCK:
+        raise ValueError(f"triton_fp8.linear_silu_mul: block scales need I = {rows // 2} "
+                         f"a multiple of {BLOCK}")
+    y = torch.empty(1, rows // 2, dtype=x.dtype, device=x.device)
+    _launch_one_row(x, codes, scale, y, K, glu_out=True)
+    return y
+
+
+def _check(x, codes, scale, rows_ok: bool, rows_need: str):
+    S, K = x.shape
+    N = codes.shape[0]
+    want = ((triton.cdiv(N, BLOCK), triton.cdiv(K, BLOCK)) if scale.dim() == 2 else (N,))
+    if (not rows_ok or codes.shape[1] != K or codes.dtype != torch.float8_e4m3fn
+            or scale.dtype != torch.float32 or tuple(scale.shape) != want):
+        raise ValueError(f"triton_fp8: x {tuple(x.shape)}, codes {tuple(codes.shape)} "
+                         f"{codes.dtype}, scale {tuple(scale.shape)} {scale.dtype}; needs "
+                         f"{rows_need}, matching K, float8_e4m3fn codes and a float32 scale "
+                         f"of shape {want}")
+    if x.stride(-1) != 1 or codes.stride(-1) != 1 or not scale.is_contiguous():
+        raise ValueError("triton_fp8: x, codes and scale need a contiguous last dim")
+
+
+def _scale_cols(scale: torch.Tensor) -> int:
+    return scale.shape[1] if scale.dim() == 2 else 1
+
+
+def _launch_one_row(x, codes, scale, y, K: int, glu_out: bool):
+    N = y.shape[1]
+    per_program = ONE_ROW["BLOCK_N"] // 2 if glu_out else ONE_ROW["BLOCK_N"]
+    _fp8_gemv_one_row[(triton.cdiv(N, per_program),)](
+        x, codes, scale, y, N, K, codes.stride(0), _scale_cols(scale),
+        GLU_OUT=glu_out, PER_BLOCK=scale.dim() == 2, **ONE_ROW,
+        **pdl.launch_options(x.device, 1))
+
+
+@triton.jit
+def _block_partials(prod, scale_rows, k0, SC, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum over k of prod [BLOCK_N, BLOCK_K] (K columns k0..k0 + BLOCK_K), each 128-wide
+    slice's sum times its block's scale (scale_rows: the rows' scale row pointers)."""
+    parts = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // 128, 128]), axis=2)
+    kb = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+    s = tl.load(scale_rows[:, None] + kb[None, :], mask=kb[None, :] < SC, other=0.0)
+    return tl.sum(parts * s, axis=1)
+
+
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _fp8_gemv_one_row(X, W, SCALE, Y, N, K, stride_w, SC, GLU_OUT: tl.constexpr,
+                      PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr, PDL: tl.constexpr):
+    """One row on the CUDA cores, BLOCK_N weight rows a program. GLU_OUT: W holds [gate | up]
+    rows, N of each; tile row 2j is gate row c_j and 2j + 1 up row c_j."""
+    pdl.launch_next(PDL)
+    if GLU_OUT:
+        i = tl.arange(0, BLOCK_N)
+        col = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+        nmask1 = col < N
+        rn = col + (i % 2) * N
+    else:
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask1 = rn < N
+    nmask = nmask1[:, None]
+    wrow = W + rn[:, None].to(tl.int64) * stride_w
+    scale_rows = SCALE + (rn // 128) * SC   # PER_BLOCK: each row's block-row of scales
+    rk = tl.arange(0, BLOCK_K)
+    pdl.wait(PDL)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        if EVEN_K:
+            w = tl.load(wrow + kk[None, :], mask=nmask, other=0.0)
+            x = tl.load(X + kk)
+        else:
+            w = tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
+            x = tl.load(X + kk, mask=kk < K, other=0.0)
+        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if PER_BLOCK:
+            acc += _block_partials(prod, scale_rows, k0, SC, BLOCK_N, BLOCK_K)
+        else:
+            acc += tl.sum(prod, axis=1)
+    if not PER_BLOCK:
+        acc = acc * tl.load(SCALE + rn, mask=nmask1, other=0.0)
+    if GLU_OUT:
+        # Rounded to the storage dtype first, as the projection's output is before silu_mul.
+        gate, up = tl.split(tl.reshape(acc.to(Y.dtype.element_ty), [BLOCK_N // 2, 2]))
+        out = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(Y + out, silu_times(gate, up), mask=out < N)
+    else:
+        tl.store(Y + rn, acc.to(Y.dtype.element_ty), mask=nmask1)
+
+
+@triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
+@triton.jit
+def _fp8_gemv(X, W, SCALE, Y, S, N, K, stride_x, stride_w, stride_y, SC, ROWS: tl.constexpr,
+              PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              EVEN_K: tl.constexpr):
+    """2..16 rows: a [ROWS, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core dot per K tile (rows past
+    S masked to zero), the weight tile widened to x's dtype (exact). PER_BLOCK: BLOCK_K is
+    128, one block column a tile, whose dot is scaled before it is added."""
+    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rs = tl.arange(0, ROWS)
+    rk = tl.arange(0, BLOCK_K)
+    w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
+    x_ptr = X + rs[:, None] * stride_x + rk[None, :]
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x_mask = rs[:, None] < S
+            w = tl.load(w_ptr, mask=rn[:, None] < N, other=0.0)
+        else:
+            kk = k0 + rk
+            x_mask = (rs[:, None] < S) & (kk[None, :] < K)
+            w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        x = tl.load(x_ptr, mask=x_mask, other=0.0)
+        part = tl.dot(x, tl.trans(w.to(x.dtype)))
+        if PER_BLOCK:
+            s = tl.load(SCALE + (rn // 128) * SC + k0 // 128, mask=rn < N, other=0.0)
+            acc += part * s[None, :]
+        else:
+            acc += part
+        w_ptr += BLOCK_K
+        x_ptr += BLOCK_K
+    if not PER_BLOCK:
+        acc = acc * tl.load(SCALE + rn, mask=rn < N, other=0.0)[None, :]
+    tl.store(Y + rs[:, None] * stride_y + rn[None, :], acc.to(Y.dtype.element_ty),
+             mask=(rs[:, None] < S) & (rn[None, :] < N))
