@@ -16,7 +16,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from vt.step import KVGeometry  # noqa: E402
 from vt.torch import TorchInputs, fp8, hf  # noqa: E402
-from vt.torch.llama import LlamaDecoder  # noqa: E402
+from vt.torch.llama import LlamaDecoder, quantize_weights_  # noqa: E402
 
 GEO = KVGeometry(max_seqs=2, num_kv_blocks=8, block_size=4, max_context=16)
 # q, k, v, gate and up rows multiples of 128: the block format's fused projections need it.
@@ -265,3 +265,16 @@ def test_quantization_arguments_are_checked():
     with pytest.raises(ValueError, match="fp8_prompt_linear='cublas'"):
         LlamaDecoder(cfg, GEO, dtype=torch.float32, device="cpu", quantization="fp8",
                      fp8_prompt_linear="cublas")
+
+
+def test_an_fp8_decoder_serves_captured_steps_with_its_eager_tokens(sim_backend):
+    """On the sim, vt's captured decode steps of an FP8 decoder (ring mode, batches of 1 to 4)
+    give the greedy tokens of the same module called eagerly, position by position."""
+    from _torch_util import TINY, eager_greedy, generate, prompts, step_model, tiny_llama
+    dense = tiny_llama(sim_backend)
+    model = LlamaDecoder(TINY, dense.geometry, dtype=torch.float32, device="cpu",
+                         quantization="fp8")
+    quantize_weights_(model, dense.state_dict())
+    ps = prompts(4, seed=3)
+    expect = [eager_greedy(model, p, 6) for p in ps]
+    assert generate(sim_backend, step_model(sim_backend, model), "ring", ps, 6) == expect
