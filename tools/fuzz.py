@@ -8,7 +8,9 @@ requests wait for blocks), sim device delay or, on cuda, queued device work per 
 runs ahead of the device). Each case runs in mode "sync" (depth 1, the reference) and in every
 safe mode of vt.knobs.SAFE_MODES, POISON on for the async ones (and drawn for drain), and
 compares token for token, finish_reason and logits bytes: the schedule is the same at every
-depth, so the runs must be byte-identical. The unsafe arm (mode unguarded + POISON) runs on
+depth, so the runs must be byte-identical. The "positional" model (tools/positional_toy.py,
+position-addressed KV) draws prompts that share prefixes and serves them with prefix caching
+on, against a reference with it off: cached blocks must give the same bytes. The unsafe arm (mode unguarded + POISON) runs on
 the same cases and must show mismatches, or the harness is blind.
 
   python3 tools/fuzz.py --backend sim --steps-per-mode 2000                 # CPU, ~1 min
@@ -17,7 +19,8 @@ the same cases and must show mismatches, or the harness is blind.
   python3 tools/fuzz.py --backend sim --replay case.json                    # replay a printed case
   python3 tools/fuzz.py --faults          # step faults and NaN rows, online (tools/fuzz_faults.py)
 
-Per model and mode it reports steps (all kinds), graph steps, requests, mismatches vs sync
+Per model and mode it reports steps (all kinds), graph steps, requests, prompt tokens served
+from the prefix cache (cached), mismatches vs sync
 (request level: tokens, finish_reason, logits bytes; greedy ones with the top-2 logit gap at
 the first divergence, so a float-rounding flip is told apart from a wrong input), and with
 --alone-cases N, batch invariance: the sync run's requests served alone (serving_conc=1)
@@ -57,6 +60,7 @@ TOY_VOCAB = 64
 BUNDLED = ("tiny-dense", "tiny-moe")
 BUNDLED_MAX_SEQS, BUNDLED_KV_BLOCKS = 16, 96   # 96 blocks of 8: requests wait for blocks
 ALONE_REQUESTS = 12
+TOYS = ("toy", "positional")   # the toy forwards: their geometry is drawn
 
 
 # -- cases ------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ class Req:
 
 @dataclass(frozen=True)
 class Case:
-    model: str                  # "toy" or a vt.model preset
+    model: str                  # "toy", "positional" or a vt.model preset
     vocab: int
     max_seqs: int
     num_kv_blocks: int          # the scratch block included (KVGeometry)
@@ -120,7 +124,7 @@ class Case:
 
     def replay_hint(self) -> str:
         """The command that runs exactly this case again (its JSON: exact whatever drew it)."""
-        backend = "cuda" if self.model != "toy" or self.device_work_s else "sim"
+        backend = "cuda" if self.model not in TOYS or self.device_work_s else "sim"
         return f"python3 tools/fuzz.py --backend {backend} --replay '{self.to_json()}'"
 
 
@@ -144,11 +148,13 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
               sim_delays=(0.0,), device_works=(0.0,), max_prompt: int = 12,
               max_budget: int | None = None, max_round_steps: int = 150,
               seed: int | None = None) -> Case:
-    """One case from drawer `d`. The toy's geometry is drawn; a bundled preset's is the
-    model's (tools' HybridModel of BUNDLED_MAX_SEQS rows and BUNDLED_KV_BLOCKS blocks). A
+    """One case from drawer `d`. A toy's geometry is drawn; a bundled preset's is the
+    model's (tools' HybridModel of BUNDLED_MAX_SEQS rows and BUNDLED_KV_BLOCKS blocks). The
+    positional toy's prompts start with one of a few shared prefixes (or are one whole), so
+    later requests and rounds hit the prefix cache. A
     round's budgets add up to at most serving_conc * max_round_steps tokens (about that many
     steps): the cost of a case stays bounded whatever the concurrency drawn."""
-    if model == "toy":
+    if model in TOYS:
         vocab, bs = TOY_VOCAB, d.choice((2, 4, 8))
         ctx, max_seqs = d.choice((16, 32, 48)), d.choice((4, 8, 16))
     else:
@@ -157,12 +163,21 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
         vocab, bs, ctx, max_seqs = cfg.vocab, cfg.kv_block_size, cfg.max_context, BUNDLED_MAX_SEQS
     max_budget = max_budget or ctx
     conc = d.int(1, max_seqs)
+    longest = min(max_prompt, ctx)
+    prefixes = tuple(tuple(d.int(0, vocab - 1) for _ in range(d.int(min(bs, longest), longest)))
+                     for _ in range(d.int(1, 3))) if model == "positional" else ()   # a block or more
     rounds, stops, need = [], [], 1
     for _ in range(d.int(1, max_rounds)):
         reqs, tokens = [], 0
         for _ in range(d.int(1, max_requests)):
-            plen = d.int(1, min(max_prompt, ctx))
-            prompt = tuple(d.int(0, vocab - 1) for _ in range(plen))
+            if prefixes:
+                prefix = d.choice(prefixes)
+                prompt = prefix + tuple(d.int(0, vocab - 1)
+                                        for _ in range(d.int(0, longest - len(prefix))))
+                plen = len(prompt)
+            else:
+                plen = d.int(1, longest)
+                prompt = tuple(d.int(0, vocab - 1) for _ in range(plen))
             budget = d.int(1, min(max_budget, ctx - plen + 1))
             tokens += budget
             if reqs and tokens > conc * max_round_steps:
@@ -179,7 +194,7 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
             need = max(need, -(-(plen + budget - 1) // bs))
         rounds.append(tuple(reqs))
         stops.append(d.int(0, vocab - 1) if d.bool() else None)
-    if model == "toy":   # from one request's worth of blocks (+ scratch) to plenty
+    if model in TOYS:    # from one request's worth of blocks (+ scratch) to plenty
         num_kv_blocks = need + 1 + d.choice((0, d.int(0, need * max_seqs)))
     else:
         num_kv_blocks = BUNDLED_KV_BLOCKS + 1
@@ -217,7 +232,8 @@ def mode_config(case: Case, mode: str):
 
 class Models:
     """Step models per case: a fresh toy per engine; one HybridModel per (backend, preset),
-    shared by every engine (a run on a model that served others == on a fresh one)."""
+    shared by every engine (a run on a model that served others == on a fresh one). Prefix
+    caching is on (by default) for the positional toy only: the others keep recurrent state."""
 
     def __init__(self):
         self._bundled = {}
@@ -227,6 +243,9 @@ class Models:
             from vt.forward.toy import ToyForward
             return with_device_work(ToyForward(be, vocab=case.vocab, geometry=case.geometry)
                                     .step_model(), device_work_s)
+        if case.model == "positional":
+            from tools.positional_toy import PositionalToy
+            return PositionalToy(be, case.geometry).step_model(device_work_s)
         from vt.forward.hybrid import HybridStepModel
         key = (id(be), case.model)
         if key not in self._bundled:
@@ -246,12 +265,14 @@ class Models:
 def run_mode(be, models: Models, case: Case, mode: str, *, device_work_s: float = 0.0,
              reference: bool = False) -> ModeRun:
     """Every round of the case through one engine of `mode` (the reference records logits,
-    without timing events; the others as the case says)."""
+    without timing events and without prefix caching; the others as the case says, with
+    prefix caching where the model allows it, the engine's default)."""
     step = models.step_model(be, case, device_work_s)
     record, profile = (True, False) if reference else (case.record_logits, case.profile)
     config, hooks = mode_config(case, mode)
     with Engine(be, step, config, hooks=hooks, record_logits=record, profile=profile,
-                max_prefill_tokens=case.max_prefill_tokens) as eng:
+                max_prefill_tokens=case.max_prefill_tokens,
+                prefix_caching=False if reference else None) as eng:
         rounds = [eng.generate([np.asarray(r.prompt, np.int32) for r in reqs],
                                max_new_tokens=[r.budget for r in reqs], stop_token=stop,
                                sampling=[r.sampling for r in reqs])
@@ -382,9 +403,11 @@ def _tally_case(tally: dict, rep: CaseReport) -> None:
                                     prefill_steps=0, requests=0, cases=0, mismatches=0,
                                     token_mismatches=0, finish_mismatches=0,
                                     logits_only_mismatches=0, greedy_flips=0,
-                                    greedy_flips_near_tie=0, sampled_mismatches=0))
+                                    greedy_flips_near_tie=0, sampled_mismatches=0,
+                                    cached_tokens=0))
         for k in ("steps", "graph_steps", "eager_steps", "mixed_steps", "prefill_steps"):
             m[k] += run.stats[k]
+        m["cached_tokens"] += run.stats["prefix_cache"]["cached_tokens"]
         m["requests"] += rep.case.requests
         m["cases"] += 1
         _count_mismatches(m, rep.mismatches.get(mode, []))
@@ -424,8 +447,8 @@ def main(argv=None) -> int:
                          "cuda (tools/fuzz_faults.py; its options: --faults --help)")
     ap.add_argument("--backend", choices=("sim", "cuda"), default="sim")
     ap.add_argument("--models", default=None,
-                    help="comma-separated: toy, tiny-dense, tiny-moe (default: toy on sim, all "
-                         "three on cuda)")
+                    help="comma-separated: toy, positional (prefix caching on), tiny-dense, "
+                         "tiny-moe (default: the two toys on sim, all four on cuda)")
     ap.add_argument("--steps-per-mode", type=int, default=2000,
                     help="stop a model once every safe mode ran this many steps on it")
     ap.add_argument("--cases", type=int, default=None, help="stop after this many cases")
@@ -441,11 +464,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     sim = args.backend == "sim"
-    models_arg = args.models or ("toy" if sim else "toy,tiny-dense,tiny-moe")
+    models_arg = args.models or ("toy,positional" if sim else "toy,positional,tiny-dense,tiny-moe")
     names = [m.strip() for m in models_arg.split(",") if m.strip()]
     for n in names:
-        if n != "toy" and n not in BUNDLED:
-            ap.error(f"--models: unknown model {n!r}; choose from toy, {', '.join(BUNDLED)}")
+        if n not in TOYS + BUNDLED:
+            ap.error(f"--models: unknown model {n!r}; choose from {', '.join(TOYS + BUNDLED)}")
     be = None if sim else get_backend("cuda")
     models = None if sim else Models()
     draw_kw = (dict(sim_delays=(0.0, 0.0, 1e-4, 3e-4)) if sim else
@@ -482,7 +505,7 @@ def main(argv=None) -> int:
                 # Big cases on cuda: each mode's engine capture is paid once per case.
                 kw = dict(draw_kw, max_requests=40 if sim else 96, max_rounds=2 if sim else 3,
                           max_round_steps=150 if sim else 600)
-                if name != "toy":
+                if name not in TOYS:
                     kw.update(max_prompt=24, max_budget=64)
                 case = numpy_case(args.seed + i, model=name, **kw)
             i += 1
@@ -523,7 +546,8 @@ def main(argv=None) -> int:
     print(f"\n{args.backend}: {len(reports)} cases in {elapsed:.1f}s"
           f"{' (time budget reached before every mode got its steps)' if out_of_time else ''}")
     hdr = (f"{'model':<11} {'mode':<17} {'steps':>7} {'graph':>7} {'reqs':>6} {'mismatch':>8} "
-           f"{'tokens':>6} {'finish':>6} {'logits':>6} {'greedy':>6} {'~tie':>5} {'sampled':>7}")
+           f"{'tokens':>6} {'finish':>6} {'logits':>6} {'greedy':>6} {'~tie':>5} {'sampled':>7} "
+           f"{'cached':>7}")
     print(hdr)
     for name, modes in tally.items():
         for mode, m in modes.items():
@@ -531,7 +555,8 @@ def main(argv=None) -> int:
                   f"{m['mismatches'] if mode != 'sync' else '-':>8} "
                   f"{m['token_mismatches']:>6} {m['finish_mismatches']:>6} "
                   f"{m['logits_only_mismatches']:>6} {m['greedy_flips']:>6} "
-                  f"{m['greedy_flips_near_tie']:>5} {m['sampled_mismatches']:>7}")
+                  f"{m['greedy_flips_near_tie']:>5} {m['sampled_mismatches']:>7} "
+                  f"{m['cached_tokens']:>7}")
     for name, a in alone_tally.items():
         print(f"batch invariance {name}: {a['requests']} requests alone vs in their batch (sync): "
               f"{a['token_mismatches']} token mismatches ({a['greedy_flips']} greedy flips, "

@@ -5,7 +5,7 @@ must be.
 A case is tools/fuzz.py's random workload (prompts, budgets, sampling, a stop token, KV geometry,
 capture sizes, concurrency, ring depth, sim device delay) served ONLINE: client threads submit
 its requests at random moments and read each through stream() as it runs (and snapshot() right
-after submit()). The forward is the toy forward with two fault hooks (FaultyToy):
+after submit()). The forward is a toy forward with two fault hooks (FaultyToy):
 - step faults: a kernel in every forward (graph replays and eager steps alike) raises on its
   k-th call, armed at random moments by a fault thread: on the sim that is a device-side error,
   reported at the next query or sync of the stream, and the step fails with the requests that
@@ -13,9 +13,16 @@ after submit()). The forward is the toy forward with two fault hooks (FaultyToy)
 - NaN rows: the logits of every row whose input token is the case's NaN token are NaN, so that
   request ends "error" with the tokens before that one.
 
+Prefix caching: every other case (or each, `--forward positional`) serves the positional toy
+(tools/positional_toy.py: position-addressed KV) with prefix caching on. Its prompts share
+prefixes, and after each first turn its client sends a second turn: that prompt, the tokens
+the reference gave it and a few new ones (the whole history again, as a chat client sends it),
+which hits the blocks of the first turn's answer when that turn finished in the faulty run.
+
 What each request must give comes from the same requests served by a clean engine (mode sync,
-plain toy forward): its tokens cut before the first one sampled from the NaN token (a request's
-tokens depend only on its prompt, sampling and the model). Counted, per mode:
+plain toy forward, prefix caching off): its tokens cut before the first one sampled from the
+NaN token (a request's tokens depend only on its prompt, sampling and the model). Counted, per
+mode:
 - stream mismatches: requests whose streamed tokens (or the snapshot after submit) differ from
   their final tokens;
 - misattributed errors: a NaN-row error on a request or at a token whose logits were not NaN,
@@ -27,6 +34,7 @@ Exit 1 when any count is nonzero.
   python3 tools/fuzz.py --faults                                   # sim, ~1-2 min
   python3 tools/fuzz.py --faults --backend cuda --time-budget-s 60 # a GPU
   python3 tools/fuzz.py --faults --cases 4 --seed 7 --modes ring   # a few cases, one mode
+  python3 tools/fuzz.py --faults --forward positional              # prefix caching in each
 
 On cuda a graph replays without calling Python, so a step fault there can only hit an eager
 forward (a prefill, an eager or a mixed step): the fault kernel raises at its launch, and is not
@@ -37,6 +45,7 @@ NumPy's does. The sim remains the full test: its replays call the fault kernel t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import sys
@@ -49,12 +58,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from tools import fuzz as base  # noqa: E402
+from tools.positional_toy import PositionalToy  # noqa: E402
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
 from vt.forward.toy import ToyForward  # noqa: E402
 from vt.forward.user import ForwardModel  # noqa: E402
 
 FAULT_MODES = ("drain", "ring", "staged")
+FORWARDS = ("toy", "positional", "both")   # --forward: which toy the cases serve
 WAIT_S = 60.0   # the longest a client waits for one request: past it, a hang
 
 
@@ -124,15 +135,23 @@ _NAN_ROWS = _NaNRows()
 
 
 class FaultyToy:
-    """The toy forward (vt.forward.toy) plus the fault kernel (launched first in every
-    forward: on the sim captured or eager, on cuda eager only) and, when nan_token is set, NaN
-    logits for the rows whose input token it is. hold_next_eager(gate): the next eager
-    forward (a prefill substep, an eager or mixed step) waits on the host for the
-    threading.Event `gate` first."""
+    """A toy forward plus the fault kernel (launched first in every forward: on the sim
+    captured or eager, on cuda eager only) and, when nan_token is set, NaN logits for the rows
+    whose input token it is. The toy: vt.forward.toy's (recurrent state), or with positional
+    tools/positional_toy.py's, whose KV is position-addressed: then prefix_cacheable, and the
+    engine's prefix caching is on by default. hold_next_eager(gate): the next eager forward (a
+    prefill substep, an eager or mixed step) waits on the host for the threading.Event `gate`
+    first."""
 
-    def __init__(self, be, *, vocab: int, geometry, nan_token: int | None = None):
+    def __init__(self, be, *, vocab: int, geometry, nan_token: int | None = None,
+                 positional: bool = False):
         self.be, self.nan_token = be, nan_token
-        self.toy = ToyForward(be, vocab=vocab, geometry=geometry)
+        if positional and vocab != PositionalToy.vocab:
+            raise ValueError(f"FaultyToy: the positional toy's vocab is {PositionalToy.vocab}, "
+                             f"got vocab={vocab}")
+        self.toy = (PositionalToy(be, geometry) if positional
+                    else ToyForward(be, vocab=vocab, geometry=geometry))
+        self.prefix_cacheable = positional
         self.fault = FaultKernel()
         self._hold: tuple[threading.Event, threading.Event] | None = None
 
@@ -294,23 +313,31 @@ class ModeReport:
     failed_steps: int
     outcomes: dict              # finish kind -> requests
     failures: list              # (request index, why)
+    cached_tokens: int = 0      # prompt tokens served from the prefix cache
 
 
 def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
-                 fault_gap_s: float, max_gap_s: float, be=None) -> tuple[dict, FaultKernel, dict]:
-    """The case's requests served online in `mode` on a FaultyToy under random step faults:
-    each request's Outcome, the fault kernel, the engine's stats. `be`: a backend to serve on
-    (kept open); None: a new sim backend with the case's device delay."""
+                 fault_gap_s: float, max_gap_s: float, be=None,
+                 follows: dict | None = None) -> tuple[dict, FaultKernel, dict]:
+    """The case's requests served online in `mode` on a FaultyToy under random step faults
+    (the positional toy with prefix caching on when the case's model is "positional"): each
+    request's Outcome, the fault kernel, the engine's stats. follows: {j: i}, request j is
+    request i's next turn: the client that sends i sends j once i's result is in. `be`: a
+    backend to serve on (kept open); None: a new sim backend with the case's device delay."""
     own_be = be is None
     be = get_backend("sim", device_delay_s=case.sim_delay_s) if own_be else be
-    fwd = FaultyToy(be, vocab=case.vocab, geometry=case.geometry, nan_token=nan_token)
+    positional = case.model == "positional"
+    fwd = FaultyToy(be, vocab=case.vocab, geometry=case.geometry, nan_token=nan_token,
+                    positional=positional)
     outcomes, done = {}, threading.Event()
     try:
         config, hooks = base.mode_config(case, mode)
         with Engine(be, fwd.step_model(), config, hooks=hooks,
-                    max_prefill_tokens=case.max_prefill_tokens) as eng:
-            n_clients = max(1, min(len(reqs), case.serving_conc + 1, 8))
-            shares = [[(i, r) for i, r in enumerate(reqs) if i % n_clients == c]
+                    max_prefill_tokens=case.max_prefill_tokens, prefix_caching=positional) as eng:
+            conversations = _conversations(len(reqs), follows or {})
+            n_clients = max(1, min(len(conversations), case.serving_conc + 1, 8))
+            shares = [[(i, reqs[i]) for k, turns in enumerate(conversations)
+                       if k % n_clients == c for i in turns]
                       for c in range(n_clients)]
             clients = [threading.Thread(target=_client, args=(eng, share, stop, seed * 31 + c,
                                                               max_gap_s, outcomes))
@@ -334,15 +361,69 @@ def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
     return outcomes, fwd.fault, stats
 
 
+def _conversations(n: int, follows: dict) -> list[list[int]]:
+    """Requests 0..n-1 as conversations, each in turn order ({j: i}: j is i's next turn)."""
+    nxt = {i: j for j, i in follows.items()}
+    out = []
+    for i in range(n):
+        if i in follows:
+            continue
+        turns = [i]
+        while turns[-1] in nxt:
+            turns.append(nxt[turns[-1]])
+        out.append(turns)
+    return out
+
+
+def second_turns(case, reqs, ref_results, rng: random.Random) -> list:
+    """For each first turn whose history fits: its next turn, the prompt, the reference's
+    tokens and 1-3 new ones, with a budget of up to 8 and a new seed; those that do not fit
+    the case's context or KV pool (a request's blocks and the scratch one) are None."""
+    out, bs = [], case.block_size
+    for r, res in zip(reqs, ref_results):
+        prompt = tuple(r.prompt) + tuple(int(t) for t in res.tokens) + tuple(
+            rng.randrange(case.vocab) for _ in range(rng.randint(1, 3)))
+        room = case.max_context - len(prompt) + 1
+        if room < 1:
+            out.append(None)
+            continue
+        budget = rng.randint(1, min(8, room))
+        if -(-(len(prompt) + budget - 1) // bs) + 1 > case.num_kv_blocks:
+            out.append(None)
+            continue
+        out.append(dataclasses.replace(r, prompt=prompt, budget=budget,
+                                       seed=(r.seed + 1) % 2**63))
+    return out
+
+
+def positional_case(seed: int, *, max_requests: int, sim_delays=(0.0,)):
+    """tools/fuzz.py's drawer on its positional model: prompts sharing prefixes, budgets of
+    at most 8 (room for a second turn)."""
+    return base.numpy_case(seed, model="positional", max_requests=max_requests, max_rounds=1,
+                           max_budget=8, sim_delays=sim_delays)
+
+
 def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float = 0.15,
                    max_gap_s: float = 0.003, be=None) -> list[ModeReport]:
-    """The reference (sync, clean toy), then each mode under faults; judged per request.
-    `be`: one backend for all of them (cuda); None: fresh sim backends."""
+    """The reference (sync, clean toy, prefix caching off), then each mode under faults;
+    judged per request. A positional case gets second turns (second_turns, built from the
+    reference's tokens, referenced too) served after their first by the same client, with
+    prefix caching on. `be`: one backend for all of them (cuda); None: fresh sim backends."""
     reqs, stop = case.rounds[0], case.stops[0]
     ref_be = be or get_backend("sim")
     models = base.Models()
+    follows = {}
     try:
         ref = base.run_mode(ref_be, models, case, "sync", reference=True).rounds[0]
+        if case.model == "positional":
+            nxt = second_turns(case, reqs, ref, random.Random(seed))
+            firsts = [i for i, r in enumerate(nxt) if r is not None]
+            if firsts:
+                more = tuple(nxt[i] for i in firsts)
+                ref2 = base.run_mode(ref_be, models, dataclasses.replace(
+                    case, rounds=(more,), stops=(stop,)), "sync", reference=True).rounds[0]
+                follows = {len(reqs) + k: i for k, i in enumerate(firsts)}
+                reqs, ref = tuple(reqs) + more, list(ref) + list(ref2)
     finally:
         models.close()
         if be is None:
@@ -354,7 +435,7 @@ def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float
     for mode in modes:
         outcomes, kernel, stats = serve_faulty(case, mode, reqs, stop, nan_token, seed=seed,
                                                fault_gap_s=fault_gap_s, max_gap_s=max_gap_s,
-                                               be=be)
+                                               be=be, follows=follows)
         counts = dict(stream_mismatch=0, misattributed=0, wrong_tokens=0, problem=0)
         kinds, failures = {}, []
         for i, exp in enumerate(expected):
@@ -374,7 +455,7 @@ def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float
             counts["problem"] += 1
             failures.append((-1, ["the engine was not idle after every request finished"]))
         reports.append(ModeReport(mode, len(reqs), counts, kernel.fired, stats["failed_steps"],
-                                  kinds, failures))
+                                  kinds, failures, stats["prefix_cache"]["cached_tokens"]))
     return reports
 
 
@@ -389,6 +470,9 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", choices=("sim", "cuda"), default="sim",
                     help="cuda: step faults hit eager forwards only (see above)")
     ap.add_argument("--max-requests", type=int, default=32, help="requests per case, at most")
+    ap.add_argument("--forward", choices=FORWARDS, default="both",
+                    help="the cases' toy: the toy (recurrent state), the positional toy (prefix "
+                         "caching on, shared prefixes, second turns) or both, case by case")
     ap.add_argument("--fault-gap-ms", type=float, default=150.0,
                     help="mean time between two armings of the fault kernel")
     ap.add_argument("--time-budget-s", type=float, default=300.0,
@@ -411,7 +495,7 @@ def main(argv=None) -> int:
 
 def _fuzz(args, be) -> int:
     """The cases of main's arguments; the table and the exit code (be: cuda's, or None)."""
-    totals = {m: dict(requests=0, faults=0, failed_steps=0, stream_mismatch=0,
+    totals = {m: dict(requests=0, faults=0, failed_steps=0, cached_tokens=0, stream_mismatch=0,
                       misattributed=0, wrong_tokens=0, problem=0, kinds={}) for m in args.modes}
     t0, ran, out_of_time = time.perf_counter(), 0, False
     for i in range(args.cases):
@@ -419,14 +503,18 @@ def _fuzz(args, be) -> int:
             out_of_time = True
             break
         seed = args.seed + i
-        case = base.numpy_case(seed, max_requests=args.max_requests, max_rounds=1,
-                               sim_delays=(0.0, 1e-4, 3e-4) if be is None else (0.0,))
+        delays = (0.0, 1e-4, 3e-4) if be is None else (0.0,)
+        if args.forward == "positional" or (args.forward == "both" and i % 2):
+            case = positional_case(seed, max_requests=args.max_requests, sim_delays=delays)
+        else:
+            case = base.numpy_case(seed, max_requests=args.max_requests, max_rounds=1,
+                                   sim_delays=delays)
         tc = time.perf_counter()
         reports = run_fault_case(case, modes=args.modes, seed=seed,
                                  fault_gap_s=args.fault_gap_ms / 1e3, be=be)
         ran += 1
         bad = [r for r in reports if any(r.counts.values())]
-        print(f"case seed={seed} requests={case.requests} conc={case.serving_conc} "
+        print(f"case seed={seed} {case.model} requests={reports[0].requests} conc={case.serving_conc} "
               f"sizes={list(case.capture_sizes)} delay={case.sim_delay_s}: "
               + ", ".join(f"{r.mode} {r.faults} faults/{sum(v for k, v in r.outcomes.items() if k != 'fault')}"
                           f" served" for r in reports)
@@ -436,6 +524,7 @@ def _fuzz(args, be) -> int:
             t["requests"] += r.requests
             t["faults"] += r.faults
             t["failed_steps"] += r.failed_steps
+            t["cached_tokens"] += r.cached_tokens
             for k, v in r.counts.items():
                 t[k] += v
             for k, v in r.outcomes.items():
@@ -444,16 +533,16 @@ def _fuzz(args, be) -> int:
                 print(f"  {r.mode} request {index}: {'; '.join(why)}", flush=True)
         if bad:
             print(f"  replay: python3 tools/fuzz.py --faults --backend {args.backend} --seed {seed} "
-                  f"--cases 1", flush=True)
+                  f"--cases 1 --forward {case.model}", flush=True)
 
     print(f"\nfault fuzz on {args.backend}: {ran} cases in {time.perf_counter() - t0:.1f}s"
           f"{' (time budget reached)' if out_of_time else ''}")
-    print(f"{'mode':<7} {'requests':>8} {'faults':>6} {'failed':>6} {'length':>6} {'stop':>5} "
+    print(f"{'mode':<7} {'requests':>8} {'faults':>6} {'failed':>6} {'cached':>6} {'length':>6} {'stop':>5} "
           f"{'nan':>4} {'fault':>5} {'stream-mismatch':>15} {'misattributed':>13} "
           f"{'wrong-tokens':>12} {'problems':>8}")
     for mode, t in totals.items():
         k = t["kinds"]
-        print(f"{mode:<7} {t['requests']:>8} {t['faults']:>6} {t['failed_steps']:>6} "
+        print(f"{mode:<7} {t['requests']:>8} {t['faults']:>6} {t['failed_steps']:>6} {t['cached_tokens']:>6} "
               f"{k.get('length', 0):>6} {k.get('stop', 0):>5} {k.get('error', 0):>4} "
               f"{k.get('fault', 0):>5} {t['stream_mismatch']:>15} {t['misattributed']:>13} "
               f"{t['wrong_tokens']:>12} {t['problem']:>8}")

@@ -56,6 +56,30 @@ def test_every_safe_mode_matches_the_synchronous_run_long():
     _fuzz_modes(SLOW_EXAMPLES, 10_000, "fuzz (slow)")
 
 
+def test_prefix_caching_on_gives_the_bytes_of_caching_off():
+    """The positional toy (position-addressed KV): prompts sharing prefixes, over rounds on one
+    engine, with prefix caching on in drain, ring and staged against the synchronous run with
+    it off: identical tokens, finish reasons, logits bytes, and the cache served some tokens."""
+    tally, cached = Tally("fuzz positional (prefix caching)"), []
+
+    @fuzz_settings(5)
+    @given(case=cases(model="positional", max_requests=16))
+    def prop(case):
+        rep = run_case(case)
+        tally.add(rep)
+        _check_safe_modes(rep)
+        cached.append(rep.runs["ring"].stats["prefix_cache"]["cached_tokens"])
+        assert rep.runs["sync"].stats["prefix_cache"]["cached_tokens"] == 0
+
+    prop()
+    for seed in (1, 2):   # the runner's drawer: these hit the cache
+        rep = run_case(numpy_case(seed, model="positional", max_requests=16))
+        tally.add(rep)
+        _check_safe_modes(rep)
+        assert rep.runs["ring"].stats["prefix_cache"]["cached_tokens"] > 0, rep.describe()
+    print(tally, "cached prompt tokens per drawn case's ring run:", cached)
+
+
 def _fuzz_seeds(examples, name):
     """The GPU runner's own distribution (numpy seeds): a failure names the seed to replay."""
     tally = Tally(name)

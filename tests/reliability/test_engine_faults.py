@@ -14,6 +14,7 @@ and every odd argument gets a one-line error naming it.
 | stop_token=np.array(3) fails with "iteration over a 0-d array" | test_a_0d_array_stop_token_is_its_id |
 | submit(sampling=[SamplingParams()]) is accepted | test_submit_refuses_generates_per_prompt_lists |
 | under random step faults and NaN rows, streamed tokens differ from results, errors go to the wrong request | test_the_fault_fuzz_finds_no_stream_mismatch_and_no_misattributed_error |
+| under step faults and NaN rows with prefix caching on (shared prefixes, second turns), tokens differ from caching off | test_the_fault_fuzz_with_prefix_caching_gives_the_tokens_of_caching_off |
 """
 import asyncio
 import math
@@ -234,6 +235,23 @@ def test_the_fault_fuzz_finds_no_stream_mismatch_and_no_misattributed_error(seed
     reports = faults.run_fault_case(case, seed=seed, fault_gap_s=0.04)
     for rep in reports:
         assert rep.faults > 0, f"{rep.mode}: no fault fired: the fuzz tested nothing"
+        assert not any(rep.counts.values()), (rep.mode, rep.counts, rep.failures[:5])
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_the_fault_fuzz_with_prefix_caching_gives_the_tokens_of_caching_off(seed):
+    """tools/fuzz.py --faults --forward positional on two cases: the positional toy with prefix
+    caching on, prompts sharing prefixes and second turns (the prompt, the reference's answer,
+    new tokens) sent after their first: under step faults and NaN rows every request's tokens
+    are those of the clean run with caching off, and the cache served some in every mode.
+    (Seed 5 catches a cache that takes a whole cached prompt without computing its last
+    token.)"""
+    case = faults.positional_case(seed, max_requests=32, sim_delays=(0.0, 1e-4, 3e-4))
+    reports = faults.run_fault_case(case, seed=seed, fault_gap_s=0.04)
+    assert reports[0].requests > len(case.rounds[0]), "no second turn: the history was not sent"
+    for rep in reports:
+        assert rep.faults > 0, f"{rep.mode}: no fault fired: the fuzz tested nothing"
+        assert rep.cached_tokens > 0, f"{rep.mode}: no prompt token came from the cache"
         assert not any(rep.counts.values()), (rep.mode, rep.counts, rep.failures[:5])
 
 

@@ -32,9 +32,11 @@ class CausalToy:
                        inputs.seq_lens, inputs.slot_mapping, inputs.block_tables, self.kv,
                        logits_out, block_size=self.geometry.block_size)
 
-    def step_model(self) -> ForwardModel:
+    def step_model(self, *, prefix_cacheable: bool = False) -> ForwardModel:
+        """prefix_cacheable: a position's KV is its token's and position's alone, so cached
+        prefixes may be shared (the engine's prefix caching)."""
         return ForwardModel(self.be, self, vocab=self.vocab, token_table=self.token_table,
-                            geometry=self.geometry)
+                            geometry=self.geometry, prefix_cacheable=prefix_cacheable)
 
 
 class _Causal:
@@ -65,6 +67,12 @@ def reference(be, prompts, budgets, stop_token=None):
     with Engine(be, CausalToy(be).step_model(), ExecutorConfig(mode="drain")) as eng:
         return [r.tokens for r in eng.generate(prompts, max_new_tokens=budgets,
                                                stop_token=stop_token)]
+
+
+def config(method, k, prompts=None, refs=None, accept=1.0):
+    """A SpeculativeConfig; the oracle's references are `refs`, the tokens of `prompts`."""
+    refs = None if refs is None else {tuple(int(t) for t in p): list(r) for p, r in zip(prompts, refs)}
+    return SpeculativeConfig(method, k=k, accept=accept, references=refs)
 
 
 def speculative(be, method, k, prompts=None, refs=None, accept=1.0):

@@ -34,3 +34,20 @@ def check_generate_args(prompts, progress) -> None:
                         f"{type(prompts).__name__}")
     if progress is not None and not callable(progress):
         raise TypeError(f"generate: progress must be a callable or None, got {type(progress).__name__}")
+
+
+def check_speculative_args(speculative, record_logits, tensor_parallel) -> None:
+    """Engine(..., speculative=...): a SpeculativeConfig, on one device, without recorded
+    logits (a verify step keeps one row of logits per row, not one per token)."""
+    if speculative is None:
+        return
+    from vt.forward.speculative import SpeculativeConfig
+    if not isinstance(speculative, SpeculativeConfig):
+        raise TypeError(f"Engine: speculative must be a vt.forward.speculative.SpeculativeConfig "
+                        f"or None, got {type(speculative).__name__}")
+    if record_logits:
+        raise ValueError("Engine: record_logits=True with speculative decoding: a verify step "
+                         "keeps the logits of one position per row, not of every token")
+    if tensor_parallel != 1:
+        raise ValueError(f"Engine: tensor_parallel={tensor_parallel} with speculative decoding, "
+                         f"which runs on one device")

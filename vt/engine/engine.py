@@ -42,7 +42,8 @@ from vt.engine.serving import ServingLoop
 from vt.engine.progress import Progress, StartUpProgress, phase_reporter
 from vt.engine.submit import check_one_request, make_requests
 from vt.engine.model_lease import driving, model_key
-from vt.engine.args import check_engine_args, check_generate_args
+from vt.engine.args import check_engine_args, check_generate_args, check_speculative_args
+from vt.forward.speculative import SpeculativeConfig, SpeculativeModel
 
 __all__ = ["Engine", "Progress", "RequestHandle", "StartUpProgress"]
 
@@ -84,6 +85,11 @@ class Engine:
     position-addressed (StepModel.prefix_cacheable, e.g. vt.torch's LlamaDecoder) and
     prefills from a position; off otherwise (the bundled hybrid's recurrent state), which
     `prefix_caching_note` says. True: on, or ValueError when the model cannot; False: off.
+    speculative: a vt.forward.speculative.SpeculativeConfig: greedy speculative decoding,
+    k drafts verified per row per step (docs/speculative.md); the step model must declare
+    verifies_by_decode and hold verify_table_rows(...) token-table entries. Its requests are
+    greedy, without logprobs or penalties; stats()["speculative"] has its acceptance. None
+    (the default): none.
     submit() and generate() may be called from any number of threads at once; the serving
     thread starts with start() or the first of them.
     """
@@ -93,11 +99,14 @@ class Engine:
                  profile: bool = False, hooks: ExecutorHooks | None = None,
                  tensor_parallel: int = 1,
                  start_up_progress: Callable[[StartUpProgress], None] | None = None,
-                 prefix_caching: bool | None = None):
+                 prefix_caching: bool | None = None,
+                 speculative: SpeculativeConfig | None = None):
         check_engine_args(backend, config, record_logits, max_prefill_tokens, profile,
                           start_up_progress)
         if prefix_caching is not None and not isinstance(prefix_caching, bool):
             raise TypeError(f"Engine: prefix_caching must be a bool or None, got {prefix_caching!r}")
+        check_speculative_args(speculative, record_logits, tensor_parallel)
+        self.speculative = speculative
         self.be = backend
         if hooks is None:
             hooks = hooks_from_env() if config is None else NULL_HOOKS
@@ -120,6 +129,8 @@ class Engine:
     def _construct(self, backend, model_or_forward, group, hooks, record_logits,
                    max_prefill_tokens, profile, start_up_progress, prefix_caching) -> None:
         self.model = as_step_model(backend, model_or_forward)
+        if self.speculative is not None:
+            self.model = SpeculativeModel(backend, self.model, self.speculative)
         geo = self.model.geometry
         self.prefix_caching, self.prefix_caching_note = resolve_prefix_caching(
             self.model, prefix_caching)
@@ -157,7 +168,8 @@ class Engine:
                                  serving_conc=self.config.serving_conc, depth=self.config.depth,
                                  max_prefill_tokens=self.max_prefill_tokens,
                                  record_logits=record_logits, model_key=self._model_key,
-                                 prefix_caching=self.prefix_caching)
+                                 prefix_caching=self.prefix_caching,
+                                 speculative=self._spec_k)
         self._pool_after_warm_up = backend.pool.stats()
 
     # -- public -------------------------------------------------------------------------
@@ -171,7 +183,8 @@ class Engine:
         self.runner.check_usable()
         check_one_request(max_new_tokens, sampling)
         (req,) = make_requests([prompt], max_new_tokens, stop_token, sampling,
-                               self.model.geometry, self.model.vocab, self._loop.kv_capacity)
+                               self.model.geometry, self.model.vocab, self._loop.kv_capacity,
+                               speculative=self._spec_k)
         return self._loop.enqueue([req], number=True)[0]
 
     def set_profile(self, on: bool) -> None:
@@ -213,19 +226,26 @@ class Engine:
         self.runner.check_usable()
         check_generate_args(prompts, progress)
         reqs = make_requests(prompts, max_new_tokens, stop_token, sampling, self.model.geometry,
-                             self.model.vocab, self._loop.kv_capacity)
+                             self.model.vocab, self._loop.kv_capacity, speculative=self._spec_k)
         return GenerateCall(self._loop, reqs, progress).run()
 
     def start(self) -> None:
         """Start the serving thread (submit() and generate() do it when needed)."""
         self._loop.start()
 
+    @property
+    def _spec_k(self) -> int:
+        return self.speculative.k if self.speculative is not None else 0
+
     def stats(self) -> dict:
         """Steps, graph vs eager steps, drains and why, waits and their time, per-phase time,
         pool state, rows and KV blocks in use; prefix_cache: enabled, hit_rate (prompt tokens
         served from cached blocks / prompt tokens admitted), prompt_tokens, cached_tokens,
         cached_blocks (blocks naming a prefix), evictable_blocks (those nobody holds),
-        evictions (cached blocks whose memory an allocation took), note (why it is on/off)."""
+        evictions (cached blocks whose memory an allocation took), note (why it is on/off);
+        speculative (None without it): method, k, verify_rows (verify-step rows of live
+        requests), drafts, accepted, acceptance_rate (accepted / drafts),
+        mean_accepted_length (tokens a verify row emits, 1 .. k + 1)."""
         self._loop.check_open()
         st = self.runner.stats.as_dict()
         pool = self.be.pool.stats()
@@ -239,6 +259,8 @@ class Engine:
                   requests_running=loop["requests_running"], rows_free=loop["rows_free"],
                   kv_blocks_free=loop["kv_blocks_free"], kv_blocks_total=loop["kv_blocks_total"],
                   prefix_cache=dict(loop["prefix_cache"], note=self.prefix_caching_note),
+                  speculative=None if loop["speculative"] is None else dict(
+                      loop["speculative"], method=self.speculative.method, k=self._spec_k),
                   phases={k: dict(p, device_ms=st["device_by_phase"][k][0],
                                   device_steps=st["device_by_phase"][k][1])
                           for k, p in loop["phases"].items()},

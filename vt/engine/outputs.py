@@ -19,6 +19,7 @@ import traceback
 import numpy as np
 
 from vt.engine.requests import Request, RequestPhase
+from vt.forward.spec_kernels import COUNT, TOKENS
 from vt.sampling.logprobs import RECORD_WORDS, UNASKED
 
 # Step times kept for the token times of the requests running: more than any request lives.
@@ -30,7 +31,12 @@ _NO_RECORD = np.array([-1, UNASKED] + [0] * (RECORD_WORDS - 2), np.int32)
 
 
 class TokenBuffer:
-    def __init__(self, rows: int, span: int, vocab: int, record_logits: bool):
+    """speculative: k, the drafts of a verify step (0: none). Then a step's rows emit a number
+    of tokens each, known when it is collected (`store_verified`): each request counts its
+    own (Request.emitted) and every entry has its time."""
+
+    def __init__(self, rows: int, span: int, vocab: int, record_logits: bool, *,
+                 speculative: int = 0):
         # + 1: the scratch entry where the token of a non-final prefill chunk goes
         self.tokens = np.zeros(rows * span + 1, np.int32)
         self.logits = np.zeros((rows * span + 1, vocab), np.float32) if record_logits else None
@@ -44,6 +50,9 @@ class TokenBuffer:
         # (vt/sampling/logprobs.py): few requests ask, so a dict, not a [rows * span] array
         self.records: dict[int, np.ndarray] = {}
         self._asking = 0             # live requests that ask for logprobs: 0 skips the records
+        self.k = speculative
+        self._entry_times = np.zeros(rows * span + 1) if speculative else None
+        self.spec = SpeculativeCounts()
 
     def admit(self, reqs) -> None:
         """Requests admitted by a step's plan: live from now."""
@@ -79,6 +88,53 @@ class TokenBuffer:
                 self.finish(req, "length")
         return stopped
 
+    def store_verified(self, tag, records: np.ndarray, now: float) -> list[Request]:
+        """A speculative step's tokens (tag: Scheduler's StepTag, with every row's request;
+        records [n, RECORD_WORDS]): a verify row's tokens are its record's [TOKENS, TOKENS +
+        count) (vt/forward/spec_kernels.py), a prefill row's its first word. Each request's
+        tokens go after the ones it has, up to its budget, a stop token (kept, the last) or
+        an error token (-1, not kept); returns the requests this step completed (stop,
+        length or error), which leave the batch as stopped ones do, and finishes them."""
+        ended, spec, k, times = [], self.spec, self.k, self._entry_times
+        for i, req in enumerate(tag.reqs):
+            if req is None or req.finished or req.emitted is None:
+                continue   # a non-final prefill chunk, or a request already ended
+            have, room = req.emitted, req.span_end - req.span_start - req.emitted
+            if room <= 0:
+                continue   # its end is known (a cancel): this step's tokens are past it
+            if i < tag.n_decode:
+                count = int(records[i, COUNT])
+                toks = records[i, TOKENS:TOKENS + count]
+                spec.verify_rows += 1
+                spec.drafts += k
+                spec.accepted += count - 1
+            else:
+                toks = records[i, :1]
+            end, reason = min(len(toks), room), None
+            if toks.min() < 0:
+                bad = int(np.argmax(toks < 0))
+                if bad < end:
+                    end, reason = bad, "error"
+                    req.error_message = (f"the logits of token {have + bad} were NaN or +inf, "
+                                         f"or all -inf: nothing to sample")
+            if req.stop_tokens and reason is None:
+                hit = np.flatnonzero(np.isin(toks[:end], req.stop_tokens))
+                if hit.size:
+                    end, reason = int(hit[0]) + 1, "stop"
+            at = req.span_start + have
+            self.tokens[at:at + end] = toks[:end]
+            times[at:at + end] = now
+            req.emitted = have + end   # after the tokens: a reader counts on them
+            if reason is None and end == room:
+                reason = "length"
+            if reason is not None:
+                req.span_end = at + end
+                ended.append((req, reason))
+        self.stored_t = tag.t + 1
+        for req, reason in ended:
+            self.finish(req, reason)
+        return [req for req, _ in ended]
+
     def _error_rows(self, tag, tokens) -> list[Request]:
         """The requests whose row sampled -1 (vt/sampling/sampler.py: NaN or +inf logits, or
         only -inf): each ends before that token, with finish_reason "error" and a message."""
@@ -106,7 +162,8 @@ class TokenBuffer:
 
     def available(self, req: Request) -> int:
         """How many of a running request's tokens are stored."""
-        return req.tokens_by(self.stored_t)
+        emitted = req.emitted
+        return req.tokens_by(self.stored_t) if emitted is None else emitted
 
     def finish(self, req: Request, reason: str, error: BaseException | None = None) -> None:
         """Copy the request's tokens out of the buffer (its span is reused after) and wake
@@ -116,8 +173,11 @@ class TokenBuffer:
         # [n, vocab] and [n] whatever n, 0 included (a request cancelled or failed before its
         # first token): every result of one engine has the same shapes.
         req.final_logits = self.logits[span].copy() if self.logits is not None else None
-        first = req.first_step if req.first_step is not None else 0
-        req.token_times = self._times[np.arange(first, first + n) & self._mask]
+        if req.emitted is None:
+            first = req.first_step if req.first_step is not None else 0
+            req.token_times = self._times[np.arange(first, first + n) & self._mask]
+        else:
+            req.token_times = self._entry_times[span].copy()
         req.error = error
         req.finish_reason = reason
         if req.sampling.logprobs is not None:
@@ -136,3 +196,21 @@ class TokenBuffer:
                 fn(req)
             except Exception:   # noqa: BLE001 (a caller's callback must not fail the step's others)
                 traceback.print_exc()
+
+
+class SpeculativeCounts:
+    """Verify rows of live requests counted (verify_rows), the drafts they verified (k each)
+    and how many were accepted."""
+
+    __slots__ = ("verify_rows", "drafts", "accepted")
+
+    def __init__(self):
+        self.verify_rows = self.drafts = self.accepted = 0
+
+    def as_dict(self) -> dict:
+        """The counts, acceptance_rate (accepted / drafts) and mean_accepted_length (tokens a
+        verify row emits, 1 .. k + 1)."""
+        rows = self.verify_rows
+        return dict(verify_rows=rows, drafts=self.drafts, accepted=self.accepted,
+                    acceptance_rate=self.accepted / self.drafts if self.drafts else 0.0,
+                    mean_accepted_length=(self.accepted + rows) / rows if rows else 0.0)

@@ -73,6 +73,9 @@ class Request:
     span_start: int = 0       # where its first token goes in the token buffer
     span_end: int = 0         # where its tokens stop: span_start + the most it will have
     first_step: int | None = None   # the batch step of its first token, once DECODING
+    # speculative decoding: how many of its tokens are stored (a verify step emits a number
+    # per row known only when it is collected); None: one a batch step, tokens_by counts them
+    emitted: int | None = None
     # prefix caching (vt/engine/kv_blocks.py): its full prompt blocks' chained hashes (made at
     # its first admission attempt), how many of its first blocks are cached (taken or
     # computed and named), and how many prompt tokens came from the cache, not computed

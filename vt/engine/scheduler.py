@@ -37,16 +37,27 @@ from vt.step.contract import KVGeometry, PrefillSeq
 from vt.executor.plan import StepPlan
 
 
+def kv_blocks_needed(prompt_len: int, max_new_tokens: int, geo: KVGeometry, k: int = 0) -> int:
+    """The KV blocks a request holds: its prompt and every generated token but the last (no
+    step writes that one's KV), plus k positions with speculation (a verify step writes its
+    last token's and k drafts'), within the block table."""
+    need = -(-(prompt_len + max_new_tokens - 1) // geo.block_size)
+    if k:
+        need = min(-(-(prompt_len + max_new_tokens - 1 + k) // geo.block_size), geo.max_blocks)
+    return need
+
+
 class StepTag:
     """What the host needs to place a step's tokens, fixed at plan time (the batch moves on
     before the tokens arrive): t, the batch step; dest, where each row's token goes in the
     token buffer; with stop tokens in the step, each row's request and stop set (reqs,
     stops); leaving, the requests whose last token this step samples (set at launch)."""
 
-    __slots__ = ("t", "dest", "reqs", "stops", "leaving")
+    __slots__ = ("t", "dest", "reqs", "stops", "leaving", "n_decode")
 
-    def __init__(self, t: int, dest: np.ndarray, reqs=None, stops=None):
+    def __init__(self, t: int, dest: np.ndarray, reqs=None, stops=None, n_decode: int = 0):
         self.t, self.dest, self.reqs, self.stops = t, dest, reqs, stops
+        self.n_decode = n_decode   # speculative: the verify rows, first (reqs has every row's)
         self.leaving = ()
 
 
@@ -57,12 +68,20 @@ class Scheduler:
 
     prefix_caching: share cached prompt blocks (needs chunked: a hit is prefilled from a
     position); identity: what the cached KV depends on besides the tokens (the model's).
-    kv_fenced, on_kv_reuse: BlockPool's fenced and on_reuse (the test arms' way in)."""
+    kv_fenced, on_kv_reuse: BlockPool's fenced and on_reuse (the test arms' way in).
+
+    speculative: k, the drafts of a verify step (0: none). A request's blocks then cover k
+    positions past its last token's (a verify step writes k + 1; docs/speculative.md), its
+    tokens are counted as they are collected (Request.emitted), and every step's tag names
+    every row's request (StepTag.reqs, the verify rows first: n_decode). The batch's leave
+    schedule stays an upper bound (a verify step emits at least one token a row); a request
+    ends at its budget or stop token when its tokens are collected, as a stopped one does."""
 
     def __init__(self, geo: KVGeometry, serving_conc: int, max_prefill_tokens: int,
                  chunked: bool = False, *, prefix_caching: bool = False, identity: int = 0,
-                 kv_fenced: bool = True, on_kv_reuse=None):
+                 kv_fenced: bool = True, on_kv_reuse=None, speculative: int = 0):
         self.geo, self.serving_conc, self.max_prefill_tokens = geo, serving_conc, max_prefill_tokens
+        self.k = speculative
         self.chunked = chunked
         if prefix_caching and not chunked:
             raise ValueError("Scheduler: prefix_caching needs chunked prefill (a cached prompt "
@@ -123,7 +142,7 @@ class Scheduler:
             req = pending[0]
             if not self.chunked and chunks and req.prompt_len > budget:
                 break   # the next step prefills it
-            need = -(-(req.prompt_len + req.max_new_tokens - 1) // geo.block_size)
+            need = kv_blocks_needed(req.prompt_len, req.max_new_tokens, geo, self.k)
             if self.caching:
                 blocks = self._admit_cached(req, need, planned)
             else:
@@ -152,6 +171,8 @@ class Scheduler:
             req.prefilled = end
             if end == req.prompt_len:
                 req.phase, req.first_step = RequestPhase.DECODING, b.t
+                if self.k:
+                    req.emitted = 0
                 dest.append(req.span_start)
             else:
                 dest.append(self.scratch_dest)   # no token yet: the next chunk goes on
@@ -241,6 +262,9 @@ class Scheduler:
         the tokens arrive), plus the prefilled requests' stop sets when any row has one (a
         non-final chunk's row has none: its token is not one of the request's)."""
         b = self.batch
+        if self.k:
+            return StepTag(b.t, b.dest(), b.reqs[:b.n] + [r if r.first_step == b.t else None
+                                                          for r in admitted], n_decode=b.n)
         if not b.n_stopping and not (admitted and any(r.stop_tokens for r in admitted)):
             return StepTag(b.t, b.dest())
         reqs = b.reqs[:b.n] + list(admitted)

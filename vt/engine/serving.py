@@ -41,7 +41,7 @@ class ServingLoop:
 
     def __init__(self, backend, runner, step_model, *, serving_conc: int, depth: int,
                  max_prefill_tokens: int, record_logits: bool, model_key: int,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, speculative: int = 0):
         geo = step_model.geometry
         self.be, self.runner = backend, runner
         self._model_key = model_key
@@ -53,13 +53,14 @@ class ServingLoop:
         self._closed = False
         self._next_id = 0
         self._progress_sinks: list = []       # generate() calls with a progress callback
-        self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, step_model.vocab, record_logits)
+        self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, step_model.vocab, record_logits,
+                                   speculative=speculative)
         self._notifier = StepNotifier()
         hooks = runner.hooks
         self._sched = Scheduler(geo, serving_conc, max_prefill_tokens,
                                 bool(step_model.chunked_prefill), prefix_caching=prefix_caching,
                                 identity=model_key, kv_fenced=hooks.kv_fence,
-                                on_kv_reuse=hooks.kv_blocks_reused)
+                                on_kv_reuse=hooks.kv_blocks_reused, speculative=speculative)
         self._pipeline = step_pipeline(depth, self._sched.leave)
         self._wall_s = 0.0
         self._failed_steps = 0
@@ -152,6 +153,7 @@ class ServingLoop:
                                       cached_blocks=pool.cached_count,
                                       evictable_blocks=pool.evictable_count,
                                       evictions=cache.evictions),
+                    speculative=buf.spec.as_dict() if buf.k else None,
                     phases={k: dict(vars(p)) for k, p in self._phases.items()})
 
     def close(self, *, finish: bool = False) -> str | None:
@@ -286,8 +288,11 @@ class ServingLoop:
         """A step's tokens into the buffer (finishing the requests they complete); its
         stops go to the pipeline, which applies them."""
         tokens = self.runner.collect(ready)
-        stopped = self._buffer.store(ready.tag, tokens, ready.host_logits, time.perf_counter(),
-                                     ready.records)
+        if self._buffer.k:   # a number of tokens per row: the stopped include those at length
+            stopped = self._buffer.store_verified(ready.tag, ready.records, time.perf_counter())
+        else:
+            stopped = self._buffer.store(ready.tag, tokens, ready.host_logits,
+                                         time.perf_counter(), ready.records)
         sched = self._sched
         if sched.caching and (stopped or ready.tag.leaving):
             # before the fence below lifts: the finished requests' blocks are still theirs
@@ -368,7 +373,8 @@ class ServingLoop:
             if phase is RequestPhase.PREFILLING:
                 buffer.finish(req, "cancelled")
                 continue
-            req.span_end = min(req.span_end, req.entry(sched.batch.t))
+            if req.emitted is None:   # speculative: the step in flight's count is its end
+                req.span_end = min(req.span_end, req.entry(sched.batch.t))
             if in_flight:
                 self._cancelled.append(req)
             else:

@@ -7,13 +7,17 @@ import numpy as np
 
 from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
 from vt.engine.requests import Request
+from vt.engine.scheduler import kv_blocks_needed
 from vt.step.contract import GREEDY, KVGeometry, SamplingParams
 
 
 def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry, vocab: int,
-                  kv_capacity: int) -> list[Request]:
+                  kv_capacity: int, *, speculative: int = 0) -> list[Request]:
     """Validated Requests (index = the prompt's position). stop_token: None, one token id or
-    a collection of them (any of them ends the request)."""
+    a collection of them (any of them ends the request). speculative: k of the engine's
+    speculative decoding (0: none): requests are greedy, without logprobs or penalties
+    (acceptance is greedy, and a verify step's record holds its tokens), and hold KV for k
+    more positions."""
     prompts = list(prompts)
     budgets = _per_prompt(max_new_tokens, len(prompts), "max_new_tokens")
     samplings = _per_prompt(GREEDY if sampling is None else sampling, len(prompts), "sampling")
@@ -35,7 +39,9 @@ def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry
                              f"shape {arr.shape} dtype {arr.dtype}")
         if arr.min() < 0 or arr.max() >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-        _check_fits(i, arr.size, int(max_new), geo, kv_capacity)
+        if speculative:
+            _check_speculative(i, sp)
+        _check_fits(i, arr.size, int(max_new), geo, kv_capacity, speculative)
         reqs.append(Request(i, arr.astype(np.int32), int(max_new), stops, sp))
     return reqs
 
@@ -67,8 +73,23 @@ def check_one_request(max_new_tokens, sampling) -> None:
                         f"takes one per prompt), got {type(max_new_tokens).__name__}")
 
 
-def _check_fits(i: int, prompt_len: int, max_new: int, geo: KVGeometry, kv_capacity: int) -> None:
-    """The last generated token needs no KV slot: a request occupies prompt + max_new - 1."""
+def _check_speculative(i: int, sp: SamplingParams) -> None:
+    """Speculative decoding serves greedy requests without logprobs or penalties."""
+    if not sp.greedy:
+        raise ValueError(f"sampling for prompt {i}: temperature={sp.temperature} with "
+                         f"speculative decoding, which is greedy only: use temperature 0")
+    if sp.logprobs is not None:
+        raise ValueError(f"sampling for prompt {i}: logprobs={sp.logprobs} with speculative "
+                         f"decoding, which returns no logprobs")
+    if sp.penalized:
+        raise ValueError(f"sampling for prompt {i}: penalties or logit_bias with speculative "
+                         f"decoding, whose acceptance reads the model's own logits")
+
+
+def _check_fits(i: int, prompt_len: int, max_new: int, geo: KVGeometry, kv_capacity: int,
+                k: int = 0) -> None:
+    """The last generated token needs no KV slot: a request occupies prompt + max_new - 1
+    (+ k with speculation: kv_blocks_needed)."""
     if prompt_len > geo.max_context:
         raise PromptTooLongError(f"prompt {i} has {prompt_len} tokens; the context holds "
                                  f"{geo.max_context}: shorten the prompt")
@@ -77,10 +98,11 @@ def _check_fits(i: int, prompt_len: int, max_new: int, geo: KVGeometry, kv_capac
             f"request {i}: prompt {prompt_len} + max_new_tokens {max_new} - 1 = "
             f"{prompt_len + max_new - 1} tokens exceed the context of {geo.max_context}: lower "
             f"max_new_tokens to at most {geo.max_context - prompt_len + 1}")
-    need = -(-(prompt_len + max_new - 1) // geo.block_size)
+    need = kv_blocks_needed(prompt_len, max_new, geo, k)
     if need > kv_capacity:
+        extra = f", {k} speculative" if k else ""
         raise KVCacheExhaustedError(
-            f"request {i} needs {need} KV blocks (prompt {prompt_len} + {max_new} new tokens, "
+            f"request {i} needs {need} KV blocks (prompt {prompt_len} + {max_new} new tokens{extra}, "
             f"block size {geo.block_size}) but the whole cache has {kv_capacity}: lower "
             f"max_new_tokens or build the model with more KV blocks")
 
