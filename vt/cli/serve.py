@@ -49,6 +49,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights and KV cache (auto: bfloat16 on cuda, float32 on sim)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="--model: FP8 (e4m3) projection weights, quantized per channel at "
+                        "load from a bf16/fp32 checkpoint (an FP8 checkpoint is FP8 without "
+                        "it; docs/torch.md)")
     p.add_argument("--seed", type=int, default=0, help="--preset: seed of the random weights")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="--model: shard it over N processes, one GPU each on cuda "
@@ -66,6 +70,9 @@ def check_model_arguments(args, who: str) -> None:
     if args.tensor_parallel > 1 and getattr(args, "preset", None):
         raise UsageError(f"{who}: --tensor-parallel needs --model: a bundled preset runs in one "
                          f"process")
+    if getattr(args, "quantization", None) and getattr(args, "preset", None):
+        raise UsageError(f"{who}: --quantization needs --model: a bundled preset has no FP8 "
+                         f"form")
     if args.max_concurrency is not None and args.max_concurrency > 1024:
         raise UsageError(f"{who}: --max-concurrency must be at most 1024, got {args.max_concurrency}")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -103,12 +110,14 @@ def open_served(args, who: str, out=None):
     if not getattr(args, "preset", None):
         require_serve_extra(who, CHECKPOINT_MODULES)
     from vt.engine.engine import Engine
+    from vt.forward.speculative import verify_table_rows
     from vt.serve.model_source import load_checkpoint, load_preset
 
     log = StartUpLog(who, out)
     name = backend_name(args.backend)
     conc = args.max_concurrency or (CUDA_DEFAULT_CONC if name == "cuda" else SIM_DEFAULT_CONC)
     be = pick_backend(args.backend, who=who)
+    spec = speculative_config(args)
     try:
         if getattr(args, "preset", None):
             log.line(f"{who}: preset {args.preset} (random weights, token ids only) on {be.name}")
@@ -122,7 +131,9 @@ def open_served(args, who: str, out=None):
                                      name=getattr(args, "served_model_name", None) or args.model,
                                      tensor_parallel=args.tensor_parallel,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
-                                     progress=log)
+                                     quantization=getattr(args, "quantization", None),
+                                     progress=log, token_table_rows=verify_table_rows(
+                                         conc, conc, spec.k) if spec else None)
     except ValueError as e:
         be.close()
         raise UsageError(f"{who}: {e}") from None
@@ -137,13 +148,46 @@ def open_served(args, who: str, out=None):
                  f"{', '.join(map(str, config.capture_sizes))}")
         engine = Engine(be, served.step_model, config, tensor_parallel=args.tensor_parallel,
                         start_up_progress=log,
-                        prefix_caching=False if getattr(args, "no_prefix_cache", False) else None)
+                        prefix_caching=False if getattr(args, "no_prefix_cache", False) else None,
+                        speculative=spec)
         log.line(f"{who}: {engine.prefix_caching_note}")
+        if spec:
+            log.line(f"{who}: speculative decoding: {spec.method}, {spec.k} drafts a step "
+                     f"(greedy requests only)")
     except BaseException:
         served.close()
         be.close()
         raise
     return be, served, engine, conc
+
+
+def speculative_config(args):
+    """The SpeculativeConfig of --speculative/--num-spec (None without them)."""
+    method = getattr(args, "speculative", None)
+    if method is None:
+        return None
+    from vt.forward.speculative import SpeculativeConfig
+    return SpeculativeConfig(method, k=args.num_spec)
+
+
+def check_speculative_arguments(args, who: str) -> None:
+    """--speculative needs --model on one process; --num-spec needs --speculative."""
+    from vt.forward.speculative import MAX_K
+    method = getattr(args, "speculative", None)
+    if method is None:
+        if getattr(args, "num_spec", None) is not None:
+            raise UsageError(f"{who}: --num-spec needs --speculative")
+        return
+    if getattr(args, "preset", None):
+        raise UsageError(f"{who}: --speculative needs --model: a bundled preset keeps a "
+                         f"recurrent state, which a verify step cannot roll back")
+    if args.tensor_parallel > 1:
+        raise UsageError(f"{who}: --speculative runs in one process, not with --tensor-parallel "
+                         f"{args.tensor_parallel}")
+    if args.num_spec is None:
+        args.num_spec = 4
+    if not 1 <= args.num_spec <= MAX_K:
+        raise UsageError(f"{who}: --num-spec must be in [1, {MAX_K}], got {args.num_spec}")
 
 
 def add_parser(sub) -> None:
@@ -167,6 +211,12 @@ def add_parser(sub) -> None:
                         "(default: none)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to serve with instead of the tokenizer's")
+    p.add_argument("--speculative", default=None, choices=["ngram"],
+                   help="speculative decoding (docs/speculative.md): ngram proposes the "
+                        "tokens that followed the latest earlier match of the row's last "
+                        "tokens in its prompt and output; greedy requests only")
+    p.add_argument("--num-spec", type=int, default=None, metavar="K",
+                   help="--speculative: drafts verified per row per step (default 4)")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -174,6 +224,7 @@ def add_parser(sub) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     check_model_arguments(args, "vt serve")
+    check_speculative_arguments(args, "vt serve")
     if not 0 <= args.port <= 65535:
         raise UsageError(f"vt serve: --port must be in [0, 65535], got {args.port}")
     if args.max_queued < 0 or not 0 <= args.shutdown_timeout <= 3600:

@@ -56,7 +56,8 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                     block_size: int = 16, kv_blocks: int | None = None, dtype: str = "auto",
                     name: str | None = None, wrap_forward=None, tensor_parallel: int = 1,
                     gpu_memory_utilization: float = kv_cache.DEFAULT_GPU_MEMORY_UTILIZATION,
-                    progress=None) -> ServedModel:
+                    progress=None, quantization: str | None = None,
+                    token_table_rows: int | None = None) -> ServedModel:
     """The checkpoint at `path` on backend `be` (cuda: bfloat16 by default; sim: CPU float32).
     max_context None: the checkpoint's context (module docstring), at most
     DEFAULT_MAX_CONTEXT; more than the checkpoint's is a ValueError. kv_blocks None: sized
@@ -65,7 +66,11 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     engine runs (tests inject faults). tensor_parallel > 1: `step_model` is the builder
     Engine(..., tensor_parallel=N) takes, each rank loading its shard (docs/parallel.md);
     nothing is loaded here. progress: called with a vt.engine.progress.StartUpProgress of
-    the phase "loading weights" (one piece per parameter), or None."""
+    the phase "loading weights" (one piece per parameter), or None. quantization: None or
+    "fp8" (vt.torch.hf.load's; one process only). The KV cache is sized as for the
+    checkpoint's dtype (FP8 weights leave the difference unused). token_table_rows: the
+    token table's entries (None: one a row and the scratch row; speculative decoding needs
+    vt.forward.speculative.verify_table_rows)."""
     import torch
 
     from vt.torch import TorchForwardModel, hf, torch_device
@@ -83,6 +88,9 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     if dtype == "auto":
         dtype = "bfloat16" if be.name == "cuda" else "float32"
     torch_dtype = getattr(torch, dtype)
+    if quantization is not None and tensor_parallel > 1:
+        raise ValueError(f"quantization {quantization!r} runs in one process; tensor_parallel "
+                         f"{tensor_parallel} is not implemented for it")
     if tensor_parallel > 1:   # before the KV cache is sized per rank, and before any spawn
         from vt.torch.llama import check_tensor_parallel
         from vt.torch.tensor_parallel import TensorParallel
@@ -100,9 +108,17 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
         return ServedModel(name or path.name, build, geo, cfg.vocab, text, eos_token_ids(path),
                            notes=notes)
     module = hf.load(path, geo, dtype=torch_dtype, device=torch_device(be),
-                     progress=phase_reporter(progress, "loading weights"))
+                     progress=phase_reporter(progress, "loading weights"),
+                     quantization=quantization)
     forward = module if wrap_forward is None else wrap_forward(module)
-    step = TorchForwardModel(be, forward, vocab=cfg.vocab, geometry=geo, prefill=PREFILL)
+    table = None
+    if token_table_rows is not None:
+        import numpy as np
+
+        from vt.backend.zeros import zeros
+        table = zeros(be, (token_table_rows,), np.int32)
+    step = TorchForwardModel(be, forward, vocab=cfg.vocab, geometry=geo, prefill=PREFILL,
+                             token_table=table)
     return ServedModel(name or path.name, step, geo, cfg.vocab, text, eos_token_ids(path),
                        notes=notes)
 
