@@ -60,6 +60,12 @@ def add_arguments(p) -> None:
                    help="transformers' caches to time: dynamic (eager) and static (compiled on "
                         "a GPU); default both")
     p.add_argument("--no-peer", action="store_true", help="leave the torch graph loop out")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="FP8 (e4m3) projection weights, per output channel (docs/torch.md)")
+    p.add_argument("--fp8-prompt-linear", default="dequantize",
+                   choices=["dequantize", "scaled_mm"],
+                   help="with --quantization fp8: what computes steps of more than 16 rows "
+                        "on CUDA (default dequantize)")
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--png", default=None, help="also draw TPOT against rows here (matplotlib)")
 
@@ -135,7 +141,9 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
     module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode")
     out["kernels"], out["linear"] = module.kernels, module.linear
     out["prompt_kernels"] = module.prompt_kernels
+    out["quantization"] = module.quantization
     out["weight_bytes"] = weight_bytes(module)
+    out["dense_weight_bytes"] = weight_bytes(module, dense=True)
     out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * dtype.itemsize
     out["embed_row_bytes"] = cfg.hidden * dtype.itemsize
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
@@ -201,21 +209,29 @@ def staggered_budgets(n: int, prompt_len: int, chunk: int, steps: int) -> list[i
     return [steps + 1 + first[-1] - f for f in first]
 
 
-def weight_bytes(module) -> int:
-    """Bytes a decode step reads of the parameters, the embedding aside (a step reads S of its
-    rows; a tied head reads it whole)."""
-    total = sum(p.numel() * p.element_size() for n, p in module.named_parameters()
-                if not n.startswith("embed."))
+def weight_bytes(module, dense: bool = False) -> int:
+    """Bytes a decode step reads of the weights (the state dict: FP8 codes and their scales
+    too), the embedding aside (a step reads S of its rows; a tied head reads it whole).
+    dense: what the same weights take in the module's dtype, without scales (an FP8
+    decoder's bf16 floor)."""
+    itemsize = module.embed.weight.element_size()
+    total = 0
+    for n, t in module.state_dict().items():
+        if n.startswith("embed.") or dense and n.endswith(".weight_scale"):
+            continue
+        total += t.numel() * (itemsize if dense and n.endswith(".qweight") else t.element_size())
     if module.lm_head is None:
         total += module.embed.weight.numel() * module.embed.weight.element_size()
     return total
 
 
-def floor_s(r: dict, rows: int, live: int) -> float | None:
-    """The decode step's floor in seconds (the module docstring); None without a copy rate."""
+def floor_s(r: dict, rows: int, live: int, dense: bool = False) -> float | None:
+    """The decode step's floor in seconds (the module docstring); None without a copy rate.
+    dense: with the weights in the module's dtype (an FP8 run's bf16 floor)."""
     if not r.get("floor_Bps"):
         return None
-    read = r["weight_bytes"] + rows * (r["embed_row_bytes"] + live * r["kv_bytes_per_token"])
+    weights = r["dense_weight_bytes"] if dense else r["weight_bytes"]
+    read = weights + rows * (r["embed_row_bytes"] + live * r["kv_bytes_per_token"])
     return read / r["floor_Bps"]
 
 
@@ -274,12 +290,17 @@ def format_table(r: dict) -> str:
     lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, kernels "
              f"{r.get('kernels')}, linear {r.get('linear', 'torch')}, vt mode {r['mode']}, "
              f"max_context {r['max_context']}; weights "
-             f"{r['weight_bytes'] / 1e9:.2f} GB, KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token"
+             f"{r['weight_bytes'] / 1e9:.2f} GB"
+             + (f" ({r['quantization']}: codes and scales; "
+                f"{r['dense_weight_bytes'] / 1e9:.2f} GB in {r['dtype']})"
+                if r.get("quantization") else "")
+             + f", KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token"
              + (f", floor rate {rate / 1e12:.2f} TB/s (copy {r['copy_Bps'] / 1e12:.2f}, read "
                 f"{r['read_Bps'] / 1e12:.2f})" if rate else ", no floor on this backend"),
              f"{'S':>3} {'live':>5} {'vt ms':>8} {'floor ms':>8} {'/floor':>6} {'ceiling':>8} "
              f"{'vt/ceil':>7} {'loop ms':>8} {'loop/vt':>7} {'hf ms':>8} {'hf/vt':>6} "
-             f"{'static':>8} {'st/vt':>6}"]
+             f"{'static':>8} {'st/vt':>6}" + (f" {'dense fl':>8}" if r.get("quantization")
+                                                else "")]
     hf = {(c["rows"], c["live"], c.get("cache", "dynamic")): c["tpot_s"]
           for c in (r.get("hf") or {}).get("cells", [])}
     for c in r["cells"]:
@@ -293,12 +314,15 @@ def format_table(r: dict) -> str:
             + f"{1e3 * c['ceiling_s']:8.3f} {c['ceiling_s'] / vt:7.3f} "
             + (f"{1e3 * loop:8.3f} {loop / vt:7.3f} " if loop else f"{'-':>8} {'-':>7} ")
             + (f"{1e3 * h:8.2f} {h / vt:6.2f} " if h else f"{'-':>8} {'-':>6} ")
-            + (f"{1e3 * st:8.2f} {st / vt:6.2f}" if st else f"{'-':>8} {'-':>6}"))
+            + (f"{1e3 * st:8.2f} {st / vt:6.2f}" if st else f"{'-':>8} {'-':>6}")
+            + (f" {1e3 * floor_s(r, S, live, dense=True):8.3f}"
+               if fl and r.get("quantization") else ""))
     hf_r = r.get("hf") or {}
     lines.append("vt/ceil: the captured graph's own time over vt's step (1.0: the host adds "
                  "nothing); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster); "
                  "hf: transformers generate, its dynamic cache (eager) and its static cache "
-                 "(compiled on a GPU)")
+                 "(compiled on a GPU); dense fl: an FP8 run's floor with its weights in the "
+                 "module's dtype (the bf16 floor)")
     lines.append(f"hf: {hf_r.get('impl') or hf_r.get('error') or 'left out'}")
     return "\n".join(lines)
 

@@ -44,6 +44,12 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peer", action="store_true", help="leave transformers out")
     p.add_argument("--no-static", action="store_true",
                    help="leave out transformers with its static cache (compiled on a GPU)")
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="FP8 (e4m3) projection weights, per output channel (docs/torch.md)")
+    p.add_argument("--fp8-prompt-linear", default="dequantize",
+                   choices=["dequantize", "scaled_mm"],
+                   help="with --quantization fp8: what computes steps of more than 16 rows "
+                        "on CUDA (default dequantize)")
     p.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -76,7 +82,8 @@ def run(args) -> dict:
     cuda = be.name == "cuda"
     out = dict(common, mode=args.mode, kernels=args.kernels, linear=args.linear,
                prompt_kernels=args.prompt_kernels, conc=args.conc,
-               prompt_len=args.prompt_len, context=args.context)
+               prompt_len=args.prompt_len, context=args.context,
+               quantization=args.quantization, fp8_prompt_linear=args.fp8_prompt_linear)
     try:
         out["vt"] = _run_vt(be, cfg, dtype, args)
         out["params"] = out["vt"].pop("params")
@@ -112,7 +119,9 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     module = tool_decoder(cfg, geo, dtype, be, args, "torch_ttft")
-    params = sum(p.numel() for n, p in module.named_parameters() if not n.startswith("embed."))
+    # the state dict: an FP8 decoder's codes are buffers, not parameters (scales not counted)
+    params = sum(t.numel() for n, t in module.state_dict().items()
+                 if not n.startswith("embed.") and not n.endswith(".weight_scale"))
     if module.lm_head is None:
         params += module.embed.weight.numel()
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
@@ -275,7 +284,9 @@ def format_table(r: dict) -> str:
               [of(q, "tpot_s") for q in peers])]
     lines = [f"{r['preset']}: {r['params'] / 1e9:.2f} B parameters (non-embedding), {r['dtype']}, "
              f"on {r['device']} ({r['backend']}); vt mode {r['mode']}, prefill=flat, prompt "
-             f"kernels {r.get('prompt_kernels', 'torch')}",
+             f"kernels {r.get('prompt_kernels', 'torch')}"
+             + (f", {r['quantization']} weights (prompt linear {r['fp8_prompt_linear']})"
+                if r.get("quantization") else ""),
              f"{'':44s} {'vt':>10s} {'peer':>10s} {'vt/peer':>8s} {'static':>10s} "
              f"{'vt/static':>9s}"]
     for label, mine, theirs in rows:

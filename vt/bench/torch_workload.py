@@ -93,7 +93,9 @@ def tool_decoder(cfg, geometry, dtype, be, args, tool: str):
     try:
         return LlamaDecoder(cfg, geometry, dtype=dtype, device=torch_device(be),
                             kernels=args.kernels, linear=args.linear,
-                            prompt_kernels=args.prompt_kernels)
+                            prompt_kernels=args.prompt_kernels,
+                            quantization=getattr(args, "quantization", None),
+                            fp8_prompt_linear=getattr(args, "fp8_prompt_linear", "dequantize"))
     except ValueError as exc:
         raise SystemExit(f"{tool}: {exc}") from None
 

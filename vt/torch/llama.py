@@ -369,14 +369,22 @@ def fp8_ops(ops: LayerOps, prompt_linear: str | None = None) -> LayerOps:
 
 
 def quantized_linears(layer: Layer, dtype: torch.dtype, *, per_block: bool) -> None:
-    """The layer's four projections as vt.torch.fp8.Fp8Linear (zero weights, unit scales:
-    a loader or quantize_weights_ fills them); its norms stay in `dtype`."""
+    """The layer's four projections as vt.torch.fp8.Fp8Linear, each holding its nn.Linear's
+    initial weights quantized per channel (a loader or quantize_weights_ replaces them; with
+    per_block, unit block scales over zero codes until then); its norms stay in `dtype`."""
     for parent, name in ((layer.attn, "qkv"), (layer.attn, "o"), (layer.mlp, "gate_up"),
                          (layer.mlp, "down")):
         old = getattr(parent, name)
-        setattr(parent, name, fp8.Fp8Linear(old.in_features, old.out_features,
-                                            bias=old.bias is not None, per_block=per_block,
-                                            dtype=dtype, device=old.weight.device))
+        new = fp8.Fp8Linear(old.in_features, old.out_features, bias=old.bias is not None,
+                            per_block=per_block, dtype=dtype, device=old.weight.device)
+        with torch.no_grad():
+            if not per_block:
+                w = fp8.quantize_per_channel(old.weight)
+                new.qweight.copy_(w.data)
+                new.weight_scale.copy_(w.scale)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+        setattr(parent, name, new)
 
 
 def check_quantization(quantization, fp8_scales: str, fp8_prompt_linear: str,
