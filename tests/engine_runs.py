@@ -7,7 +7,7 @@ from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
 from vt.forward.toy import ToyForward
 from vt.model import PRESETS, init_weights
-from vt.testing import NULL_HOOKS, with_device_work
+from vt.hooks import NULL_HOOKS, with_device_work
 
 VOCAB = 64
 _WEIGHTS = {}
@@ -31,7 +31,7 @@ def workload(n, seed=0, max_len=7, max_new=(6, 14)):
 def run_toy(be, prompts, budgets, *, device_work_s=0.0, record_logits=True, stop_token=None,
             hooks=NULL_HOOKS, **cfg):
     """Results and stats of one generate() on a fresh toy forward (state starts at zero);
-    `hooks`: vt.testing's test arms, e.g. Poison()."""
+    `hooks`: vt.hooks's test arms, e.g. Poison()."""
     config = ExecutorConfig(**cfg)
     step = with_device_work(ToyForward(be, vocab=VOCAB).step_model(), device_work_s)
     with Engine(be, step, config, hooks=hooks, record_logits=record_logits) as eng:

@@ -51,7 +51,7 @@ from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
 from vt.knobs import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
-from vt.testing import NULL_HOOKS, Poison, with_device_work  # noqa: E402
+from vt.hooks import NULL_HOOKS, Poison, with_device_work  # noqa: E402
 
 ASYNC_MODES = tuple(m for m in MODES if ExecutorConfig(mode=m).guarded)   # the ring modes
 UNSAFE = "unguarded+poison"

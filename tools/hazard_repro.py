@@ -9,7 +9,7 @@ four arms.
   UNGUARDED          the same without poison (on a delayed sim; on a GPU only if the host wins)
 
 Each decode is preceded by --device-work-ms of queued device time (be.busy_wait,
-vt.testing.with_device_work), so the host runs ahead of the device on any backend. Prints the
+vt.hooks.with_device_work), so the host runs ahead of the device on any backend. Prints the
 mismatch counts (requests whose tokens or logits bytes differ from DRAIN) and exits 1 if a
 safe mode mismatched or the unsafe arm was not detected.
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from vt.backend import get_backend
 from vt.engine.engine import Engine
 from vt.knobs import ExecutorConfig
-from vt.testing import NULL_HOOKS, Poison, with_device_work
+from vt.hooks import NULL_HOOKS, Poison, with_device_work
 
 ARMS = {   # arm -> (mode, poison)
     "DRAIN": ("drain", False),

@@ -17,7 +17,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend.zeros import zeros  # noqa: E402
 from vt.forward.user import ForwardModel, KVGeometry, kv_slot  # noqa: E402
-from vt.testing import with_device_work  # noqa: E402
+from vt.hooks import with_device_work  # noqa: E402
 
 VOCAB = 64
 
@@ -47,7 +47,7 @@ class PositionalToy:
 
     def poison_writer(self):
         """write(blocks): NaN into those KV blocks now, on a stream of its own, not ordered
-        after the decode stream (what vt.testing.KVPoison calls)."""
+        after the decode stream (what vt.hooks.KVPoison calls)."""
         side = self.be.stream(name="kv-poison")
         bs = self.geometry.block_size
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
 from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
-from vt.testing import NULL_HOOKS, Poison  # noqa: E402
+from vt.hooks import NULL_HOOKS, Poison  # noqa: E402
 from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
 
 TOY_GEOMETRY = KVGeometry(max_seqs=16, num_kv_blocks=160, block_size=8, max_context=96)

@@ -95,14 +95,14 @@ def _label(name: str, raw: str) -> str:
 _SWITCH = "0 or 1"
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
     # The executor's configuration: ExecutorConfig.from_env (vt/knobs.py) reads them; the
-    # first two name its mode, POISON is vt.testing.hooks_from_env's.
+    # first two name its mode, POISON is vt.hooks.hooks_from_env's.
     Variable("VT_ASYNC_EXECUTOR", _switch, False, _SWITCH,
              "1: mode ring (slot ring + drain skip); 0: mode drain (single slot, drain every step)"),
     Variable("VT_ASYNC_EXECUTOR_NO_DBUF", _switch, False, _SWITCH,
              "1: mode unguarded, the test arm that skips the drain without the ring "
              "(reproduces the host-overwrite hazard)"),
     Variable("VT_ASYNC_EXECUTOR_POISON", _switch, False, _SWITCH,
-             "test arm (vt.testing.Poison): overwrite the next slot's host vectors as soon "
+             "test arm (vt.hooks.Poison): overwrite the next slot's host vectors as soon "
              "as the mode lets the host write them"),
     Variable("VT_ASYNC_EXECUTOR_TRACE", _trace, None, "0, 1 or a path ending in .json",
              f"write a per-step Chrome trace JSON (1: to {DEFAULT_TRACE_PATH})"),

@@ -10,7 +10,7 @@ differently per mode is a property derived from it (ExecutorConfig's docstring l
 so a config cannot say one thing and run another. Everything below the engine receives the
 config object explicitly, so a test can run two modes side by side in one process.
 Test arms (poison, no pool pre-grow, injected device work) are not configuration: they are
-vt/testing.py's hooks.
+hooks (vt/hooks.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import vt.cli.run
 import vt.engine.engine
 from vt.cli.main import main
 from vt.forward.toy import ToyForward
-from vt.testing import Poison
+from vt.hooks import Poison
 from mode_table import EXPECTED_MODES
 
 EXPECTED = EXPECTED_MODES   # (depth, slots per size, guarded, staged H2D, drain skip)

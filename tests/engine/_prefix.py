@@ -29,7 +29,7 @@ def shared_prefix_workload(n, seed=0, *, prefix_len=9, tail=(1, 6), max_new=(3, 
 def run(be, prompts, budgets, *, mode="sync", prefix_caching=True, geometry=None, sampling=None,
         device_work_s=0.0, hooks=None, conc=4, poison=False, poison_fence=True):
     """(results, stats, hooks) of one generate() on a fresh PositionalToy."""
-    from vt.testing import KVPoison
+    from vt.hooks import KVPoison
     geo = geometry or KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=32)
     toy = PositionalToy(be, geo)
     if poison:

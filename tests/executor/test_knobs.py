@@ -162,7 +162,7 @@ def test_one_refusal_shape_everywhere(value, error):
 
 # ------------------------------------------------------------------ the test arms' variable
 def test_the_poison_variable_selects_the_poison_hooks():
-    from vt.testing import NULL_HOOKS, Poison, hooks_from_env
+    from vt.hooks import NULL_HOOKS, Poison, hooks_from_env
     assert hooks_from_env({}) is NULL_HOOKS
     assert hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "0"}) is NULL_HOOKS
     assert isinstance(hooks_from_env({"VT_ASYNC_EXECUTOR_POISON": "1"}), Poison)

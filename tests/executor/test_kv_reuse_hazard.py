@@ -1,6 +1,6 @@
 """The KV-reuse hazard under overlap, proved the way the slot ring's was: an arm that
 rewrites a KV block the moment the block pool hands it to a new owner, from a writer not
-ordered after the decode stream (vt.testing.KVPoison: NaN into the block, on a stream of its
+ordered after the decode stream (vt.hooks.KVPoison: NaN into the block, on a stream of its
 own), detected by the tokens (a step that reads the poison gives NaN logits: an error row,
 or other tokens).
 

@@ -8,7 +8,7 @@ from vt.graphs import DecodeGraphDriver, GraphSettings, StaleLogitsError
 from vt.knobs import ExecutorConfig
 from vt.step.contract import DecodeRows
 from vt.forward.toy import ToyForward
-from vt.testing import NULL_HOOKS, NoPoolPreGrow
+from vt.hooks import NULL_HOOKS, NoPoolPreGrow
 
 
 def _driver(be, mode="drain", hooks=NULL_HOOKS):

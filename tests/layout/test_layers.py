@@ -20,8 +20,8 @@ RANK = {
     "errors": -1,             # VtError, the base of every error vt defines
     "backend": 0, "knobs": 0,
     "step": 1,
-    "testing": 2,             # test arms as hooks: wraps the step contract, the graphs and
-                              # the runner call its null hooks
+    "hooks": 2,               # the executor's hooks (the pool pre-grow, the test arms): wraps
+                              # the step contract; the graphs, the runner and the engine call it
     "sampling": 0.5,          # pure: the step contract holds its SamplingParams
     "graphs": 3, "model": 3,
     "forward": 4,

@@ -22,7 +22,7 @@ from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
 from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.parallel import TensorParallelError  # noqa: E402
-from vt.testing import Poison  # noqa: E402
+from vt.hooks import Poison  # noqa: E402
 
 MAX_PREFILL = 8     # prompts of up to 19 tokens: most are split over steps
 

@@ -18,7 +18,7 @@ from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
 from vt.knobs import ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
-from vt.testing import Poison  # noqa: E402
+from vt.hooks import Poison  # noqa: E402
 from vt.torch.tensor_parallel import TensorParallel  # noqa: E402
 
 GEO = KVGeometry(max_seqs=8, num_kv_blocks=8 * 16 + 1, block_size=16, max_context=256)

@@ -9,7 +9,7 @@ import pytest
 
 from vt.engine.engine import Engine
 from vt.forward.speculative import SpeculativeConfig
-from vt.testing import Poison
+from vt.hooks import Poison
 from vt.knobs import ExecutorConfig
 from vt.step.contract import SamplingParams
 

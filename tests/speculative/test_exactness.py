@@ -5,7 +5,7 @@ import pytest
 
 from vt.engine.speculative import generate_speculative
 from vt.knobs import ExecutorConfig
-from vt.testing import Poison
+from vt.hooks import Poison
 
 from ._causal import reference, speculative, workload
 

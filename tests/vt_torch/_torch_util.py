@@ -7,7 +7,7 @@ import torch
 
 from vt.engine import Engine
 from vt.knobs import ExecutorConfig
-from vt.testing import Poison
+from vt.hooks import Poison
 from vt.step import KVGeometry
 from vt.torch import TorchForwardModel, TorchInputs, torch_device
 from vt.torch.llama import LlamaConfig, LlamaDecoder

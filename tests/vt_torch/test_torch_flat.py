@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install
 from vt.engine import Engine  # noqa: E402
 from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
-from vt.testing import Poison  # noqa: E402
+from vt.hooks import Poison  # noqa: E402
 from vt.torch import TorchForwardModel  # noqa: E402
 
 from _torch_util import GEO, eager_greedy, prompts, tiny_llama  # noqa: E402

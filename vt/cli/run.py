@@ -50,7 +50,7 @@ def _config(args: argparse.Namespace):
     """The executor config and test hooks: VT_* variables, then the flags (a --mode replaces
     the mode variables). Raises UsageError on bad values."""
     from vt.knobs import ExecutorConfig
-    from vt.testing import hooks_from_env
+    from vt.hooks import hooks_from_env
 
     overrides = {}
     if args.concurrency is not None:

@@ -32,7 +32,7 @@ from typing import Callable
 
 from vt.forward.adapt import as_step_model
 from vt.knobs import ExecutorConfig
-from vt.testing import NULL_HOOKS, ExecutorHooks, hooks_from_env
+from vt.hooks import NULL_HOOKS, ExecutorHooks, hooks_from_env
 from vt.engine.call import GenerateCall
 from vt.engine.handle import RequestHandle, TokenStream
 from vt.engine.requests import RequestResult
@@ -78,8 +78,8 @@ class Engine:
     start_up_progress: called with a vt.engine.progress.StartUpProgress as each phase of the
     construction (capturing the decode graphs, warming up the eager steps) starts and after
     each of its pieces, in this thread; None (the default) reports nothing.
-    hooks: the test arms (vt.testing, e.g. Poison()). None: none, except with config=None,
-    where `vt.testing.hooks_from_env()` reads them too (VT_ASYNC_EXECUTOR_POISON=1: Poison).
+    hooks: the test arms (vt.hooks, e.g. Poison()). None: none, except with config=None,
+    where `vt.hooks.hooks_from_env()` reads them too (VT_ASYNC_EXECUTOR_POISON=1: Poison).
     prefix_caching: share the KV blocks of cached prompt prefixes between requests
     (vt/engine/kv_blocks.py). None (the default): on when the step model declares its KV
     position-addressed (StepModel.prefix_cacheable, e.g. vt.torch's LlamaDecoder) and

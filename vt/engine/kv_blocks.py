@@ -28,7 +28,7 @@ launched may still be read (or written) by step t in flight: it becomes reusable
 the host has seen step t complete (`complete(t)`, after the loop collects step t, i.e.
 after waiting on that step's done event). Every KV write of vt's own steps is ordered
 after step t on the one decode stream anyway; the fence makes the rule hold for any
-writer, and the test arm with a writer that is not stream-ordered (vt.testing.KVPoison),
+writer, and the test arm with a writer that is not stream-ordered (vt.hooks.KVPoison),
 run with the fence removed (fence=False), shows what it prevents.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ from vt.executor.plan import StepPlan
 from vt.executor.runner import Runner
 from vt.forward.speculative import SpeculativeModel, read_record
 from vt.step.contract import DecodeRows, PrefillSeq
-from vt.testing import NULL_HOOKS
+from vt.hooks import NULL_HOOKS
 
 
 @dataclass

@@ -26,7 +26,7 @@ from vt.executor.logits_record import LogitsRecord
 from vt.executor.plan import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
 from vt.executor.timers import NULL_TIMER, SampledTimer, TracingTimer
 from vt.backend.waits import DEFAULT_POLL_US, wait_event
-from vt.testing import NULL_HOOKS, ExecutorHooks
+from vt.hooks import NULL_HOOKS, ExecutorHooks
 
 
 def _decode_and_sample(model):
@@ -42,13 +42,13 @@ def _decode_and_sample(model):
 class Runner:
     """Launches steps of a step model (vt.step.contract.StepModel): graphs through the driver,
     the rest through the eager path. With profile=True (or a trace) `timer` is a sampled
-    timer (vt/executor/timers.py), else the null one. `hooks`: the test arms (vt/testing.py),
+    timer (vt/executor/timers.py), else the null one. `hooks`: the test arms (vt/hooks.py),
     called at fixed points; the default does nothing there."""
 
     def __init__(self, be, model, config, *, hooks: ExecutorHooks = NULL_HOOKS,
                  record_logits: bool = False, profile: bool = False):
         if not isinstance(hooks, ExecutorHooks):
-            raise TypeError(f"Runner: hooks must be a vt.testing.ExecutorHooks, got "
+            raise TypeError(f"Runner: hooks must be a vt.hooks.ExecutorHooks, got "
                             f"{type(hooks).__name__}")
         self.be, self.model, self.config, self.hooks = be, model, config, hooks
         self.stream = be.stream(name="vt-decode")

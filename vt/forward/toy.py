@@ -18,7 +18,7 @@ from vt.validate import INT32_MAX, integer
 
 class ToyForward:
     """forward(stream, inputs, logits_out): launches two kernels, allocates one temporary.
-    (vt.testing.with_device_work adds device time per decode, so that the host runs ahead
+    (vt.hooks.with_device_work adds device time per decode, so that the host runs ahead
     of the device: the regime where the host-overwrite hazard shows.)"""
 
     DEFAULT_VOCAB = 64

@@ -6,7 +6,7 @@ Per size, largest first (the scratch arena then only grows once):
   2. pre-grow: `pool.reserve(logits_bytes, count=k)`, one retained block per slot;
   3. capture each slot; the retained [S, vocab] block is allocated INSIDE the capture, so
      it is the graph's output and is served from the blocks pre-grown in 2.
-Skipping 2 with the ring on (vt.testing.NoPoolPreGrow): slot 0 gets the block the warm-up
+Skipping 2 with the ring on (vt.hooks.NoPoolPreGrow): slot 0 gets the block the warm-up
 returned, slot 1 finds no free block and the pool raises CaptureAllocationError (the test of
 the pre-grow).
 

@@ -16,7 +16,7 @@ from vt.graphs.capture import capture_slot, logits_nbytes, warm_up
 from vt.graphs.slot import SizeSlot, SlotRing
 from vt.step.contract import PadRow
 from vt.backend.timing import timed_ms
-from vt.testing import NULL_HOOKS, ExecutorHooks
+from vt.hooks import NULL_HOOKS, ExecutorHooks
 from vt.validate import integer
 
 MAX_SLOTS_PER_SIZE = 2   # a depth-2 pipeline has at most two steps in flight (vt/knobs.py)
@@ -39,7 +39,7 @@ class GraphSettings:
 
 class DecodeGraphDriver:
     """Captures every size, picks the padded size of a step and hands out its next slot.
-    `hooks` (vt.testing): the pool pre-grow goes through hooks.pre_grow_pool."""
+    `hooks` (vt.hooks): the pool pre-grow goes through hooks.pre_grow_pool."""
 
     def __init__(self, be, stream, step, *, vocab: int, max_blocks: int, pad: PadRow,
                  settings: GraphSettings, hooks: ExecutorHooks = NULL_HOOKS):

@@ -63,7 +63,7 @@ class WorkerSpec:
     channel: str                 # the Broadcast's shared-memory name
     build: Callable              # build(backend, tp) -> the rank's model (a step model or forward)
     config: object               # the engine's ExecutorConfig (no trace)
-    hooks: object                # the engine's test hooks (vt.testing)
+    hooks: object                # the engine's test hooks (vt.hooks)
     parent_pid: int
     collective_timeout_s: float
     env: dict

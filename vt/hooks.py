@@ -1,9 +1,10 @@
-"""The executor's test arms, outside the production classes: hooks that the runner and the
-graph driver call at fixed points, and a step model wrapper that adds device work.
+"""The executor's hooks: what the graph driver, the runner and the engine's KV block pool call
+at fixed points. NULL_HOOKS is production's (the graph pool pre-grow before a size's captures,
+the KV pool's fence, nothing after a launch); the test arms are subclasses, plus a step model
+wrapper that adds device work.
 
-The production classes take a hooks object and call its methods unconditionally; the
-default, NULL_HOOKS, does there only what production does (nothing, or the pool pre-grow).
-So no test flag is tested on the hot path, and a test arm is a subclass:
+The production classes take a hooks object and call its methods unconditionally, so no test
+flag is tested on the hot path and a test arm overrides only the hook it needs:
 
 - Poison: after each graph launch, overwrite the input block the next step of that size
   will use, as early as the mode lets the host write it (ring: after that slot's guard;
