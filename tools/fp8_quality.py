@@ -1,0 +1,163 @@
+"""FP8 weights' quality, measured: a model with FP8 projections (vt.torch.fp8, quantized per
+channel at load) against the same model in its own dtype, over one text, teacher-forced (both
+read the same tokens; each position's logits compared):
+
+- logits relative error: ||fp8 - ref|| / ||ref|| over every position's logits (and the
+  largest per-position value);
+- top-1 agreement: the share of positions where the two models' greedy (argmax) tokens agree;
+- perplexity of the text's next tokens under each model (and their ratio).
+
+  python3 tools/fp8_quality.py --model DIR [--text FILE] [--tokens 1000]
+  python3 tools/fp8_quality.py --preset torch-llama3-8b --tokens 1000    # random weights, cuda
+
+--model: a dense (bf16/fp32) Hugging Face checkpoint directory with its tokenizer (loaded
+twice: as it is and with quantization="fp8"); --text (default: a built-in English passage,
+repeated to --tokens) is tokenized by the checkpoint's tokenizer. --preset: one of vt bench's
+torch presets with random weights and seeded random tokens (perplexity then says nothing about
+language, only that both models agree). Each position runs as one decode step (the captured
+path's ops, one row), on cuda when a GPU is usable (bf16), else the CPU (float32, the
+reference path). --json F also writes the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+PASSAGE = (
+    "The history of the printing press begins in the fifteenth century, when movable metal "
+    "type made it possible to reproduce books quickly and cheaply. Before that, texts were "
+    "copied by hand, a slow process that kept books rare and expensive. Within a few decades "
+    "presses spread across Europe, and the number of books in circulation grew from thousands "
+    "to millions. Scholars could compare editions, merchants could print price lists, and "
+    "governments could publish laws that everyone could read. The new technology also changed "
+    "how people learned: grammar books, maps and scientific treatises reached students far "
+    "from the great universities. ")
+
+
+def position_logits(module, tokens) -> "torch.Tensor":
+    """[len(tokens), vocab] float32 on the CPU: each position's logits, one decode step each."""
+    import torch
+
+    from vt.torch import TorchInputs
+    geo, dev = module.geometry, module.k_cache.device
+    table = torch.zeros(geo.max_seqs + 1, dtype=torch.int32, device=dev)
+    blocks = torch.arange(1, geo.max_blocks + 1, dtype=torch.int32, device=dev)[None]
+    logits = torch.empty(1, module.cfg.vocab, device=dev)
+    rows = []
+    for p, tok in enumerate(tokens):
+        table[0] = tok
+        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)   # noqa: E731
+        slot = (p // geo.block_size + 1) * geo.block_size + p % geo.block_size
+        module(TorchInputs.decode(table, i32(0), i32(p), i32(p + 1), i32(slot), blocks, i32(0)),
+               logits)
+        rows.append(logits.cpu().clone())
+    return torch.cat(rows)
+
+
+def compare(fp8_logits, ref_logits, tokens) -> dict:
+    """The numbers of the module docstring, from two [L, vocab] float32 logits tensors over
+    `tokens` (position p predicts tokens[p + 1])."""
+    import torch
+    diff = fp8_logits - ref_logits
+    per_pos = diff.norm(dim=1) / ref_logits.norm(dim=1)
+    agree = (fp8_logits.argmax(1) == ref_logits.argmax(1)).float().mean().item()
+    nxt = torch.tensor(tokens[1:])
+
+    def ppl(logits):
+        nll = torch.nn.functional.cross_entropy(logits[:-1].double(), nxt)
+        return math.exp(nll.item())
+    p8, pr = ppl(fp8_logits), ppl(ref_logits)
+    return dict(positions=len(tokens), logits_rel_err=(diff.norm() / ref_logits.norm()).item(),
+                logits_rel_err_max_position=per_pos.max().item(), top1_agreement=agree,
+                perplexity_fp8=p8, perplexity_ref=pr, perplexity_ratio=p8 / pr)
+
+
+def _geometry(n: int):
+    from vt.step import KVGeometry
+    bs = 16
+    blocks = -(-n // bs)
+    return KVGeometry(max_seqs=1, num_kv_blocks=blocks + 1, block_size=bs, max_context=blocks * bs)
+
+
+def run_checkpoint(path: str, text: str | None, n: int, device) -> dict:
+    import torch
+    from transformers import AutoTokenizer
+
+    from vt.torch import hf
+    tok = AutoTokenizer.from_pretrained(path)
+    body = text if text is not None else PASSAGE * (1 + 8 * n // len(PASSAGE))
+    tokens = tok(body)["input_ids"][:n]
+    if text is not None and len(tokens) < n:
+        print(f"fp8_quality: the text holds {len(tokens)} tokens; measuring those",
+              file=sys.stderr)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    geo = _geometry(len(tokens))
+    ref = position_logits(hf.load(path, geo, dtype=dtype, device=device), tokens)
+    fp8 = position_logits(hf.load(path, geo, dtype=dtype, device=device, quantization="fp8"),
+                          tokens)
+    return dict(compare(fp8, ref, tokens), model=path, dtype=str(dtype).split(".")[-1])
+
+
+def run_preset(preset: str, n: int, device) -> dict:
+    import torch
+
+    from vt.bench.torch_workload import model_config
+    from vt.torch.llama import LlamaDecoder, quantize_weights_
+    cfg = model_config("torch-tiny" if preset == "tiny" else preset)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    geo = _geometry(n)
+    torch.manual_seed(0)
+    dense = LlamaDecoder(cfg, geo, dtype=dtype, device=device)
+    tokens = torch.randint(0, cfg.vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+    ref = position_logits(dense, tokens)
+    weights = dense.state_dict()
+    quantized = LlamaDecoder(cfg, geo, dtype=dtype, device=device, quantization="fp8")
+    quantize_weights_(quantized, weights)
+    del dense, weights
+    fp8 = position_logits(quantized, tokens)
+    return dict(compare(fp8, ref, tokens), model=f"{preset} (random weights)",
+                dtype=str(dtype).split(".")[-1])
+
+
+def format_report(r: dict) -> str:
+    return (f"{r['model']}, {r['dtype']}, {r['positions']} positions: logits relative error "
+            f"{r['logits_rel_err']:.4f} (largest position {r['logits_rel_err_max_position']:.4f}); "
+            f"greedy top-1 agreement {100 * r['top1_agreement']:.1f} %; perplexity fp8 "
+            f"{r['perplexity_fp8']:.3f} against {r['perplexity_ref']:.3f} "
+            f"(x{r['perplexity_ratio']:.4f})")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a dense Hugging Face checkpoint directory")
+    src.add_argument("--preset", help="a vt bench torch preset, random weights (e.g. "
+                                      "torch-llama3-8b, tiny)")
+    p.add_argument("--text", default=None, help="a UTF-8 text file (--model only)")
+    p.add_argument("--tokens", type=int, default=1000, help="positions measured (default 1000)")
+    p.add_argument("--json", default=None, help="also write the numbers here")
+    args = p.parse_args(argv)
+    if args.tokens < 2:
+        p.error(f"--tokens {args.tokens}: at least 2 (perplexity needs a next token)")
+    if args.text is not None and args.model is None:
+        p.error("--text needs --model (a preset has no tokenizer)")
+    import torch
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    text = None if args.text is None else open(args.text, encoding="utf-8").read()
+    try:
+        r = (run_checkpoint(args.model, text, args.tokens, device) if args.model
+             else run_preset(args.preset, args.tokens, device))
+    except ValueError as exc:
+        print(f"fp8_quality: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(r))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
