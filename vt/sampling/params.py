@@ -4,7 +4,7 @@ captured graph)."""
 from __future__ import annotations
 
 import math
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 
 import numpy as np
 
@@ -76,6 +76,9 @@ class SamplingParams:
     divided by it when positive, multiplied when not), then frequency_penalty * (its count in
     the output so far) + presence_penalty * (1 if it is there) subtracted (OpenAI's).
 
+    grammar: the tokens a constrained request samples are those its grammar allows at each
+    step (vt/sampling/token_mask.py), applied after penalties and bias.
+
     logprobs: None (none), or n in [0, MAX_LOGPROBS]: the sampler also returns the sampled
     token's log-probability and the n most likely tokens with theirs, of the distribution it
     samples from after temperature and before top_k/top_p/min_p (log_softmax(logits /
@@ -94,6 +97,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple = ()          # ((token id, bias), ...), or a dict of them
+    # A grammar the tokens must follow (vt/sampling/token_mask.py): an object per request with
+    # fill_mask(bits) (the allowed next tokens into an int32 [ceil(V / 32)] bitmask) and
+    # accept(token) (the token the request sampled). Stateful: never share one between requests.
+    grammar: object = field(default=None, compare=False)
 
     def __post_init__(self):
         t = _real("temperature", self.temperature)
@@ -123,6 +130,10 @@ class SamplingParams:
         if not rep > 0:
             raise ValueError(f"SamplingParams.repetition_penalty={rep!r} must be > 0 (1: none)")
         bias = _logit_bias(self.logit_bias)
+        g = self.grammar
+        if g is not None and not (callable(getattr(g, "fill_mask", None)) and callable(getattr(g, "accept", None))):
+            raise TypeError(f"SamplingParams.grammar must have fill_mask(bits) and accept(token), "
+                            f"got {type(g).__name__}")
         # Plain Python numbers from here on: numpy scalars compare, hash and serialize the same.
         for name, v in (("temperature", t), ("top_p", p), ("min_p", m), ("seed", int(self.seed)),
                         ("top_k", None if self.top_k is None else int(self.top_k)),

@@ -22,7 +22,8 @@ Arguments (S rows, vocabulary V):
   token_table [*] i32, logprobs [S] i32 (with records: -1, or how many top tokens a row asks),
   then, for penalties and logit bias (vt/sampling/penalties.py), penalized [S] i32,
   presence [S], frequency [S], repetition [S] f32 and the instance's PenaltyState tables
-  (bind() makes them; extra_args() gives all of these for a step's inputs)
+  (bind() makes them; extra_args() gives all of these for a step's inputs), then the
+  TokenMaskState's on [R] and bits [R, ceil(V / 32)] (vt/sampling/token_mask.py)
 Writes out_tokens[r] (records: the record of row r, its token first, then the logprobs the row
 asks for) and token_table[token_rows[r]] (the next step's input token).
 
@@ -41,6 +42,7 @@ from .device_code import counter_bytes, workspace_bytes
 from .kernels import BLOCKS_PER_SM, CODE
 from .logprobs import RECORD_WORDS, launch_records, write_records
 from .penalties import PenaltyState, count, launch_count, launch_penalize, penalize
+from .token_mask import TokenMaskState, apply_mask, launch_mask
 
 _MIN_CHUNK = 1024      # elements per block: below this a block is mostly launch overhead
 COUNTER_ROWS = 4096    # rows whose counters an instance keeps zeroed between calls
@@ -63,29 +65,37 @@ class Sampler:
     def __init__(self):
         self._counters = {}    # CUDA device id -> this instance's zeroed counter buffer
         self.penalties: PenaltyState | None = None
+        self.masks: TokenMaskState | None = None
 
     def bind(self, be, rows: int, vocab: int) -> None:
-        """Keep penalty state (counts, prompts, logit bias) for `rows` token-table rows on
-        `be`: the model that owns this sampler calls it once, before any step."""
+        """Keep penalty state (counts, prompts, logit bias) and grammar masks for `rows`
+        token-table rows on `be`: the model that owns this sampler calls it once, before any
+        step."""
         self.penalties = PenaltyState(be, rows, vocab)
+        self.masks = TokenMaskState(be, rows, vocab)
 
     def extra_args(self, inputs) -> tuple:
         """The launch arguments after token_table for a step's `inputs` (DecodeInputs)."""
         if self.penalties is None:
             return (inputs.logprobs,)
         return (inputs.logprobs, inputs.penalized, inputs.presence_penalty, inputs.frequency_penalty,
-                inputs.repetition_penalty, *self.penalties.args())
+                inputs.repetition_penalty, *self.penalties.args(), *self.masks.args())
 
     def begin_rows(self, stream, seqs) -> None:
-        """The penalty state of the rows of newly prefilled requests (PenaltyState.begin_rows)."""
+        """The penalty state and first grammar mask of the rows of newly prefilled requests
+        (PenaltyState.begin_rows, TokenMaskState.begin_rows)."""
         if self.penalties is not None:
             self.penalties.begin_rows(stream, seqs)
+            self.masks.begin_rows(stream, seqs)
 
     def run_numpy(self, logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
-                  out_tokens, token_table, logprobs=None, *penalty):
+                  out_tokens, token_table, logprobs=None, *extra):
         records = _records(out_tokens, logprobs)
+        penalty, mask = _split(extra)
         if penalty:
             penalize(logits, token_rows, *penalty)
+        if mask:
+            apply_mask(logits, token_rows, *mask)
         tokens = reference.sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed)
         if penalty:
             count(tokens, token_rows, penalty[0], penalty[4])
@@ -96,7 +106,7 @@ class Sampler:
         token_table[token_rows] = np.maximum(tokens, 0)
 
     def run_cupy(self, stream_handle, logits, token_rows, positions, temperature, top_k, top_p,
-                 min_p, seed, out_tokens, token_table, logprobs=None, *penalty):
+                 min_p, seed, out_tokens, token_table, logprobs=None, *extra):
         import cupy as cp
 
         from vt.backend.nvrtc import cuda_function, sm_count
@@ -116,8 +126,11 @@ class Sampler:
             tokens, ws = ws[:4 * S].view(cp.int32), ws[_token_head(S):]
         else:
             tokens = out_tokens
+        penalty, mask = _split(extra)
         if penalty:
             launch_penalize(logits, token_rows, *penalty)
+        if mask:
+            launch_mask(logits, token_rows, *mask)
         cuda_function(CODE, "sample", VEC4=vec)(
             (S * B,), (256,), (logits, token_rows, positions, temperature, top_k, top_p, min_p, seed,
                                tokens, token_table, cnt, ws, np.int32(S), np.int32(V), np.int32(B),
@@ -143,6 +156,18 @@ class Sampler:
             _zero_kernel(cp)(cnt.view(cp.uint32))
             self._counters[dev] = cnt
         return self._counters[dev]
+
+
+_PENALTY_ARGS = 8    # penalized, presence, frequency, repetition, and PenaltyState.args()
+_MASK_ARGS = 2       # TokenMaskState.args()
+
+
+def _split(extra) -> tuple[tuple, tuple]:
+    """The arguments after logprobs: (penalty's, the mask's), either empty when absent."""
+    if len(extra) not in (0, _PENALTY_ARGS, _PENALTY_ARGS + _MASK_ARGS):
+        raise ValueError(f"Sampler: {len(extra)} arguments after logprobs; expected 0, "
+                         f"{_PENALTY_ARGS} (penalties) or {_PENALTY_ARGS + _MASK_ARGS} (and the mask)")
+    return tuple(extra[:_PENALTY_ARGS]), tuple(extra[_PENALTY_ARGS:])
 
 
 def _records(out, logprobs):
