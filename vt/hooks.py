@@ -129,6 +129,10 @@ class _DeviceWork(StepModel):
         return self._inner.chunked_prefill
 
     @property
+    def token_masks(self):
+        return self._inner.token_masks
+
+    @property
     def mixed_in_one_call(self):
         return self._inner.mixed_in_one_call
 

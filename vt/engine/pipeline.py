@@ -5,6 +5,10 @@ step launched before, so the host plans step N+1 while the device runs step N; a
 it is the step just launched. Either way a request that samples a stop token in step N
 leaves the batch after step N+1 is launched (depth 2 cannot know sooner), so both depths
 plan the same steps and give the same tokens.
+
+A request with a grammar needs its token of step N on the host (its mask of step N+1 is built
+from it) before step N+1 is launched: while one is live, the loop collects the step in flight
+before it plans (take_in_flight), so steps run at depth 1 (vt/engine/serving.py).
 """
 from __future__ import annotations
 
@@ -30,6 +34,11 @@ class StepPipeline:
         """The requests that sampled a stop token in the step just collected (called only
         when there are some: the stops of a step are applied once, after the next launch)."""
         raise NotImplementedError
+
+    def take_in_flight(self):
+        """The step in flight, to be collected now (None: none); nothing is in flight after."""
+        ready, self.in_flight = self.in_flight, None
+        return ready
 
     def empty(self) -> bool:
         return self.in_flight is None and not self.stopped

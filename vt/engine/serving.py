@@ -62,6 +62,8 @@ class ServingLoop:
                                 identity=model_key, kv_fenced=hooks.kv_fence,
                                 on_kv_reuse=hooks.kv_blocks_reused, speculative=speculative)
         self._pipeline = step_pipeline(depth, self._sched.leave)
+        self._masks = step_model.token_masks   # the sampler's grammar masks (None: refused)
+        self._constrained: list = []          # live requests with a grammar (serving thread's)
         self._wall_s = 0.0
         self._failed_steps = 0
         self._decode_phase, self._prefill_phase = Phase(), Phase()
@@ -79,6 +81,10 @@ class ServingLoop:
         number: give each the loop's next request number (submit(); generate() keeps the
         prompt's index). ClosedError once close() has started."""
         now = time.perf_counter()
+        if self._masks is None and any(r.sampling.grammar is not None for r in reqs):
+            raise ValueError("SamplingParams.grammar: this engine's step model has no grammar "
+                             "masks (tensor parallel, speculative, or a StepModel without "
+                             "token_masks)")
         with self._state_lock:
             self.check_open()
             for req in reqs:
@@ -245,6 +251,8 @@ class ServingLoop:
 
     def _step(self, pending: deque) -> None:
         """One step: plan step N+1, launch it, collect what the pipeline's depth says, update."""
+        if self._constrained:
+            self._collect_for_grammars()
         plan = self._sched.plan(pending)
         ready = self._pipeline.launched(self._launch(plan, pending))
         if ready is not None:
@@ -255,6 +263,8 @@ class ServingLoop:
         """_step with LoopProfile's hooks between its parts (profile=True)."""
         prof = self._loop_profile
         timed = prof.begin()
+        if self._constrained:
+            self._collect_for_grammars()
         plan = self._sched.plan(pending)
         if timed:
             prof.planned()
@@ -274,6 +284,8 @@ class ServingLoop:
         in flight or stops still to apply may explain)."""
         if plan.admitted:
             self._buffer.admit(plan.admitted)
+            self._constrained += [r for r in plan.admitted
+                                  if r.sampling.grammar is not None and r not in self._constrained]
         if plan.n:
             handle = self.runner.launch(plan)
             self._sched.after_launch(plan)
@@ -300,8 +312,43 @@ class ServingLoop:
         sched.completed(ready.tag.t)   # its done event seen: its released blocks reusable
         if stopped:
             self._pipeline.collected(stopped)
+        if self._constrained:
+            self._advance_grammars(ready.tag.t)
         if self._progress_sinks:
             self._report(ready.index)
+
+    # -- grammars (vt/sampling/token_mask.py) --------------------------------------------
+    # A constrained request's mask for step N+1 is built from its token of step N, so that
+    # token must be on the host before step N+1 is launched: while one is live, the step in
+    # flight is collected before the next is planned (depth 1 for every row), and each
+    # collect advances the grammars and writes the next masks in the stream, before the
+    # next launch.
+    def _collect_for_grammars(self) -> None:
+        ready = self._pipeline.take_in_flight()
+        if ready is not None:
+            self._collect(ready)
+
+    def _advance_grammars(self, t: int) -> None:
+        """Each live constrained request's grammar takes its token of batch step t; one that
+        samples again gets its next mask (TokenMaskState.write, in the runner's stream)."""
+        masks, tokens, stream = self._masks, self._buffer.tokens, self.runner.stream
+        live = []
+        for req in self._constrained:
+            if req.finished:
+                continue
+            live.append(req)
+            first = req.first_step
+            if first is None or first > t or req.phase is not RequestPhase.DECODING:
+                continue   # no token of its own in step t (prefilling, or a non-final chunk)
+            d = req.entry(t)
+            if d >= req.span_end or tokens[d] < 0:
+                continue   # past its end, or an error token (the request ends with it)
+            grammar = req.sampling.grammar
+            grammar.accept(int(tokens[d]))
+            if d + 1 < req.span_end and req.row is not None:   # it samples again
+                grammar.fill_mask(masks.staging(req.row))
+                masks.write(stream, req.row)
+        self._constrained = live
 
     def _update(self, plan):
         """After the collect: the cancelled requests finish (the step that held them is

@@ -81,6 +81,9 @@ def _check_speculative(i: int, sp: SamplingParams) -> None:
     if sp.logprobs is not None:
         raise ValueError(f"sampling for prompt {i}: logprobs={sp.logprobs} with speculative "
                          f"decoding, which returns no logprobs")
+    if sp.grammar is not None:
+        raise ValueError(f"sampling for prompt {i}: a grammar with speculative decoding, which "
+                         f"verifies drafts without grammar masks")
     if sp.penalized:
         raise ValueError(f"sampling for prompt {i}: penalties or logit_bias with speculative "
                          f"decoding, whose acceptance reads the model's own logits")

@@ -204,6 +204,10 @@ class HybridStepModel(StepModel):
     def begin_requests(self, stream, seqs) -> None:
         self.m.begin_requests(stream, seqs)
 
+    @property
+    def token_masks(self):
+        return self.m.token_masks
+
 
 def prefill_graphs_default() -> bool:
     """VT_PREFILL_GRAPHS: "1" (the default) captures the bundled model's prefill buckets, "0"

@@ -68,6 +68,7 @@ class ForwardModel(StepModel):
             self._tmp_logits = be.empty((geometry.max_seqs, vocab), LOGITS_DTYPE)
         self._sample = Sampler()
         self._sample.bind(be, geometry.max_seqs + 1, vocab)
+        self.token_masks = self._sample.masks
 
     def decode(self, stream, inputs, logits_out) -> None:
         self.forward(stream, inputs, logits_out)

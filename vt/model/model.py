@@ -68,6 +68,7 @@ class HybridModel:
         self._iota = self._const(np.arange(self.max_batch + 1, dtype=np.int32))
         self._sample = Sampler()   # its own: a Sampler's calls must run in order (sampler.py)
         self._sample.bind(backend, self.max_seqs + 1, cfg.vocab)
+        self.token_masks = self._sample.masks
         # Everything a step can read is defined: padded rows read the scratch block and state,
         # and sanitizer runs (initcheck) flag reads of memory nobody wrote.
         for a in [*self.states.values(), *self.k_cache.values(), *self.v_cache.values(), self.token_table]:

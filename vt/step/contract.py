@@ -227,6 +227,9 @@ class StepModel(abc.ABC):
 
     # prefill() starts at PrefillSeq.start: the engine may split a prompt over steps
     chunked_prefill: bool = False
+    # The sampler's grammar masks (vt.sampling.token_mask.TokenMaskState), or None: a model
+    # without them serves no constrained request (SamplingParams.grammar is refused).
+    token_masks = None
     # the KV of a position depends only on the tokens up to it, and the model keeps no other
     # per-sequence state (no recurrent state): with chunked_prefill, a sequence may start
     # from the cached KV blocks of another with the same prefix (the engine's prefix

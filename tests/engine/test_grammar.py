@@ -1,0 +1,98 @@
+"""Constrained requests through the Engine (sim, every safe mode): each token a request with
+a grammar samples is one its grammar allows after the tokens before it, its grammar sees its
+tokens in order, and the requests without one beside it sample the tokens they sample alone
+(the loop collects each step before it plans the next while a constrained request is live:
+its next mask needs its token); a model without grammar masks refuses a grammar by name."""
+import numpy as np
+import pytest
+
+from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
+from vt.knobs import SAFE_MODES
+
+VOCAB = 61
+
+
+def _allowed(prev: int | None) -> set[int]:
+    """The toy grammar: a few tokens after each token (and at the start), none of them likely
+    under the forward's logits by chance alone."""
+    base = 5 if prev is None else (prev * 7 + 3) % VOCAB
+    return {base, (base + 11) % VOCAB, (base + 29) % VOCAB}
+
+
+class ToyGrammar:
+    def __init__(self):
+        self.seen: list[int] = []
+
+    def fill_mask(self, bits) -> None:
+        bits[...] = 0
+        words = bits.view(np.uint32)
+        for t in _allowed(self.seen[-1] if self.seen else None):
+            words[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
+
+    def accept(self, token: int) -> None:
+        assert token in _allowed(self.seen[-1] if self.seen else None), (self.seen, token)
+        self.seen.append(token)
+
+
+class _Wavy:
+    def run_numpy(self, table, rows, positions, logits):
+        for i, (r, p) in enumerate(zip(rows, positions)):
+            t = int(table[r])
+            logits[i] = (np.sin(t * 1.7 + p * 0.61 + np.arange(VOCAB) * 0.37) * 4).astype(np.float32)
+
+
+class _NoMasks(ForwardModel):
+    """A step model without grammar masks (as tensor parallel's and speculative's are)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.token_masks = None
+
+
+def _engine(be, mode, model_class=ForwardModel):
+    geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
+    table = be.empty((geo.max_seqs + 1,), np.int32)
+    kernel = _Wavy()
+
+    def forward(stream, inputs, logits_out):
+        be.launch(stream, kernel, table, inputs.token_rows, inputs.positions, logits_out)
+
+    model = model_class(be, forward, vocab=VOCAB, token_table=table, geometry=geo)
+    return Engine(be, model, ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4)))
+
+
+def _valid(tokens) -> bool:
+    prev = None
+    for t in tokens:
+        if t not in _allowed(prev):
+            return False
+        prev = t
+    return True
+
+
+@pytest.mark.parametrize("mode", SAFE_MODES)
+def test_constrained_tokens_follow_the_grammar_and_neighbours_are_unchanged(sim_backend, mode):
+    prompts = [[3, 9, 9], [12, 4], [7, 7, 7, 1], [20], [2, 2, 5, 8, 1]]
+    plain = [SamplingParams(0.0), SamplingParams(0.9, seed=4), SamplingParams(0.0),
+             SamplingParams(1.3, seed=2), SamplingParams(0.7, seed=9)]
+    grammars = [None, ToyGrammar(), None, ToyGrammar(), None]
+    asks = [sp if g is None else SamplingParams(sp.temperature, seed=sp.seed, grammar=g)
+            for sp, g in zip(plain, grammars)]
+    with _engine(sim_backend, mode) as eng:
+        alone = eng.generate(prompts, max_new_tokens=12, sampling=plain)
+        mixed = eng.generate(prompts, max_new_tokens=12, sampling=asks)
+    for i, (a, m, g) in enumerate(zip(alone, mixed, grammars)):
+        if g is None:
+            assert m.tokens == a.tokens, (mode, i)
+        else:
+            assert len(m.tokens) == 12 and _valid(m.tokens), (mode, i, m.tokens)
+            assert not _valid(a.tokens)          # unconstrained, the same request strays
+            assert g.seen == m.tokens[:len(g.seen)] and len(g.seen) >= 11
+
+
+def test_a_grammar_on_a_model_without_masks_is_refused(sim_backend):
+    from vt.step.contract import StepModel
+    assert StepModel.token_masks is None
+    with _engine(sim_backend, "ring", _NoMasks) as eng:
+        with pytest.raises(ValueError, match="SamplingParams.grammar: this engine's step model"):
+            eng.submit([1, 2], sampling=SamplingParams(grammar=ToyGrammar()))
