@@ -44,3 +44,31 @@ def test_a_cached_prefix_that_is_not_whole_blocks_is_refused(capsys):
     err = capsys.readouterr().err
     assert "--long-cached 30: a positive multiple of 16 below --long-prompt 48" in err
     assert err.count("\n") == 1
+
+
+@pytest.mark.slow   # a checkpoint and two vt serve start-ups: about 35 s on 2 cores
+def test_every_shape_runs_through_http_against_vt_serve_with_caching_on_and_off(
+        capsys, tmp_path):
+    """--http DIR: two `vt serve --model DIR` on the sim, caching on then off; the same table
+    and keys, the hit rates from the servers' /metrics, the same tokens from both."""
+    for mod in ("torch", "transformers", "fastapi", "uvicorn", "httpx"):
+        pytest.importorskip(mod)
+    from tools import tiny_checkpoint
+    ckpt = tiny_checkpoint.build(tmp_path / "tiny-llama", seed=0)
+    out = tmp_path / "prefix-http.json"
+    flags = [f for f in TINY if f not in ("--preset", "tiny")]
+    assert main(["bench", "--workload", "prefix-cache", *flags, "--http", str(ckpt),
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["via"] == "http"
+    for shape in ("chat", "system", "no-hit"):
+        for key in ("on", "off"):
+            cell = r[key][shape]
+            assert cell["output_tokens"] == cell["requests"] * 6 and cell["ttft_ms_p50"] > 0
+            assert f"{shape:<12} {key:<5}" in table
+        assert r["off"][shape]["cached_tokens"] == 0
+    assert r["on"]["chat"]["hit_rate"] > 0.3 and r["on"]["system"]["hit_rate"] > 0.5
+    assert r["on"]["no-hit"]["cached_tokens"] == 0
+    assert r["on"]["long-prefix"]["cached_tokens_per_long"] == 32
+    assert r["tokens_differ"] == {"chat": 0, "system": 0, "no-hit": 0}

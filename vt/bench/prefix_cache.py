@@ -30,6 +30,15 @@ engine's answers; requests make exactly --output-len tokens, no stop token).
 
 `--preset tiny` with small flags runs on the sim in seconds (the test's); on a GPU the default
 preset is Llama-3-8B's shape (docs/cli.md gives the command).
+
+`--http DIR`: the same shapes through HTTP, against `vt serve --model DIR` started by the
+bench (--backend, --mode, --clients rows, the context and KV blocks the in-process engines
+get), once with caching on and once with --no-prefix-cache, one after the other. Each request
+is a streamed POST /v1/completions of token ids (vt/bench/serve_http.py's client: greedy,
+ignore_eos, exactly --output-len tokens); TTFT/TPOT/ITL come from the client's arrival times,
+the cached tokens and evictions from the server's /metrics, the hit rate is cached tokens
+over the prompt tokens sent. --preset and the kernel flags do not apply: the checkpoint is
+the model.
 """
 from __future__ import annotations
 
@@ -70,6 +79,9 @@ def add_arguments(p) -> None:
                    help="prompt tokens per step (default 4096)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--http", default=None, metavar="DIR",
+                   help="run the shapes through HTTP against `vt serve --model DIR`, started "
+                        "with caching on, then with --no-prefix-cache")
 
 
 def check_arguments(args, error) -> None:
@@ -89,7 +101,7 @@ def check_arguments(args, error) -> None:
 
 
 def run_and_report(args) -> int:
-    result = run(args)
+    result = run_http(args) if args.http else run(args)
     print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
@@ -330,3 +342,158 @@ def format_table(result: dict) -> str:
     lines.append("requests whose tokens differ, on vs off: " +
                  ", ".join(f"{s} {n}" for s, n in result["tokens_differ"].items()))
     return "\n".join(lines)
+
+
+# -- through HTTP ------------------------------------------------------------------------
+def _server_flags(args, caching: bool) -> list[str]:
+    rows, max_context = args.clients, _max_context(args)
+    blocks = 2 * rows * (max_context // BLOCK) + 1   # as the in-process engines get
+    return (["--model", args.http, "--backend", args.backend, "--mode", args.mode,
+             "--max-concurrency", str(rows), "--max-context", str(max_context),
+             "--block-size", str(BLOCK), "--kv-blocks", str(blocks),
+             "--max-queued", str(max(256, args.requests)), "--shutdown-timeout", "10"]
+            + ([] if caching else ["--no-prefix-cache"]))
+
+
+def _http_chat(pool, conversations, output_len: int, timeout_s: float):
+    """Each client's conversation on its own thread: a turn's prompt is the history (every
+    earlier prompt and answer) and its new tokens; (completions by client then turn, the
+    prompt tokens sent, wall)."""
+    from vt.bench.serve_http import run_clients
+    first = np.cumsum([0] + [len(c) for c in conversations])   # client k's turns start there
+    done: list = [None] * int(first[-1])
+    sent = [0] * len(conversations)
+
+    def client(k):
+        c, history = pool.get(k), []
+        for t, new in enumerate(conversations[k]):
+            prompt = history + new.tolist()
+            sent[k] += len(prompt)
+            done[first[k] + t] = c.stream(prompt, output_len)
+            history = prompt + done[first[k] + t].token_ids
+    _, wall = run_clients(client, len(conversations), done, "chat", timeout_s)
+    return done, sum(sent), wall
+
+
+def _http_measure(url: str, serve) -> tuple[dict, list]:
+    """Run serve() -> (completions, prompt tokens sent, wall) against url: the cell's metrics
+    (the in-process cell's keys) and its requests' tokens."""
+    from vt.bench.serve import latency_metrics
+    before = _cache_counters(url)
+    done, prompt, wall = serve()
+    after = _cache_counters(url)
+    cached = after["cached"] - before["cached"]
+    tokens = sum(len(c.token_ids) for c in done)
+    out = dict(requests=len(done), output_tokens=tokens, wall_s=wall,
+               output_tok_per_s=tokens / wall, prompt_tokens=prompt, cached_tokens=cached,
+               hit_rate=cached / prompt if prompt else 0.0,
+               evictions=after["evictions"] - before["evictions"])
+    out.update(latency_metrics([c.sent_at for c in done], [c.token_times for c in done]))
+    return out, [c.token_ids for c in done]
+
+
+def _cache_counters(url: str) -> dict:
+    """Prompt tokens served from the cache and evictions, from vt serve's /metrics."""
+    import httpx
+    text = httpx.get(f"{url}/metrics", timeout=10).raise_for_status().text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("vt_prefix_cache_cached_tokens_total "):
+            out["cached"] = int(float(line.split()[1]))
+        elif line.startswith("vt_prefix_cache_evictions_total "):
+            out["evictions"] = int(float(line.split()[1]))
+    if len(out) != 2:
+        from vt.bench.errors import CommandFailed
+        raise CommandFailed(f"vt bench: {url}/metrics lacks the prefix cache's counters "
+                            f"(vt_prefix_cache_cached_tokens_total, vt_prefix_cache_evictions_total)")
+    return out
+
+
+def _http_shapes(pool, url: str, args, work, timeout_s: float) -> tuple[dict, dict]:
+    """Every asked shape against one warm server: ({shape: metrics}, {shape: tokens})."""
+    from vt.bench.serve_http import closed_loop
+    cells, tokens = {}, {}
+    n = args.output_len
+
+    def closed(prompts):
+        reqs = [(p.tolist(), n) for p in prompts]
+        done, wall = closed_loop(pool, reqs, args.clients, timeout_s)
+        return done, sum(len(p) for p in prompts), wall
+    if "chat" in args.shapes:
+        cells["chat"], tokens["chat"] = _http_measure(
+            url, lambda: _http_chat(pool, work["chat"], n, timeout_s))
+    if "system" in args.shapes:
+        cells["system"], tokens["system"] = _http_measure(url, lambda: closed(work["system"]))
+    if "no-hit" in args.shapes:
+        cells["no-hit"], tokens["no-hit"] = _http_measure(url, lambda: closed(work["no_hit"]))
+    if "long-prefix" in args.shapes:
+        c, prefix = pool.get(0), work["long_prefix"].tolist()
+        c.stream(prefix + work["tails"][0][:1].tolist(), 1)   # caches every block of the prefix
+        before = _cache_counters(url)
+        longs, shorts = [], []
+        for tail, short in zip(work["tails"][1:], work["shorts"][1:]):
+            r = c.stream(prefix + tail.tolist(), 1)
+            longs.append(r.token_times[0] - r.sent_at)
+            r = c.stream(short.tolist(), 1)
+            shorts.append(r.token_times[0] - r.sent_at)
+        after = _cache_counters(url)
+        cells["long-prefix"] = dict(
+            ttft_long_ms=statistics.median(longs) * 1e3, ttft_short_ms=statistics.median(shorts) * 1e3,
+            cached_tokens_per_long=(after["cached"] - before["cached"]) / len(longs))
+    return cells, tokens
+
+
+def _http_warm(pool, args, vocab: int) -> None:
+    """Every kind of step once, outside the timing (as _warm does in process), and a
+    connection per client."""
+    from vt.bench.serve_http import closed_loop
+    rng = np.random.default_rng(args.seed + 1)
+    lengths = {args.short_prompt, args.long_prompt, args.no_hit_len, args.turn_tokens[1],
+               args.long_prompt - args.long_cached}
+    for n in sorted(lengths):
+        pool.get(0).stream(rng.integers(0, vocab, n).tolist(), 2)
+    prompts = [rng.integers(0, vocab, args.turn_tokens[0]).tolist() for _ in range(args.clients)]
+    done, _ = closed_loop(pool, [(p, 4) for p in prompts], args.clients, 600.0)
+    again = [(p + c.token_ids + p[:8], 2) for p, c in zip(prompts, done)]
+    closed_loop(pool, again, args.clients, 600.0)
+
+
+def run_http(args, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> dict:
+    """run()'s result, every shape through HTTP against `vt serve --model args.http`, with
+    caching on and off (two servers, one after the other)."""
+    import platform
+    from pathlib import Path
+
+    from vt.bench.serve_http import (ClientPool, describe_server, spawn_vt_serve,
+                                     stop_vt_serve)
+    out = dict(preset=Path(args.http).name, backend=args.backend, dtype="auto",
+               device=platform.node(), via="http", workload="prefix-cache", mode=args.mode,
+               shapes=list(args.shapes), clients=args.clients, turns=list(args.turns),
+               turn_tokens=list(args.turn_tokens), output_len=args.output_len,
+               system_len=list(args.system_len), requests=args.requests,
+               long_prompt=args.long_prompt, long_cached=args.long_cached,
+               short_prompt=args.short_prompt, no_hit_len=args.no_hit_len, seed=args.seed,
+               batch_invariant=None, max_context=_max_context(args))
+    runs, tokens, work = {}, {}, None
+    for caching in (True, False):
+        key = "on" if caching else "off"
+        t0 = time.perf_counter()
+        proc, url = spawn_vt_serve(_server_flags(args, caching), start_timeout_s)
+        try:
+            info = describe_server(url)
+            work = work or draw(args, info.vocab)
+            pool = ClientPool(url, info.model, timeout_s)
+            try:
+                _http_warm(pool, args, info.vocab)
+                setup_s = time.perf_counter() - t0
+                runs[key], tokens[key] = _http_shapes(pool, url, args, work, timeout_s)
+                runs[key]["setup_s"] = setup_s
+            finally:
+                pool.close()
+        finally:
+            stop_vt_serve(proc)
+    out["on"], out["off"] = runs["on"], runs["off"]
+    out["tokens_differ"] = {s: sum(a != b for a, b in zip(tokens["on"][s], tokens["off"][s]))
+                            for s in tokens["on"]}
+    out["ratios"] = ratios(runs["on"], runs["off"])
+    return out

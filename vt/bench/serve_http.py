@@ -207,7 +207,7 @@ def closed_loop(pool: ClientPool, requests, clients: int, timeout_s: float):
             if i is None:
                 return
             out[i] = c.stream(*requests[i], fields=pool.fields_for(i))
-    return _run(client, min(clients, len(requests)), out, f"closed loop of {clients} clients",
+    return run_clients(client, min(clients, len(requests)), out, f"closed loop of {clients} clients",
                 timeout_s)
 
 
@@ -235,12 +235,13 @@ def open_loop(pool: ClientPool, requests, rate: float, rng, timeout_s: float):
             arrivals.put((i, at))
         for _ in range(threads):
             arrivals.put(None)
-    return _run(client, threads, out, f"open loop at {rate:g}/s", timeout_s, dispatch)
+    return run_clients(client, threads, out, f"open loop at {rate:g}/s", timeout_s, dispatch)
 
 
-def _run(client, threads: int, out: list, what: str, timeout_s: float, dispatch=None):
+def run_clients(client, threads: int, out: list, what: str, timeout_s: float, dispatch=None):
     """Run `client(k)` on `threads` daemon threads (and `dispatch(t0)` on this one) until all
-    end, within timeout_s; the first error any of them raised is raised here."""
+    end, within timeout_s; the first error any of them raised is raised here. `out`: the
+    completions the clients fill in; (out, wall), wall from the start to the last token."""
     errors: queue.Queue = queue.Queue()
 
     def guarded(k):
@@ -379,3 +380,43 @@ def run_serve_http(args, progress_factory) -> dict:
                 prompt_len=list(args.prompt_range), seed=args.seed, serving_conc=conc,
                 request_fields=args.request_fields, request_fields_share=args.request_fields_share,
                 tokens_compared=False, cells=cells)
+
+
+def spawn_vt_serve(flags: list[str], start_timeout_s: float):
+    """`python -m vt serve FLAGS --host 127.0.0.1 --port 0` (its stderr passes through);
+    (process, base URL) once it prints that it listens; CommandFailed in one line when it
+    exits first or does not listen within start_timeout_s."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "vt", "serve", *flags, "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    deadline = time.monotonic() + start_timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
+            if proc.poll() is not None:
+                raise _failed(f"vt serve {' '.join(flags)} exited {proc.returncode} before it "
+                              f"listened (its stderr is above)") from None
+            continue
+        if "listening on " in line:
+            return proc, line.rsplit("listening on ", 1)[1].strip()
+    stop_vt_serve(proc)
+    raise _failed(f"vt serve {' '.join(flags)} did not listen within {start_timeout_s:g} s")
+
+
+def stop_vt_serve(proc, timeout_s: float = 30.0) -> int:
+    """SIGINT, then its exit code; killed (-9) past timeout_s."""
+    import signal
+    import subprocess
+    if proc.poll() is not None:
+        return proc.returncode
+    proc.send_signal(signal.SIGINT)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout_s)
+        return -9
