@@ -82,7 +82,7 @@ class Req:
 
 @dataclass(frozen=True)
 class Case:
-    model: str                  # "toy", "positional" or a vt.model preset
+    model: str                  # "toy", "positional" or a vt.bundled preset
     vocab: int
     max_seqs: int
     num_kv_blocks: int          # the scratch block included (KVGeometry)
@@ -158,7 +158,7 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
         vocab, bs = TOY_VOCAB, d.choice((2, 4, 8))
         ctx, max_seqs = d.choice((16, 32, 48)), d.choice((4, 8, 16))
     else:
-        from vt.model import PRESETS
+        from vt.bundled import PRESETS
         cfg = PRESETS[model]
         vocab, bs, ctx, max_seqs = cfg.vocab, cfg.kv_block_size, cfg.max_context, BUNDLED_MAX_SEQS
     max_budget = max_budget or ctx
@@ -249,7 +249,7 @@ class Models:
         from vt.forward.hybrid import HybridStepModel
         key = (id(be), case.model)
         if key not in self._bundled:
-            from vt.model import PRESETS, HybridModel, init_weights
+            from vt.bundled import PRESETS, HybridModel, init_weights
             cfg = PRESETS[case.model]
             self._bundled[key] = HybridModel(be, cfg, init_weights(cfg, seed=0),
                                              max_seqs=BUNDLED_MAX_SEQS,

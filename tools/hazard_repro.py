@@ -44,7 +44,7 @@ def build_step_model(be, name: str, device_work_s: float):
         from vt.forward.toy import ToyForward
         return with_device_work(ToyForward(be).step_model(), device_work_s), None
     from vt.forward.hybrid import HybridStepModel
-    from vt.model import PRESETS, HybridModel, init_weights
+    from vt.bundled import PRESETS, HybridModel, init_weights
     cfg = PRESETS[name]
     model = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=64, num_kv_blocks=512)
     return with_device_work(HybridStepModel(be, model), device_work_s), model
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         from vt.forward.toy import ToyForward
         vocab = ToyForward.DEFAULT_VOCAB
     else:
-        from vt.model import PRESETS
+        from vt.bundled import PRESETS
         vocab = PRESETS[args.model].vocab
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, vocab, size=int(rng.integers(1, 9))) for _ in range(args.requests)]

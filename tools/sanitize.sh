@@ -24,12 +24,12 @@
 # fail for a reason that is not a memory error. They run in the normal suite (GPU and sim).
 #
 # initcheck does not see cuBLAS's writes (measured: every GEMM output reads as uninitialised),
-# so its runs set VT_INITCHECK=1: vt/model/kernels/gemm.py then zero-fills each GEMM output
+# so its runs set VT_INITCHECK=1: vt/bundled/kernels/gemm.py then zero-fills each GEMM output
 # with a CuPy kernel before cuBLAS writes it, and the vt kernels that read GEMM outputs are
 # checked on what they really read.
 #
 # racecheck (shared-memory hazards) and synccheck (barrier misuse) run over vt's own kernels
-# only: tests/model/test_kernels.py (or the targets) with -k "not gemm", because cuBLAS's
+# only: tests/bundled/test_kernels.py (or the targets) with -k "not gemm", because cuBLAS's
 # kernels give false reports under both. Targets given for them must not reach cuBLAS either.
 #
 # Host backtraces are off (--show-backtrace no) by default: with them on, compute-sanitizer
@@ -111,7 +111,7 @@ for tool in "${tools[@]}"; do
       [ "$tool" = memcheck ] && run "$tool" torch-allocator "gpu and torch_allocator and not needs_overlap" \
         -- "${t[@]}" --- --report-api-errors no ;;
     racecheck|synccheck)
-      t=("${targets[@]}"); [ ${#t[@]} -gt 0 ] || t=(tests/model/test_kernels.py)
+      t=("${targets[@]}"); [ ${#t[@]} -gt 0 ] || t=(tests/bundled/test_kernels.py)
       run "$tool" vt-kernels "gpu" -- "${t[@]}" -k "not gemm" ;;
   esac
 done

@@ -122,7 +122,7 @@ class _Model:
             self.geometry, self.vocab = TOY_GEOMETRY, 64
         else:
             from vt.forward.hybrid import HybridStepModel
-            from vt.model import PRESETS, HybridModel, init_weights
+            from vt.bundled import PRESETS, HybridModel, init_weights
             cfg = PRESETS[name]
             self._hybrid = HybridModel(be, cfg, init_weights(cfg, seed=0), max_seqs=max_seqs,
                                        num_kv_blocks=max_seqs * 12)

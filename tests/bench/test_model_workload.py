@@ -8,7 +8,7 @@ import numpy as np
 from vt.backend import get_backend
 from vt.bench.measure import make_engine, run_vt
 from vt.cli.main import main as vt_main
-from vt.model import PRESETS, HybridModel, init_weights
+from vt.bundled import PRESETS, HybridModel, init_weights
 
 
 def bench_main(argv) -> int:

@@ -10,7 +10,7 @@ import vt
 import vt.backend
 import vt.cli.run
 from vt.cli.main import main
-from vt.model import PRESETS, HybridModel, init_weights
+from vt.bundled import PRESETS, HybridModel, init_weights
 
 TINY_RUN = ["run", "--backend", "sim", "--steps", "2", "--requests", "3", "--concurrency", "2",
             "--prompt-len", "4"]

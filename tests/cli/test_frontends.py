@@ -35,7 +35,7 @@ from vt.bench import limits as lim
 from vt.executor.atomic_file import atomic_open
 from vt.cli.main import main
 from vt.knobs import MODES
-from vt.model import PRESETS
+from vt.bundled import PRESETS
 
 HYPOTHESIS = settings(max_examples=120, deadline=None, derandomize=True,
                       suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -121,7 +121,7 @@ def test_prefix_caching_must_be_a_bool(be):
 
 
 def test_the_bundled_hybrid_runs_without_it(be):
-    from vt.model import PRESETS, HybridModel
+    from vt.bundled import PRESETS, HybridModel
     from tests.engine_runs import preset_weights
     name = next(iter(PRESETS))
     model = HybridModel(be, PRESETS[name], preset_weights(name))

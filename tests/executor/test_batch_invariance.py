@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import ExecutorConfig
-from vt.model import PRESETS, HybridModel
+from vt.bundled import PRESETS, HybridModel
 from vt.step import GREEDY, SamplingParams
 
 from engine_runs import preset_weights

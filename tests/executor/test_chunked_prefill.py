@@ -16,7 +16,7 @@ from vt.backend import get_backend
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import ExecutorConfig
-from vt.model import PRESETS, HybridModel
+from vt.bundled import PRESETS, HybridModel
 from vt.step import GREEDY, PrefillSeq, SamplingParams
 
 from engine_runs import mismatches, preset_weights

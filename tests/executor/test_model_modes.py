@@ -5,7 +5,7 @@ import pytest
 from vt.engine.engine import Engine
 from vt.forward.hybrid import HybridStepModel
 from vt.knobs import ExecutorConfig
-from vt.model import PRESETS, HybridModel
+from vt.bundled import PRESETS, HybridModel
 from vt.hooks import NULL_HOOKS, Poison, with_device_work
 
 from engine_runs import mismatches, preset_weights

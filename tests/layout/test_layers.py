@@ -23,7 +23,7 @@ RANK = {
     "hooks": 2,               # the executor's hooks (the pool pre-grow, the test arms): wraps
                               # the step contract; the graphs, the runner and the engine call it
     "sampling": 0.5,          # pure: the step contract holds its SamplingParams
-    "graphs": 3, "model": 3,
+    "graphs": 3, "bundled": 3,
     "forward": 4,
     "torch": 4.5,             # vt.torch adapts torch forwards through ForwardModel
     "executor": 5,            # the executor: the runner, the eager path, the step plan, timers, trace

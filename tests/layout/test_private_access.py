@@ -49,9 +49,9 @@ ALLOWED = {
     ("backend/sim/backend.py", "stream._require_open"): _SIM_BACKEND,
     ("backend/sim/backend.py", "cap._graph"): _SIM_BACKEND,
     ("backend/sim/backend.py", "s._worker"): _SIM_BACKEND,
-    ("model/kernels/gemm.py", "self._gemm._handle"): _WRAPPED_GEMM,
-    ("model/kernels/gemm.py", "self._gemm._alpha"): _WRAPPED_GEMM,
-    ("model/kernels/gemm.py", "RoutedGemm._per_slot"):
+    ("bundled/kernels/gemm.py", "self._gemm._handle"): _WRAPPED_GEMM,
+    ("bundled/kernels/gemm.py", "self._gemm._alpha"): _WRAPPED_GEMM,
+    ("bundled/kernels/gemm.py", "RoutedGemm._per_slot"):
         "the float64 reference beside RoutedGemm, in its module, reuses its slot helper",
     ("bench/torch_ttft.py", "model.config._attn_implementation"): _THIRD_PARTY,
     ("torch/simcapture.py", "torch.ops.aten._local_scalar_dense"): _THIRD_PARTY,

@@ -181,7 +181,7 @@ def test_aclose_of_a_stream_async_stream_cancels_it(delayed_sim):
 def test_max_prefill_tokens_past_a_full_batch_means_a_full_batch(sim_backend):
     """No step holds more than max_seqs * max_context prompt tokens: a larger budget is that
     one, and the engine serves (instead of failing in the prefill warm-up)."""
-    from vt.model import PRESETS, HybridModel, init_weights
+    from vt.bundled import PRESETS, HybridModel, init_weights
     cfg = PRESETS["tiny-dense"]
     model = HybridModel(sim_backend, cfg, init_weights(cfg, seed=0), max_seqs=2, num_kv_blocks=32)
     try:

@@ -54,7 +54,7 @@ from vt.cli.common import CommandFailed
 from vt.cli.main import main
 from vt.engine.engine import Engine
 from vt.knobs import ENV_VARS, ExecutorConfig
-from vt.model import PRESETS, HybridModel, init_weights
+from vt.bundled import PRESETS, HybridModel, init_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "tools" / "README.md"]
@@ -225,7 +225,7 @@ def test_only_vt_env_reads_the_environment():
     assert readers == []
 
 
-NOT_VARIABLES = {"VT_BF16"}   # a macro of the CUDA sources in vt/model/kernels
+NOT_VARIABLES = {"VT_BF16"}   # a macro of the CUDA sources in vt/bundled/kernels
 
 
 def test_the_registry_knows_every_variable_vt_names():

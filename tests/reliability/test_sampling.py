@@ -155,7 +155,7 @@ def test_engine_serves_a_tiny_temperature_as_greedy(sim_backend):
     from vt.engine.engine import Engine
     from vt.forward.hybrid import HybridStepModel
     from vt.knobs import ExecutorConfig
-    from vt.model import PRESETS, HybridModel
+    from vt.bundled import PRESETS, HybridModel
 
     from engine_runs import preset_weights
 

@@ -10,7 +10,7 @@ from vt.sampling import reference
 from vt.sampling.params import MAX_LOGPROBS, NO_LOGPROBS
 from vt.sampling.sampler import Sampler
 
-from tests.model.test_cuda_compile import _assert_holds_kernels, _cubin
+from tests.bundled.test_cuda_compile import _assert_holds_kernels, _cubin
 from ._cases import MODES, knobs, random_logits
 
 

@@ -11,7 +11,7 @@ from vt.backend.nvrtc import nvrtc_options
 from vt.knobs import SAFE_MODES
 from vt.sampling import penalties, reference
 
-from tests.model.test_cuda_compile import _assert_holds_kernels, _cubin
+from tests.bundled.test_cuda_compile import _assert_holds_kernels, _cubin
 
 VOCAB = 61
 

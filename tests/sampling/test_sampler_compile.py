@@ -7,7 +7,7 @@ import pytest
 from vt.backend.nvrtc import nvrtc_options
 from vt.sampling import kernels
 
-from tests.model.test_cuda_compile import _assert_holds_kernels, _cubin
+from tests.bundled.test_cuda_compile import _assert_holds_kernels, _cubin
 
 _KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(')
 

@@ -63,7 +63,7 @@ def test_an_http_cell_has_the_in_process_cells_keys(served_url):
     from vt.bench.serve import serve_cell
     from vt.engine.engine import Engine
     from vt.knobs import ExecutorConfig
-    from vt.model import PRESETS, HybridModel, init_weights
+    from vt.bundled import PRESETS, HybridModel, init_weights
     from vt.backend import get_backend
     info = describe_server(served_url)
     requests = draw_requests(np.random.default_rng(2), 4, info.vocab, (2, 8), (2, 5))

@@ -55,7 +55,7 @@ def test_the_cuda_kernels_compile_for_sm90():
     from vt.backend.nvrtc import nvrtc_options
     from vt.forward import spec_kernels
 
-    from tests.model.test_cuda_compile import _assert_holds_kernels, _cubin
+    from tests.bundled.test_cuda_compile import _assert_holds_kernels, _cubin
     _assert_holds_kernels(_cubin(spec_kernels.CODE, nvrtc_options({})), spec_kernels.CODE)
 
 

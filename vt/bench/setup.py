@@ -39,7 +39,7 @@ def pick_backend(name: str, sim_delay_ms: float = 0.0, *, who: str = "vt"):
 
 
 def _weight_gb(cfg) -> float:
-    from vt.model.weights import weight_shapes
+    from vt.bundled.weights import weight_shapes
     return sum(math.prod(shape) * np.dtype(dt).itemsize
                for shape, dt in weight_shapes(cfg).values()) / 1e9
 
@@ -50,7 +50,7 @@ def pick_preset(backend: str, preset: str | None, context: int, who: str, *, for
     request of `context` = prompt + new tokens does not fit its max_context (the last new
     token needs no KV slot: prompt + new - 1 must fit, as generate() counts), or if it is a bench
     preset on the sim backend and not `force`."""
-    from vt.model import PRESETS
+    from vt.bundled import PRESETS
     if preset is None:   # not given; an empty name is a name, and unknown
         preset = "bench-dense" if backend == "cuda" else "tiny-dense"
     name = preset
@@ -79,7 +79,7 @@ def resolve_preset(be, preset: str | None, context: int, who: str, *, force: boo
 def build_model(be, cfg, *, max_seqs: int, context: int, seed: int, log=lambda msg: None):
     """A HybridModel with seeded random weights and KV blocks for max_seqs sequences of
     `context` tokens each."""
-    from vt.model import HybridModel, init_weights
+    from vt.bundled import HybridModel, init_weights
     log(f"  initialising weights (seed {seed}) ...")
     weights = init_weights(cfg, seed=seed)
     log(f"  uploading the model and allocating KV cache for {max_seqs} sequences ...")

@@ -173,7 +173,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
     from vt.bench import limits as lim
     from vt.backend import available_backends
     from vt.cli.common import pick_preset
-    from vt.model import PRESETS
+    from vt.bundled import PRESETS
     backend = args.backend if args.backend != "auto" else (
         "cuda" if "cuda" in available_backends() else "sim")
     model = args.workload in ("model", "serve")

@@ -87,9 +87,9 @@ def check_trace_path(path: str | None, source: str) -> None:
 
 def check_capture_sizes(config) -> None:
     """The bundled model's graphs hold at most max_batch rows: the larger of its default
-    max_batch and the concurrency (vt.model.HybridModel), checked before it is built."""
+    max_batch and the concurrency (vt.bundled.HybridModel), checked before it is built."""
     import inspect
-    from vt.model import HybridModel
+    from vt.bundled import HybridModel
     default = inspect.signature(HybridModel).parameters["max_batch"].default
     limit = max(default, config.serving_conc)
     over = [s for s in config.capture_sizes if s > limit]

@@ -70,7 +70,7 @@ def resolve_prefix_caching(model, requested: bool | None) -> tuple[bool, str]:
 class Engine:
     """Engine(backend, model_or_forward, config): captures at construction; close() when done.
 
-    model_or_forward: a vt.model.HybridModel, or a vt.ForwardModel wrapping a user forward.
+    model_or_forward: a vt.bundled.HybridModel, or a vt.ForwardModel wrapping a user forward.
     config: an ExecutorConfig, built with its constructor (`ExecutorConfig(mode="ring")`);
     None reads the configuration from the environment, `ExecutorConfig.from_env()`, the
     VT_* variables of docs/configuration.md. An explicit config reads no environment.

@@ -7,13 +7,13 @@ from vt.step.contract import StepModel
 
 def as_step_model(be, model_or_forward):
     """The step model the runner drives: a vt.step.StepModel (ForwardModel, an adapter) as
-    is, a vt.model.HybridModel adapted."""
-    from vt.model import HybridModel
+    is, a vt.bundled.HybridModel adapted."""
+    from vt.bundled import HybridModel
     if isinstance(model_or_forward, StepModel):
         return model_or_forward
     if isinstance(model_or_forward, HybridModel):
         from vt.forward.hybrid import HybridStepModel
         return HybridStepModel(be, model_or_forward)
-    raise TypeError(f"Engine needs a vt.model.HybridModel or a vt.ForwardModel wrapping a "
+    raise TypeError(f"Engine needs a vt.bundled.HybridModel or a vt.ForwardModel wrapping a "
                     f"user-written forward, got {type(model_or_forward).__name__}; wrap a bare "
                     f"forward as ForwardModel(be, forward, vocab=..., token_table=..., geometry=...)")

@@ -1,4 +1,4 @@
-"""The bundled vt.model.HybridModel as a step model (vt.forward.user).
+"""The bundled vt.bundled.HybridModel as a step model (vt.forward.user).
 
 decode and sample are the model's own. Prefill inputs are built here from a staging area
 allocated once, instead of PrefillInputs.build (which allocates pinned memory and
@@ -61,7 +61,7 @@ class HybridStepModel(StepModel):
     chunked_prefill = True   # prefill() starts at PrefillSeq.start: a prompt may come in chunks
 
     def __init__(self, be, model, *, capture_prefill: bool | None = None):
-        from vt.model import PrefillInputs
+        from vt.bundled import PrefillInputs
         self._PrefillInputs = PrefillInputs
         cfg = model.cfg
         self.be, self.m, self.vocab = be, model, cfg.vocab

@@ -193,8 +193,8 @@ def checkpoint_shard(path: str, geometry: KVGeometry, dtype: str, be, tp):
 
 def load_preset(be, preset: str, *, max_seqs: int, max_context: int | None = None,
                 seed: int = 0) -> ServedModel:
-    """A bundled model (vt.model.PRESETS) with seeded random weights: token ids only."""
-    from vt.model import PRESETS, HybridModel, init_weights
+    """A bundled model (vt.bundled.PRESETS) with seeded random weights: token ids only."""
+    from vt.bundled import PRESETS, HybridModel, init_weights
 
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose from {', '.join(PRESETS)}")

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from vt.step.inputblock import InputBlock
-from vt.model import PRESETS, HybridModel, SamplingParams, init_weights
+from vt.bundled import PRESETS, HybridModel, SamplingParams, init_weights
 from vt.step.contract import PadRow
-from vt.model.reference import ReferenceModel
+from vt.bundled.reference import ReferenceModel
 
 from ._driver import Driver
 from ._util import DeviceIO, assert_close

@@ -11,9 +11,9 @@ from typing import Callable
 import numpy as np
 import pytest
 
-from vt.model import kernels as K
-from vt.model.kernels import attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope
-from vt.model.kernels._common import f64, to_storage
+from vt.bundled import kernels as K
+from vt.bundled.kernels import attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope
+from vt.bundled.kernels._common import f64, to_storage
 
 from ._util import assert_close, poison
 

@@ -1,7 +1,7 @@
 """A minimal host-side driver of HybridModel for tests: block tables, padding, eager steps."""
 import numpy as np
 
-from vt.model import PrefillInputs, SamplingParams, upload_decode_inputs
+from vt.bundled import PrefillInputs, SamplingParams, upload_decode_inputs
 from vt.step.contract import kv_slot
 
 

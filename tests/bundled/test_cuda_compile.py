@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from vt.model.kernels import _common, attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope
+from vt.bundled.kernels import _common, attention, embedding, gdn, gemm, kvcache, mlp, moe, norm, rope
 
 SOURCES = {
     "gather f16->f32": (embedding._CODE, dict(IN_F32=0, OUT_F32=1)),
@@ -31,7 +31,7 @@ SOURCES = {
 # own compile test is tests/sampling/test_sampler_compile.py.
 RAW_SOURCES = {"busy_wait": "vt.backend.cuda._spin._SOURCE"}
 # Modules whose string constants hold CUDA kernels (each kernel must be compiled above).
-KERNEL_MODULES = [f"vt.model.kernels.{m}" for m in ("attention", "embedding", "gdn", "gemm", "kvcache",
+KERNEL_MODULES = [f"vt.bundled.kernels.{m}" for m in ("attention", "embedding", "gdn", "gemm", "kvcache",
                                                     "mlp", "moe", "norm", "rope")] + ["vt.backend.cuda._spin"]
 ARCH = "sm_90"
 _KERNEL = re.compile(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(')

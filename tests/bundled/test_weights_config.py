@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from vt.model import PRESETS, ModelConfig, check_weights, init_weights, load_weights, save_weights
+from vt.bundled import PRESETS, ModelConfig, check_weights, init_weights, load_weights, save_weights
 
 
 def test_presets_are_valid_and_their_patterns_repeat():
@@ -65,7 +65,7 @@ def test_mismatched_checkpoint_names_every_problem(tmp_path):
 
 def test_activations_stay_order_one_through_the_bench_depth():
     """Random init keeps the residual stream O(1) over many layers (float64 model)."""
-    from vt.model.reference import ReferenceModel
+    from vt.bundled.reference import ReferenceModel
     cfg = PRESETS["tiny-moe"].replace(layers=16)
     ref = ReferenceModel(cfg, init_weights(cfg))
     _, logits = ref.prefill([1, 2, 3, 4])

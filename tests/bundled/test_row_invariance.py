@@ -13,10 +13,10 @@ import weakref
 import numpy as np
 import pytest
 
-from vt.model import kernels as K
-from vt.model.kernels import gemm
-from vt.model.kernels._common import to_storage
-from vt.model.model import INVARIANT_ROWS
+from vt.bundled import kernels as K
+from vt.bundled.kernels import gemm
+from vt.bundled.kernels._common import to_storage
+from vt.bundled.model import INVARIANT_ROWS
 from vt.sampling import Sampler
 
 from ._util import poison
