@@ -232,7 +232,7 @@ def test_every_name_the_code_comments_give_exists():
     "see `vt/engine/no_such_folder/`",
     "`vt.knobs.ExecutorConfig.no_such_method()`",
     "`vt.NoSuchName`",
-    "```text\n  CallOutputs        vt/engine/outputs.py   a call's tokens\n```\n",
+    "```text\n  CallOutputs        vt/engine/token_buffer.py   a call's tokens\n```\n",
     "```text\n  Runner.no_such()   vt/executor/runner.py\n```\n",
 ])
 def test_a_name_the_code_lacks_is_reported(text):

@@ -1,10 +1,10 @@
-"""TokenBuffer (vt/engine/outputs.py) alone, on bare Requests and hand-made step tags (what
+"""TokenBuffer (vt/engine/token_buffer.py) alone, on bare Requests and hand-made step tags (what
 the Scheduler fixes at plan time): where a step's tokens land, who finishes and why (budget,
 stop token, an error row), which request an error row belongs to when its row already serves
 the next request, and how much of a request's span counts as its tokens."""
 import numpy as np
 
-from vt.engine.outputs import TokenBuffer
+from vt.engine.token_buffer import TokenBuffer
 from vt.engine.requests import Request, RequestPhase
 from vt.engine.scheduler import StepTag
 

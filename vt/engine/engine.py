@@ -12,7 +12,7 @@ a step model with `chunked_prefill` gets longer prompts in chunks over several s
 The running requests' per-step state is a persistent DecodeBatch (vt/engine/batch.py): a row's
 position is an offset plus the batch's step counter, so a step moves nothing per row. The
 host knows each sequence's length without its tokens, so it plans step N+1 before step N's
-tokens arrive. Tokens go to one shared buffer (vt/engine/outputs.py) that handles read by
+tokens arrive. Tokens go to one shared buffer (vt/engine/token_buffer.py) that handles read by
 cursor (vt/engine/handle.py): nothing is done per request per step to deliver them.
 
 Schedule = f(requests) at every depth: a stop token takes effect on the schedule two steps

@@ -21,7 +21,7 @@ from typing import Callable
 
 import numpy as np
 
-from vt.engine.outputs import TokenBuffer
+from vt.engine.token_buffer import TokenBuffer
 from vt.sampling.logprobs import read_record
 from vt.engine.requests import Request, RequestResult
 

@@ -57,7 +57,7 @@ class RequestPhase(enum.Enum):
 class Request:
     """One request from submit() to its result. From the step that plans its last prefill
     chunk (`first_step`, the batch step that samples its first token) its tokens land in
-    the engine's token buffer (vt/engine/outputs.py), one per batch step, in its span
+    the engine's token buffer (vt/engine/token_buffer.py), one per batch step, in its span
     [span_start, span_start + max_new_tokens); `span_end` is where they stop (moved up by a
     stop token, an error row or a cancel). Once finished, `final` holds its tokens and the
     span is reused."""

@@ -21,7 +21,7 @@ turn of a conversation finds its answer cached too.
 
 Each row owns a span of max_context tokens in the engine's token buffer (a request's tokens go
 to [row * max_context, ...)): a row's next request writes its first token one step after the
-last write of the row's previous request, which has been read out by then (outputs.py).
+last write of the row's previous request, which has been read out by then (token_buffer.py).
 """
 from __future__ import annotations
 

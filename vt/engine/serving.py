@@ -26,7 +26,7 @@ from vt.backend.errors import ClosedError
 from vt.engine.errors import EngineBusyError, SchedulerStalledError
 from vt.engine.handle import RequestHandle, StepNotifier
 from vt.engine.model_lease import acquire as acquire_model, driving, release as release_model
-from vt.engine.outputs import TokenBuffer
+from vt.engine.token_buffer import TokenBuffer
 from vt.engine.pipeline import step_pipeline
 from vt.engine.profile import LoopProfile
 from vt.engine.progress import Phase
