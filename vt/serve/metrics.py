@@ -117,4 +117,16 @@ class ServeMetrics:
                [f'vt_engine_info{{mode="{mode}"}} 1'])
         family("vt_failed_steps", "counter", "Steps that failed (their requests got an error).",
                [f"vt_failed_steps_total {engine['failed_steps']}"])
+        spec = engine.get("speculative")
+        if spec is not None:   # vt serve --speculative
+            family("vt_spec_decode_draft_tokens", "counter", "Draft tokens verified.",
+                   [f"vt_spec_decode_draft_tokens_total {spec['drafts']}"])
+            family("vt_spec_decode_accepted_tokens", "counter", "Draft tokens accepted.",
+                   [f"vt_spec_decode_accepted_tokens_total {spec['accepted']}"])
+            family("vt_spec_decode_acceptance_rate", "gauge",
+                   "Accepted draft tokens / draft tokens verified.",
+                   [f"vt_spec_decode_acceptance_rate {spec['acceptance_rate']:.6g}"])
+            family("vt_spec_decode_mean_accepted_length", "gauge",
+                   "Tokens a verify step emits per row (1 .. k + 1).",
+                   [f"vt_spec_decode_mean_accepted_length {spec['mean_accepted_length']:.6g}"])
         return "\n".join(out) + "\n"
