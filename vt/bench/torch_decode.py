@@ -30,6 +30,9 @@ decoder of geometry max_context --max-context:
   cache) and with its static cache, which on a GPU compiles the decode forward into CUDA
   graphs (`--hf-cache`; the first, longest generate is the compile's warm-up).
 
+`--speculative oracle|ngram` compares speculative decoding with decoding without it instead
+(vt/bench/speculative_decode.py).
+
 `--preset tiny` runs a small fp32 decoder anywhere (the sim too, with no floor): the tool's own
 test. `--png` draws TPOT against rows with the floor for each live context.
 """
@@ -66,6 +69,8 @@ def add_arguments(p) -> None:
                    choices=["dequantize", "scaled_mm"],
                    help="with --quantization fp8: what computes steps of more than 16 rows "
                         "on CUDA (default dequantize)")
+    from vt.bench import speculative_decode
+    speculative_decode.add_arguments(p)
     p.add_argument("--json", default=None, help="also write the results here")
     p.add_argument("--png", default=None, help="also draw TPOT against rows here (matplotlib)")
 
@@ -86,12 +91,18 @@ def check_arguments(args, error) -> None:
                   f"contexts up to {longest} within --max-context {args.max_context}")
     if args.png and not args.png.endswith(".png"):
         error(f"--png {args.png!r}: the name must end in .png")
+    from vt.bench import speculative_decode
+    speculative_decode.check_arguments(args, error)
 
 
 def run_and_report(args) -> int:
     """Run, print the table, write the JSON (and the PNG) when asked for."""
     result = run(args)
-    print(format_table(result))
+    if args.speculative:
+        from vt.bench.speculative_decode import format_table as speculative_table
+        print(speculative_table(result))
+    else:
+        print(format_table(result))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
@@ -113,6 +124,10 @@ def run(args) -> dict:
         out["copy_Bps"], out["read_Bps"] = rates.get("copy"), rates.get("read")
         # the floor: the faster of the two moves bytes at the rate the chip can surely reach
         out["floor_Bps"] = max(rates.values()) if rates else None
+        if args.speculative:   # instead of the floor table (vt/bench/speculative_decode.py)
+            from vt.bench import speculative_decode
+            speculative_decode.run(be, cfg, dtype, args, out)
+            return out
         _run_vt(be, cfg, dtype, args, out)
         gc.collect()
         if cuda:
@@ -129,7 +144,7 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
     from vt.bench.torch_ttft import seeded_prompts
     from vt.bench.torch_workload import TorchLlamaPeer, tool_decoder
     from vt.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.step import KVGeometry
     from vt.torch import TorchForwardModel
     bs, rows = 16, sorted(set(args.rows))

@@ -1,0 +1,178 @@
+"""`vt bench --workload torch-decode --speculative oracle|ngram`: speculative decoding against
+decoding without it, on one torch Llama decoder (default torch-llama3-8b), in one run.
+
+Per rows S (--rows), S prompts of L - steps/2 tokens each (L the first --live, the mean live
+context of the steps, as in the floor table) decode --steps new tokens,
+greedy, on one engine without speculation (the baseline, whose tokens are the oracle's
+references) and on one speculative engine per --accept fraction (oracle: the first
+round(accept * k) drafts of each step right, the rest wrong; ngram: its own lookups, one
+engine). Each run is timed --repeats times after a warm one; the median is kept.
+
+- step ms: a decode step's time, (last token's time - first token's) / the steps between
+  them; each step's tokens share their time, so the steps are the distinct times. At one row
+  the speculative step over the baseline's is the verify step (k + 1 tokens) over a
+  one-token step, host included.
+- tok/s: the tokens the S requests got after their first over the same span, all rows.
+- speedup: tok/s over the baseline's at the same S; acceptance: Engine.stats()'s.
+
+The oracle's fraction is what it proposes right; what is accepted is what the target agrees
+with, the same unless the verify step's logits differ from the baseline's (a decoder that is
+not batch-invariant): the acceptance column says what was reached.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+METHODS = ("oracle", "ngram")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--speculative", default=None, choices=METHODS,
+                   help="compare speculative decoding (docs/speculative.md) with decoding "
+                        "without it instead of the floor table: oracle (a set fraction of "
+                        "right drafts, --accept) or ngram")
+    p.add_argument("--num-spec", type=int, default=4, metavar="K",
+                   help="--speculative: drafts per step (default 4)")
+    p.add_argument("--accept", type=float, nargs="+", default=[1.0, 0.5], metavar="F",
+                   help="--speculative oracle: the fractions of right drafts (default 1.0 0.5)")
+
+
+def check_arguments(args, error) -> None:
+    from vt.forward.speculative import MAX_K
+    if args.speculative is None:
+        return
+    if not 1 <= args.num_spec <= MAX_K:
+        error(f"--num-spec {args.num_spec}: must be in [1, {MAX_K}]")
+    bad = [a for a in args.accept if not 0.0 <= a <= 1.0]
+    if bad:
+        error(f"--accept {bad}: fractions in [0, 1]")
+    need = args.live[0] + args.steps // 2 + args.num_spec
+    if need > args.max_context:
+        error(f"--speculative: --live {args.live[0]}, --steps {args.steps} and --num-spec "
+              f"{args.num_spec} need {need} positions within --max-context {args.max_context}")
+
+
+def run(be, cfg, dtype, args, out) -> None:
+    """Fill out['speculative'] (module docstring) on backend `be`."""
+    import numpy as np
+    import torch
+
+    from vt.backend.zeros import zeros
+    from vt.bench.torch_ttft import seeded_prompts
+    from vt.bench.torch_workload import tool_decoder
+    from vt.engine import Engine
+    from vt.forward.speculative import SpeculativeConfig, verify_table_rows
+    from vt.config import ExecutorConfig
+    from vt.step import KVGeometry
+    from vt.torch import TorchForwardModel
+
+    k, rows = args.num_spec, sorted(set(args.rows))
+    bs = 16
+    blocks = -(-args.max_context // bs)
+    geo = KVGeometry(max_seqs=rows[-1], num_kv_blocks=rows[-1] * blocks + 1, block_size=bs,
+                     max_context=blocks * bs)
+    torch.manual_seed(0)
+    t0 = time.perf_counter()
+    module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode")
+    table = zeros(be, (verify_table_rows(geo.max_seqs, geo.max_seqs, k),), np.int32)
+    config = ExecutorConfig(mode=args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
+    prompt_len = args.live[0] - args.steps // 2
+    prompts = {S: seeded_prompts(cfg.vocab, S, prompt_len, S * 100003 + 7) for S in rows}
+
+    def engine(spec):
+        model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat",
+                                  token_table=table)
+        return Engine(be, model, config, max_prefill_tokens=args.prefill_chunk, speculative=spec,
+                      prefix_caching=False)
+
+    res = dict(method=args.speculative, k=k, rows=rows, prompt=prompt_len,
+               new_tokens=args.steps, runs=[])
+    refs = {}
+    with engine(None) as eng:
+        res["setup_s"] = time.perf_counter() - t0
+        for S in rows:
+            cell, tokens = _timed(eng, prompts[S], args)
+            refs.update({tuple(p): t for p, t in zip(prompts[S], tokens)})
+            res["runs"].append(dict(cell, rows=S, accept=None))
+            _say(res["runs"][-1])
+    accepts = args.accept if args.speculative == "oracle" else [None]
+    for a in accepts:
+        spec = SpeculativeConfig(args.speculative, k=k, accept=1.0 if a is None else a,
+                                 references=refs if args.speculative == "oracle" else None)
+        with engine(spec) as eng:
+            for S in rows:
+                before = eng.stats()["speculative"]
+                cell, tokens = _timed(eng, prompts[S], args)
+                after = eng.stats()["speculative"]
+                drafts = after["drafts"] - before["drafts"]
+                cell["acceptance"] = (after["accepted"] - before["accepted"]) / drafts if drafts else 0.0
+                cell["tokens_equal"] = all(list(t) == list(refs[tuple(p)])
+                                           for p, t in zip(prompts[S], tokens))
+                res["runs"].append(dict(cell, rows=S, accept=a))
+                _say(res["runs"][-1])
+    res.update(ratios(res["runs"], rows))
+    out["speculative"] = res
+
+
+def _timed(eng, prompts, args):
+    """(the median cell of --repeats runs after a warm one, the last run's tokens)."""
+    eng.generate(prompts, max_new_tokens=args.steps)   # warm
+    cells, tokens = [], None
+    for _ in range(args.repeats):
+        results = eng.generate(prompts, max_new_tokens=args.steps)
+        tokens = [r.tokens for r in results]
+        cells.append(_cell([r.token_times for r in results]))
+    pick = lambda key: statistics.median(c[key] for c in cells)   # noqa: E731
+    return dict(step_s=pick("step_s"), tokens_per_s=pick("tokens_per_s")), tokens
+
+
+def _cell(times) -> dict:
+    start, end = max(t[0] for t in times), max(t[-1] for t in times)
+    steps = len({float(x) for t in times for x in t if x > start})
+    kept = sum(int((t > start).sum()) for t in times)
+    span = end - start
+    return dict(step_s=span / steps if steps else float("nan"),
+                tokens_per_s=kept / span if span > 0 else float("nan"))
+
+
+def ratios(runs, rows) -> dict:
+    """The headline ratios: the verify step at one row over a one-token step (the first
+    --accept's engine), and every speculative run's tok/s over the baseline's at its rows."""
+    base = {r["rows"]: r for r in runs if r["accept"] is None and "acceptance" not in r}
+    spec = [r for r in runs if "acceptance" in r]
+    for r in spec:
+        r["speedup"] = r["tokens_per_s"] / base[r["rows"]]["tokens_per_s"]
+    one = [r for r in spec if r["rows"] == rows[0]]
+    return dict(verify_over_step=one[0]["step_s"] / base[rows[0]]["step_s"] if one else None)
+
+
+def _say(r) -> None:
+    what = "baseline" if "acceptance" not in r else (
+        f"accept {r['accept']}" if r["accept"] is not None else "ngram")
+    print(f"  S={r['rows']:3d} {what:>12}: step {1e3 * r['step_s']:8.3f} ms, "
+          f"{r['tokens_per_s']:9.1f} tok/s"
+          + (f", acceptance {r['acceptance']:.2f}" if "acceptance" in r else ""), flush=True)
+
+
+def format_table(r: dict) -> str:
+    s = r["speculative"]
+    lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, vt mode {r['mode']}: "
+             f"speculative {s['method']}, k={s['k']}, prompts of {s['prompt']} tokens, "
+             f"{s['new_tokens']} new ones",
+             f"{'S':>3} {'run':>12} {'step ms':>8} {'tok/s':>9} {'speedup':>7} {'accepted':>8} "
+             f"{'same':>5}"]
+    for c in s["runs"]:
+        spec = "acceptance" in c
+        what = "baseline" if not spec else (f"accept {c['accept']}" if c["accept"] is not None
+                                            else "ngram")
+        lines.append(f"{c['rows']:3d} {what:>12} {1e3 * c['step_s']:8.3f} {c['tokens_per_s']:9.1f} "
+                     + (f"{c['speedup']:7.2f} {c['acceptance']:8.2f} {str(c['tokens_equal']):>5}"
+                        if spec else f"{'-':>7} {'-':>8} {'-':>5}"))
+    v = s.get("verify_over_step")
+    lines.append(f"verify step (k + 1 = {s['k'] + 1} tokens, {s['rows'][0]} row) / one-token step: "
+                 + (f"{v:.3f}" if v is not None else "-"))
+    lines.append("step ms: (last token time - first) / steps between; speedup: tok/s over the "
+                 "baseline's at the same rows; accepted: drafts accepted / verified; same: the "
+                 "tokens equal the baseline's")
+    return "\n".join(lines)
