@@ -239,6 +239,11 @@ class StepModel(abc.ABC):
     # batch); otherwise the runner runs the decode rows (their graph when one fits) and then
     # the prefill
     mixed_in_one_call: bool = False
+    # decode() writes every row's KV before any row reads the cache, each row attends over
+    # its seq_len slots only, and the model keeps no per-sequence state besides the KV cache:
+    # a row's k + 1 speculative tokens may then be verified as k + 1 decode rows
+    # (vt/forward/speculative.py; a rejected token's KV is overwritten before it is read)
+    verifies_by_decode: bool = False
 
     @abc.abstractmethod
     def decode(self, stream, inputs: DecodeInputs, logits_out) -> None: ...
