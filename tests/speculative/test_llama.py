@@ -53,3 +53,47 @@ def test_llama_speculative_tokens_equal_its_own_on_the_gpu(mode, method):
     finally:
         be.close()
     assert all(np.array_equal(a, b) for a, b in zip(got, want)), (got, want)
+
+
+def _engine_run(be, method, accept=1.0):
+    """vt.torch's decoder through the Engine (prefix caching on, its default), a second turn
+    hitting the first's cached blocks: speculation's tokens and the decoder's own."""
+    ps = make_prompts(4, seed=5)
+    budgets = [11, 7, 13, 9]
+    cfg = ExecutorConfig(mode="ring", capture_sizes=(1, 2, 4))
+    table = zeros(be, (verify_table_rows(GEO.max_seqs, GEO.max_seqs, K),), np.int32)
+    module = tiny_llama(be)
+    with Engine(be, TorchForwardModel(be, module, geometry=GEO, token_table=table), cfg) as eng:
+        want = [r.tokens for r in eng.generate(ps, max_new_tokens=budgets)]
+        turn2 = [list(p) + w + [3, 4] for p, w in zip(ps, want)]
+        want2 = [r.tokens for r in eng.generate(turn2, max_new_tokens=6)]
+    refs = {tuple(p): w for p, w in zip(ps + turn2, want + want2)}
+    spec = SpeculativeConfig(method, k=K, accept=accept, references=refs)
+    with Engine(be, TorchForwardModel(be, module, geometry=GEO, token_table=table), cfg,
+                speculative=spec) as eng:
+        assert eng.prefix_caching
+        got = [r.tokens for r in eng.generate(ps, max_new_tokens=budgets)]
+        got2 = [r.tokens for r in eng.generate(turn2, max_new_tokens=6)]
+        st = eng.stats()
+    return got + got2, want + want2, st
+
+
+@pytest.mark.parametrize("method", ["oracle", "ngram"])
+def test_llama_through_the_engine_with_prefix_caching_on_the_sim(sim_backend, method):
+    got, want, st = _engine_run(sim_backend, method)
+    assert got == want
+    assert st["prefix_cache"]["cached_tokens"] > 0
+    if method == "oracle":
+        assert st["speculative"]["acceptance_rate"] > 0.6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("cuda" not in available_backends(), reason="needs a CUDA GPU")
+def test_llama_through_the_engine_with_prefix_caching_on_the_gpu():
+    from vt.backend import get_backend
+    be = get_backend("cuda")
+    try:
+        got, want, _ = _engine_run(be, "oracle")
+    finally:
+        be.close()
+    assert got == want
