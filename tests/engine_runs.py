@@ -4,7 +4,7 @@ import numpy as np
 
 from vt.backend import get_backend
 from vt.engine.engine import Engine
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.forward.toy import ToyForward
 from vt.bundled import PRESETS, init_weights
 from vt.hooks import NULL_HOOKS, with_device_work

@@ -1,5 +1,5 @@
-"""What each executor mode must run, written out independently of vt/knobs.py's derivation, for
-the tests that hold the config (tests/executor/test_knobs.py) and the command line
+"""What each executor mode must run, written out independently of vt/config.py's derivation, for
+the tests that hold the config (tests/executor/test_config.py) and the command line
 (tests/cli/test_mode_reports.py) to it."""
 
 # mode -> (depth, slots per size, guarded, staged H2D, graph steps skip the drain)

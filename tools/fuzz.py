@@ -6,7 +6,7 @@ sampling (greedy, or temperature + top_k + top_p + min_p + seed) and a stop toke
 none: every step eager), serving concurrency, KV geometry (tight caches make
 requests wait for blocks), sim device delay or, on cuda, queued device work per step (the host
 runs ahead of the device). Each case runs in mode "sync" (depth 1, the reference) and in every
-safe mode of vt.knobs.SAFE_MODES, POISON on for the async ones (and drawn for drain), and
+safe mode of vt.config.SAFE_MODES, POISON on for the async ones (and drawn for drain), and
 compares token for token, finish_reason and logits bytes: the schedule is the same at every
 depth, so the runs must be byte-identical. The "positional" model (tools/positional_toy.py,
 position-addressed KV) draws prompts that share prefixes and serves them with prefix caching
@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
-from vt.knobs import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.config import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
 from vt.hooks import NULL_HOOKS, Poison, with_device_work  # noqa: E402
 

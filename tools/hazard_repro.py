@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend
 from vt.engine.engine import Engine
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.hooks import NULL_HOOKS, Poison, with_device_work
 
 ARMS = {   # arm -> (mode, poison)

@@ -57,7 +57,7 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def parse(argv):
     from tools.tiny_checkpoint import SHAPES
-    from vt.knobs import SAFE_MODES
+    from vt.config import SAFE_MODES
     p = _OneLineParser(prog="serve_http_ab.py", description=__doc__.split("\n\n")[0],
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()

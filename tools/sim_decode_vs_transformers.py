@@ -78,7 +78,7 @@ def run(args) -> dict:
 
     from vt.backend import get_backend
     from vt.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.serve.model_source import geometry_for
     from vt.torch import TorchForwardModel, hf
     from vt.torch.llama import LlamaDecoder

@@ -36,7 +36,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
-from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.config import SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.hooks import NULL_HOOKS, Poison  # noqa: E402
 from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
 

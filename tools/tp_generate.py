@@ -31,7 +31,7 @@ import torch
 
 from vt.backend import get_backend
 from vt.engine import Engine
-from vt.knobs import MODES, ExecutorConfig
+from vt.config import MODES, ExecutorConfig
 from vt.step import KVGeometry
 from vt.torch import TorchForwardModel, torch_device
 from vt.torch.llama import LlamaConfig, LlamaDecoder, shard_state_dict

@@ -94,7 +94,7 @@ def _label(name: str, raw: str) -> str:
 
 _SWITCH = "0 or 1"
 VARIABLES: dict[str, Variable] = {v.name: v for v in (
-    # The executor's configuration: ExecutorConfig.from_env (vt/knobs.py) reads them; the
+    # The executor's configuration: ExecutorConfig.from_env (vt/config.py) reads them; the
     # first two name its mode, POISON is vt.hooks.hooks_from_env's.
     Variable("VT_ASYNC_EXECUTOR", _switch, False, _SWITCH,
              "1: mode ring (slot ring + drain skip); 0: mode drain (single slot, drain every step)"),

@@ -18,7 +18,7 @@ from vt.cli.main import main as vt_main
 from vt.bench.progress import ProgressBar
 from vt.bench.synthetic import SYNTH_VOCAB, Logits, expected_tokens, next_token
 from vt.backend.timing import timed_ms
-from vt.knobs import SAFE_MODES
+from vt.config import SAFE_MODES
 
 
 def main(argv) -> int:

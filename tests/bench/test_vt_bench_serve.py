@@ -10,7 +10,7 @@ import pytest
 from vt.cli.main import main as vt_main
 from vt.bench.serve import PCTS, cell_metrics, draw_requests
 from vt.bench.serve_report import _prefill_ms
-from vt.knobs import SAFE_MODES
+from vt.config import SAFE_MODES
 
 
 def main(argv) -> int:

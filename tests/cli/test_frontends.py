@@ -34,7 +34,7 @@ import vt.cli.run
 from vt.bench import limits as lim
 from vt.executor.atomic_file import atomic_open
 from vt.cli.main import main
-from vt.knobs import MODES
+from vt.config import MODES
 from vt.bundled import PRESETS
 
 HYPOTHESIS = settings(max_examples=120, deadline=None, derandomize=True,

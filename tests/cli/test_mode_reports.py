@@ -3,7 +3,7 @@ mode variables (VT_ASYNC_EXECUTOR, VT_ASYNC_EXECUTOR_NO_DBUF, VT_ASYNC_EXECUTOR_
 either refused with one line or runs, and then the mode it prints (at the start and in the
 summary) is the mode the engine's runner and graphs were built for: slots per size, the
 guard, the staged H2D, the drain skip and the poison hook, read off the objects that ran and
-checked against a table written here, not derived from vt/knobs.py."""
+checked against a table written here, not derived from vt/config.py."""
 import itertools
 import os
 import re

@@ -1,5 +1,5 @@
 """The docs name only what the code has: every `vt/...py` path (and `vt/.../` folder) and every
-`vt.`-qualified name (`vt.knobs.ExecutorConfig.from_env`, `vt.Engine`) written in README.md,
+`vt.`-qualified name (`vt.config.ExecutorConfig.from_env`, `vt.Engine`) written in README.md,
 docs/*.md, tools/README.md, or in the comments and docstrings of vt/ itself, exists.
 
 Names are resolved from the source, not by importing it: a name in a module that needs CuPy or
@@ -230,7 +230,7 @@ def test_every_name_the_code_comments_give_exists():
     "the outputs live in `vt.engine.engine.CallOutputs`",     # a class that was removed
     "validated as in vt/submit.py's checks",                   # a module at a wrong path
     "see `vt/engine/no_such_folder/`",
-    "`vt.knobs.ExecutorConfig.no_such_method()`",
+    "`vt.config.ExecutorConfig.no_such_method()`",
     "`vt.NoSuchName`",
     "```text\n  CallOutputs        vt/engine/token_buffer.py   a call's tokens\n```\n",
     "```text\n  Runner.no_such()   vt/executor/runner.py\n```\n",
@@ -240,9 +240,9 @@ def test_a_name_the_code_lacks_is_reported(text):
 
 
 @pytest.mark.parametrize("text", [
-    "`vt.knobs.ExecutorConfig.from_env()` and `vt.Engine`, in vt/engine/engine.py",
+    "`vt.config.ExecutorConfig.from_env()` and `vt.Engine`, in vt/engine/engine.py",
     "vt.torch's decoder, vt.step.contract.StepModel.decode, vt/step/",
-    "the mode name (vt.knobs.MODES); `vt bench --json out/vt.json`; tools/vt/x.py",
+    "the mode name (vt.config.MODES); `vt bench --json out/vt.json`; tools/vt/x.py",
     "vt.engine.requests.Request.phase and vt.forward.user.ForwardModel.prefill_mode",
     "```text\n  <- Runner.collect(handle)   vt/executor/runner.py   wait, tokens out\n```\n",
 ])

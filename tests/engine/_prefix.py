@@ -8,7 +8,7 @@ import numpy as np
 from tools.positional_toy import VOCAB, PositionalToy
 from vt.engine.engine import Engine
 from vt.forward.user import KVGeometry
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 
 __all__ = ["VOCAB", "PositionalToy", "shared_prefix_workload", "run", "tokens", "run_turns"]
 

@@ -6,7 +6,7 @@ import pytest
 
 from vt.backend import ClosedError
 from vt.engine.engine import Engine
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
 from vt.forward.user import KVGeometry
 from vt.forward.toy import ToyForward

@@ -31,7 +31,7 @@ import pytest
 
 from vt.backend import get_backend
 from vt.engine import Engine
-from vt.knobs import MAX_CAPTURE_SIZE, MAX_SERVING_CONC, ExecutorConfig
+from vt.config import MAX_CAPTURE_SIZE, MAX_SERVING_CONC, ExecutorConfig
 from vt.engine.model_lease import HANDOVER_S
 from vt.engine.errors import EngineBusyError
 from vt.forward.user import ForwardModel, KVGeometry

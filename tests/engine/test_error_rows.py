@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry
-from vt.knobs import SAFE_MODES
+from vt.config import SAFE_MODES
 
 VOCAB = 32
 BAD = {5: np.nan, 20: np.inf}   # the input token whose logits go bad -> the bad value

@@ -16,7 +16,7 @@ import pytest
 
 from vt.backend import CudaError, get_backend
 from vt.engine.engine import Engine
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.step.contract import SamplingParams
 from vt.forward.user import ForwardModel, KVGeometry
 from vt.forward.toy import ToyForward
@@ -430,7 +430,7 @@ import random, signal, sys, threading, time
 import numpy as np
 from vt.backend import get_backend
 from vt.engine.engine import Engine
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.step.contract import SamplingParams
 from vt.forward.toy import ToyForward
 

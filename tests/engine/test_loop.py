@@ -7,7 +7,7 @@ import pytest
 
 from vt.engine.engine import Engine
 from vt.forward.toy import ToyForward
-from vt.knobs import SAFE_MODES, ExecutorConfig
+from vt.config import SAFE_MODES, ExecutorConfig
 from vt.hooks import Poison
 
 from engine_runs import VOCAB, mismatches, run_toy, undelayed_reference, workload

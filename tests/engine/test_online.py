@@ -12,7 +12,7 @@ from vt.backend import ClosedError, get_backend
 from vt.engine.engine import Engine
 from vt.engine.serving import ServingLoop
 from vt.forward.toy import ToyForward
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.step.contract import SamplingParams
 
 from .test_failures import GEO, SIZES, FaultyForward, KernelFault

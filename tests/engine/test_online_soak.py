@@ -14,7 +14,7 @@ import pytest
 from vt.backend import get_backend
 from vt.engine.engine import Engine
 from vt.forward.toy import ToyForward
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 
 from .test_failures import GEO, SIZES
 

@@ -64,7 +64,7 @@ def test_fully_cached_prompt_still_computes_its_last_token(be):
     ref = tokens(run(be, [prompt], [5], prefix_caching=False)[0])
     geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=32)
     from ._prefix import PositionalToy
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     toy = PositionalToy(be, geo)
     with Engine(be, toy.step_model(), ExecutorConfig(mode="sync", capture_sizes=(1,))) as eng:
         first = eng.generate([prompt], max_new_tokens=5)
@@ -189,7 +189,7 @@ def test_a_stopped_answer_is_cached_only_as_far_as_its_tokens(be):
     prompt = np.arange(3, 10, dtype=np.int32)
     geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=40)
     from ._prefix import PositionalToy
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     free = tokens(run(be, [prompt], [20], prefix_caching=False, geometry=geo)[0])[0][0]
     stop = free[9]          # the 10th token ends the answer (the first time it appears)
     n = free.index(stop) + 1

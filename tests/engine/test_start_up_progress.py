@@ -6,7 +6,7 @@ import pytest
 from vt.engine.engine import Engine
 from vt.engine.progress import StartUpProgress
 from vt.forward.toy import ToyForward
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 
 
 def _run(be, mode, sizes, **kwargs):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.bundled import PRESETS, HybridModel
 from vt.step import GREEDY, SamplingParams
 

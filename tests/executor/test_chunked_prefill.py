@@ -15,7 +15,7 @@ import pytest
 from vt.backend import get_backend
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.bundled import PRESETS, HybridModel
 from vt.step import GREEDY, PrefillSeq, SamplingParams
 

@@ -17,7 +17,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from vt.backend import get_backend
-from vt.knobs import SAFE_MODES
+from vt.config import SAFE_MODES
 
 from ._fuzz import UNSAFE, Tally, cases, fuzz_settings, harness, numpy_case, run_case
 

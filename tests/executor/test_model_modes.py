@@ -4,7 +4,7 @@ import pytest
 
 from vt.engine.engine import Engine
 from vt.forward.hybrid import HybridStepModel
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.bundled import PRESETS, HybridModel
 from vt.hooks import NULL_HOOKS, Poison, with_device_work
 

@@ -9,7 +9,7 @@ import pytest
 
 from vt.engine.engine import Engine
 from vt.forward.toy import ToyForward
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.hooks import Poison
 
 from engine_runs import VOCAB, mismatches, run_toy, undelayed_reference, workload
@@ -144,7 +144,7 @@ def test_serving_run_makes_no_driver_malloc_after_warm_up(backend, capture_sizes
     """From the first generate() on, with prompts of every length up to the context, serving
     calls the driver 0 times: prefill, mixed and eager steps run at warmed shapes."""
     from vt.engine.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.forward.toy import ToyForward
     rng = np.random.default_rng(8)
     toy = ToyForward(backend)

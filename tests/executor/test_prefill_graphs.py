@@ -9,7 +9,7 @@ import pytest
 
 from vt.engine import Engine
 from vt.forward.hybrid import HybridStepModel, prefill_graphs_default
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.bundled import PRESETS, HybridModel
 
 from engine_runs import mismatches, preset_weights

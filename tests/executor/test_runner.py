@@ -8,7 +8,7 @@ import pytest
 from vt.backend import ClosedError
 from vt.forward.toy import ToyForward
 from vt.graphs.slot import SizeSlot
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.executor.plan import StepPlan
 from vt.executor.runner import Runner
 from vt.step.contract import DecodeRows, KVGeometry, PrefillSeq, kv_slot

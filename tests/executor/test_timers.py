@@ -9,7 +9,7 @@ import pytest
 import vt.executor.timers as timers
 from vt.engine.engine import Engine
 from vt.forward.toy import ToyForward
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.executor.timers import NULL_TIMER, SampledTimer, TracingTimer
 
 from engine_runs import VOCAB, mismatches, run_toy, workload

@@ -5,7 +5,7 @@ import pytest
 
 from vt.backend import CaptureAllocationError
 from vt.graphs import DecodeGraphDriver, GraphSettings, StaleLogitsError
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.step.contract import DecodeRows
 from vt.forward.toy import ToyForward
 from vt.hooks import NULL_HOOKS, NoPoolPreGrow
@@ -184,7 +184,7 @@ def test_closed_driver_refuses_use(sim_backend):
 @pytest.mark.parametrize("slots,error", [(0, ValueError), (3, ValueError), (2.0, TypeError),
                                          (True, TypeError)])
 def test_graph_settings_take_one_or_two_slots_per_size(slots, error):
-    """A depth-2 pipeline never needs a third slot (vt/knobs.py RING_SLOTS)."""
+    """A depth-2 pipeline never needs a third slot (vt/config.py RING_SLOTS)."""
     with pytest.raises(error, match=r"slots_per_size must be an integer in \[1, 2\]"):
         GraphSettings(sizes=(1, 2), slots_per_size=slots, guarded=True, staged=False)
     assert GraphSettings(sizes=(np.int64(1),), slots_per_size=np.int64(2), guarded=True,

@@ -18,7 +18,7 @@ RANK = {
     "env": -1,                # the VT_* variables' registry and parser: below everything
     "validate": -1,           # the one integer check of the constructors
     "errors": -1,             # VtError, the base of every error vt defines
-    "backend": 0, "knobs": 0,
+    "backend": 0, "config": 0,
     "step": 1,
     "hooks": 2,               # the executor's hooks (the pool pre-grow, the test arms): wraps
                               # the step contract; the graphs, the runner and the engine call it

@@ -20,7 +20,7 @@ if not dist.is_available():
 from ._models import VOCAB, build, build_failing_on_rank_1, reference  # noqa: E402
 from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.config import SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.parallel import TensorParallelError  # noqa: E402
 from vt.hooks import Poison  # noqa: E402
 
@@ -185,7 +185,7 @@ import sys, time
 from tests.parallel._models import build
 from vt.backend import get_backend
 from vt.engine import Engine
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 
 if __name__ == "__main__":
     eng = Engine(get_backend("sim"), build, ExecutorConfig(mode="ring", serving_conc=2,

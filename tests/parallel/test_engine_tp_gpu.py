@@ -16,7 +16,7 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
 from tools import tp_generate  # noqa: E402
 from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.hooks import Poison  # noqa: E402
 from vt.torch.tensor_parallel import TensorParallel  # noqa: E402

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers", reason="the comparisons need 
 
 from vt.backend import CaptureError, available_backends  # noqa: E402
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.torch import TorchCaptureError, TorchForwardModel, hf, torch_device  # noqa: E402
 

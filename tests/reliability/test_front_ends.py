@@ -53,7 +53,7 @@ from vt.bench.serve import closed_loop, open_loop
 from vt.cli.common import CommandFailed
 from vt.cli.main import main
 from vt.engine.engine import Engine
-from vt.knobs import ENV_VARS, ExecutorConfig
+from vt.config import ENV_VARS, ExecutorConfig
 from vt.bundled import PRESETS, HybridModel, init_weights
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -154,7 +154,7 @@ def test_engine_serves_a_tiny_temperature_as_greedy(sim_backend):
     the greedy tokens (they failed as NaN or +inf logits)."""
     from vt.engine.engine import Engine
     from vt.forward.hybrid import HybridStepModel
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.bundled import PRESETS, HybridModel
 
     from engine_runs import preset_weights

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
-from vt.knobs import SAFE_MODES
+from vt.config import SAFE_MODES
 
 VOCAB = 97
 

@@ -8,7 +8,7 @@ import pytest
 
 from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
 from vt.backend.nvrtc import nvrtc_options
-from vt.knobs import SAFE_MODES
+from vt.config import SAFE_MODES
 from vt.sampling import penalties, reference
 
 from tests.bundled.test_cuda_compile import _assert_holds_kernels, _cubin

@@ -86,7 +86,7 @@ class InProcessServer:
 
     def __init__(self, be, served, *, conc: int, max_queued: int, tensor_parallel: int = 1):
         from vt.engine.engine import Engine
-        from vt.knobs import ExecutorConfig
+        from vt.config import ExecutorConfig
         from vt.serve.generation import GenerationService
         from vt.serve.metrics import ServeMetrics
         from vt.serve.server import address, bind, make_server

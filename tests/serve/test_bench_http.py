@@ -62,7 +62,7 @@ def test_a_streamed_chunk_carries_each_token_once(served_url):
 def test_an_http_cell_has_the_in_process_cells_keys(served_url):
     from vt.bench.serve import serve_cell
     from vt.engine.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.bundled import PRESETS, HybridModel, init_weights
     from vt.backend import get_backend
     info = describe_server(served_url)

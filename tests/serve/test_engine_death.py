@@ -21,7 +21,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from tests.parallel._models import GEO, VOCAB, build  # noqa: E402
 from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.serve.app import create_app  # noqa: E402
 from vt.serve.generation import GenerationService  # noqa: E402
 from vt.serve.metrics import ServeMetrics  # noqa: E402

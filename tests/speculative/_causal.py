@@ -7,7 +7,7 @@ from vt.backend.zeros import zeros
 from vt.engine.engine import Engine
 from vt.forward.speculative import SpeculativeConfig, SpeculativeModel, verify_table_rows
 from vt.forward.user import ForwardModel, KVGeometry, kv_slot
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 
 VOCAB = 32
 MAX_K = 4

@@ -10,7 +10,7 @@ import pytest
 from vt.engine.engine import Engine
 from vt.forward.speculative import SpeculativeConfig
 from vt.hooks import Poison
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.step.contract import SamplingParams
 
 from ._causal import CausalToy, config, reference, workload

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from vt.engine.speculative import generate_speculative
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.hooks import Poison
 
 from ._causal import reference, speculative, workload

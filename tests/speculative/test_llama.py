@@ -8,7 +8,7 @@ torch = pytest.importorskip("torch")
 from vt.backend.zeros import zeros  # noqa: E402
 from vt.engine.speculative import generate_speculative  # noqa: E402
 from vt.forward.speculative import SpeculativeConfig, SpeculativeModel, verify_table_rows  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.torch import TorchForwardModel  # noqa: E402
 from vt.engine import Engine  # noqa: E402
 from vt.backend import available_backends  # noqa: E402

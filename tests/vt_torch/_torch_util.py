@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from vt.engine import Engine
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.hooks import Poison
 from vt.step import KVGeometry
 from vt.torch import TorchForwardModel, TorchInputs, torch_device

@@ -158,7 +158,7 @@ def engine_job(rank, *modes):
     sampled tokens (temperature 1, seeded) in the last mode."""
     from vt.backend import get_backend
     from vt.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.sampling import SamplingParams
     from vt.torch import TorchForwardModel, forward
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.torch_allocator   # PyTorch's caching allocator keeps i
 import torch.nn.functional as F  # noqa: E402
 
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.torch import TorchForwardModel, TorchInputs, cpu_ops  # noqa: E402
 from vt.torch import paged_attention as pa  # noqa: E402

@@ -427,7 +427,7 @@ def _alone_and_among_others(batch_invariant: bool, seed: int):
     chunk bounds move with the others): [(mode, alone result, result among others)]."""
     from vt.backend import get_backend
     from vt.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.torch import TorchForwardModel
     rng = np.random.default_rng(seed)
     others = [rng.integers(0, 512, rng.integers(1, 301)).tolist() for _ in range(30)]

@@ -152,7 +152,7 @@ def test_staggered_run_ends_every_request_on_one_full_step(sim_backend, mode):
     from vt.bench.torch_decode import staggered_run
     from vt.bench.torch_ttft import seeded_prompts
     from vt.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.step import KVGeometry
     from vt.torch import TorchForwardModel
     from _torch_util import TINY, tiny_llama

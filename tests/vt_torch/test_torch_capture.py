@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install
 
 from vt.backend import get_backend  # noqa: E402
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.step import FORWARD_FIELDS  # noqa: E402
 from vt.forward.user import ForwardModel  # noqa: E402
 from vt.torch import TorchCaptureError, TorchForwardModel, TorchInputs  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.config import SAFE_MODES, ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.hooks import Poison  # noqa: E402
 from vt.torch import TorchForwardModel  # noqa: E402

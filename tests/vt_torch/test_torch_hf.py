@@ -9,7 +9,7 @@ transformers = pytest.importorskip("transformers", reason="the comparison needs 
 import numpy as np  # noqa: E402
 
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.torch import TorchForwardModel, hf, torch_device  # noqa: E402
 

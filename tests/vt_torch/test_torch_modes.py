@@ -5,7 +5,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
-from vt.knobs import SAFE_MODES  # noqa: E402
+from vt.config import SAFE_MODES  # noqa: E402
 from vt.step import SamplingParams  # noqa: E402
 
 from _torch_util import eager_greedy, generate, prompts, step_model, tiny_llama  # noqa: E402

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
 
 from vt.engine import Engine  # noqa: E402
-from vt.knobs import ExecutorConfig  # noqa: E402
+from vt.config import ExecutorConfig  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.torch import TorchForwardModel  # noqa: E402
 from vt.torch.forward import SIM_PREFILL_WARM_UP_TOKENS  # noqa: E402

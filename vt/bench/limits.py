@@ -3,14 +3,14 @@ front ends make with them before any work (each returns why a value is refused, 
 
 A bound is where a value stops being a measurement and becomes a mistake that would run for
 minutes or take gigabytes before failing (`--concurrency 100000`, `--requests 10**21`). The
-executor's own bounds (concurrency, capture sizes) are ExecutorConfig's (vt/knobs.py), so the
+executor's own bounds (concurrency, capture sizes) are ExecutorConfig's (vt/config.py), so the
 API refuses the same values the command line does.
 """
 from __future__ import annotations
 
 import math
 
-from vt.knobs import MAX_CAPTURE_SIZE, MAX_SERVING_CONC  # noqa: F401 (re-exported)
+from vt.config import MAX_CAPTURE_SIZE, MAX_SERVING_CONC  # noqa: F401 (re-exported)
 
 MAX_VOCAB = 1 << 20            # vt bench --vocab: a million tokens, beyond any served LLM
 MAX_REQUESTS = 100_000        # vt run --requests: prompts are made up front, 100k is seconds

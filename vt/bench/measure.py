@@ -10,7 +10,7 @@ def make_engine(be, model, mode: str, conc: int, *, profile: bool, max_prefill_t
     """An engine of `mode` serving `conc` rows, one captured size (conc): the only one a
     decode step of this bench ever uses."""
     from vt.engine.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     config = ExecutorConfig(mode=mode, serving_conc=conc, capture_sizes=(conc,),
                                      wait_poll_us=wait_poll_us)
     return Engine(be, model, config, profile=profile, max_prefill_tokens=max_prefill_tokens)

@@ -256,7 +256,7 @@ def run(args, timeout_s: float = 600.0) -> dict:
 
     from vt.bench.torch_workload import tool_decoder, tool_setup
     from vt.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.step import KVGeometry
     from vt.torch import TorchForwardModel
     be, cfg, dtype, common = tool_setup(args.preset, args.backend)

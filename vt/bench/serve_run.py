@@ -85,7 +85,7 @@ def _serve_model(be, name: str, conc: int, context: int, seed: int, prompt_kerne
 def run_serve(args, progress_factory) -> dict:
     from vt.bench.setup import pick_backend
     from vt.engine.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     t0, started = time.perf_counter(), time.strftime("%Y-%m-%d %H:%M:%S")
     be = pick_backend(args.backend, args.sim_delay_ms)
     loads = serve_loads(args)

@@ -108,7 +108,7 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     import torch
 
     from vt.engine import Engine
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.step import KVGeometry
     from vt.bench.torch_workload import tool_decoder
     from vt.torch import TorchForwardModel

@@ -51,7 +51,7 @@ EXAMPLES = """examples:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Every flag, with its bound (vt/bench/limits.py); list flags take at most MAX_LIST_VALUES."""
     from vt.bench import limits as lim
-    from vt.knobs import MODES, SAFE_MODES
+    from vt.config import MODES, SAFE_MODES
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
     p.add_argument("--workload", default="synthetic",
                    choices=["synthetic", "model", "torch", "sampler", "serve", *STANDALONE],
@@ -197,7 +197,7 @@ def _resolve(args: argparse.Namespace, error) -> None:
         if backend != "cuda":
             error("--workload torch needs a CUDA GPU (a bf16 Llama decoder of 0.6B parameters)")
     if args.modes is None:
-        from vt.knobs import SAFE_MODES
+        from vt.config import SAFE_MODES
         args.modes = list(torch_workload.DEFAULT_MODES if args.workload == "torch" else SAFE_MODES)
     sampler = args.workload == "sampler"
     if sampler and backend != "cuda":

@@ -8,7 +8,7 @@ import platform
 
 from vt import __version__
 from vt.cli.common import OneLineParser, run_command
-from vt.knobs import MODES
+from vt.config import MODES
 
 DISTRIBUTION = "vt-graphs"   # pyproject.toml's name; the import name is vt
 

@@ -49,7 +49,7 @@ def check_run_args(args: argparse.Namespace) -> None:
 def _config(args: argparse.Namespace):
     """The executor config and test hooks: VT_* variables, then the flags (a --mode replaces
     the mode variables). Raises UsageError on bad values."""
-    from vt.knobs import ExecutorConfig
+    from vt.config import ExecutorConfig
     from vt.hooks import hooks_from_env
 
     overrides = {}

@@ -30,7 +30,7 @@ def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
         p.add_argument("--model", required=True,
                        help="a Hugging Face checkpoint directory (Llama, Qwen2, Qwen3)")
     p.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim"])
-    from vt.knobs import SAFE_MODES
+    from vt.config import SAFE_MODES
     p.add_argument("--mode", default="ring", choices=list(SAFE_MODES),
                    help="executor mode (default: ring)")
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -96,7 +96,7 @@ def serving_config(mode: str, conc: int):
     """The engine config of vt serve (and of the in-process side of tools/serve_http_ab.py, so
     that both serve with the same graphs): `conc` rows, a graph per default size below it and
     one of `conc` itself."""
-    from vt.knobs import DEFAULT_CAPTURE_SIZES, ExecutorConfig
+    from vt.config import DEFAULT_CAPTURE_SIZES, ExecutorConfig
     sizes = tuple(s for s in DEFAULT_CAPTURE_SIZES if s < conc) + (conc,)
     return ExecutorConfig(mode=mode, serving_conc=conc, capture_sizes=sizes)
 

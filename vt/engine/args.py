@@ -3,7 +3,7 @@ vt/engine/submit.py's): a wrong type is a TypeError and a wrong value a ValueErr
 argument, raised before anything is allocated or launched."""
 from __future__ import annotations
 
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.validate import integer
 
 _BACKEND_CALLS = ("stream", "event", "empty", "pinned_empty", "launch", "capture")

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import Callable
 
 from vt.forward.adapt import as_step_model
-from vt.knobs import ExecutorConfig
+from vt.config import ExecutorConfig
 from vt.hooks import NULL_HOOKS, ExecutorHooks, hooks_from_env
 from vt.engine.call import GenerateCall
 from vt.engine.handle import RequestHandle, TokenStream
@@ -273,7 +273,7 @@ class Engine:
 
     @property
     def mode(self) -> str:
-        """The executor mode's name (vt.knobs.MODES), then the test hooks' ("+poison")."""
+        """The executor mode's name (vt.config.MODES), then the test hooks' ("+poison")."""
         return self.config.mode + self.runner.hooks.label
 
     def device_ceiling_us(self, n: int, replays: int = 200) -> float:

@@ -19,7 +19,7 @@ from vt.backend.timing import timed_ms
 from vt.hooks import NULL_HOOKS, ExecutorHooks
 from vt.validate import integer
 
-MAX_SLOTS_PER_SIZE = 2   # a depth-2 pipeline has at most two steps in flight (vt/knobs.py)
+MAX_SLOTS_PER_SIZE = 2   # a depth-2 pipeline has at most two steps in flight (vt/config.py)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from vt import env
-from vt.knobs import DEFAULT_CAPTURE_SIZES, MODES, RING_SLOTS, SAFE_MODES, ExecutorConfig
+from vt.config import DEFAULT_CAPTURE_SIZES, MODES, RING_SLOTS, SAFE_MODES, ExecutorConfig
 from vt.step.contract import KVGeometry
 from vt.validate import integer
 from mode_table import EXPECTED_MODES
