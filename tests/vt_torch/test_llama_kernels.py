@@ -177,8 +177,8 @@ def describe(ops) -> tuple[str, ...]:
 
 
 TORCH_OPS = (False, "F.linear", "F.linear", "torch", "torch", "torch_rope")
-VT_TRITON = (True, "triton", "triton", "fused", "linear_silu_mul", "fused_rope")
-VT_PROMPT = (True, "F.linear", "F.linear", "fused", "silu_mul(F.linear)", "fused_rope")
+TRITON_OPS = (True, "triton", "triton", "fused", "linear_silu_mul", "fused_rope")
+PROMPT_OPS = (True, "F.linear", "F.linear", "fused", "silu_mul(F.linear)", "fused_rope")
 INVARIANT = (True, "invariant", "invariant", "fused/inv", "silu_mul(invariant)/inv", "fused_rope")
 QWEN3 = {"attn_linear": "F.linear", "attention": "torch_rope/module"}
 QWEN3_INVARIANT = {"attention": "torch_rope/invariant"}
@@ -190,13 +190,13 @@ def like(ops: tuple, **parts) -> tuple:
 
 
 @pytest.mark.parametrize("arch,settings,decode,one_row,prompt", [
-    ("llama", {}, VT_TRITON, VT_TRITON, VT_PROMPT),
-    ("llama-hd32", {}, VT_TRITON, like(VT_TRITON, attention="one_kernel"), VT_PROMPT),
-    ("qwen3", {}, like(VT_TRITON, **QWEN3), like(VT_TRITON, **QWEN3), like(VT_PROMPT, **QWEN3)),
-    ("llama-hd32", dict(linear="torch"), VT_PROMPT, like(VT_PROMPT, attention="one_kernel"),
-     VT_PROMPT),
-    ("llama-hd32", dict(prompt_kernels="torch"), VT_TRITON,
-     like(VT_TRITON, attention="one_kernel"), TORCH_OPS),
+    ("llama", {}, TRITON_OPS, TRITON_OPS, PROMPT_OPS),
+    ("llama-hd32", {}, TRITON_OPS, like(TRITON_OPS, attention="one_kernel"), PROMPT_OPS),
+    ("qwen3", {}, like(TRITON_OPS, **QWEN3), like(TRITON_OPS, **QWEN3), like(PROMPT_OPS, **QWEN3)),
+    ("llama-hd32", dict(linear="torch"), PROMPT_OPS, like(PROMPT_OPS, attention="one_kernel"),
+     PROMPT_OPS),
+    ("llama-hd32", dict(prompt_kernels="torch"), TRITON_OPS,
+     like(TRITON_OPS, attention="one_kernel"), TORCH_OPS),
     ("llama-hd32", dict(kernels="torch"), TORCH_OPS, TORCH_OPS, TORCH_OPS),
     ("qwen3", dict(kernels="torch"), *[like(TORCH_OPS, attention="torch_rope/module")] * 3),
     ("llama-hd32", dict(batch_invariant=True), INVARIANT,
