@@ -99,7 +99,7 @@ def parse(argv):
     if args.shape is None and args.model is None:
         args.shape = "llama3-8b" if args.backend == "cuda" else "tiny"
     if args.json is not None:
-        from vt.executor.atomic_file import output_path_problem
+        from vt.atomic_file import output_path_problem
         if why := output_path_problem(args.json):
             error(f"--json {args.json!r} {why}")
     # Every request's prompt and output, as the server counts them (max_tokens may reach

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 import vt.bench.run
 import vt.cli.run
 from vt.bench import limits as lim
-from vt.executor.atomic_file import atomic_open
+from vt.atomic_file import atomic_open
 from vt.cli.main import main
 from vt.config import MODES
 from vt.bundled import PRESETS

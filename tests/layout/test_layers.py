@@ -18,6 +18,7 @@ RANK = {
     "env": -1,                # the VT_* variables' registry and parser: below everything
     "validate": -1,           # the one integer check of the constructors
     "errors": -1,             # VtError, the base of every error vt defines
+    "atomic_file": -1,        # output files written whole or not at all (the trace, the reports)
     "backend": 0, "config": 0,
     "step": 1,
     "hooks": 2,               # the executor's hooks (the pool pre-grow, the test arms): wraps

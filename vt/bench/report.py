@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vt.executor.atomic_file import atomic_open, write_text_atomic
+from vt.atomic_file import atomic_open, write_text_atomic
 from vt.bench.cells import HOST_PARTS
 from vt.errors import VtError
 

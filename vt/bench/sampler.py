@@ -151,7 +151,7 @@ def table(res: dict) -> str:
 
 
 def write_json(res: dict, path: str) -> None:
-    from vt.executor.atomic_file import write_text_atomic
+    from vt.atomic_file import write_text_atomic
     write_text_atomic(path, json.dumps(res, indent=1) + "\n")
 
 
@@ -161,7 +161,7 @@ def write_png(res: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vt.executor.atomic_file import atomic_open
+    from vt.atomic_file import atomic_open
     modes = list(dict.fromkeys(r["mode"] for r in res["rows"]))
     fig, axes = plt.subplots(1, len(modes), figsize=(4 * len(modes), 3.4), squeeze=False)
     for ax, mode in zip(axes[0], modes):

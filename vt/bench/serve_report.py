@@ -71,7 +71,7 @@ def _prefill_ms(r: dict) -> str:
 
 
 def write_json(res: dict, path: str) -> None:
-    from vt.executor.atomic_file import write_text_atomic
+    from vt.atomic_file import write_text_atomic
     write_text_atomic(path, json.dumps(res, indent=1))
 
 
@@ -104,7 +104,7 @@ def write_png(res: dict, path: str) -> str | None:
             ax.grid(alpha=0.3)
         row_axes[0].legend(fontsize=7)
     fig.tight_layout()
-    from vt.executor.atomic_file import atomic_open
+    from vt.atomic_file import atomic_open
     with atomic_open(path, "wb") as f:
         fig.savefig(f, format="png", dpi=110)
     plt.close(fig)

@@ -287,7 +287,7 @@ def check_outputs(args: argparse.Namespace, error) -> None:
     """--json and --png can be written (and --png is a .png that matplotlib can draw), checked
     before the measurement so that a bad path does not lose it."""
     from vt.bench import limits as lim
-    from vt.executor.atomic_file import output_path_problem
+    from vt.atomic_file import output_path_problem
     for flag, path in (("--json", args.json), ("--png", args.png)):
         why = None if path is None else output_path_problem(path)
         if why:

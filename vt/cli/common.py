@@ -119,8 +119,8 @@ def _drop_stdout() -> None:
 
 
 def check_output_path(who: str, source: str, path: str) -> None:
-    """UsageError now, not after the work, when `path` cannot be written (vt/executor/atomic_file.py)."""
-    from vt.executor.atomic_file import output_path_problem
+    """UsageError now, not after the work, when `path` cannot be written (vt/atomic_file.py)."""
+    from vt.atomic_file import output_path_problem
     why = output_path_problem(path)
     if why:
         raise UsageError(f"{who}: {source} {path!r} {why}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 
-from vt.executor.atomic_file import atomic_open
+from vt.atomic_file import atomic_open
 
 HOST_TID, DEVICE_TID = 1, 2
 
