@@ -51,7 +51,7 @@ def test_fields_clients_send_by_default_are_accepted_and_change_nothing(client):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("tool_choice", "required"), ("response_format", {"type": "json_object"}),
+    ("tool_choice", "required"), ("response_format", {"type": "json_schema"}),
     ("modalities", ["text", "audio"]), ("audio", {"voice": "alloy", "format": "wav"}),
     ("functions", [{"name": "f"}]), ("prediction", {"type": "content", "content": "x"}),
     ("web_search_options", {}), ("min_tokens", 3),

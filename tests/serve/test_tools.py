@@ -2,10 +2,10 @@
 (vt/serve/tools.py), and through the official openai client against the vt serve app over a
 model whose forward writes a scripted answer: `tool_calls` returned whole and streamed as
 OpenAI streams them, finish_reason "tool_calls"; tools reach the chat template; role "tool"
-messages are taken; tool_choice "required" or named is refused by name (no grammar engine yet)."""
+messages are taken; tool_choice "none" returns the text. tool_choice "required" and named
+(grammar-constrained): tests/serve/test_structured_output.py."""
 import json
 
-import httpx
 import openai
 import pytest
 
@@ -158,12 +158,3 @@ def test_tool_choice_none_returns_the_text(scripted):
     answer = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
     whole = _ask(scripted, LLAMA_TEMPLATE, [{"role": "user", "content": "Hi"}], answer, tool_choice="none")
     assert whole.choices[0].message.content == answer and not whole.choices[0].message.tool_calls
-
-
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
-def test_required_or_named_tool_choice_is_refused_by_name(scripted, choice):
-    url = scripted[4]
-    r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
-        "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "tools": TOOLS,
-        "tool_choice": choice})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import secrets
 
@@ -103,7 +104,7 @@ def create_app(service: GenerationService, *, api_key: str | None = None) -> Fas
     async def completions(request: Request):
         body = parse_body(await _read_body(request, service.limits), CompletionBody)
         _check_model(body.model, model.name)
-        spec = generation_spec(body, model.vocab)
+        spec = await _with_grammar(service, generation_spec(body, model.vocab))
         prompts = []
         for prompt in completion_prompts(body):
             if isinstance(prompt, str):
@@ -138,6 +139,7 @@ def create_app(service: GenerationService, *, api_key: str | None = None) -> Fas
         shape = ResponseShape(model.name, chat=True, token_text=_token_text(model))
         if body.tools and body.tool_choice != "none":
             shape.tool_format = format_of(model.text.tokenizer.chat_template)
+        spec = await _with_grammar(service, spec, shape.tool_format)
         return await _respond(request, service, [ids], spec, shape, "messages")
 
     return app
@@ -200,6 +202,18 @@ async def _chat_prompt(text, messages: list[dict], **variables) -> list[int]:
     except TemplateError as e:
         raise RequestError(f"the chat template refused the messages: {e}",
                            param="messages") from None
+
+
+async def _with_grammar(service: GenerationService, spec, tool_format: str | None = None):
+    """`spec` with its constraint compiled (in a worker thread: a large schema takes a while),
+    or as it is without one."""
+    if spec.constraint is None:
+        return spec
+    if service.grammars is None:
+        raise RequestError(f"{spec.constraint.param}: structured output needs the model's "
+                           f"tokenizer; this model (a preset) has none", param=spec.constraint.param)
+    compiled = await asyncio.to_thread(service.grammars.compile, spec.constraint, tool_format)
+    return dataclasses.replace(spec, compiled_grammar=compiled)
 
 
 def _check_model(asked: str, served: str) -> None:

@@ -10,12 +10,14 @@ Generation awaits its tokens through RequestHandle.stream_async, which never blo
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
 from vt.backend.errors import ClosedError
 from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
 from vt.parallel.errors import TensorParallelError
+from vt.serve.grammar import GrammarEngine
 from vt.serve.metrics import ServeMetrics
 from vt.serve.model_source import ServedModel
 from vt.serve.protocol import GenerationSpec, RequestError, RequestLimits
@@ -70,6 +72,9 @@ class GenerationService:
         self.capacity = serving_conc + max_queued
         self.closing = False
         self.limits = RequestLimits.for_model(model.geometry.max_context, model.text)
+        # structured output's compiler over the served tokenizer (None: a preset has none)
+        self.grammars = (GrammarEngine(model.text.tokenizer, model.vocab, model.eos_ids)
+                         if model.text is not None else None)
         self._live: set[Generation] = set()
 
     @property
@@ -134,10 +139,14 @@ class Generation:
                                         skip_special_tokens=spec.skip_special_tokens)
                       if model.text is not None else None)
         self._submitted = self._first_at = self._last_at = time.perf_counter()
+        sampling, self._grammar = spec.sampling, None
+        if spec.compiled_grammar is not None:     # this choice's own matcher
+            self._grammar = service.grammars.grammar(spec.compiled_grammar)
+            sampling = dataclasses.replace(sampling, grammar=self._grammar)
         try:
             self._handle = service.engine.submit(prompt_ids, max_new_tokens=max_new,
                                                  stop_token=sorted(stops) or None,
-                                                 sampling=spec.sampling)
+                                                 sampling=sampling)
         except PromptTooLongError:
             raise RequestError(f"the prompt has {n} tokens; the model's context holds "
                                f"{geo.max_context}", param=prompt_param) from None
@@ -183,6 +192,8 @@ class Generation:
                     return
             result = self._handle.result(timeout=5.0)
             if result.finish_reason == "error":
+                if self._grammar is not None and self._grammar.error is not None:
+                    raise GenerationFailed(self._grammar.error)
                 raise GenerationFailed(result.error or "the model's logits could not be sampled")
             tail = text.finish() if text is not None else ""
             end = text.tokens if text is not None else len(tokens)

@@ -11,7 +11,12 @@ refused, as is JSON nested too deep to parse. What a body may hold is bounded be
 costly runs (RequestLimits): its bytes, and a text prompt's characters, which cannot fit the
 context when each of its tokens would need more characters than the tokenizer's longest token.
 
-Beyond OpenAI's fields, as vLLM names them: top_k, min_p, stop_token_ids, ignore_eos.
+Beyond OpenAI's fields, as vLLM names them: top_k, min_p, stop_token_ids, ignore_eos, and
+guided_json / guided_regex / guided_choice.
+
+Structured output (response_format json_object or json_schema, guided_*, tool_choice
+"required" or a named function) becomes the request's Constraint, at most one per request;
+vt/serve/grammar.py compiles it.
 """
 from __future__ import annotations
 
@@ -99,6 +104,39 @@ class StreamOptions(BaseModel):
     include_obfuscation: StrictBool | None = None   # ignored: vt pads no chunk
 
 
+class JsonSchemaFormat(BaseModel):
+    """response_format's json_schema: the output is one JSON value valid against `schema`.
+    strict is accepted either way: the grammar holds the output to the schema always."""
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: StrictStr
+    description: StrictStr | None = None
+    schema_: dict | StrictBool = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is given with type 'json_schema', and only then")
+        return self
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must follow, from the field `param` that asked: kind
+    "json_object" (any JSON object), "json_schema" (value: the schema), "regex" (value: the
+    pattern), "choice" (value: the strings, one of them exactly) or "tool_call" (value:
+    ((name, parameters schema or None), ...), one call of one of them)."""
+    kind: str
+    value: object
+    param: str
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -125,6 +163,11 @@ class _Body(BaseModel):
     repetition_penalty: Real = 1
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
+    # structured output (Constraint)
+    response_format: ResponseFormat | None = None
+    guided_json: dict | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
 
 
 class CompletionBody(_Body):
@@ -219,11 +262,6 @@ class Tool(BaseModel):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: StrictStr
-
-
 class _Templated(BaseModel):
     """A body whose messages go through the chat template, with variables of its own."""
     chat_template_kwargs: dict[StrictStr, object] | None = None   # vLLM's (Qwen3's enable_thinking)
@@ -257,7 +295,6 @@ class ChatBody(_Templated, _Body):
     verbosity: StrictStr | None = None
     # Honoured where vt can, refused by name where not (_refuse_chat_fields).
     modalities: list[StrictStr] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict | None = None
     functions: list[dict] | None = None
@@ -300,6 +337,8 @@ class GenerationSpec:
     continuous_usage: bool = False  # usage in every chunk (stream_options.continuous_usage_stats)
     include_stop: bool = False      # the stop string stays in the text
     skip_special_tokens: bool = True
+    constraint: Constraint | None = None   # structured output (vt/serve/grammar.py compiles it)
+    compiled_grammar: object = None        # the constraint compiled; each choice matches its own
 
     def choice_spec(self, i: int) -> "GenerationSpec":
         """Choice i of n: one choice whose seed is the request's seed + i (mod 2**63), so that
@@ -398,7 +437,73 @@ def generation_spec(body: _Body, vocab: int) -> GenerationSpec:
                           body.ignore_eos, body.stream, opts.include_usage, n=body.n,
                           continuous_usage=opts.continuous_usage_stats,
                           include_stop=body.include_stop_str_in_output,
-                          skip_special_tokens=body.skip_special_tokens)
+                          skip_special_tokens=body.skip_special_tokens,
+                          constraint=constraint_of(body))
+
+
+def constraint_of(body: _Body) -> Constraint | None:
+    """The request's structured output, or None. At most one field may ask for one."""
+    asked = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append(Constraint("json_object", None, "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        schema = fmt.json_schema.schema_
+        if schema is False:
+            raise RequestError("response_format.json_schema.schema is false: no output is valid",
+                               param="response_format.json_schema.schema")
+        asked.append(Constraint("json_schema", {} if schema is True else schema,
+                                "response_format.json_schema.schema"))
+    if body.guided_json is not None:
+        schema = body.guided_json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise RequestError(f"guided_json is a string that is not JSON: {e}",
+                                   param="guided_json") from None
+            if not isinstance(schema, dict):
+                raise RequestError("guided_json must be a JSON schema (an object)", param="guided_json")
+        asked.append(Constraint("json_schema", schema, "guided_json"))
+    if body.guided_regex is not None:
+        asked.append(Constraint("regex", body.guided_regex, "guided_regex"))
+    if body.guided_choice is not None:
+        if not body.guided_choice or any(not c for c in body.guided_choice):
+            raise RequestError("guided_choice takes one or more non-empty strings",
+                               param="guided_choice")
+        asked.append(Constraint("choice", tuple(body.guided_choice), "guided_choice"))
+    if isinstance(body, ChatBody):
+        call = _tool_call_constraint(body)
+        if call is not None:
+            asked.append(call)
+    if len(asked) > 1:
+        raise RequestError(f"{asked[0].param} and {asked[1].param} both constrain the output; "
+                           f"give one", param=asked[1].param)
+    return asked[0] if asked else None
+
+
+def _tool_call_constraint(body: ChatBody) -> Constraint | None:
+    """tool_choice "required" (a call of one of the tools) or {"type": "function",
+    "function": {"name": N}} (a call of N), as a Constraint; None for "auto" and "none"."""
+    choice = body.tool_choice
+    if choice in (None, "none", "auto"):
+        return None
+    if not body.tools:
+        raise RequestError("tool_choice 'required' or a named function needs tools",
+                           param="tool_choice")
+    tools = tuple((t.function.name, t.function.parameters) for t in body.tools)
+    if choice == "required":
+        return Constraint("tool_call", tools, "tool_choice")
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type") != "function" or not isinstance(name, str):
+        raise RequestError("tool_choice must be 'none', 'auto', 'required' or {\"type\": "
+                           "\"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+    named = tuple(t for t in tools if t[0] == name)
+    if not named:
+        raise RequestError(f"tool_choice names the function {name!r}, which is not among the "
+                           f"tools ({', '.join(t[0] for t in tools)})", param="tool_choice")
+    return Constraint("tool_call", named[:1], "tool_choice")
 
 
 def _refuse_chat_fields(body: ChatBody) -> None:
@@ -406,13 +511,6 @@ def _refuse_chat_fields(body: ChatBody) -> None:
     if body.modalities is not None and body.modalities != ["text"]:
         raise RequestError(f"modalities {body.modalities} is not supported; vt generates text "
                            f"only", param="modalities")
-    if body.response_format is not None and body.response_format.type != "text":
-        raise RequestError(f"response_format type {body.response_format.type!r} is not supported "
-                           f"(only 'text')", param="response_format")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise RequestError("tool_choice 'required' or a named function is not supported yet "
-                           "(it needs a grammar-constrained sampler); 'auto' and 'none' are",
-                           param="tool_choice")
     if body.tools and body.n != 1:
         raise RequestError("tools with n > 1 is not supported", param="n")
     for name in ("functions", "function_call", "audio", "prediction",
