@@ -34,7 +34,7 @@ def model_config(preset: str = PRESET):
 PRESETS = {
     # TinyLlama's layer shape with 10 of its 22 layers. The step is launch-bound (~60 small
     # kernels a layer): all 22 layers measured 2.9 ms (S=1) and 3.7 ms (S=32) per step on an
-    # H200 (docs/data/torch-h200-bench.json); 10 layers bring it into 1-2 ms.
+    # H200; 10 layers bring it into 1-2 ms.
     "torch-llama-10x2048": (
         "TinyLlama's layers, 10 of 22: hidden 2048, GQA 32/4, SwiGLU 5632, vocab 32000 (0.6B)",
         dict(vocab=32000, hidden=2048, intermediate=5632, layers=10, heads=32, kv_heads=4,

@@ -50,8 +50,8 @@ vt.torch.paged_attention.paged_varlen_attention call: about 10 launches a layer 
 about 70, which a short prompt pays in host time, and one call however many prompts the step
 holds; cuBLAS computes the projections. "torch" is plain torch ops with SDPA per prompt chunk.
 "auto" (the default) follows `kernels`: "vt" where decode steps run vt's kernels, measured
-faster (docs/benchmarks.md: TTFT 0.75-0.88x transformers eager's against 0.93-1.6x with
-"torch"; serving tok/s about 2x). vt.torch.hf loads Hugging Face checkpoints into it.
+faster (docs/benchmarks.md, section 2: TTFT 0.75-0.88x transformers eager's against
+0.93-1.14x with "torch"). vt.torch.hf loads Hugging Face checkpoints into it.
 
 batch_invariant=True (None, the default: VT_BATCH_INVARIANT): a token's logits bits depend on
 its sequence alone, not on the other rows of its step, their number, or how its prompt was cut

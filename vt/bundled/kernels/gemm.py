@@ -13,7 +13,7 @@ y^T = w x^T: A = w (col-major [K, N], op T), B = x (col-major [K, M], op N), C =
 (col-major [N, M]), m = N, n = M, k = K, leading dims = row strides.
 
 A custom skinny tensor-core GEMM was measured 1.3-1.8x slower than cuBLAS for these shapes on the
-H200 (docs/benchmarks.md has the numbers), so cuBLAS is the one GEMM path.
+H200, so cuBLAS is the one GEMM path.
 
 Batch invariance (a row's result independent of M and of the other rows):
 - numpy: every row is its own [1, K] x [K, N] product (`rowwise_matmul`): one BLAS call of
