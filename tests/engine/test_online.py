@@ -299,12 +299,12 @@ def test_cuda_a_raising_eager_step_fails_alone():
 
 
 def test_serving_doc_example_prints_its_stated_output():
-    """docs/serving.md's example (two threads, asyncio, a cancel) runs and prints what it says."""
+    """docs/engine.md's example (two threads, asyncio, a cancel) runs and prints what it says."""
     import contextlib
     import io
     import pathlib
     import re
-    doc = pathlib.Path(__file__).parents[2] / "docs" / "serving.md"
+    doc = pathlib.Path(__file__).parents[2] / "docs" / "engine.md"
     code = re.search(r"```python\n(.*?)```", doc.read_text(), re.S).group(1)
     expected = re.search(r"^# (True .*)$", code, re.M).group(1)
     out = io.StringIO()
