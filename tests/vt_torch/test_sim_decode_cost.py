@@ -59,8 +59,8 @@ def step_work(kernels: str, max_context: int, monkeypatch) -> tuple[int, int, in
     gathered = []
     real_context = cpu_ops.context
 
-    def counting_context(cache, table_row, length, block_size):
-        out = real_context(cache, table_row, length, block_size)
+    def counting_context(cache, table_row, length, block_size, *fp8_scale_and_dtype):
+        out = real_context(cache, table_row, length, block_size, *fp8_scale_and_dtype)
         gathered.append(out.numel())
         return out
     monkeypatch.setattr(cpu_ops, "context", counting_context)

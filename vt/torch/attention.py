@@ -116,21 +116,23 @@ def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.
     return AttentionContext(inputs.slot_mapping.long(), cos, sin, rows, slots, mask, tuple(chunks))
 
 
-def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext, k_scale=None,
+           v_scale=None) -> torch.Tensor:
     """[T, heads, head_dim]: every token's attention, this step's K and V already written to
     the cache (k, v [T, kv_heads, head_dim] are those same values; None on vt's kernels,
-    which read them from the cache)."""
+    which read them from the cache). k_scale, v_scale: an FP8 cache's (vt's kernels only)."""
     f = ctx.fused
     if f is not None and f.query_start_loc is not None:   # vt's kernels, prompt tokens too
         return paged_varlen_attention(q, k_cache, v_cache, f.query_start_loc, f.seq_lens,
                                       f.block_tables, block_size=f.block_size,
-                                      max_query_len=f.max_query_len, invariant=f.invariant)
+                                      max_query_len=f.max_query_len, invariant=f.invariant,
+                                      k_scale=k_scale, v_scale=v_scale)
     if not ctx.chunks:
-        return _decode_rows(q, k_cache, v_cache, ctx)
+        return _decode_rows(q, k_cache, v_cache, ctx, k_scale, v_scale)
     out = torch.empty_like(q)
     R = ctx.decode_rows
     if R:
-        out[:R] = _decode_rows(q[:R], k_cache, v_cache, ctx)
+        out[:R] = _decode_rows(q[:R], k_cache, v_cache, ctx, k_scale, v_scale)
     for c in ctx.chunks:
         if c.slots is not None:
             keys, vals = k_cache[c.slots], v_cache[c.slots]
@@ -140,13 +142,15 @@ def attend(q, k, v, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
     return out
 
 
-def _decode_rows(q, k_cache, v_cache, ctx: AttentionContext) -> torch.Tensor:
+def _decode_rows(q, k_cache, v_cache, ctx: AttentionContext, k_scale=None,
+                 v_scale=None) -> torch.Tensor:
     """The step's decode rows (q [R, heads, hd]): paged on vt's kernels (a decode step), else
     dense."""
     f = ctx.fused
     if f is not None:
         return paged_decode_attention(q, k_cache, v_cache, f.block_tables, f.seq_lens,
-                                      block_size=f.block_size, invariant=f.invariant)
+                                      block_size=f.block_size, invariant=f.invariant,
+                                      k_scale=k_scale, v_scale=v_scale)
     return decode_attention(q, k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
 
 

@@ -38,6 +38,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from vt.torch import kv_fp8
+
 
 def attend_token(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
     """One query token over its visible keys, in float32: q [kv_heads, group, head_dim],
@@ -48,60 +50,71 @@ def attend_token(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> tor
 
 
 def context(cache: torch.Tensor, table_row: torch.Tensor, length: int,
-            block_size: int) -> torch.Tensor:
+            block_size: int, scale: torch.Tensor | None = None,
+            dtype: torch.dtype | None = None) -> torch.Tensor:
     """[length, kv_heads, head_dim] float32: the cache rows of positions 0..length-1 through one
-    block table row (its first ceil(length / block_size) blocks gathered whole, then cut)."""
+    block table row (its first ceil(length / block_size) blocks gathered whole, then cut). An
+    FP8 cache's rows are read as the Triton kernels read them (vt.torch.kv_fp8.dequantize:
+    code * scale rounded to `dtype`, the query's), then widened."""
     blocks = -(-length // block_size)
     paged = cache.view(-1, block_size, *cache.shape[1:])
-    return paged[table_row[:blocks].long()].flatten(0, 1)[:length].float()
+    rows = paged[table_row[:blocks].long()].flatten(0, 1)[:length]
+    if kv_fp8.is_fp8(cache):
+        rows = kv_fp8.dequantize(rows, scale, dtype)
+    return rows.float()
 
 
 _LIBRARY = torch.library.Library("vt", "DEF")
 _LIBRARY.define("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
-                "Tensor block_tables, Tensor seq_lens, int block_size) -> Tensor")
+                "Tensor block_tables, Tensor seq_lens, int block_size, Tensor? k_scale, "
+                "Tensor? v_scale) -> Tensor")
 _LIBRARY.define("paged_varlen_attention(Tensor q, Tensor k_cache, Tensor v_cache, "
                 "Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, int block_size, "
-                "bool invariant) -> Tensor")
+                "bool invariant, Tensor? k_scale, Tensor? v_scale) -> Tensor")
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 block_size: int) -> torch.Tensor:
+                 block_size: int, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """vt.torch.paged_attention.paged_decode_attention on the CPU: each row's query over its
     first seq_lens cache tokens (zeros where seq_lens is 0); one attend_token per row. One
-    op, vt::paged_decode_attention."""
+    op, vt::paged_decode_attention. k_scale, v_scale: an FP8 cache's (context)."""
     return torch.ops.vt.paged_decode_attention.default(q, k_cache, v_cache, block_tables,
-                                                       seq_lens, block_size)
+                                                       seq_lens, block_size, k_scale, v_scale)
 
 
 def paged_varlen(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                 block_tables: torch.Tensor, block_size: int, invariant: bool) -> torch.Tensor:
+                 block_tables: torch.Tensor, block_size: int, invariant: bool,
+                 k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """vt.torch.paged_attention.paged_varlen_attention on the CPU: sequence i's new tokens
     (rows query_start_loc[i]..query_start_loc[i + 1] - 1, the last n of its seq_lens[i]
     positions) attend causally, bottom-right aligned, over its cached context. One
     attend_token per token where invariant (or n is 1), else one product per sequence. One
     op, vt::paged_varlen_attention."""
     return torch.ops.vt.paged_varlen_attention.default(
-        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size, invariant)
+        q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size, invariant,
+        k_scale, v_scale)
 
 
-def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size):
+def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size, k_scale, v_scale):
     S, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     out = torch.zeros_like(q)
     for n, length in enumerate(seq_lens.tolist()):
         if length <= 0:
             continue
-        keys = context(k_cache, block_tables[n], length, block_size)
-        vals = context(v_cache, block_tables[n], length, block_size)
+        keys = context(k_cache, block_tables[n], length, block_size, k_scale, q.dtype)
+        vals = context(v_cache, block_tables[n], length, block_size, v_scale, q.dtype)
         qn = q[n].float().reshape(kv_heads, heads // kv_heads, head_dim)
         out[n] = attend_token(qn, keys, vals).view(heads, head_dim)
     return out
 
 
 def _paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size,
-                  invariant):
+                  invariant, k_scale, v_scale):
     T, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
     group = heads // kv_heads
@@ -112,8 +125,8 @@ def _paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
         n = b - a
         if n == 0:
             continue
-        keys = context(k_cache, block_tables[i], length, block_size)
-        vals = context(v_cache, block_tables[i], length, block_size)
+        keys = context(k_cache, block_tables[i], length, block_size, k_scale, q.dtype)
+        vals = context(v_cache, block_tables[i], length, block_size, v_scale, q.dtype)
         qs = q[a:b].float().reshape(n, kv_heads, group, head_dim)
         if invariant or n == 1:
             for j in range(n):

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vt.torch import cpu_ops
+from vt.torch import cpu_ops, kv_fp8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
@@ -53,7 +53,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
 def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                    slot_mapping: torch.Tensor, *, heads: int, kv_heads: int,
-                   head_dim: int) -> torch.Tensor:
+                   head_dim: int, k_scale: torch.Tensor | None = None,
+                   v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Rotary embedding of q and k (Hugging Face's layout: the two halves of head_dim rotate
     together) and the paged KV write, in one pass over the fused projection.
 
@@ -61,20 +62,24 @@ def rope_and_cache(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor
     cos, sin [max_context, head_dim] float32 tables (rows picked by positions here);
     k_cache, v_cache [slots, kv_heads, head_dim]; slot_mapping [S] int: row r's rotated key
     and its value go to slot slot_mapping[r]. Returns the rotated q [S, heads, head_dim].
+    An FP8 cache (float8_e4m3fn) takes k_scale and v_scale (float32, one element each): the
+    rotated key and the value, in qkv's dtype, are written as vt.torch.kv_fp8.quantize's codes.
     """
     check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
+    kv_fp8.check_scales("rope_and_cache", k_cache, k_scale, v_scale)
     if qkv.is_cuda:
         return _triton().rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache,
                                         slot_mapping, heads=heads, kv_heads=kv_heads,
-                                        head_dim=head_dim)
+                                        head_dim=head_dim, k_scale=k_scale, v_scale=v_scale)
     S, rotated = qkv.shape[0], heads + kv_heads
     pos, slots = positions.long(), slot_mapping.long()
     c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)   # [S, 1, hd]
     # q and k lead the projection side by side: one rotation of both (a captured step on the
     # sim replays each op of it, so fewer ops are a faster step)
     qk = rope_torch(qkv[:, :rotated * head_dim].reshape(S, rotated, head_dim), c, s)
-    k_cache.index_copy_(0, slots, qk[:, heads:])
-    v_cache.index_copy_(0, slots, qkv[:, rotated * head_dim:].reshape(S, kv_heads, head_dim))
+    kv_fp8.write(k_cache, slots, qk[:, heads:], k_scale)
+    kv_fp8.write(v_cache, slots, qkv[:, rotated * head_dim:].reshape(S, kv_heads, head_dim),
+                 v_scale)
     return qk[:, :heads].contiguous()
 
 
@@ -152,8 +157,9 @@ def check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, 
     if tuple(positions.shape) != (S,) or tuple(slot_mapping.shape) != (S,):
         raise ValueError(f"rope_and_cache: positions and slot_mapping [S={S}] expected, got "
                          f"{tuple(positions.shape)} and {tuple(slot_mapping.shape)}")
-    if k_cache.dtype != qkv.dtype:
-        raise ValueError(f"rope_and_cache: qkv is {qkv.dtype}, the cache {k_cache.dtype}")
+    if k_cache.dtype != qkv.dtype and not kv_fp8.is_fp8(k_cache):
+        raise ValueError(f"rope_and_cache: qkv is {qkv.dtype}, the cache {k_cache.dtype} (the "
+                         f"cache holds qkv's dtype or float8_e4m3fn)")
 
 
 def _gemv_fits(x, weight) -> bool:

@@ -70,6 +70,13 @@ reference on the CPU, the FP8 GEMV at <= 16 rows on CUDA, and fp8_prompt_linear
 ("dequantize" or "scaled_mm") for more rows. quantize_weights_ fills them from dense weights;
 vt.torch.hf.load reads FP8 checkpoints or quantizes at load. One rank, not batch_invariant.
 
+kv_cache_dtype="fp8" ("auto", the default: the model's dtype): the KV cache holds K and V as
+e4m3 codes, one byte an element, with a static float32 scale per layer for K and one for V
+(1.0: vt.torch.kv_fp8 says how the codes are written and read, and why that scale). The KV
+write quantizes (fused.rope_and_cache, rope_cache_decode_attention, the q/k-norm path's torch
+write), and paged decode and varlen attention dequantize as they load, so it needs every step
+on vt's kernels and is refused with batch_invariant.
+
 With `tp` (a vt.torch.tensor_parallel.TensorParallel of more than one rank) each rank holds
 its share of the heads, the KV cache, the MLP and the head; `o` and `down` end in an
 all-reduce and the logits in an all-gather (LlamaDecoder's docstring; docs/torch.md).
@@ -88,7 +95,7 @@ from torch import nn
 
 from vt import env
 from vt.step import KVGeometry
-from vt.torch import fp8, fused
+from vt.torch import fp8, fused, kv_fp8
 from vt.torch.attention import AttentionContext, attend, build_context
 from vt.torch.paged_attention import rope_cache_decode_attention
 from vt.torch.tensor_parallel import TensorParallel
@@ -150,6 +157,10 @@ class Attention(nn.Module):
         self.o = nn.Linear(q, cfg.hidden, bias=cfg.o_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps) if cfg.qk_norm else None
+        # An FP8 KV cache's static scales of this layer's K and V (fp8_kv_scales); None for a
+        # cache in the model's dtype. Not in the state dict: no checkpoint holds them.
+        self.register_buffer("k_scale", None, persistent=False)
+        self.register_buffer("v_scale", None, persistent=False)
 
     def forward(self, h, ctx: AttentionContext, ops: LayerOps, k_cache, v_cache):
         qkv = ops.attn_linear(h, self.qkv.weight, self.qkv.bias)
@@ -219,7 +230,8 @@ class LlamaDecoder(nn.Module):
                  device="cuda", kernels: str = "auto", linear: str = "auto",
                  prompt_kernels: str = "auto", tp: TensorParallel | None = None,
                  batch_invariant: bool | None = None, quantization: str | None = None,
-                 fp8_scales: str = "channel", fp8_prompt_linear: str = "dequantize"):
+                 fp8_scales: str = "channel", fp8_prompt_linear: str = "dequantize",
+                 kv_cache_dtype: str | None = "auto"):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
         check_tensor_parallel(cfg, self.tp)
@@ -244,6 +256,8 @@ class LlamaDecoder(nn.Module):
             self.decode_ops, self.one_row_ops, self.prompt_ops = (
                 fp8_ops(ops, fp8_prompt_linear)
                 for ops in (self.decode_ops, self.one_row_ops, self.prompt_ops))
+        self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, self.kernels,
+                                                   self.prompt_kernels, cfg, batch_invariant)
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
@@ -255,13 +269,17 @@ class LlamaDecoder(nn.Module):
             if self.quantization == "fp8":   # after .to(dtype), which would cast FP8 codes
                 for layer in self.layers:
                     quantized_linears(layer, dtype, per_block=fp8_scales == "block")
+            if self.kv_cache_dtype == "fp8":   # after .to(dtype), which would cast scales
+                for layer in self.layers:
+                    fp8_kv_scales(layer.attn)
             self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
             self.lm_head = None if cfg.tie_embeddings else nn.Linear(
                 cfg.hidden, self.vocab_shard, bias=False, **factory)
         slots = geometry.num_kv_blocks * geometry.block_size
         kv = (cfg.layers, slots, self.tp.local(cfg.kv_heads, "kv_heads"), cfg.head_dim)
-        self.register_buffer("k_cache", torch.zeros(kv, **factory), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(kv, **factory), persistent=False)
+        cache = dict(factory, dtype=kv_fp8.FP8) if self.kv_cache_dtype == "fp8" else factory
+        self.register_buffer("k_cache", torch.zeros(kv, **cache), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(kv, **cache), persistent=False)
         cos, sin = rope_table(cfg, geometry.max_context)
         self.register_buffer("cos", cos.to(device), persistent=False)   # [max_context, hd] f32
         self.register_buffer("sin", sin.to(device), persistent=False)
@@ -387,6 +405,33 @@ def quantized_linears(layer: Layer, dtype: torch.dtype, *, per_block: bool) -> N
         setattr(parent, name, new)
 
 
+def fp8_kv_scales(attn: Attention) -> None:
+    """An FP8 KV cache's scales of one layer: K's and V's, float32 scalars of
+    vt.torch.kv_fp8.DEFAULT_SCALE (that module says why that value)."""
+    device = attn.qkv.weight.device
+    attn.k_scale = torch.tensor(kv_fp8.DEFAULT_SCALE, dtype=torch.float32, device=device)
+    attn.v_scale = torch.tensor(kv_fp8.DEFAULT_SCALE, dtype=torch.float32, device=device)
+
+
+def check_kv_cache_dtype(kv_cache_dtype, kernels: str, prompt_kernels: str, cfg: LlamaConfig,
+                         invariant: bool) -> str:
+    """"auto" or "fp8"; ValueError, naming the value, for anything else or an FP8 cache where
+    the decoder cannot read one: steps on the torch ops (their dense and SDPA attention reads
+    the cache as it is), or batch_invariant (its kernels read a cache in the model's dtype)."""
+    kv_cache_dtype = kv_fp8.check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "fp8":
+        return kv_cache_dtype
+    if "torch" in (kernels, prompt_kernels):
+        raise ValueError(f"LlamaDecoder: kv_cache_dtype='fp8' runs on vt's kernels (paged "
+                         f"attention reads the FP8 cache); kernels resolved to {kernels!r}, "
+                         f"prompt_kernels to {prompt_kernels!r} (head_dim={cfg.head_dim})")
+    if invariant:
+        raise ValueError("LlamaDecoder: kv_cache_dtype='fp8' with batch_invariant=True is not "
+                         "implemented (the batch-invariant attention reads a cache in the "
+                         "model's dtype)")
+    return kv_cache_dtype
+
+
 def check_quantization(quantization, fp8_scales: str, fp8_prompt_linear: str,
                        tp: TensorParallel, invariant: bool) -> str | None:
     """None or "fp8"; ValueError, naming the value, for anything LlamaDecoder does not run."""
@@ -455,9 +500,10 @@ def torch_rope_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v
     q, k = rope(q, ctx.cos, ctx.sin), rope(k, ctx.cos, ctx.sin)
     # The paged KV write: each token's key and value go to its slot (a pad row's: the
     # scratch block), before attention, which reads the cache.
-    k_cache.index_copy_(0, ctx.slot_mapping, k)
-    v_cache.index_copy_(0, ctx.slot_mapping, v)
-    return attend(q, k, v, k_cache, v_cache, ctx).reshape(T, heads * hd)
+    kv_fp8.write(k_cache, ctx.slot_mapping, k, attn.k_scale)
+    kv_fp8.write(v_cache, ctx.slot_mapping, v, attn.v_scale)
+    return attend(q, k, v, k_cache, v_cache, ctx, attn.k_scale,
+                  attn.v_scale).reshape(T, heads * hd)
 
 
 def fused_rope_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v_cache):
@@ -466,8 +512,10 @@ def fused_rope_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v
     p = ctx.fused
     q = fused.rope_and_cache(qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache,
                              ctx.slot_mapping, heads=attn.heads, kv_heads=attn.kv_heads,
-                             head_dim=attn.cfg.head_dim)
-    return attend(q, None, None, k_cache, v_cache, ctx).reshape(qkv.shape[0], -1)
+                             head_dim=attn.cfg.head_dim, k_scale=attn.k_scale,
+                             v_scale=attn.v_scale)
+    return attend(q, None, None, k_cache, v_cache, ctx, attn.k_scale,
+                  attn.v_scale).reshape(qkv.shape[0], -1)
 
 
 def one_kernel_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v_cache):
@@ -476,7 +524,8 @@ def one_kernel_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v
     return rope_cache_decode_attention(
         qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache, ctx.slot_mapping,
         p.block_tables, p.seq_lens, block_size=p.block_size, invariant=p.invariant,
-        heads=attn.heads, kv_heads=attn.kv_heads, head_dim=attn.cfg.head_dim).reshape(1, -1)
+        heads=attn.heads, kv_heads=attn.kv_heads, head_dim=attn.cfg.head_dim,
+        k_scale=attn.k_scale, v_scale=attn.v_scale).reshape(1, -1)
 
 
 def no_head_norm(norm, x):

@@ -33,7 +33,7 @@ import math
 import torch
 
 from vt.step import context_slots
-from vt.torch import cpu_ops, fused
+from vt.torch import cpu_ops, fused, kv_fp8
 
 # The GPU's resident programs per SM that the split count aims to fill (one wave).
 PROGRAMS_PER_SM = 4
@@ -45,7 +45,8 @@ MIN_SPLIT_TOKENS = 64
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
                            block_size: int, splits: int | None = None,
-                           invariant: bool = False) -> torch.Tensor:
+                           invariant: bool = False, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each row's query over its live cache tokens.
 
     q [S, heads, head_dim]; k_cache, v_cache [num_blocks * block_size, kv_heads, head_dim]
@@ -55,11 +56,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     shapes (fixed per S, so a captured graph keeps it). invariant: a row's output bits depend
     on that row alone, and equal paged_varlen_attention(..., invariant=True)'s for the same
     token (on CUDA: vt.torch.triton_invariant's fixed spans, so `splits` must be None).
+    k_scale, v_scale: an FP8 cache's (float8_e4m3fn; float32 tensors of one element), whose
+    codes are read as vt.torch.kv_fp8.dequantize reads them; None for a cache in q's dtype.
     """
-    _check(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+    _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, k_scale=k_scale,
+           v_scale=v_scale, invariant=invariant)
     _no_splits_if_invariant(splits, invariant, "paged_decode_attention")
     if not q.is_cuda:
-        return cpu_ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+        return cpu_ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size,
+                                    k_scale, v_scale)
     if invariant:
         return _invariant_module().paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                                 block_size=block_size)
@@ -67,7 +72,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = _cuda_splits(splits, k_cache.shape[1], block_tables, block_size, q.device,
                           "paged_decode_attention")
     return triton_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
-                                         block_size=block_size, splits=splits)
+                                         block_size=block_size, splits=splits,
+                                         k_scale=k_scale, v_scale=v_scale)
 
 
 def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -75,7 +81,8 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
                                 slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                                 seq_lens: torch.Tensor, *, heads: int, kv_heads: int,
                                 head_dim: int, block_size: int, splits: int | None = None,
-                                invariant: bool = False) -> torch.Tensor:
+                                invariant: bool = False, k_scale: torch.Tensor | None = None,
+                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention from its fused q/k/v projection:
     vt.torch.fused.rope_and_cache (RoPE of q and k, the new key and value written to
     slot_mapping's slots) then paged_decode_attention, as one kernel (and the split-K merge)
@@ -87,17 +94,22 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
     [S, heads, head_dim] in qkv's dtype, the cache updated as rope_and_cache updates it.
     invariant: paged_decode_attention(..., invariant=True) after rope_and_cache (two kernels
     and the fold on CUDA: the one kernel's two half-width dots sum the scores in another
-    order than the varlen path does).
+    order than the varlen path does). k_scale, v_scale: an FP8 cache's (the new key and
+    value written as rope_and_cache writes them, every key and value read as
+    paged_decode_attention reads them, the new ones included).
     """
     fused.check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
     q_shape = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))   # a view, to check
     _check(q_shape, k_cache, v_cache, block_tables, seq_lens, block_size,
-           "rope_cache_decode_attention")
+           "rope_cache_decode_attention", k_scale=k_scale, v_scale=v_scale,
+           invariant=invariant)
     _no_splits_if_invariant(splits, invariant, "rope_cache_decode_attention")
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
     if not qkv.is_cuda:
         q = fused.rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
-                                 heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-        return cpu_ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size)
+                                 heads=heads, kv_heads=kv_heads, head_dim=head_dim, **scales)
+        return cpu_ops.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size,
+                                    k_scale, v_scale)
     if invariant:
         q = fused.rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping,
                                  heads=heads, kv_heads=kv_heads, head_dim=head_dim)
@@ -108,13 +120,15 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
     return _triton_module().rope_paged_decode(
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-        splits=splits)
+        splits=splits, **scales)
 
 
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                            block_tables: torch.Tensor, *, block_size: int,
-                           max_query_len: int, invariant: bool = False) -> torch.Tensor:
+                           max_query_len: int, invariant: bool = False,
+                           k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of a flattened step's tokens over their sequences' cached contexts.
 
     q [T, heads, head_dim]: sequence i's new tokens are rows query_start_loc[i] ..
@@ -130,19 +144,25 @@ def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     [T, heads, head_dim] in q's dtype. invariant: a token's output bits depend on that token
     alone (not on the other tokens, its chunk's bounds or the step's sequences), and equal
     paged_decode_attention(..., invariant=True)'s for a decode row (on CUDA:
-    vt.torch.triton_invariant).
+    vt.torch.triton_invariant). k_scale, v_scale: an FP8 cache's, as paged_decode_attention's.
     """
-    _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size)
+    _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size,
+                  k_scale, v_scale, invariant)
     if not q.is_cuda:
         longest = int((query_start_loc[1:] - query_start_loc[:-1]).max()) if len(seq_lens) else 0
         if max_query_len < longest:
             raise ValueError(f"paged_varlen_attention: max_query_len={max_query_len} is below "
                              f"the step's longest query, {longest} tokens")
         return cpu_ops.paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens,
-                                    block_tables, block_size, invariant)
-    kernels = _invariant_module() if invariant else _triton_module()
-    return kernels.paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                                block_size=block_size, max_query_len=max_query_len)
+                                    block_tables, block_size, invariant, k_scale, v_scale)
+    if invariant:
+        return _invariant_module().paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                                block_tables, block_size=block_size,
+                                                max_query_len=max_query_len)
+    return _triton_module().paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens,
+                                         block_tables, block_size=block_size,
+                                         max_query_len=max_query_len, k_scale=k_scale,
+                                         v_scale=v_scale)
 
 
 def decode_splits(rows: int, kv_heads: int, max_context: int, sm_count: int) -> int:
@@ -190,7 +210,8 @@ def live_slots(table_row: torch.Tensor, length: int, block_size: int) -> torch.T
 
 
 def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size,
-           name: str = "paged_decode_attention", sequences: int | None = None):
+           name: str = "paged_decode_attention", sequences: int | None = None, *,
+           k_scale=None, v_scale=None, invariant: bool = False):
     """sequences: the rows of block_tables and seq_lens (None: one per query, q's S)."""
     if q.dim() != 3 or k_cache.dim() != 3 or k_cache.shape != v_cache.shape:
         raise ValueError(f"{name}: q [S, heads, head_dim] and caches [slots, "
@@ -210,19 +231,26 @@ def _check(q, k_cache, v_cache, block_tables, seq_lens, block_size,
         raise ValueError(f"{name}: block_tables [S={S}, max_blocks] and seq_lens "
                          f"[S] expected, got {tuple(block_tables.shape)} and "
                          f"{tuple(seq_lens.shape)}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"{name}: q, k_cache, v_cache must share a dtype, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    fp8_cache = kv_fp8.is_fp8(k_cache) and kv_fp8.is_fp8(v_cache)
+    if not fp8_cache and (q.dtype != k_cache.dtype or q.dtype != v_cache.dtype):
+        raise ValueError(f"{name}: q, k_cache, v_cache must share a dtype (or the caches be "
+                         f"float8_e4m3fn, both), got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}")
+    kv_fp8.check_scales(name, k_cache, k_scale, v_scale)
+    if fp8_cache and invariant:
+        raise ValueError(f"{name}: an FP8 cache with invariant=True is not implemented (the "
+                         f"batch-invariant kernels read a cache in q's dtype)")
 
 
-def _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size):
+def _check_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, block_size,
+                  k_scale=None, v_scale=None, invariant: bool = False):
     B = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if tuple(query_start_loc.shape) != (B + 1,):
         raise ValueError(f"paged_varlen_attention: query_start_loc [B + 1] and seq_lens [B] "
                          f"expected, got {tuple(query_start_loc.shape)} and "
                          f"{tuple(seq_lens.shape)}")
     _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, "paged_varlen_attention",
-           sequences=B)
+           sequences=B, k_scale=k_scale, v_scale=v_scale, invariant=invariant)
 
 
 def _no_splits_if_invariant(splits, invariant: bool, name: str) -> None:

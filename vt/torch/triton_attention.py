@@ -29,6 +29,12 @@ fill the GPU, and a decode row of an eager step is one tile.
 
 kv_tile and softmax_step are also the steps of vt.torch.triton_invariant's batch-invariant
 attention kernels.
+
+An FP8 cache (FP8_KV; vt.torch.kv_fp8): each kernel loads a tile's e4m3 codes (half the bytes
+of bf16) and turns them into code * scale rounded to q's dtype before its dots (kv_value), as
+the CPU reference reads them; _rope_split writes the new key and value as codes (kv_code) and
+takes them from registers as the values those codes read as. The scales are device tensors,
+loaded in the kernel: nothing is read on the host, so the steps capture as they did.
 """
 from __future__ import annotations
 
@@ -37,12 +43,14 @@ import triton
 import triton.language as tl
 
 from vt.torch import triton_pdl as pdl
+from vt.torch.triton_fused import kv_code, kv_scale_args, kv_value
 
 BLOCK_N = 32   # keys per tile: two vt blocks of 16
 NUM_WARPS = 4
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int, splits: int):
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int, splits: int,
+                 k_scale=None, v_scale=None):
     """vt.torch.paged_attention.paged_decode_attention's CUDA path (arguments checked there)."""
     S, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -53,18 +61,20 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         return out
     _split[(S, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
+        *kv_scale_args(k_cache, k_scale, v_scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
-        PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS, **pdl.launch_options(q.device, S))
+        PRECISION=dot_precision(q.dtype), FP8_KV=k_scale is not None, num_warps=NUM_WARPS,
+        **pdl.launch_options(q.device, S))
     return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
 def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                       seq_lens, *, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                      splits: int):
+                      splits: int, k_scale=None, v_scale=None):
     """vt.torch.paged_attention.rope_cache_decode_attention's CUDA path (arguments checked
     there)."""
     half = head_dim // 2
@@ -82,12 +92,12 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         return out
     _rope_split[(S, kv_heads, splits)](
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        acc, stats, qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+        acc, stats, *kv_scale_args(k_cache, k_scale, v_scale), qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), 1.0 / head_dim ** 0.5,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=dot_precision(qkv.dtype),
-        num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
+        FP8_KV=k_scale is not None, num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
     return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
@@ -129,7 +139,7 @@ ROWS = 64   # query rows (token x head) per _varlen tile: a tensor-core dot's M
 
 
 def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *,
-                 block_size: int, max_query_len: int):
+                 block_size: int, max_query_len: int, k_scale=None, v_scale=None):
     """vt.torch.paged_attention.paged_varlen_attention's CUDA path (arguments checked there)."""
     T, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -144,20 +154,21 @@ def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *
     grid = (B, triton.cdiv(max_query_len, block_m), kv_heads)
     _varlen[grid](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        *kv_scale_args(k_cache, k_scale, v_scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), 1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
-        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), num_warps=NUM_WARPS)
+        BLOCK_SIZE=block_size, PRECISION=dot_precision(q.dtype), FP8_KV=k_scale is not None,
+        num_warps=NUM_WARPS)
     return out
 
 
 @triton.jit
-def _varlen(Q, K, V, QSL, LENS, BT, OUT, stride_qt, stride_qh, stride_kt, stride_kh,
+def _varlen(Q, K, V, QSL, LENS, BT, OUT, K_SCALE, V_SCALE, stride_qt, stride_qh, stride_kt, stride_kh,
             stride_vt, stride_vh, stride_bt, stride_ot, stride_oh, scale,
             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
     i = tl.program_id(0)
     tile = tl.program_id(1)
     kvh = tl.program_id(2)
@@ -183,6 +194,9 @@ def _varlen(Q, K, V, QSL, LENS, BT, OUT, stride_qt, stride_qh, stride_kt, stride
         for start in range(0, hi, BLOCK_N):
             t, tmask, k, v = kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
                                       stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
+            if FP8_KV:
+                k = kv_value(k, tl.load(K_SCALE), Q.dtype.element_ty)
+                v = kv_value(v, tl.load(V_SCALE), Q.dtype.element_ty)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where((t[None, :] <= pos[:, None]) & tmask[None, :], s, float("-inf"))
             # m is finite from the first tile on: position 0 is every row's key.
@@ -193,10 +207,11 @@ def _varlen(Q, K, V, QSL, LENS, BT, OUT, stride_qt, stride_qh, stride_kt, stride
 
 
 @triton.jit
-def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, stride_kh,
+def _split(Q, K, V, BT, LENS, ACC, STATS, K_SCALE, V_SCALE, stride_qs, stride_qh, stride_kt, stride_kh,
            stride_vt, stride_vh, stride_bt, scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           SPLITS: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+           SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+           PDL: tl.constexpr):
     pdl.launch_next(PDL)
     pdl.wait(PDL)
     n = tl.program_id(0)
@@ -219,6 +234,9 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
     for start in range(lo, hi, BLOCK_N):
         t, tmask, k, v = kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
                                   stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
+        if FP8_KV:
+            k = kv_value(k, tl.load(K_SCALE), Q.dtype.element_ty)
+            v = kv_value(v, tl.load(V_SCALE), Q.dtype.element_ty)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BLOCK_H, BLOCK_N]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m, l, acc = softmax_step(s, v, m, l, acc, PRECISION)   # m finite: a live key per tile
@@ -230,12 +248,13 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, stride_qs, stride_qh, stride_kt, strid
 
 
 @triton.jit
-def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv, stride_cos,
+def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, K_SCALE, V_SCALE,
+                stride_qkv, stride_cos,
                 stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, scale,
                 HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
-                PDL: tl.constexpr):
+                FP8_KV: tl.constexpr, PDL: tl.constexpr):
     # Each head_dim vector is handled as its two halves (what RoPE rotates together), so the
     # scores are two dots of HALF and the accumulator two [BLOCK_H, HALF] tiles.
     pdl.launch_next(PDL)
@@ -268,6 +287,13 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv
     vh = src + (HEADS + KV_HEADS + kvh) * (2 * HALF)
     v1_new = tl.load(vh + d)
     v2_new = tl.load(vh + HALF + d)
+    if FP8_KV:   # written as codes; read back, here as from the cache, as their values
+        ks = tl.load(K_SCALE)
+        vs = tl.load(V_SCALE)
+        k1_new = kv_code(k1_new, ks)
+        k2_new = kv_code(k2_new, ks)
+        v1_new = kv_code(v1_new, vs)
+        v2_new = kv_code(v2_new, vs)
     if p == 0:   # one writer per (row, KV head), pad rows included (their slot: scratch)
         slot = tl.load(SLOT + n).to(tl.int64)
         tl.store(K + slot * stride_kt + kvh * stride_kh + d, k1_new)
@@ -292,6 +318,11 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, stride_qkv
         k2 = tl.where(new[:, None], k2_new[None, :], tl.load(kt + HALF, mask=old, other=0.0))
         v1 = tl.where(new[:, None], v1_new[None, :], tl.load(vt, mask=old, other=0.0))
         v2 = tl.where(new[:, None], v2_new[None, :], tl.load(vt + HALF, mask=old, other=0.0))
+        if FP8_KV:
+            k1 = kv_value(k1, ks, dtype)
+            k2 = kv_value(k2, ks, dtype)
+            v1 = kv_value(v1, vs, dtype)
+            v2 = kv_value(v2, vs, dtype)
         s = (tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
              + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)) * scale
         s = tl.where(tmask[None, :], s, float("-inf"))

@@ -32,7 +32,7 @@ def rms_norm(x, delta, weight, eps: float):
 
 
 def rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, *, heads: int,
-                   kv_heads: int, head_dim: int):
+                   kv_heads: int, head_dim: int, k_scale=None, v_scale=None):
     half = head_dim // 2
     if half & (half - 1) or qkv.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError(f"rope_and_cache: the Triton kernel needs head_dim / 2 a power of two "
@@ -45,9 +45,10 @@ def rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, *, 
     if S:
         _rope_and_cache[(S, heads + kv_heads)](
             qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, q,
+            *kv_scale_args(k_cache, k_scale, v_scale),
             qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
             v_cache.stride(0), v_cache.stride(1), q.stride(0), q.stride(1),
-            HEADS=heads, KV_HEADS=kv_heads, HALF=half, num_warps=1,
+            HEADS=heads, KV_HEADS=kv_heads, HALF=half, FP8_KV=k_scale is not None, num_warps=1,
             **pdl.launch_options(qkv.device, S))
     return q
 
@@ -87,10 +88,47 @@ def _rms_norm(X, DELTA, W, H, OUT, stride_x, stride_d, stride_h, stride_o, N, ep
     tl.store(OUT + r * stride_o + c, (w * normed).to(OUT.dtype.element_ty), mask=mask)
 
 
+def kv_scale_args(k_cache, k_scale, v_scale):
+    """The K_SCALE, V_SCALE pointers of a kernel that writes or reads the cache: an FP8
+    cache's scales, or (any other cache: FP8_KV False, never read) the cache itself."""
+    if k_scale is None:
+        return k_cache, k_cache
+    return k_scale, v_scale
+
+
 @triton.jit
-def _rope_and_cache(QKV, POS, COS, SIN, KC, VC, SLOT, QOUT, stride_qkv, stride_cos, stride_kt,
-                    stride_kh, stride_vt, stride_vh, stride_qs, stride_qh, HEADS: tl.constexpr,
-                    KV_HEADS: tl.constexpr, HALF: tl.constexpr, PDL: tl.constexpr):
+def kv_code(x, scale):
+    """An FP8 cache's code of x (vt.torch.kv_fp8.quantize): x / scale in float32, correctly
+    rounded (div_rn, as torch divides), clamped to e4m3's +-448, rounded to nearest e4m3 (ties
+    to even). The rounding is done here, in float32, so that the cast to e4m3 is exact: the
+    magnitude plus 2^23 of its e4m3 spacing (2^(exponent - 3), 2^-9 below e4m3's normals),
+    minus it again, is that magnitude rounded to the spacing by float32's own round to nearest
+    even, carry into the next binade included. Triton's interpreter casts float32 to e4m3
+    rounding half up and drops that carry; the GPU's cvt would round the same as this."""
+    y = tl.math.div_rn(x.to(tl.float32), scale)
+    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+    bits = y.to(tl.int32, bitcast=True)
+    a = tl.abs(y)
+    exponent = (bits >> 23) & 0xFF
+    magic = ((tl.maximum(exponent, 121) + 20) << 23).to(tl.float32, bitcast=True)
+    r = (a + magic) - magic
+    # y's sign bit put back as a bit (Triton negates as 0 - r, which makes -0.0 +0.0)
+    signed = r.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)
+    return signed.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
+
+@triton.jit
+def kv_value(code, scale, dtype: tl.constexpr):
+    """What an FP8 cache's code reads as (vt.torch.kv_fp8.dequantize): code * scale in
+    float32, rounded to dtype."""
+    return (code.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
+def _rope_and_cache(QKV, POS, COS, SIN, KC, VC, SLOT, QOUT, K_SCALE, V_SCALE, stride_qkv,
+                    stride_cos, stride_kt, stride_kh, stride_vt, stride_vh, stride_qs,
+                    stride_qh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                    FP8_KV: tl.constexpr, PDL: tl.constexpr):
     # Program (r, h): q head h of row r for h < HEADS, else KV head h - HEADS (key and value).
     pdl.launch_next(PDL)
     pdl.wait(PDL)
@@ -115,12 +153,22 @@ def _rope_and_cache(QKV, POS, COS, SIN, KC, VC, SLOT, QOUT, stride_qkv, stride_c
         kvh = h - HEADS
         slot = tl.load(SLOT + r).to(tl.int64)
         kdst = KC + slot * stride_kt + kvh * stride_kh
-        tl.store(kdst + d, o1)
-        tl.store(kdst + HALF + d, o2)
         vsrc = QKV + r * stride_qkv + (HEADS + KV_HEADS + kvh) * (2 * HALF)
         vdst = VC + slot * stride_vt + kvh * stride_vh
-        tl.store(vdst + d, tl.load(vsrc + d))
-        tl.store(vdst + HALF + d, tl.load(vsrc + HALF + d))
+        v1 = tl.load(vsrc + d)
+        v2 = tl.load(vsrc + HALF + d)
+        if FP8_KV:
+            ks = tl.load(K_SCALE)
+            vs = tl.load(V_SCALE)
+            tl.store(kdst + d, kv_code(o1, ks))
+            tl.store(kdst + HALF + d, kv_code(o2, ks))
+            tl.store(vdst + d, kv_code(v1, vs))
+            tl.store(vdst + HALF + d, kv_code(v2, vs))
+        else:
+            tl.store(kdst + d, o1)
+            tl.store(kdst + HALF + d, o2)
+            tl.store(vdst + d, v1)
+            tl.store(vdst + HALF + d, v2)
 
 
 @triton.jit

@@ -1,0 +1,180 @@
+"""The Triton kernels over an FP8 KV cache against the CPU reference (vt.torch.cpu_ops and
+fused.rope_and_cache's torch form, which test_kv_fp8.py ties to attention over the dequantized
+values): the RoPE-and-cache write's codes, the split decode attention, the one-kernel RoPE +
+write + decode attention, and the varlen attention. Under Triton's CPU interpreter
+(TRITON_INTERPRET=1) in fp16, whose rounding the interpreter shares with torch (the codes must
+then be the reference's exactly); on a GPU in bf16 (codes may differ by one e4m3 step where
+the kernel's float32 RoPE rounds otherwise than torch's, so a bound on how many)."""
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install vt-graphs[torch])")
+pytestmark = pytest.mark.torch_allocator
+
+from vt.torch import fused, kv_fp8  # noqa: E402
+from vt.torch import paged_attention as pa  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="runs the Triton kernels on the CPU only under "
+                                        "TRITON_INTERPRET=1")
+HEADS, KV_HEADS, HEAD_DIM, BS = 8, 2, 64, 16
+
+
+def rel_err(a, b):
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def case(dtype, device, lens, seed=0, scales=(0.5, 0.25)):
+    """A decode step over FP8 caches of random codes: (qkv, q, positions, cos, sin, k_cache,
+    v_cache, slot_mapping, block_tables, seq_lens, k_scale, v_scale); row n writes position
+    lens[n] - 1."""
+    g = torch.Generator().manual_seed(seed)
+    S, max_blocks = len(lens), 8
+    blocks = S * max_blocks + 2
+    ks, vs = (torch.tensor(s, device=device) for s in scales)
+    k = kv_fp8.quantize(torch.randn(blocks * BS, KV_HEADS, HEAD_DIM, generator=g), ks.cpu())
+    v = kv_fp8.quantize(torch.randn(blocks * BS, KV_HEADS, HEAD_DIM, generator=g), vs.cpu())
+    tables = torch.randperm(blocks, generator=g)[:S * max_blocks].view(S, max_blocks).int()
+    qkv = torch.randn(S, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(S, HEADS, HEAD_DIM, generator=g).to(dtype)
+    ang = torch.rand(max_blocks * BS, HEAD_DIM // 2, generator=g) * 6.28
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    slots = torch.tensor([int(tables[n, (L - 1) // BS]) * BS + (L - 1) % BS
+                          for n, L in enumerate(lens)])
+    pos = torch.tensor([L - 1 for L in lens])
+    lens_t = torch.tensor(lens, dtype=torch.int32)
+    return tuple(t.to(device) for t in (qkv, q, pos, cos, sin, k, v, slots, tables, lens_t,
+                                        ks, vs))
+
+
+def codes_differing(a, b) -> float:
+    return (a.cpu().view(torch.uint8) != b.cpu().view(torch.uint8)).float().mean().item()
+
+
+def check_kernels(dtype, device, tol, exact_codes):
+    from vt.torch import triton_attention, triton_fused
+    lens = [1, 17, 100, 128]
+    qkv, q, pos, cos, sin, k, v, slots, tables, lens_t, ks, vs = case(dtype, device, lens)
+    cpu = [t.cpu() for t in (qkv, q, pos, cos, sin, k, v, slots, tables, lens_t, ks, vs)]
+    args = dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM)
+    scales = dict(k_scale=ks, v_scale=vs)
+    cpu_scales = dict(k_scale=cpu[10], v_scale=cpu[11])
+
+    # the write: rope_and_cache's codes
+    kr, vr = cpu[5].clone(), cpu[6].clone()
+    q_ref = fused.rope_and_cache(cpu[0], cpu[2], cpu[3], cpu[4], kr, vr, cpu[7], **args,
+                                 **cpu_scales)
+    kt, vt = k.clone(), v.clone()
+    q_got = triton_fused.rope_and_cache(qkv, pos, cos, sin, kt, vt, slots, **args, **scales)
+    assert rel_err(q_got, q_ref) < tol
+    differ = codes_differing(kt, kr) + codes_differing(vt, vr)
+    assert differ == 0 if exact_codes else differ < 1e-3
+
+    # split decode attention over the codes
+    want = pa.paged_decode_attention(cpu[1], kr, vr, cpu[8], cpu[9], block_size=BS,
+                                     **cpu_scales)
+    for splits in (1, 3):
+        got = triton_attention.paged_decode(q, kt, vt, tables, lens_t, block_size=BS,
+                                            splits=splits, **scales)
+        assert got.dtype == dtype and rel_err(got, want) < tol
+
+    # the one kernel: RoPE, the write and decode attention
+    k1, v1 = k.clone(), v.clone()
+    got = triton_attention.rope_paged_decode(qkv, pos, cos, sin, k1, v1, slots, tables, lens_t,
+                                             **args, block_size=BS, splits=2, **scales)
+    want = pa.paged_decode_attention(q_ref, kr, vr, cpu[8], cpu[9], block_size=BS, **cpu_scales)
+    assert rel_err(got, want) < tol
+    differ = codes_differing(k1, kr) + codes_differing(v1, vr)
+    assert differ == 0 if exact_codes else differ < 1e-3
+
+    # varlen attention: chunks of 1, 17, 30 and 2 new tokens
+    qsl = torch.tensor([0, 1, 18, 48, 50], dtype=torch.int32)
+    qv = torch.randn(50, HEADS, HEAD_DIM, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = pa.paged_varlen_attention(qv, kr, vr, qsl, cpu[9], cpu[8], block_size=BS,
+                                     max_query_len=30, **cpu_scales)
+    got = triton_attention.paged_varlen(qv.to(device), kt, vt, qsl.to(device), lens_t, tables,
+                                        block_size=BS, max_query_len=30, **scales)
+    assert rel_err(got, want) < tol
+
+
+def check_write_rounding(device):
+    """The kernel's codes of values at e4m3's edges are torch's: ties to even (1.0625, 3 *
+    2^-10 between subnormals, 2^-10 half the smallest subnormal), a round up into the next
+    binade (1.9443 -> 2), the clamp (500, -1000), -0.0, subnormals, and random values."""
+    from vt.torch import triton_fused
+    edges = [1.0625, 1.1875, 3 * 2 ** -10, 2 ** -10, 1.9443, 500.0, -1000.0, -0.0, 0.0,
+             2 ** -8, -7 * 2 ** -9, 0.01, 240.0, 247.9, 248.0, 449.0]
+    heads, kvh, hd = 1, 1, 32
+    values = torch.randn(4 * hd, generator=torch.Generator().manual_seed(1)) * 4
+    values[:len(edges)] = torch.tensor(edges)
+    S = values.numel() // hd
+    qkv = torch.zeros(S, (heads + 2 * kvh) * hd, dtype=torch.float16)
+    qkv[:, 2 * hd:] = values.view(S, hd).half()
+    pos = torch.zeros(S, dtype=torch.int32)
+    cos, sin = torch.ones(4, hd), torch.zeros(4, hd)
+    slots = torch.arange(S, dtype=torch.int32)
+    one = torch.tensor(1.0)
+    kc, vc = (torch.zeros(S, kvh, hd, dtype=FP8, device=device) for _ in range(2))
+    to = dict(device=device)
+    triton_fused.rope_and_cache(qkv.to(**to), pos.to(**to), cos.to(**to), sin.to(**to), kc, vc,
+                                slots.to(**to), heads=heads, kv_heads=kvh, head_dim=hd,
+                                k_scale=one.to(**to), v_scale=one.to(**to))
+    want = kv_fp8.quantize(qkv[:, 2 * hd:].reshape(S, kvh, hd), one)
+    assert torch.equal(vc.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+@interpreted
+def test_the_kernel_write_rounds_as_torch_in_the_interpreter():
+    pytest.importorskip("triton", reason="the kernels need Triton")
+    check_write_rounding("cpu")
+
+
+@pytest.mark.gpu
+def test_the_kernel_write_rounds_as_torch_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    check_write_rounding("cuda")
+
+
+@interpreted
+def test_fp8_cache_kernels_in_the_interpreter():
+    pytest.importorskip("triton", reason="the kernels need Triton")
+    check_kernels(torch.float16, "cpu", 2e-3, exact_codes=True)
+
+
+@pytest.mark.gpu
+def test_fp8_cache_kernels_on_cuda():
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    check_kernels(torch.bfloat16, "cuda", 2e-2, exact_codes=False)
+
+
+@pytest.mark.gpu
+def test_an_fp8_kv_decoder_on_cuda_matches_the_cpu_reference():
+    """A tiny bf16 decoder with an FP8 KV cache: CUDA's greedy tokens (captured decode steps,
+    flat prompt steps, vt's kernels) equal the CPU reference's for prompts that give clear
+    winners, and its one-row logits are within 3e-2 of the CPU's."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    import dataclasses
+
+    from vt.backend import get_backend
+    from vt.torch.llama import LlamaDecoder
+
+    from _torch_util import GEO, TINY, eager_greedy, generate, prompts, step_model
+    cfg = dataclasses.replace(TINY, qk_norm=False, head_dim=32)
+    torch.manual_seed(0)
+    cpu = LlamaDecoder(cfg, GEO, dtype=torch.bfloat16, device="cpu", kv_cache_dtype="fp8")
+    with torch.no_grad():
+        for p in cpu.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 2.0 / p.shape[1] ** 0.5)
+    cuda = LlamaDecoder(cfg, GEO, dtype=torch.bfloat16, device="cuda", kv_cache_dtype="fp8")
+    cuda.load_state_dict(cpu.state_dict())
+    ps = prompts(3, seed=2, max_len=8)
+    expect = [eager_greedy(cpu, p, 5) for p in ps]
+    be = get_backend("cuda")
+    assert generate(be, step_model(be, cuda), "ring", ps, 5) == expect
