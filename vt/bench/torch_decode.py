@@ -69,6 +69,9 @@ def add_arguments(p) -> None:
                    choices=["dequantize", "scaled_mm"],
                    help="with --quantization fp8: what computes steps of more than 16 rows "
                         "on CUDA (default dequantize)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's element type (auto: the model dtype; fp8: e4m3 codes "
+                        "with a scale of 1.0 per layer's K and V; docs/torch.md)")
     from vt.bench import speculative_decode
     speculative_decode.add_arguments(p)
     p.add_argument("--json", default=None, help="also write the results here")
@@ -159,7 +162,13 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
     out["quantization"] = module.quantization
     out["weight_bytes"] = weight_bytes(module)
     out["dense_weight_bytes"] = weight_bytes(module, dense=True)
-    out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * dtype.itemsize
+    out["kv_cache_dtype"] = module.kv_cache_dtype
+    # K and V of every layer for one token, as the cache holds them (FP8: a byte an element)
+    # and in the module's dtype (the dense floor's)
+    out["kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * (
+        module.k_cache.element_size())
+    out["dense_kv_bytes_per_token"] = 2 * cfg.layers * cfg.kv_heads * cfg.head_dim * (
+        dtype.itemsize)
     out["embed_row_bytes"] = cfg.hidden * dtype.itemsize
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
     config = ExecutorConfig(mode=args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
@@ -240,13 +249,21 @@ def weight_bytes(module, dense: bool = False) -> int:
     return total
 
 
+def _fp8(r: dict) -> bool:
+    """FP8 weights or an FP8 KV cache: the run has a dense floor beside its own."""
+    return bool(r.get("quantization")) or r.get("kv_cache_dtype") == "fp8"
+
+
 def floor_s(r: dict, rows: int, live: int, dense: bool = False) -> float | None:
     """The decode step's floor in seconds (the module docstring); None without a copy rate.
-    dense: with the weights in the module's dtype (an FP8 run's bf16 floor)."""
+    dense: with the weights and the KV cache in the module's dtype (an FP8 run's bf16
+    floor)."""
     if not r.get("floor_Bps"):
         return None
     weights = r["dense_weight_bytes"] if dense else r["weight_bytes"]
-    read = weights + rows * (r["embed_row_bytes"] + live * r["kv_bytes_per_token"])
+    kv = r.get("dense_kv_bytes_per_token", r["kv_bytes_per_token"]) if dense else (
+        r["kv_bytes_per_token"])
+    read = weights + rows * (r["embed_row_bytes"] + live * kv)
     return read / r["floor_Bps"]
 
 
@@ -310,12 +327,12 @@ def format_table(r: dict) -> str:
                 f"{r['dense_weight_bytes'] / 1e9:.2f} GB in {r['dtype']})"
                 if r.get("quantization") else "")
              + f", KV {r['kv_bytes_per_token'] / 1024:.0f} KiB/token"
+             + (" (fp8 cache)" if r.get("kv_cache_dtype") == "fp8" else "")
              + (f", floor rate {rate / 1e12:.2f} TB/s (copy {r['copy_Bps'] / 1e12:.2f}, read "
                 f"{r['read_Bps'] / 1e12:.2f})" if rate else ", no floor on this backend"),
              f"{'S':>3} {'live':>5} {'vt ms':>8} {'floor ms':>8} {'/floor':>6} {'ceiling':>8} "
              f"{'vt/ceil':>7} {'loop ms':>8} {'loop/vt':>7} {'hf ms':>8} {'hf/vt':>6} "
-             f"{'static':>8} {'st/vt':>6}" + (f" {'dense fl':>8}" if r.get("quantization")
-                                                else "")]
+             f"{'static':>8} {'st/vt':>6}" + (f" {'dense fl':>8}" if _fp8(r) else "")]
     hf = {(c["rows"], c["live"], c.get("cache", "dynamic")): c["tpot_s"]
           for c in (r.get("hf") or {}).get("cells", [])}
     for c in r["cells"]:
@@ -330,14 +347,13 @@ def format_table(r: dict) -> str:
             + (f"{1e3 * loop:8.3f} {loop / vt:7.3f} " if loop else f"{'-':>8} {'-':>7} ")
             + (f"{1e3 * h:8.2f} {h / vt:6.2f} " if h else f"{'-':>8} {'-':>6} ")
             + (f"{1e3 * st:8.2f} {st / vt:6.2f}" if st else f"{'-':>8} {'-':>6}")
-            + (f" {1e3 * floor_s(r, S, live, dense=True):8.3f}"
-               if fl and r.get("quantization") else ""))
+            + (f" {1e3 * floor_s(r, S, live, dense=True):8.3f}" if fl and _fp8(r) else ""))
     hf_r = r.get("hf") or {}
     lines.append("vt/ceil: the captured graph's own time over vt's step (1.0: the host adds "
                  "nothing); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster); "
                  "hf: transformers generate, its dynamic cache (eager) and its static cache "
-                 "(compiled on a GPU); dense fl: an FP8 run's floor with its weights in the "
-                 "module's dtype (the bf16 floor)")
+                 "(compiled on a GPU); dense fl: an FP8 run's floor with its weights and KV "
+                 "cache in the module's dtype (the bf16 floor)")
     lines.append(f"hf: {hf_r.get('impl') or hf_r.get('error') or 'left out'}")
     return "\n".join(lines)
 

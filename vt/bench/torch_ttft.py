@@ -50,6 +50,9 @@ def add_arguments(p) -> None:
                    choices=["dequantize", "scaled_mm"],
                    help="with --quantization fp8: what computes steps of more than 16 rows "
                         "on CUDA (default dequantize)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's element type (auto: the model dtype; fp8: e4m3 codes "
+                        "with a scale of 1.0 per layer's K and V; docs/torch.md)")
     p.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -83,7 +86,8 @@ def run(args) -> dict:
     out = dict(common, mode=args.mode, kernels=args.kernels, linear=args.linear,
                prompt_kernels=args.prompt_kernels, conc=args.conc,
                prompt_len=args.prompt_len, context=args.context,
-               quantization=args.quantization, fp8_prompt_linear=args.fp8_prompt_linear)
+               quantization=args.quantization, fp8_prompt_linear=args.fp8_prompt_linear,
+               kv_cache_dtype=args.kv_cache_dtype)
     try:
         out["vt"] = _run_vt(be, cfg, dtype, args)
         out["params"] = out["vt"].pop("params")
@@ -286,7 +290,8 @@ def format_table(r: dict) -> str:
              f"on {r['device']} ({r['backend']}); vt mode {r['mode']}, prefill=flat, prompt "
              f"kernels {r.get('prompt_kernels', 'torch')}"
              + (f", {r['quantization']} weights (prompt linear {r['fp8_prompt_linear']})"
-                if r.get("quantization") else ""),
+                if r.get("quantization") else "")
+             + (", fp8 KV cache" if r.get("kv_cache_dtype") == "fp8" else ""),
              f"{'':44s} {'vt':>10s} {'peer':>10s} {'vt/peer':>8s} {'static':>10s} "
              f"{'vt/static':>9s}"]
     for label, mine, theirs in rows:

@@ -95,7 +95,8 @@ def tool_decoder(cfg, geometry, dtype, be, args, tool: str):
                             kernels=args.kernels, linear=args.linear,
                             prompt_kernels=args.prompt_kernels,
                             quantization=getattr(args, "quantization", None),
-                            fp8_prompt_linear=getattr(args, "fp8_prompt_linear", "dequantize"))
+                            fp8_prompt_linear=getattr(args, "fp8_prompt_linear", "dequantize"),
+                            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
     except ValueError as exc:
         raise SystemExit(f"{tool}: {exc}") from None
 

@@ -53,6 +53,10 @@ def add_model_arguments(p: argparse.ArgumentParser, *, preset: bool) -> None:
                    help="--model: FP8 (e4m3) projection weights, quantized per channel at "
                         "load from a bf16/fp32 checkpoint (an FP8 checkpoint is FP8 without "
                         "it; docs/torch.md)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="--model: the KV cache's element type (auto: --dtype's; fp8: e4m3 codes "
+                        "with a scale of 1.0 per layer's K and V, one byte an element; "
+                        "docs/torch.md)")
     p.add_argument("--seed", type=int, default=0, help="--preset: seed of the random weights")
     p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                    help="--model: shard it over N processes, one GPU each on cuda "
@@ -73,6 +77,9 @@ def check_model_arguments(args, who: str) -> None:
     if getattr(args, "quantization", None) and getattr(args, "preset", None):
         raise UsageError(f"{who}: --quantization needs --model: a bundled preset has no FP8 "
                          f"form")
+    if getattr(args, "kv_cache_dtype", "auto") != "auto" and getattr(args, "preset", None):
+        raise UsageError(f"{who}: --kv-cache-dtype needs --model: a bundled preset's KV cache "
+                         f"is its own")
     if args.max_concurrency is not None and args.max_concurrency > 1024:
         raise UsageError(f"{who}: --max-concurrency must be at most 1024, got {args.max_concurrency}")
     if not 0 < args.gpu_memory_utilization <= 1:
@@ -132,6 +139,7 @@ def open_served(args, who: str, out=None):
                                      tensor_parallel=args.tensor_parallel,
                                      gpu_memory_utilization=args.gpu_memory_utilization,
                                      quantization=getattr(args, "quantization", None),
+                                     kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                                      progress=log, token_table_rows=verify_table_rows(
                                          conc, conc, spec.k) if spec else None)
     except ValueError as e:

@@ -48,6 +48,16 @@ class KVCacheSize:
                 f"{_mib(self.nbytes)}): {self.why}")
 
 
+def kv_element_bytes(dtype_bytes: int, kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one cached K or V element: the model dtype's ("auto"), or 1 ("fp8": e4m3
+    codes; the per-layer scales are a few bytes in all)."""
+    if kv_cache_dtype == "fp8":
+        return 1
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} must be 'auto' or 'fp8'")
+    return dtype_bytes
+
+
 def kv_bytes_per_token(cfg, dtype_bytes: int, tensor_parallel: int = 1) -> int:
     """K and V of every layer for one token, on one rank (a vt.torch.llama.LlamaConfig)."""
     return 2 * cfg.layers * (cfg.kv_heads // tensor_parallel) * cfg.head_dim * dtype_bytes

@@ -57,7 +57,8 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                     name: str | None = None, wrap_forward=None, tensor_parallel: int = 1,
                     gpu_memory_utilization: float = kv_cache.DEFAULT_GPU_MEMORY_UTILIZATION,
                     progress=None, quantization: str | None = None,
-                    token_table_rows: int | None = None) -> ServedModel:
+                    token_table_rows: int | None = None,
+                    kv_cache_dtype: str = "auto") -> ServedModel:
     """The checkpoint at `path` on backend `be` (cuda: bfloat16 by default; sim: CPU float32).
     max_context None: the checkpoint's context (module docstring), at most
     DEFAULT_MAX_CONTEXT; more than the checkpoint's is a ValueError. kv_blocks None: sized
@@ -67,8 +68,10 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     Engine(..., tensor_parallel=N) takes, each rank loading its shard (docs/parallel.md);
     nothing is loaded here. progress: called with a vt.engine.progress.StartUpProgress of
     the phase "loading weights" (one piece per parameter), or None. quantization: None or
-    "fp8" (vt.torch.hf.load's; one process only). The KV cache is sized as for the
-    checkpoint's dtype (FP8 weights leave the difference unused). token_table_rows: the
+    "fp8" (vt.torch.hf.load's; one process only): the weights counted at their FP8 bytes
+    where the KV cache is sized from GPU memory. kv_cache_dtype: "auto" (the served dtype)
+    or "fp8" (e4m3, one byte an element, vt.torch.kv_fp8; one process only): the cache
+    sized at that many bytes a token. token_table_rows: the
     token table's entries (None: one a row and the scratch row; speculative decoding needs
     vt.forward.speculative.verify_table_rows)."""
     import torch
@@ -91,6 +94,11 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     if quantization is not None and tensor_parallel > 1:
         raise ValueError(f"quantization {quantization!r} runs in one process; tensor_parallel "
                          f"{tensor_parallel} is not implemented for it")
+    from vt.torch.kv_fp8 import check_kv_cache_dtype
+    kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype != "auto" and tensor_parallel > 1:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} runs in one process; "
+                         f"tensor_parallel {tensor_parallel} is not implemented for it")
     if tensor_parallel > 1:   # before the KV cache is sized per rank, and before any spawn
         from vt.torch.llama import check_tensor_parallel
         from vt.torch.tensor_parallel import TensorParallel
@@ -98,7 +106,8 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     size = checkpoint_kv_cache(be, cfg, torch_dtype, max_seqs=max_seqs, max_context=max_context,
                                block_size=block_size, kv_blocks=kv_blocks,
                                tensor_parallel=tensor_parallel,
-                               utilization=gpu_memory_utilization)
+                               utilization=gpu_memory_utilization, quantization=quantization,
+                               kv_cache_dtype=kv_cache_dtype)
     geo = geometry_for(max_seqs, max_context, block_size, size.num_kv_blocks)
     notes = (context_note, size.describe())
     if tensor_parallel > 1:
@@ -109,7 +118,7 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                            notes=notes)
     module = hf.load(path, geo, dtype=torch_dtype, device=torch_device(be),
                      progress=phase_reporter(progress, "loading weights"),
-                     quantization=quantization)
+                     quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     forward = module if wrap_forward is None else wrap_forward(module)
     table = None
     if token_table_rows is not None:
@@ -149,26 +158,24 @@ def checkpoint_context(cfg, max_position_embeddings: int | None,
 
 def checkpoint_kv_cache(be, cfg, torch_dtype, *, max_seqs: int, max_context: int,
                         block_size: int, kv_blocks: int | None, tensor_parallel: int,
-                        utilization: float) -> kv_cache.KVCacheSize:
+                        utilization: float, quantization: str | None = None,
+                        kv_cache_dtype: str = "auto") -> kv_cache.KVCacheSize:
     """The KV cache of a checkpoint of `cfg` (vt/serve/kv_cache.py): on cuda from the GPU
-    memory free now, less the weights and activations of one rank; on the sim
-    SIM_KV_CACHE_BYTES."""
+    memory free now, less the weights (checkpoint_weight_bytes) and activations of one rank;
+    on the sim SIM_KV_CACHE_BYTES. Each token's K and V at kv_cache_dtype's bytes."""
     import torch
 
     from vt.torch import torch_device
-    from vt.torch.hf import EMBED, hf_shapes
 
     elem, tp = torch_dtype.itemsize, tensor_parallel
-    per_token = kv_cache.kv_bytes_per_token(cfg, elem, tp)
+    per_token = kv_cache.kv_bytes_per_token(cfg, kv_cache.kv_element_bytes(elem, kv_cache_dtype),
+                                            tp)
     if be.name != "cuda":
         budget = kv_cache.SIM_KV_CACHE_BYTES
         why = f"the sim's budget of {budget / 2**20:,.0f} MiB"
     else:
         free, _ = torch.cuda.mem_get_info(torch_device(be))
-        shapes = hf_shapes(cfg)
-        total = sum(math.prod(s) for s in shapes.values())
-        embed = math.prod(shapes[EMBED])        # every rank holds the whole embedding
-        weights = (embed + (total - embed) // tp) * elem
+        weights = checkpoint_weight_bytes(cfg, elem, tp, quantization)
         # The engine's default prompt budget for this decoder (chunked): max_context tokens.
         activations = kv_cache.prefill_activation_bytes(cfg, max_context, elem, tp)
         budget = kv_cache.kv_budget_bytes(free_bytes=free, utilization=utilization,
@@ -179,6 +186,28 @@ def checkpoint_kv_cache(be, cfg, torch_dtype, *, max_seqs: int, max_context: int
     return kv_cache.size_kv_cache(bytes_per_token=per_token, block_size=block_size,
                                   max_seqs=max_seqs, max_context=max_context,
                                   budget_bytes=budget, budget_why=why, kv_blocks=kv_blocks)
+
+
+def checkpoint_weight_bytes(cfg, elem: int, tensor_parallel: int = 1,
+                            quantization: str | None = None) -> int:
+    """The bytes of one rank's weights of a checkpoint of `cfg` at `elem` bytes an element:
+    every rank holds the whole embedding, a 1/tensor_parallel share of the rest. With
+    quantization "fp8" the projections are as LlamaDecoder holds them: one byte a weight and
+    a float32 scale per output channel (a checkpoint's 128 x 128 block scales are fewer)."""
+    from vt.torch.hf import EMBED, PROJECTIONS, hf_shapes
+
+    shapes = hf_shapes(cfg)
+    embed = math.prod(shapes[EMBED])
+    total = 0
+    for name, shape in shapes.items():
+        if name == EMBED:
+            continue
+        projection = name.endswith(".weight") and name.split(".")[-2] in PROJECTIONS
+        if quantization == "fp8" and projection:
+            total += math.prod(shape) + 4 * shape[0]
+        else:
+            total += math.prod(shape) * elem
+    return embed * elem + total // tensor_parallel
 
 
 def checkpoint_shard(path: str, geometry: KVGeometry, dtype: str, be, tp):

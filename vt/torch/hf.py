@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 from vt.step import KVGeometry
-from vt.torch import fp8
+from vt.torch import fp8, kv_fp8
 from vt.torch.hfconfig import FAMILIES, config_from_hf, read_config  # noqa: F401 (re-exported)
 from vt.torch.llama import LlamaConfig, LlamaDecoder, shard_state_dict
 from vt.torch.tensor_parallel import TensorParallel
@@ -46,7 +46,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
          tp: TensorParallel | None = None, progress=None, quantization: str | None = None,
-         fp8_prompt_linear: str = "dequantize") -> LlamaDecoder:
+         fp8_prompt_linear: str = "dequantize", kv_cache_dtype: str = "auto") -> LlamaDecoder:
     """A LlamaDecoder with the checkpoint's weights, its KV cache sized for `geometry`.
     device: where its tensors go; by default the device of the backend vt.backend.get_backend()
     picks here (cuda when a GPU is usable, else cpu: the sim's). tp: rank tp.rank's shard
@@ -54,10 +54,16 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
     whole on the host and sliced there, one at a time (module docstring), so a rank needs
     device memory for its shard only. progress(done, total, name): called before the first
     parameter is read and after each (a fused parameter counts once), or None.
-    quantization: None, or "fp8" (module docstring); fp8_prompt_linear: LlamaDecoder's."""
+    quantization: None, or "fp8" (module docstring); fp8_prompt_linear: LlamaDecoder's.
+    kv_cache_dtype: LlamaDecoder's ("auto" or "fp8": an e4m3 KV cache with scales of 1.0,
+    vt.torch.kv_fp8); "fp8" refuses a checkpoint whose quantization_config has a
+    kv_cache_scheme, whose calibrated KV scales vt does not read."""
     path = Path(path)
     cfg = read_config(path)
     quantization = fp8.check_quantization(quantization)
+    kv_cache_dtype = kv_fp8.check_kv_cache_dtype(kv_cache_dtype)
+    if kv_cache_dtype == "fp8":
+        _refuse_kv_cache_scheme(path)
     scheme = _checkpoint_scheme(path)   # None: a dense checkpoint
     files = _read_safetensors(path)
     if cfg.tie_embeddings and HEAD in files:
@@ -72,7 +78,7 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
         quantization="fp8", fp8_scales="block" if scheme == "block" else "channel",
         fp8_prompt_linear=fp8_prompt_linear)
     model = LlamaDecoder(cfg, geometry, dtype=dtype, device=default_device() if device is None
-                         else device, tp=tp, **fp8_args)
+                         else device, tp=tp, kv_cache_dtype=kv_cache_dtype, **fp8_args)
     params = model.state_dict()
     if set(readers) != set(params):   # a bug here, not in the checkpoint: say both sides
         raise RuntimeError(f"vt.torch.hf: the names read {sorted(set(readers) - set(params))} "
@@ -90,6 +96,15 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
             if progress is not None:
                 progress(done, len(readers), name)
     return model
+
+
+def _refuse_kv_cache_scheme(path: Path) -> None:
+    where = path / "config.json"
+    qc = json.loads(where.read_text()).get("quantization_config") or {}
+    if qc.get("kv_cache_scheme"):
+        raise ValueError(f"{where}: quantization_config has a kv_cache_scheme (calibrated KV "
+                         f"scales), which vt does not read; kv_cache_dtype='fp8' runs with "
+                         f"scales of 1.0 only")
 
 
 def _checkpoint_scheme(path: Path) -> str | None:

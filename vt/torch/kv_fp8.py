@@ -18,8 +18,8 @@ KV scales: e4m3 holds magnitudes up to 448 with 3 mantissa bits (a relative roun
 at most 2^-4), and below 2^-6 loses precision (subnormals to 2^-9). With scale 1.0 (or any
 power of two) the read is exact in bf16 (e4m3's values are bf16 values), so an FP8-KV decoder
 is bit for bit a bf16-KV decoder whose cache holds the dequantized codes. Checkpoint KV scales
-(compressed-tensors' kv_cache_scheme) are not read: such a checkpoint is refused by
-vt.torch.hf.load rather than run with scales it did not mean.
+(compressed-tensors' kv_cache_scheme) are not read: vt.torch.hf.load refuses such a checkpoint
+with kv_cache_dtype="fp8" rather than run it with scales it did not mean.
 """
 from __future__ import annotations
 
