@@ -133,6 +133,9 @@ class TokenBuffer:
         self.stored_t = tag.t + 1
         for req, reason in ended:
             self.finish(req, reason)
+        for req in tag.leaving:   # the batch's length schedule, an upper bound: ended already
+            if not req.finished:
+                self.finish(req, "length")
         return [req for req, _ in ended]
 
     def _error_rows(self, tag, tokens) -> list[Request]:
