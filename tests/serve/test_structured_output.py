@@ -141,6 +141,21 @@ def test_ignore_eos_goes_on_unconstrained_after_the_value(clients):
     assert valid(value)
 
 
+def test_the_bench_client_streams_schema_requests(clients):
+    """vt bench --workload serve --url ... --request-fields '{"response_format": ...}': its
+    client's streamed requests make every token they ask for, the output the schema's value."""
+    from vt.bench.serve_http import CompletionClient
+    _, url, served = clients
+    bench = CompletionClient(url, "tiny", timeout_s=60)
+    try:
+        out = bench.stream([1, 5, 9], 48, fields={"response_format": RESPONSE_FORMAT})
+    finally:
+        bench.close()
+    assert len(out.token_ids) == 48
+    value, _ = json.JSONDecoder().raw_decode(served.text.decode(out.token_ids))
+    assert valid(value)
+
+
 def _call_of(name: str, arguments: str) -> bool:
     key, allowed = ARGUMENTS[name]
     return json.loads(arguments) in ({key: v} for v in allowed)
@@ -195,6 +210,7 @@ def test_what_does_not_compile_or_conflicts_is_refused_by_name(clients, extra, p
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and "\n" not in err["message"], err
+    assert "unknown field" not in err["message"] and "not supported" not in err["message"], err
 
 
 def test_a_token_outside_the_grammar_ends_the_request_in_an_error():
