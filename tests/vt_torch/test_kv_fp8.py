@@ -112,18 +112,18 @@ def test_the_kv_write_stores_the_codes_of_what_a_cache_in_the_models_dtype_store
     assert torch.equal(got, want)
 
 
-def _position_logits(module, prompt):
+def position_logits(module, prompt):
     """Logits [len(prompt), vocab] of the module called one position at a time (decode steps)
     for one sequence."""
-    dev, g = torch.device("cpu"), module.geometry
-    table = torch.zeros(g.max_seqs + 1, dtype=torch.int32)
-    blocks = torch.arange(1, g.max_blocks + 1, dtype=torch.int32)[None]
+    dev, g = module.k_cache.device, module.geometry
+    table = torch.zeros(g.max_seqs + 1, dtype=torch.int32, device=dev)
+    blocks = torch.arange(1, g.max_blocks + 1, dtype=torch.int32, device=dev)[None]
     out = []
     for p, tok in enumerate(prompt):
         table[0] = tok
         i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)   # noqa: E731
         slot = int(blocks[0, p // g.block_size]) * g.block_size + p % g.block_size
-        logits = torch.empty(1, module.cfg.vocab)
+        logits = torch.empty(1, module.cfg.vocab, device=dev)
         module(TorchInputs.decode(table, i32(0), i32(p), i32(p + 1), i32(slot), blocks, i32(0)),
                logits)
         out.append(logits[0])
@@ -142,8 +142,8 @@ def test_fp8_kv_logits_are_near_the_model_dtype_caches(name):
     cfg = CONFIGS[name]
     prompt = prompts(1, seed=7, max_len=20)[0] + prompts(1, seed=8, max_len=20)[0]
     prompt = (prompt * 4)[:20]
-    ref = _position_logits(decoder(cfg, "auto"), prompt)
-    got = _position_logits(decoder(cfg, "fp8"), prompt)
+    ref = position_logits(decoder(cfg, "auto"), prompt)
+    got = position_logits(decoder(cfg, "fp8"), prompt)
     err = ((got - ref).norm() / ref.norm()).item()
     assert 0 < err < FP8_KV_LOGITS_RTOL, err   # > 0: the cache did hold FP8 codes
 

@@ -25,6 +25,10 @@ custom ops, plain torch over each row's live tokens (a sim capture records each 
 which reads seq_lens when it is replayed), so CI tests the same semantics; with invariant=True
 they compute every prompt token as they compute a decode row. Triton is imported only when a
 CUDA tensor arrives: the module imports without it.
+
+Each function also reads an FP8 cache (float8_e4m3fn codes with a float32 k_scale and v_scale
+of one element each, vt.torch.kv_fp8): every key and value it loads is code * scale rounded to
+q's dtype, on the CPU and in the Triton kernels alike; not with invariant=True.
 """
 from __future__ import annotations
 
