@@ -139,6 +139,41 @@ def test_the_kernel_write_rounds_as_torch_on_cuda():
     check_write_rounding("cuda")
 
 
+def _compile_sm90(fn, pointers: dict, constexprs: dict) -> str:
+    """fn compiled for sm_90 (no GPU needed: Triton's bundled ptxas), its PTX: the pointers
+    as typed, strides int32, `scale` float32, every other argument a constexpr."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sig = {n: pointers.get(n, "fp32" if n == "scale" else "i32" if n.startswith("stride")
+                           else "constexpr") for n in fn.arg_names}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def test_the_fp8_cache_kernels_compile_for_sm_90():
+    """Every kernel that writes or reads an FP8 cache compiles for an H100 at the 8B shape
+    (bf16, 32 heads, 8 KV heads of 128), the write's division correctly rounded (div.rn) and
+    its e4m3 cast the hardware's round-to-nearest one. Needs Triton (not a GPU)."""
+    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
+    from vt.torch import triton_attention as ta
+    from vt.torch import triton_fused as tf
+    cache = dict(K="*fp8e4nv", V="*fp8e4nv", KC="*fp8e4nv", VC="*fp8e4nv", K_SCALE="*fp32",
+                 V_SCALE="*fp32", BT="*i32", LENS="*i32", ACC="*fp32", STATS="*fp32",
+                 QKV="*bf16", Q="*bf16", QOUT="*bf16", OUT="*bf16", POS="*i32", COS="*fp32",
+                 SIN="*fp32", SLOT="*i64", QSL="*i32")
+    split = dict(BLOCK_N=32, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True)
+    ptx = _compile_sm90(tf._rope_and_cache, cache, dict(HEADS=32, KV_HEADS=8, HALF=64,
+                                                        FP8_KV=True, PDL=False))
+    assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    _compile_sm90(ta._split, cache, dict(split, GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=8,
+                                         PDL=False))
+    ptx = _compile_sm90(ta._rope_split, cache, dict(split, HEADS=32, KV_HEADS=8, GROUP=4,
+                                                    BLOCK_H=16, HALF=64, SPLITS=8, PDL=False))
+    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    _compile_sm90(ta._varlen, cache, dict(split, GROUP=4, BLOCK_G=4, BLOCK_M=16, HEAD_DIM=128))
+
+
 @interpreted
 def test_fp8_cache_kernels_in_the_interpreter():
     pytest.importorskip("triton", reason="the kernels need Triton")
