@@ -183,6 +183,20 @@ def test_the_prompt_and_decode_paths_agree_and_captured_steps_give_the_eager_tok
     assert generate(sim_backend, step_model(sim_backend, module), "ring", ps, 5) == expect
 
 
+def test_fp8_weights_and_an_fp8_kv_cache_together_serve_the_eager_tokens(sim_backend):
+    """quantization="fp8" with kv_cache_dtype="fp8": FP8 projections and an FP8 cache, and
+    ring mode's captured steps on the sim give the module's eager greedy tokens."""
+    from vt.torch.llama import quantize_weights_
+    dense = decoder(CONFIGS["llama"], "auto", seed=4)
+    module = LlamaDecoder(CONFIGS["llama"], GEO, dtype=torch.float32, device="cpu",
+                          quantization="fp8", kv_cache_dtype="fp8")
+    quantize_weights_(module, dense.state_dict())
+    assert module.k_cache.dtype == FP8 and module.layers[0].attn.qkv.qweight.dtype == FP8
+    ps = prompts(3, seed=6, max_len=10)
+    expect = [eager_greedy(module, p, 5) for p in ps]
+    assert generate(sim_backend, step_model(sim_backend, module), "ring", ps, 5) == expect
+
+
 def test_the_kv_cache_dtype_is_checked_in_one_line():
     cfg = CONFIGS["llama"]
     cases = [(dict(kv_cache_dtype="fp16"), "kv_cache_dtype='fp16' must be one of"),

@@ -271,7 +271,7 @@ class LlamaDecoder(nn.Module):
                     quantized_linears(layer, dtype, per_block=fp8_scales == "block")
             if self.kv_cache_dtype == "fp8":   # after .to(dtype), which would cast scales
                 for layer in self.layers:
-                    fp8_kv_scales(layer.attn)
+                    fp8_kv_scales(layer.attn, device)
             self.norm = RMSNorm(cfg.hidden, cfg.rms_eps).to(dtype)
             self.lm_head = None if cfg.tie_embeddings else nn.Linear(
                 cfg.hidden, self.vocab_shard, bias=False, **factory)
@@ -405,10 +405,9 @@ def quantized_linears(layer: Layer, dtype: torch.dtype, *, per_block: bool) -> N
         setattr(parent, name, new)
 
 
-def fp8_kv_scales(attn: Attention) -> None:
+def fp8_kv_scales(attn: Attention, device) -> None:
     """An FP8 KV cache's scales of one layer: K's and V's, float32 scalars of
-    vt.torch.kv_fp8.DEFAULT_SCALE (that module says why that value)."""
-    device = attn.qkv.weight.device
+    vt.torch.kv_fp8.DEFAULT_SCALE (that module says why that value), on `device`."""
     attn.k_scale = torch.tensor(kv_fp8.DEFAULT_SCALE, dtype=torch.float32, device=device)
     attn.v_scale = torch.tensor(kv_fp8.DEFAULT_SCALE, dtype=torch.float32, device=device)
 
