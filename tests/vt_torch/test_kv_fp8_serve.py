@@ -25,11 +25,14 @@ def checkpoint(tmp_path_factory):
     return tiny_checkpoint.build(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
-def test_load_checkpoint_serves_an_fp8_kv_cache(sim_backend, checkpoint):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_load_checkpoint_serves_an_fp8_kv_cache(sim_backend, checkpoint, quantization):
     loaded = []
     served = load_checkpoint(sim_backend, checkpoint, max_seqs=2, max_context=64,
-                             kv_cache_dtype="fp8", wrap_forward=lambda m: loaded.append(m) or m)
+                             kv_cache_dtype="fp8", quantization=quantization,
+                             wrap_forward=lambda m: loaded.append(m) or m)
     module, = loaded
+    assert module.quantization == quantization
     assert module.kv_cache_dtype == "fp8" and module.k_cache.dtype == torch.float8_e4m3fn
     assert module.layers[0].attn.v_scale.item() == 1.0
     assert served.geometry.num_kv_blocks == module.k_cache.shape[1] // 16
