@@ -15,13 +15,13 @@ torch._dynamo at the first call, about a second, and cost 12 against 4 us a call
     vt::paged_decode_attention   one query token per row (a decode step)
     vt::paged_varlen_attention   a flattened step's prompt chunks and decode rows
 
-Both take an FP8 cache (float8_e4m3fn, with its k_scale and v_scale; vt.torch.kv_fp8) and
-read each gathered row as the Triton kernels do: code * scale in float32, rounded to the
-query's dtype, then widened. Both compute a query token with attend_token: its heads against exactly its visible keys,
-the first `position + 1` of its sequence, in float32. A decode row is one call of it; a prompt
-chunk is one batched product per sequence by default (fast), and with invariant=True one call
-per token, so a token's bits are those of the same token as a decode row, alone or in any
-batch, whatever chunk it sits in (chunk bounds follow the other requests).
+Both take an FP8 cache (float8_e4m3fn, with its k_scale and v_scale; vt.torch.kv_fp8) and read
+each gathered row as the Triton kernels do: code * scale in float32, rounded to the query's
+dtype, then widened. Both compute a query token with attend_token: its heads against exactly
+its visible keys, the first `position + 1` of its sequence, in float32. A decode row is one
+call of it; a prompt chunk is one batched product per sequence by default (fast), and with
+invariant=True one call per token, so a token's bits are those of the same token as a decode
+row, alone or in any batch, whatever chunk it sits in (chunk bounds follow the other requests).
 
 Batch invariance (LlamaDecoder(batch_invariant=True) on the CPU): F.linear of one row runs a
 matrix-vector product and of several rows a matrix product, which sum in different orders

@@ -92,7 +92,8 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         return out
     _rope_split[(S, kv_heads, splits)](
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        acc, stats, *kv_scale_args(k_cache, k_scale, v_scale), qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+        acc, stats, *kv_scale_args(k_cache, k_scale, v_scale), qkv.stride(0), cos.stride(0),
+        k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), 1.0 / head_dim ** 0.5,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
@@ -154,7 +155,8 @@ def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *
     grid = (B, triton.cdiv(max_query_len, block_m), kv_heads)
     _varlen[grid](
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, out,
-        *kv_scale_args(k_cache, k_scale, v_scale), q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        *kv_scale_args(k_cache, k_scale, v_scale), q.stride(0), q.stride(1), k_cache.stride(0),
+        k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), 1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=head_dim, BLOCK_N=BLOCK_N,
@@ -164,8 +166,8 @@ def paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, *
 
 
 @triton.jit
-def _varlen(Q, K, V, QSL, LENS, BT, OUT, K_SCALE, V_SCALE, stride_qt, stride_qh, stride_kt, stride_kh,
-            stride_vt, stride_vh, stride_bt, stride_ot, stride_oh, scale,
+def _varlen(Q, K, V, QSL, LENS, BT, OUT, K_SCALE, V_SCALE, stride_qt, stride_qh, stride_kt,
+            stride_kh, stride_vt, stride_vh, stride_bt, stride_ot, stride_oh, scale,
             GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
             PRECISION: tl.constexpr, FP8_KV: tl.constexpr):
@@ -207,8 +209,9 @@ def _varlen(Q, K, V, QSL, LENS, BT, OUT, K_SCALE, V_SCALE, stride_qt, stride_qh,
 
 
 @triton.jit
-def _split(Q, K, V, BT, LENS, ACC, STATS, K_SCALE, V_SCALE, stride_qs, stride_qh, stride_kt, stride_kh,
-           stride_vt, stride_vh, stride_bt, scale, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+def _split(Q, K, V, BT, LENS, ACC, STATS, K_SCALE, V_SCALE, stride_qs, stride_qh, stride_kt,
+           stride_kh, stride_vt, stride_vh, stride_bt, scale, GROUP: tl.constexpr,
+           BLOCK_H: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
            SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
            PDL: tl.constexpr):
