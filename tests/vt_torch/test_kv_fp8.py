@@ -130,6 +130,27 @@ def position_logits(module, prompt):
     return torch.stack(out)
 
 
+@pytest.mark.parametrize("name", CONFIGS)
+def test_the_fp8_decoder_is_a_float32_cache_decoder_holding_the_dequantized_values(
+        name, monkeypatch):
+    """Bit for bit: the FP8-KV decoder's logits equal those of the same decoder with a float32
+    cache into which each key and value is written as its e4m3 code's value (scale 1.0),
+    every KV write path included (the torch write, rope_and_cache, the one-row call)."""
+    cfg = CONFIGS[name]
+    prompt = (prompts(1, seed=9, max_len=20)[0] * 20)[:12]
+    fp8 = decoder(cfg, "fp8")
+    ref = decoder(cfg, "auto")
+    ref.load_state_dict(fp8.state_dict())
+    got = position_logits(fp8, prompt)
+    one = torch.tensor(1.0)
+
+    def write_dequantized(cache, slots, x, scale):
+        assert scale is None and cache.dtype == torch.float32   # the reference's cache
+        cache.index_copy_(0, slots, kv_fp8.dequantize(kv_fp8.quantize(x, one), one, x.dtype))
+    monkeypatch.setattr(kv_fp8, "write", write_dequantized)
+    assert torch.equal(got, position_logits(ref, prompt))
+
+
 # Relative Frobenius error of the logits, FP8 against the model's-dtype cache, over 20
 # positions of this tiny random model (float32): measured 0.064 (qwen3), 0.094 (llama),
 # 0.107 (llama-hd32). e4m3 rounds each K and V element by up to 2^-4 relative, and the
