@@ -66,3 +66,19 @@ def test_the_base_class_defaults(sim_backend):
 def test_engine_refuses_what_is_not_a_step_model(sim_backend):
     with pytest.raises(TypeError, match="vt.ForwardModel"):
         as_step_model(sim_backend, ToyForward(sim_backend))
+
+
+def test_every_step_class_declares_the_sampler_row_vectors_once():
+    """DecodeRows, DecodeInputs and PrefillInputs carry exactly the sampler's per-row vectors,
+    keyword-only after their own positional fields."""
+    import dataclasses
+
+    from vt.bundled.inputs import PrefillInputs
+    from vt.sampling import ROW_VECTORS
+    from vt.step.contract import SAMPLING_FIELDS, DecodeInputs, DecodeRows, RowSampling
+
+    assert SAMPLING_FIELDS == tuple(ROW_VECTORS)
+    for cls in (DecodeRows, DecodeInputs, PrefillInputs):
+        assert issubclass(cls, RowSampling)
+        kw = [f.name for f in dataclasses.fields(cls) if f.kw_only]
+        assert tuple(kw) == SAMPLING_FIELDS, cls.__name__

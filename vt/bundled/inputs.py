@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 
 # One definition of the decode inputs for the driver and every forward (the bundled model is one).
-from vt.step.contract import FIELDS, GREEDY, DecodeInputs, SamplingParams, kv_slot, row_vectors
+from vt.step.contract import (FIELDS, GREEDY, DecodeInputs, RowSampling, SamplingParams, kv_slot,
+                              row_vectors)
 
 
 def _sampling_vectors(sampling: SamplingParams, n: int) -> dict:
@@ -38,11 +39,11 @@ def upload_decode_inputs(be, stream, *, sampling: SamplingParams = GREEDY, **hos
     host = {**_sampling_vectors(sampling, len(host["token_rows"])), **host}
     d = _upload(be, stream, {f: host[f] for f in FIELDS})
     stream.synchronize()
-    return DecodeInputs(*(d[f] for f in FIELDS))
+    return DecodeInputs(**{f: d[f] for f in FIELDS})
 
 
 @dataclass
-class PrefillInputs:
+class PrefillInputs(RowSampling):
     """Segments of B sequences, concatenated into T tokens: a whole prompt from position 0, or
     a chunk from a later position (the positions before it already in the KV cache and GDN
     state; build() makes whole prompts only).
@@ -50,7 +51,8 @@ class PrefillInputs:
     Per token: token_ids, positions, slot_mapping, ctx_lens (= position + 1: the prefix it
     attends to, read from the cache, earlier chunks and this step's writes alike), token_seq
     (its sequence b). Per sequence: cu_seqlens[B+1], last_idx[B] (its last token),
-    last_positions[B], token_rows[B], state_idx[B], block_tables[B, max_blocks]. Every bound
+    last_positions[B], token_rows[B], state_idx[B], block_tables[B, max_blocks], and each
+    sequence's sampling (the RowSampling vectors, [B]). Every bound
     the kernels use is read per token on the device (ctx_lens), none from the host.
     """
 
@@ -65,16 +67,6 @@ class PrefillInputs:
     token_rows: object
     state_idx: object
     block_tables: object
-    temperature: object = None   # [B] f32, top_k [B] i32, top_p, min_p [B] f32, seed [B] u64,
-    top_k: object = None         # logprobs [B] i32: each sequence's sampling
-    top_p: object = None
-    min_p: object = None
-    seed: object = None
-    logprobs: object = None
-    penalized: object = None
-    presence_penalty: object = None
-    frequency_penalty: object = None
-    repetition_penalty: object = None
 
     @property
     def batch(self) -> int:

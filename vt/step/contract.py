@@ -105,8 +105,26 @@ SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs",
 FIELDS = FORWARD_FIELDS + SAMPLING_FIELDS
 
 
+@dataclass(kw_only=True)
+class RowSampling:
+    """Each row's sampling as per-row vectors (SAMPLING_FIELDS), the fields DecodeRows (numpy),
+    DecodeInputs and the bundled PrefillInputs (device arrays) share. Keyword-only, so each
+    class's own fields stay first and positional. None: the field is unused (temperature None:
+    every row greedy; logprobs or penalized None: none for any row)."""
+    temperature: object = None          # [n] f32
+    top_k: object = None                # [n] int32, 0: all
+    top_p: object = None                # [n] f32
+    min_p: object = None                # [n] f32
+    seed: object = None                 # [n] uint64
+    logprobs: object = None             # [n] int32, -1: none
+    penalized: object = None            # [n] int32, 0: no penalty or bias
+    presence_penalty: object = None     # [n] f32
+    frequency_penalty: object = None    # [n] f32
+    repetition_penalty: object = None   # [n] f32
+
+
 @dataclass
-class DecodeInputs:
+class DecodeInputs(RowSampling):
     """One decode step of S rows, as a forward and the sampler read it (device arrays).
 
     token_rows[S]: row of the token table (= the sequence slot) holding the input token;
@@ -124,16 +142,6 @@ class DecodeInputs:
     slot_mapping: object
     block_tables: object
     state_idx: object
-    temperature: object = None
-    top_k: object = None
-    top_p: object = None
-    min_p: object = None
-    seed: object = None
-    logprobs: object = None
-    penalized: object = None
-    presence_penalty: object = None
-    frequency_penalty: object = None
-    repetition_penalty: object = None
 
     @property
     def batch(self) -> int:
@@ -146,12 +154,12 @@ class DecodeInputs:
 
     def rows(self, start: int, stop: int) -> "DecodeInputs":
         """A view of rows [start, stop) (a forward may treat it like a whole batch)."""
-        return DecodeInputs(*(None if getattr(self, f) is None else getattr(self, f)[start:stop]
-                              for f in FIELDS))
+        return DecodeInputs(**{f: None if getattr(self, f) is None else getattr(self, f)[start:stop]
+                               for f in FIELDS})
 
 
 @dataclass
-class DecodeRows:
+class DecodeRows(RowSampling):
     """The real rows of one step, on the host (numpy), before padding: views into the
     engine's persistent batch, so building one copies nothing."""
     token_rows: np.ndarray    # [n] int32
@@ -160,16 +168,6 @@ class DecodeRows:
     slot_mapping: np.ndarray  # [n] int32
     block_tables: np.ndarray  # [n, max_blocks] int32
     state_idx: np.ndarray     # [n] int32
-    temperature: np.ndarray | None = None   # [n] f32 (None: greedy, and the rest unused)
-    top_k: np.ndarray | None = None         # [n] int32, 0: all
-    top_p: np.ndarray | None = None         # [n] f32
-    min_p: np.ndarray | None = None         # [n] f32
-    seed: np.ndarray | None = None          # [n] uint64
-    logprobs: np.ndarray | None = None      # [n] int32, -1: none (None: none for every row)
-    penalized: np.ndarray | None = None     # [n] int32, 0: none (None: none for every row)
-    presence_penalty: np.ndarray | None = None     # [n] f32
-    frequency_penalty: np.ndarray | None = None    # [n] f32
-    repetition_penalty: np.ndarray | None = None   # [n] f32
 
     def __len__(self):
         return len(self.token_rows)
