@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import queue
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -227,46 +224,22 @@ def through_http(args, path: Path, work: dict, warm: list, conc: int, vocab: int
 def start_server(args, path: Path, conc: int) -> tuple[subprocess.Popen, str]:
     """`python3 -m vt serve` on 127.0.0.1, a free port; (process, URL) once it prints that it
     listens. Its stderr (loading, capturing) passes through."""
-    from vt.bench.errors import CommandFailed
-    cmd = [sys.executable, "-m", "vt", "serve", "--model", str(path), "--backend", args.backend,
-           "--mode", args.mode, "--max-concurrency", str(conc),
-           "--max-context", str(args.max_context), "--block-size", str(args.block_size),
-           # Poisson arrivals may all be in the server at once: none may get a 429.
-           "--max-queued", str(max(256, args.requests)), "--shutdown-timeout", "10",
-           "--host", "127.0.0.1", "--port", "0"]
+    from vt.bench.serve_http import spawn_vt_serve
+    flags = ["--model", str(path), "--backend", args.backend, "--mode", args.mode,
+             "--max-concurrency", str(conc), "--max-context", str(args.max_context),
+             "--block-size", str(args.block_size),
+             # Poisson arrivals may all be in the server at once: none may get a 429.
+             "--max-queued", str(max(256, args.requests)), "--shutdown-timeout", "10"]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                                     os.environ.get("PYTHONPATH")])))
-    log(f"serve_http_ab: starting {' '.join(cmd[1:])}")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            if proc.poll() is not None:
-                raise CommandFailed(f"serve_http_ab: vt serve exited {proc.returncode} before "
-                                    f"it listened (its stderr is above)") from None
-            continue
-        if "listening on " in line:
-            return proc, line.rsplit("listening on ", 1)[1].strip()
-    proc.kill()
-    proc.wait(STOP_TIMEOUT_S)
-    raise CommandFailed(f"serve_http_ab: vt serve did not listen within {args.start_timeout:g} s")
+    log(f"serve_http_ab: starting -m vt serve {' '.join(flags)}")
+    return spawn_vt_serve(flags, args.start_timeout, env=env, cwd=ROOT)
 
 
 def stop_server(proc: subprocess.Popen) -> int:
     """SIGINT, then its exit code; killed (and -9) past STOP_TIMEOUT_S."""
-    if proc.poll() is not None:
-        return proc.returncode
-    proc.send_signal(signal.SIGINT)
-    try:
-        return proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(STOP_TIMEOUT_S)
-        return -9
+    from vt.bench.serve_http import stop_vt_serve
+    return stop_vt_serve(proc, STOP_TIMEOUT_S)
 
 
 def ab_rows(cells: list[dict]) -> list[dict]:

@@ -4,49 +4,33 @@ stalls the device, a token that makes the step fail). Every wait is bounded."""
 from __future__ import annotations
 
 import os
-import queue
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import httpx
 
+from vt.bench.serve_http import spawn_vt_serve, stop_vt_serve
+
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 120.0
 
 
 def spawn_server(args: list[str]) -> tuple[subprocess.Popen, str]:
-    """`python -m vt serve ARGS --host 127.0.0.1 --port 0`; (process, base URL) once it listens."""
+    """`python -m vt serve ARGS --host 127.0.0.1 --port 0`; (process, base URL) once it listens.
+    Its stderr is proc.stderr, for the test to read."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "vt", "serve", *args, "--host", "127.0.0.1",
-                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(l) for l in proc.stdout], daemon=True).start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        try:
-            line = lines.get(timeout=0.5)
-        except queue.Empty:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vt serve exited {proc.returncode}: {proc.stderr.read()}")
-            continue
-        if "listening on " in line:
-            return proc, line.rsplit("listening on ", 1)[1].strip()
-    proc.kill()
-    raise RuntimeError(f"vt serve did not listen within {START_TIMEOUT_S} s")
+    return spawn_vt_serve(args, START_TIMEOUT_S, env=env, cwd=ROOT, capture_stderr=True)
 
 
 def stop_server(proc: subprocess.Popen, sig, timeout_s: float = 30.0) -> int:
-    proc.send_signal(sig)
-    try:
-        return proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-        raise
+    """Send `sig`; its exit code. One that does not exit within timeout_s is killed and fails
+    the test."""
+    rc = stop_vt_serve(proc, timeout_s, sig)
+    if rc == -9:
+        raise AssertionError(f"vt serve did not exit within {timeout_s:g} s of {sig!r}")
+    return rc
 
 
 class Valve:

@@ -382,14 +382,18 @@ def run_serve_http(args, progress_factory) -> dict:
                 tokens_compared=False, cells=cells)
 
 
-def spawn_vt_serve(flags: list[str], start_timeout_s: float):
-    """`python -m vt serve FLAGS --host 127.0.0.1 --port 0` (its stderr passes through);
-    (process, base URL) once it prints that it listens; CommandFailed in one line when it
-    exits first or does not listen within start_timeout_s."""
+def spawn_vt_serve(flags: list[str], start_timeout_s: float, *, env: dict | None = None,
+                   cwd=None, capture_stderr: bool = False):
+    """`python -m vt serve FLAGS --host 127.0.0.1 --port 0` in `cwd` with `env` (None: this
+    process's); (process, base URL) once it prints that it listens; CommandFailed in one line
+    when it exits first or does not listen within start_timeout_s. Its stderr passes through,
+    or with capture_stderr is a pipe (proc.stderr) for the caller to read, quoted when it exits
+    before it listens."""
     import subprocess
     import sys
     cmd = [sys.executable, "-m", "vt", "serve", *flags, "--host", "127.0.0.1", "--port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            stderr=subprocess.PIPE if capture_stderr else None)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
     deadline = time.monotonic() + start_timeout_s
@@ -398,8 +402,10 @@ def spawn_vt_serve(flags: list[str], start_timeout_s: float):
             line = lines.get(timeout=0.5)
         except queue.Empty:
             if proc.poll() is not None:
+                said = (f"its stderr: {' | '.join(proc.stderr.read().strip().splitlines()[-3:])}"
+                        if capture_stderr else "its stderr is above")
                 raise _failed(f"vt serve {' '.join(flags)} exited {proc.returncode} before it "
-                              f"listened (its stderr is above)") from None
+                              f"listened ({said})") from None
             continue
         if "listening on " in line:
             return proc, line.rsplit("listening on ", 1)[1].strip()
@@ -407,13 +413,13 @@ def spawn_vt_serve(flags: list[str], start_timeout_s: float):
     raise _failed(f"vt serve {' '.join(flags)} did not listen within {start_timeout_s:g} s")
 
 
-def stop_vt_serve(proc, timeout_s: float = 30.0) -> int:
-    """SIGINT, then its exit code; killed (-9) past timeout_s."""
+def stop_vt_serve(proc, timeout_s: float = 30.0, sig=None) -> int:
+    """`sig` (None: SIGINT), then its exit code; killed (-9) past timeout_s."""
     import signal
     import subprocess
     if proc.poll() is not None:
         return proc.returncode
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT if sig is None else sig)
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
