@@ -60,18 +60,14 @@ def run(be, cfg, dtype, args, out) -> None:
 
     from vt.backend.zeros import zeros
     from vt.bench.torch_ttft import seeded_prompts
-    from vt.bench.torch_workload import tool_decoder
+    from vt.bench.torch_workload import tool_decoder, whole_context_geometry
     from vt.engine import Engine
     from vt.forward.speculative import SpeculativeConfig, verify_table_rows
     from vt.config import ExecutorConfig
-    from vt.step import KVGeometry
     from vt.torch import TorchForwardModel
 
     k, rows = args.num_spec, sorted(set(args.rows))
-    bs = 16
-    blocks = -(-args.max_context // bs)
-    geo = KVGeometry(max_seqs=rows[-1], num_kv_blocks=rows[-1] * blocks + 1, block_size=bs,
-                     max_context=blocks * bs)
+    geo = whole_context_geometry(rows[-1], args.max_context)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode")

@@ -46,7 +46,7 @@ import time
 
 def add_arguments(p) -> None:
     """The workload's flags: the torch tools' shared ones and its own."""
-    from vt.bench.torch_workload import add_tool_arguments
+    from vt.bench.torch_workload import add_precision_arguments, add_tool_arguments
     add_tool_arguments(p)
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 64], help="rows per step")
     p.add_argument("--live", type=int, nargs="+", default=[256, 2048],
@@ -63,15 +63,7 @@ def add_arguments(p) -> None:
                    help="transformers' caches to time: dynamic (eager) and static (compiled on "
                         "a GPU); default both")
     p.add_argument("--no-peer", action="store_true", help="leave the torch graph loop out")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="FP8 (e4m3) projection weights, per output channel (docs/torch.md)")
-    p.add_argument("--fp8-prompt-linear", default="dequantize",
-                   choices=["dequantize", "scaled_mm"],
-                   help="with --quantization fp8: what computes steps of more than 16 rows "
-                        "on CUDA (default dequantize)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="the KV cache's element type (auto: the model dtype; fp8: e4m3 codes "
-                        "with a scale of 1.0 per layer's K and V; docs/torch.md)")
+    add_precision_arguments(p)
     from vt.bench import speculative_decode
     speculative_decode.add_arguments(p)
     p.add_argument("--json", default=None, help="also write the results here")
@@ -145,15 +137,12 @@ def _run_vt(be, cfg, dtype, args, out) -> None:
     import torch
 
     from vt.bench.torch_ttft import seeded_prompts
-    from vt.bench.torch_workload import TorchLlamaPeer, tool_decoder
+    from vt.bench.torch_workload import TorchLlamaPeer, tool_decoder, whole_context_geometry
     from vt.engine import Engine
     from vt.config import ExecutorConfig
-    from vt.step import KVGeometry
     from vt.torch import TorchForwardModel
-    bs, rows = 16, sorted(set(args.rows))
-    blocks = -(-args.max_context // bs)
-    geo = KVGeometry(max_seqs=rows[-1], num_kv_blocks=rows[-1] * blocks + 1, block_size=bs,
-                     max_context=blocks * bs)
+    rows = sorted(set(args.rows))
+    geo = whole_context_geometry(rows[-1], args.max_context)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode")

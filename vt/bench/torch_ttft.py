@@ -31,7 +31,7 @@ import time
 
 def add_arguments(p) -> None:
     """The workload's flags: the torch tools' shared ones and its own."""
-    from vt.bench.torch_workload import add_tool_arguments
+    from vt.bench.torch_workload import add_precision_arguments, add_tool_arguments
     add_tool_arguments(p)
     p.add_argument("--conc", type=int, default=32, help="requests arriving together (default 32)")
     p.add_argument("--prompt-len", type=int, default=128,
@@ -44,15 +44,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-peer", action="store_true", help="leave transformers out")
     p.add_argument("--no-static", action="store_true",
                    help="leave out transformers with its static cache (compiled on a GPU)")
-    p.add_argument("--quantization", default=None, choices=["fp8"],
-                   help="FP8 (e4m3) projection weights, per output channel (docs/torch.md)")
-    p.add_argument("--fp8-prompt-linear", default="dequantize",
-                   choices=["dequantize", "scaled_mm"],
-                   help="with --quantization fp8: what computes steps of more than 16 rows "
-                        "on CUDA (default dequantize)")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                   help="the KV cache's element type (auto: the model dtype; fp8: e4m3 codes "
-                        "with a scale of 1.0 per layer's K and V; docs/torch.md)")
+    add_precision_arguments(p)
     p.add_argument("--json", default=None, help="also write the results here")
 
 
@@ -113,13 +105,10 @@ def _run_vt(be, cfg, dtype, args) -> dict:
 
     from vt.engine import Engine
     from vt.config import ExecutorConfig
-    from vt.step import KVGeometry
-    from vt.bench.torch_workload import tool_decoder
+    from vt.bench.torch_workload import tool_decoder, whole_context_geometry
     from vt.torch import TorchForwardModel
-    bs = 16
-    blocks = -(-max(args.context, max(args.single) + 1) // bs)   # a single prompt may be longer
-    geo = KVGeometry(max_seqs=args.conc, num_kv_blocks=args.conc * blocks + 1, block_size=bs,
-                     max_context=blocks * bs)
+    # a single prompt may be longer than --context
+    geo = whole_context_geometry(args.conc, max(args.context, max(args.single) + 1))
     torch.manual_seed(0)
     t0 = time.perf_counter()
     module = tool_decoder(cfg, geo, dtype, be, args, "torch_ttft")

@@ -69,6 +69,19 @@ def add_tool_arguments(p) -> None:
                         "--kernels), torch, or vt (the decode step's fused ops; needs kernels vt)")
 
 
+def add_precision_arguments(p) -> None:
+    """The flags of the decoder's element types that torch_decode and torch_ttft take (the
+    weights' quantization and the KV cache's dtype); tool_decoder reads them."""
+    p.add_argument("--quantization", default=None, choices=["fp8"],
+                   help="FP8 (e4m3) projection weights, per output channel (docs/torch.md)")
+    p.add_argument("--fp8-prompt-linear", default="dequantize",
+                   choices=["dequantize", "scaled_mm"],
+                   help="with --quantization fp8: what computes steps of more than 16 rows "
+                        "on CUDA (default dequantize)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the KV cache's element type (auto: the model dtype; fp8: e4m3 codes "
+                        "with a scale of 1.0 per layer's K and V; docs/torch.md)")
+
 def tool_setup(preset: str, backend: str):
     """What the torch tools (torch_ttft, torch_decode) start with: (the open backend, the
     preset's LlamaConfig, the dtype, the result's common fields). "tiny" is torch-tiny; the
@@ -121,6 +134,14 @@ def unavailable_reason(be) -> str | None:
     return _peer_reason()
 
 
+def whole_context_geometry(max_seqs: int, context: int, block_size: int = 16):
+    """The KVGeometry of the torch tools: every one of max_seqs rows may hold `context` tokens
+    (rounded up to whole blocks) at once, plus the scratch block."""
+    from vt.step import KVGeometry
+    blocks = -(-context // block_size)
+    return KVGeometry(max_seqs=max_seqs, num_kv_blocks=max_seqs * blocks + 1,
+                      block_size=block_size, max_context=blocks * block_size)
+
 def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=None,
           prefill: str = "flat", prompt_kernels: str = "auto"):
     """(the LlamaDecoder with seeded random weights, its TorchForwardModel); cfg: default
@@ -128,13 +149,10 @@ def build(be, max_seqs: int, context: int, seed: int, block_size: int = 16, cfg=
     prompt_kernels: the decoder's."""
     import torch
 
-    from vt.step import KVGeometry
     from vt.torch import TorchForwardModel, torch_device
     from vt.torch.llama import LlamaDecoder
     cfg = cfg or model_config()
-    blocks = -(-context // block_size)
-    geo = KVGeometry(max_seqs=max_seqs, num_kv_blocks=max_seqs * blocks + 1,
-                     block_size=block_size, max_context=blocks * block_size)
+    geo = whole_context_geometry(max_seqs, context, block_size)
     torch.manual_seed(seed)
     module = LlamaDecoder(cfg, geo, dtype=torch.bfloat16, device=torch_device(be),
                           prompt_kernels=prompt_kernels)
