@@ -14,8 +14,9 @@ pytest.importorskip("safetensors", reason="the checkpoints are safetensors files
 
 from safetensors.torch import save_file  # noqa: E402
 
+from tools.fp8_quality import position_logits  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
-from vt.torch import TorchInputs, fp8, hf  # noqa: E402
+from vt.torch import fp8, hf  # noqa: E402
 from vt.torch.llama import LlamaDecoder, quantize_weights_  # noqa: E402
 
 GEO = KVGeometry(max_seqs=2, num_kv_blocks=8, block_size=4, max_context=16)
@@ -94,23 +95,6 @@ def _quantized(dense, scheme):
         files[name] = q.data
         dequantized[name] = fp8.dequantize(q)
     return files, dequantized
-
-
-def position_logits(module: LlamaDecoder, tokens) -> torch.Tensor:
-    """[len(tokens), vocab] float32: each position's logits, one decode step a position."""
-    geo, dev = module.geometry, module.k_cache.device
-    table = torch.zeros(geo.max_seqs + 1, dtype=torch.int32, device=dev)
-    blocks = torch.arange(1, geo.max_blocks + 1, dtype=torch.int32, device=dev)[None]
-    logits = torch.empty(1, module.cfg.vocab, device=dev)
-    rows = []
-    for p, tok in enumerate(tokens):
-        table[0] = tok
-        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)   # noqa: E731
-        slot = (p // geo.block_size + 1) * geo.block_size + p % geo.block_size
-        module(TorchInputs.decode(table, i32(0), i32(p), i32(p + 1), i32(slot), blocks, i32(0)),
-               logits)
-        rows.append(logits.clone())
-    return torch.cat(rows)
 
 
 def _max_rel(a, b):
