@@ -79,3 +79,22 @@ def speculative(be, method, k, prompts=None, refs=None, accept=1.0):
     refs = None if refs is None else {tuple(int(t) for t in p): r for p, r in zip(prompts, refs)}
     cfg = SpeculativeConfig(method, k=k, accept=accept, references=refs)
     return SpeculativeModel(be, CausalToy(be).step_model(), cfg)
+
+
+def record_steps(monkeypatch, module) -> list:
+    """Replace `module`'s Runner (for the test) with one that appends ("launch", index) and
+    ("collect", index) to the returned list as it launches and collects each step."""
+    events = []
+
+    class Recording(module.Runner):
+        def launch(self, plan):
+            h = super().launch(plan)
+            events.append(("launch", h.index))
+            return h
+
+        def collect(self, handle):
+            events.append(("collect", handle.index))
+            return super().collect(handle)
+
+    monkeypatch.setattr(module, "Runner", Recording)
+    return events

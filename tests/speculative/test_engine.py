@@ -13,7 +13,7 @@ from vt.hooks import Poison
 from vt.config import ExecutorConfig
 from vt.step.contract import SamplingParams
 
-from ._causal import CausalToy, config, reference, workload
+from ._causal import CausalToy, config, record_steps, reference, workload
 
 MODES = ("sync", "drain", "ring", "staged")
 SIZES = (1, 2, 4, 8)
@@ -143,20 +143,8 @@ def test_the_engine_launches_verify_step_n_plus_1_before_it_reads_step_n(sim_bac
     host reads accepted counts one step late), and no verify step drains (the prefill step,
     with its own logits, is the one waited for)."""
     prompts, budgets = workload(3, seed=81, max_new=(20, 20))
-    events = []
     import vt.engine.engine as engine_module
-
-    class Watched(engine_module.Runner):
-        def launch(self, plan):
-            h = super().launch(plan)
-            events.append(("launch", h.index))
-            return h
-
-        def collect(self, handle):
-            events.append(("collect", handle.index))
-            return super().collect(handle)
-
-    monkeypatch.setattr(engine_module, "Runner", Watched)
+    events = record_steps(monkeypatch, engine_module)
     with _engine(sim_backend, config("ngram", 2), "ring") as eng:
         eng.generate(prompts, max_new_tokens=budgets)
         st = eng.stats()

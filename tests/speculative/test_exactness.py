@@ -7,7 +7,7 @@ from vt.engine.speculative import generate_speculative
 from vt.config import ExecutorConfig
 from vt.hooks import Poison
 
-from ._causal import reference, speculative, workload
+from ._causal import record_steps, reference, speculative, workload
 
 MODES = ("sync", "drain", "ring", "staged")
 SIZES = (1, 2, 4, 8)
@@ -77,32 +77,16 @@ def test_the_poison_arm_catches_an_unguarded_verify_step(delayed_sim):
     assert sum(not np.array_equal(a, b) for a, b in zip(bad, want)) > 0
 
 
-def test_the_host_launches_step_n_plus_1_before_reading_step_n(sim_backend):
+def test_the_host_launches_step_n_plus_1_before_reading_step_n(sim_backend, monkeypatch):
     """Ring mode: every decode step after the first is launched before the step before it
     is collected (the accepted counts are read one step late), with no drain."""
     prompts, budgets = workload(4, seed=9)
     want = reference(sim_backend, prompts, budgets)
     model = speculative(sim_backend, "ngram", 2)
-    events = []
-    from vt.executor import runner as runner_module
-
-    class Watched(runner_module.Runner):
-        def launch(self, plan):
-            h = super().launch(plan)
-            events.append(("launch", h.index))
-            return h
-
-        def collect(self, handle):
-            events.append(("collect", handle.index))
-            return super().collect(handle)
-
     import vt.engine.speculative as spec
-    real, spec.Runner = spec.Runner, Watched
-    try:
-        got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode="ring", capture_sizes=SIZES),
-                                       prompts, budgets)
-    finally:
-        spec.Runner = real
+    events = record_steps(monkeypatch, spec)
+    got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode="ring", capture_sizes=SIZES),
+                                   prompts, budgets)
     _check(got, want)
     collects = [i for e, i in events if e == "collect"][1:]   # the prefill step's aside
     assert collects
