@@ -186,20 +186,29 @@ def _late(what, finished, timeout_s):
 
 def _measure(eng, serve) -> tuple[dict, list]:
     """Run serve() -> (handles, wall) on eng: the cell's metrics and its requests' tokens."""
-    from vt.bench.serve import latency_metrics
     before = eng.stats()["prefix_cache"]
     handles, wall = serve()
     results = [h.result(timeout=0) for h in handles]
     after = eng.stats()["prefix_cache"]
-    prompt = after["prompt_tokens"] - before["prompt_tokens"]
-    cached = after["cached_tokens"] - before["cached_tokens"]
-    tokens = sum(len(r.tokens) for r in results)
-    out = dict(requests=len(results), output_tokens=tokens, wall_s=wall,
-               output_tok_per_s=tokens / wall, prompt_tokens=prompt, cached_tokens=cached,
-               hit_rate=cached / prompt if prompt else 0.0,
-               evictions=after["evictions"] - before["evictions"])
-    out.update(latency_metrics([h.submitted_at for h in handles], [r.token_times for r in results]))
-    return out, [r.tokens for r in results]
+    return _cell_metrics([r.tokens for r in results], wall,
+                         prompt=after["prompt_tokens"] - before["prompt_tokens"],
+                         cached=after["cached_tokens"] - before["cached_tokens"],
+                         evictions=after["evictions"] - before["evictions"],
+                         sent_at=[h.submitted_at for h in handles],
+                         token_times=[r.token_times for r in results])
+
+
+def _cell_metrics(tokens: list, wall: float, *, prompt: int, cached: int, evictions: int,
+                  sent_at: list, token_times: list) -> tuple[dict, list]:
+    """A cell's metrics (in process and over HTTP alike) from its requests' output tokens,
+    the cache's counts over the cell and each request's times; and the tokens."""
+    from vt.bench.serve import latency_metrics
+    n = sum(len(t) for t in tokens)
+    out = dict(requests=len(tokens), output_tokens=n, wall_s=wall, output_tok_per_s=n / wall,
+               prompt_tokens=prompt, cached_tokens=cached,
+               hit_rate=cached / prompt if prompt else 0.0, evictions=evictions)
+    out.update(latency_metrics(sent_at, token_times))
+    return out, tokens
 
 
 def _ttft(eng, prompt) -> float:
@@ -378,18 +387,14 @@ def _http_chat(pool, conversations, output_len: int, timeout_s: float):
 def _http_measure(url: str, serve) -> tuple[dict, list]:
     """Run serve() -> (completions, prompt tokens sent, wall) against url: the cell's metrics
     (the in-process cell's keys) and its requests' tokens."""
-    from vt.bench.serve import latency_metrics
     before = _cache_counters(url)
     done, prompt, wall = serve()
     after = _cache_counters(url)
-    cached = after["cached"] - before["cached"]
-    tokens = sum(len(c.token_ids) for c in done)
-    out = dict(requests=len(done), output_tokens=tokens, wall_s=wall,
-               output_tok_per_s=tokens / wall, prompt_tokens=prompt, cached_tokens=cached,
-               hit_rate=cached / prompt if prompt else 0.0,
-               evictions=after["evictions"] - before["evictions"])
-    out.update(latency_metrics([c.sent_at for c in done], [c.token_times for c in done]))
-    return out, [c.token_ids for c in done]
+    return _cell_metrics([c.token_ids for c in done], wall, prompt=prompt,
+                         cached=after["cached"] - before["cached"],
+                         evictions=after["evictions"] - before["evictions"],
+                         sent_at=[c.sent_at for c in done],
+                         token_times=[c.token_times for c in done])
 
 
 def _cache_counters(url: str) -> dict:
