@@ -97,25 +97,29 @@ class RequestLimits:
                                param=param)
 
 
-class StreamOptions(BaseModel):
+class _Strict(BaseModel):
+    """A request's object: an unknown field is refused, and no value is coerced to a type
+    (OpenAI's types, as sent)."""
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False     # vLLM's: usage in every chunk
     include_obfuscation: StrictBool | None = None   # ignored: vt pads no chunk
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(_Strict):
     """response_format's json_schema: the output is one JSON value valid against `schema`.
     strict is accepted either way: the grammar holds the output to the schema always."""
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
     name: StrictStr
     description: StrictStr | None = None
     schema_: dict | StrictBool = Field(default_factory=dict, alias="schema")
     strict: StrictBool | None = None
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -137,8 +141,7 @@ class Constraint:
     param: str
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Body(_Strict):
 
     model: StrictStr
     max_tokens: StrictInt | None = None
@@ -178,29 +181,25 @@ class CompletionBody(_Body):
     best_of: StrictInt | None = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextPart(_Strict):
     type: Literal["text"]
     text: StrictStr
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionCall(_Strict):
     name: StrictStr
     arguments: StrictStr          # JSON text, as OpenAI sends it
 
 
-class ToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ToolCall(_Strict):
     id: StrictStr
     type: Literal["function"]
     function: FunctionCall
 
 
-class Message(BaseModel):
+class Message(_Strict):
     """A chat message. An assistant's may carry the tool_calls it made (its content then
     optional); a "tool" message is a call's result, naming it by tool_call_id."""
-    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
@@ -245,16 +244,14 @@ def _arguments(text: str):
         return text
 
 
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class FunctionDef(_Strict):
     name: StrictStr
     description: StrictStr | None = None
     parameters: dict | None = None
     strict: StrictBool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Tool(_Strict):
     type: Literal["function"]
     function: FunctionDef
 
@@ -262,7 +259,7 @@ class Tool(BaseModel):
         return {"type": "function", "function": self.function.model_dump(exclude_none=True)}
 
 
-class _Templated(BaseModel):
+class _Templated(_Strict):
     """A body whose messages go through the chat template, with variables of its own."""
     chat_template_kwargs: dict[StrictStr, object] | None = None   # vLLM's (Qwen3's enable_thinking)
     reasoning_effort: StrictStr | None = None
@@ -306,7 +303,6 @@ class ChatBody(_Templated, _Body):
 
 class TokenizeBody(_Templated):
     """/tokenize, as vLLM's: a completion's prompt, or a chat's messages through the template."""
-    model_config = ConfigDict(extra="forbid", strict=True)
     model: StrictStr
     prompt: StrictStr | None = None
     messages: list[Message] | None = None
@@ -317,8 +313,7 @@ class TokenizeBody(_Templated):
             raise RequestError("give one of prompt and messages", param="prompt")
 
 
-class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class DetokenizeBody(_Strict):
     model: StrictStr
     tokens: list[StrictInt]
 
