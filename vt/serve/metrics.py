@@ -67,66 +67,64 @@ class ServeMetrics:
         def family(name, kind, help_text, samples):
             out.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *samples])
 
+        def scalar(name, kind, help_text, value):
+            """A family of one unlabelled sample (a counter's is named NAME_total)."""
+            family(name, kind, help_text, [f"{name}_total {value}" if kind == "counter"
+                                           else f"{name} {value}"])
+
         family("vt_requests", "counter", "Requests finished, by finish reason.",
                [f'vt_requests_total{{finish_reason="{r}"}} {n}' for r, n in self.requests.items()])
         family("vt_requests_rejected", "counter", "Requests refused before running, by reason.",
                [f'vt_requests_rejected_total{{reason="{r}"}} {n}' for r, n in self.rejections.items()])
-        family("vt_prompt_tokens", "counter", "Prompt tokens of finished requests.",
-               [f"vt_prompt_tokens_total {self.prompt_tokens}"])
-        family("vt_generation_tokens", "counter", "Tokens generated and returned.",
-               [f"vt_generation_tokens_total {self.generation_tokens}"])
+        scalar("vt_prompt_tokens", "counter", "Prompt tokens of finished requests.",
+               self.prompt_tokens)
+        scalar("vt_generation_tokens", "counter", "Tokens generated and returned.",
+               self.generation_tokens)
         family("vt_time_to_first_token_seconds", "histogram",
                "From the request's arrival to its first token.",
                self.ttft.lines("vt_time_to_first_token_seconds"))
         family("vt_time_per_output_token_seconds", "histogram",
                "Per request, from the first to the last token over the tokens after the first.",
                self.tpot.lines("vt_time_per_output_token_seconds"))
-        family("vt_requests_running", "gauge", "Requests holding a row of the batch.",
-               [f"vt_requests_running {running}"])
-        family("vt_requests_waiting", "gauge", "Requests in the server waiting for a row.",
-               [f"vt_requests_waiting {max(0, in_flight - running)}"])
-        family("vt_kv_blocks_in_use", "gauge", "KV cache blocks held by requests.",
-               [f"vt_kv_blocks_in_use {blocks_in_use}"])
-        family("vt_kv_blocks", "gauge", "KV cache blocks in all.",
-               [f"vt_kv_blocks {engine['kv_blocks_total']}"])
+        scalar("vt_requests_running", "gauge", "Requests holding a row of the batch.", running)
+        scalar("vt_requests_waiting", "gauge", "Requests in the server waiting for a row.",
+               max(0, in_flight - running))
+        scalar("vt_kv_blocks_in_use", "gauge", "KV cache blocks held by requests.", blocks_in_use)
+        scalar("vt_kv_blocks", "gauge", "KV cache blocks in all.", engine['kv_blocks_total'])
         cache = engine["prefix_cache"]
         family("vt_prefix_cache_info", "gauge",
                "Whether prompt prefixes' KV blocks are shared (the label; always 1).",
                [f'vt_prefix_cache_info{{enabled="{str(cache["enabled"]).lower()}"}} 1'])
-        family("vt_prefix_cache_hit_rate", "gauge",
+        scalar("vt_prefix_cache_hit_rate", "gauge",
                "Prompt tokens served from cached KV blocks over prompt tokens admitted.",
-               [f"vt_prefix_cache_hit_rate {cache['hit_rate']:.6g}"])
-        family("vt_prefix_cache_cached_tokens", "counter",
-               "Prompt tokens served from cached KV blocks (not computed).",
-               [f"vt_prefix_cache_cached_tokens_total {cache['cached_tokens']}"])
-        family("vt_prefix_cache_blocks", "gauge", "KV blocks naming a cached prompt prefix.",
-               [f"vt_prefix_cache_blocks {cache['cached_blocks']}"])
-        family("vt_prefix_cache_evictable_blocks", "gauge",
+               format(cache['hit_rate'], ".6g"))
+        scalar("vt_prefix_cache_cached_tokens", "counter",
+               "Prompt tokens served from cached KV blocks (not computed).", cache['cached_tokens'])
+        scalar("vt_prefix_cache_blocks", "gauge", "KV blocks naming a cached prompt prefix.",
+               cache['cached_blocks'])
+        scalar("vt_prefix_cache_evictable_blocks", "gauge",
                "Cached KV blocks no request holds (evicted, least recently used first, when "
-               "an allocation needs them).",
-               [f"vt_prefix_cache_evictable_blocks {cache['evictable_blocks']}"])
-        family("vt_prefix_cache_evictions", "counter",
-               "Cached KV blocks whose memory an allocation took.",
-               [f"vt_prefix_cache_evictions_total {cache['evictions']}"])
-        family("vt_engine_steps", "counter", "Engine steps run.",
-               [f"vt_engine_steps_total {engine['steps']}"])
-        family("vt_drained_steps", "counter",
+               "an allocation needs them).", cache['evictable_blocks'])
+        scalar("vt_prefix_cache_evictions", "counter",
+               "Cached KV blocks whose memory an allocation took.", cache['evictions'])
+        scalar("vt_engine_steps", "counter", "Engine steps run.", engine['steps'])
+        scalar("vt_drained_steps", "counter",
                "Steps whose host waited for the previous step before preparing the next.",
-               [f"vt_drained_steps_total {engine['drains']}"])
+               engine['drains'])
         family("vt_engine_info", "gauge", "The engine's executor mode (the label; always 1).",
                [f'vt_engine_info{{mode="{mode}"}} 1'])
-        family("vt_failed_steps", "counter", "Steps that failed (their requests got an error).",
-               [f"vt_failed_steps_total {engine['failed_steps']}"])
+        scalar("vt_failed_steps", "counter", "Steps that failed (their requests got an error).",
+               engine['failed_steps'])
         spec = engine.get("speculative")
         if spec is not None:   # vt serve --speculative
-            family("vt_spec_decode_draft_tokens", "counter", "Draft tokens verified.",
-                   [f"vt_spec_decode_draft_tokens_total {spec['drafts']}"])
-            family("vt_spec_decode_accepted_tokens", "counter", "Draft tokens accepted.",
-                   [f"vt_spec_decode_accepted_tokens_total {spec['accepted']}"])
-            family("vt_spec_decode_acceptance_rate", "gauge",
+            scalar("vt_spec_decode_draft_tokens", "counter", "Draft tokens verified.",
+                   spec['drafts'])
+            scalar("vt_spec_decode_accepted_tokens", "counter", "Draft tokens accepted.",
+                   spec['accepted'])
+            scalar("vt_spec_decode_acceptance_rate", "gauge",
                    "Accepted draft tokens / draft tokens verified.",
-                   [f"vt_spec_decode_acceptance_rate {spec['acceptance_rate']:.6g}"])
-            family("vt_spec_decode_mean_accepted_length", "gauge",
+                   format(spec['acceptance_rate'], ".6g"))
+            scalar("vt_spec_decode_mean_accepted_length", "gauge",
                    "Tokens a verify step emits per row (1 .. k + 1).",
-                   [f"vt_spec_decode_mean_accepted_length {spec['mean_accepted_length']:.6g}"])
+                   format(spec['mean_accepted_length'], ".6g"))
         return "\n".join(out) + "\n"
