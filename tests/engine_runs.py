@@ -1,11 +1,13 @@
-"""Helpers the engine, executor and reliability tests share: a seeded workload, one engine
-run on the toy forward, the bundled presets' weights, and how many results differ."""
+"""Helpers the engine, executor, sampling and reliability tests share: a seeded workload, one
+engine run on the toy forward, an engine over a numpy kernel, the bundled presets' weights, and
+how many results differ."""
 import numpy as np
 
 from vt.backend import get_backend
 from vt.engine.engine import Engine
 from vt.config import ExecutorConfig
 from vt.forward.toy import ToyForward
+from vt.forward.user import ForwardModel, KVGeometry
 from vt.bundled import PRESETS, init_weights
 from vt.hooks import NULL_HOOKS, with_device_work
 
@@ -68,3 +70,20 @@ def mismatches(ref, got):
             same = a.logits.tobytes() == b.logits.tobytes()
         bad += not same
     return bad
+
+
+def kernel_engine(be, kernel, vocab: int, mode: str, model_class=ForwardModel, **engine_kwargs):
+    """An Engine (mode, 4 rows, graphs of 1, 2 and 4 rows) over a model_class whose forward
+    launches kernel.run_numpy(token table, token_rows, positions, logits_out): 8 rows, 64 KV
+    blocks of 4 tokens, 64 of context. The prompt's last token is the first sampled one's
+    input: the forward reads it from the token table, which the model's prefill fills
+    (ForwardModel's flat prefill gathers it)."""
+    geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
+    table = be.empty((geo.max_seqs + 1,), np.int32)
+
+    def forward(stream, inputs, logits_out):
+        be.launch(stream, kernel, table, inputs.token_rows, inputs.positions, logits_out)
+
+    model = model_class(be, forward, vocab=vocab, token_table=table, geometry=geo)
+    return Engine(be, model, ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4)),
+                  **engine_kwargs)

@@ -6,7 +6,8 @@ its next mask needs its token); a model without grammar masks refuses a grammar 
 import numpy as np
 import pytest
 
-from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
+from engine_runs import kernel_engine
+from vt import ForwardModel, SamplingParams
 from vt.config import SAFE_MODES
 
 VOCAB = 61
@@ -50,15 +51,7 @@ class _NoMasks(ForwardModel):
 
 
 def _engine(be, mode, model_class=ForwardModel):
-    geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
-    table = be.empty((geo.max_seqs + 1,), np.int32)
-    kernel = _Wavy()
-
-    def forward(stream, inputs, logits_out):
-        be.launch(stream, kernel, table, inputs.token_rows, inputs.positions, logits_out)
-
-    model = model_class(be, forward, vocab=VOCAB, token_table=table, geometry=geo)
-    return Engine(be, model, ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4)))
+    return kernel_engine(be, _Wavy(), VOCAB, mode, model_class)
 
 
 def _valid(tokens) -> bool:

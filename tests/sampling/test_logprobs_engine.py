@@ -5,7 +5,8 @@ that token, computed here; a request beside it that does not ask gets None. In e
 import numpy as np
 import pytest
 
-from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
+from engine_runs import kernel_engine
+from vt import SamplingParams
 from vt.config import SAFE_MODES
 
 VOCAB = 97
@@ -21,16 +22,7 @@ class _Wavy:
 
 
 def _engine(be, mode):
-    geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
-    table = be.empty((geo.max_seqs + 1,), np.int32)
-    kernel = _Wavy()
-
-    def forward(stream, inputs, logits_out):
-        be.launch(stream, kernel, table, inputs.token_rows, inputs.positions, logits_out)
-
-    model = ForwardModel(be, forward, vocab=VOCAB, token_table=table, geometry=geo)
-    return Engine(be, model, ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4)),
-                  record_logits=True)
+    return kernel_engine(be, _Wavy(), VOCAB, mode, record_logits=True)
 
 
 def _log_softmax(x, t):

@@ -6,7 +6,8 @@ beside them unchanged; the CUDA kernels compile for sm_90."""
 import numpy as np
 import pytest
 
-from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
+from engine_runs import kernel_engine
+from vt import SamplingParams
 from vt.backend.nvrtc import nvrtc_options
 from vt.config import SAFE_MODES
 from vt.sampling import penalties, reference
@@ -86,17 +87,7 @@ class _Wavy:
 
 
 def _engine(be, mode):
-    geo = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
-    table = be.empty((geo.max_seqs + 1,), np.int32)
-    kernel = _Wavy()
-
-    def forward(stream, inputs, logits_out):
-        be.launch(stream, kernel, table, inputs.token_rows, inputs.positions, logits_out)
-
-    # the prompt's last token is the first sampled one's input: the forward reads it from the
-    # token table, which the model's prefill fills (ForwardModel's flat prefill gathers it)
-    model = ForwardModel(be, forward, vocab=VOCAB, token_table=table, geometry=geo)
-    return Engine(be, model, ExecutorConfig(mode=mode, serving_conc=4, capture_sizes=(1, 2, 4)))
+    return kernel_engine(be, _Wavy(), VOCAB, mode)
 
 
 def _reference_tokens(prompt, n, sp: SamplingParams):
