@@ -27,13 +27,21 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(checkpoint):
+def hf_model(checkpoint):
+    """transformers' own model of the checkpoint, fp32, in eval mode (the tests' reference)."""
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint),
+                                                             dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def reference(checkpoint, hf_model):
     """(tokenizer, greedy(prompt_ids, n) -> generated ids) of transformers itself."""
     import torch
     import transformers
     tok = transformers.AutoTokenizer.from_pretrained(str(checkpoint))
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint),
-                                                              dtype=torch.float32).eval()
+    model = hf_model
 
     def greedy(ids, n, ignore_eos=False):
         x = torch.tensor([ids])
@@ -52,3 +60,11 @@ def served_url(checkpoint):
     yield url
     if proc.poll() is None:
         stop_server(proc, signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def client(served_url):
+    """The openai client of served_url (a module's own served_url where it has one)."""
+    import openai
+    with openai.OpenAI(base_url=served_url + "/v1", api_key="none", timeout=60, max_retries=0) as c:
+        yield c

@@ -8,18 +8,11 @@ import pytest
 
 
 @pytest.fixture(scope="module")
-def client(served_url):
-    with openai.OpenAI(base_url=served_url + "/v1", api_key="none", timeout=60, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def log_softmax(checkpoint):
+def log_softmax(hf_model):
     """(ids, n, temperature) -> [n, V] float64 log_softmax of the logits that sample the last n
     of ids, from transformers' fp32 forward of the whole sequence."""
     import torch
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    model = hf_model
 
     def fn(ids, n, temperature):
         with torch.no_grad():

@@ -2,18 +2,11 @@
 chat, whole and streamed, give the text of transformers' greedy generate decoded by the same
 tokenizer, with usage and finish_reason; stop strings are cut; /v1/models, /health, /metrics."""
 import httpx
-import openai
 import pytest
 
 from ._live import metrics
 
 PROMPTS = ["Hello, world", "The quick brown fox", "Caf\u00e9 \u65e5\u672c"]
-
-
-@pytest.fixture(scope="module")
-def client(served_url):
-    with openai.OpenAI(base_url=served_url + "/v1", api_key="none", timeout=60, max_retries=0) as c:
-        yield c
 
 
 def _expected(reference, ids, n, **kw):

@@ -19,12 +19,6 @@ CHAT = [{"role": "user", "content": "Hello there"}]
 
 
 @pytest.fixture(scope="module")
-def client(served_url):
-    with openai.OpenAI(base_url=served_url + "/v1", api_key="none", timeout=60, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def keyed(checkpoint, tmp_path_factory):
     """A second server: --api-key, --chat-template FILE and --max-model-len (vLLM's spelling)."""
     template = tmp_path_factory.mktemp("template") / "chat.jinja"

@@ -4,22 +4,14 @@ checkpoint (sim): greedy tokens equal a reference sampler written here from the 
 vLLM's order) over transformers' own fp32 logits, whole and streamed; a bias of 100 forces a
 token whatever the temperature."""
 import numpy as np
-import openai
 import pytest
 
 
 @pytest.fixture(scope="module")
-def client(served_url):
-    with openai.OpenAI(base_url=served_url + "/v1", api_key="none", timeout=60, max_retries=0) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def penalized_greedy(checkpoint):
+def penalized_greedy(hf_model):
     """(prompt ids, n, presence, frequency, repetition, bias) -> greedy ids by the definitions."""
     import torch
-    import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    model = hf_model
 
     def fn(ids, n, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
         out = []
