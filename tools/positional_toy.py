@@ -16,6 +16,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend.zeros import zeros  # noqa: E402
+from vt.forward.toy import LOGITS  # noqa: E402
 from vt.forward.user import ForwardModel, KVGeometry, kv_slot  # noqa: E402
 from vt.hooks import with_device_work  # noqa: E402
 
@@ -39,7 +40,7 @@ class PositionalToy:
         self.be.launch(stream, _ATTEND, self.token_table, inputs.token_rows, inputs.positions,
                        inputs.seq_lens, inputs.slot_mapping, inputs.block_tables, self.kv, tmp,
                        block_size=self.geometry.block_size)
-        self.be.launch(stream, _LOGITS, tmp, logits_out)
+        self.be.launch(stream, LOGITS, tmp, logits_out)
 
     def step_model(self, device_work_s: float = 0.0):
         return with_device_work(ForwardModel(self.be, self, vocab=VOCAB, token_table=self.token_table,
@@ -81,17 +82,6 @@ class _Attend:
                           np.int32(block_size), kv, tmp, size=len(rows))
 
 
-class _Logits:
-    name = "positional_toy_logits"
-
-    def run_numpy(self, tmp, logits):
-        j = np.arange(logits.shape[1], dtype=np.float32)
-        logits[...] = np.sin(tmp[:, :1] * (j + 1) * np.float32(0.37) + tmp[:, 1:] * np.float32(1.3) + j)
-
-    def run_cupy(self, stream_handle, tmp, logits):
-        _cupy()["logits"](tmp, np.int32(logits.shape[1]), logits)
-
-
 class _Poison:
     name = "kv_poison"
 
@@ -122,15 +112,10 @@ def _cupy():
             tmp[2 * i] = acc;
             tmp[2 * i + 1] = v;
             """, "vt_positional_toy_attend")
-        _KERNELS["logits"] = cp.ElementwiseKernel(
-            "raw float32 tmp, int32 V", "float32 logits",
-            "int r = i / V, j = i % V;"
-            "logits = sinf(tmp[2 * r] * (j + 1) * 0.37f + tmp[2 * r + 1] * 1.3f + j);",
-            "vt_positional_toy_logits")
         _KERNELS["poison"] = cp.ElementwiseKernel(
             "raw int32 slots", "raw float32 kv", "kv[slots[i]] = __int_as_float(0x7fc00000);",
             "vt_kv_poison")
     return _KERNELS
 
 
-_ATTEND, _LOGITS, _POISON = _Attend(), _Logits(), _Poison()
+_ATTEND, _POISON = _Attend(), _Poison()

@@ -39,7 +39,7 @@ class ToyForward:
                        inputs.seq_lens, inputs.slot_mapping, inputs.block_tables,
                        inputs.state_idx, self.kv, self.state, tmp,
                        block_size=self.geometry.block_size)
-        self.be.launch(stream, _LOGITS, tmp, logits_out)
+        self.be.launch(stream, LOGITS, tmp, logits_out)
 
     def step_model(self) -> ForwardModel:
         return ForwardModel(self.be, self, vocab=self.vocab, token_table=self.token_table,
@@ -112,4 +112,6 @@ def _cupy_kernels():
     return _KERNELS
 
 
-_ATTEND, _LOGITS = _Attend(), _Logits()
+_ATTEND = _Attend()
+# The logits step (tmp [S, 2] -> logits [S, V]), shared by tools/positional_toy.py's toy.
+LOGITS = _Logits()
