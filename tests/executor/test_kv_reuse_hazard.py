@@ -28,48 +28,34 @@ def workload():
     return shared_prefix_workload(10, seed=5, max_new=(2, 5))
 
 
-def _check(be, workload, mode, fence):
+def _bad_results(be, workload, mode, fence) -> int:
+    """The requests whose tokens differ from the unpoisoned reference's, run on `be` (closed
+    after) with the poison armed, blocks reused and evicted."""
     p, b = workload
-    ref = tokens(run(be, p, b, geometry=GEO, prefix_caching=False)[0])
-    res, st, hooks = run(be, p, b, mode=mode, geometry=GEO, device_work_s=DEVICE_WORK_S,
-                         poison=True, poison_fence=fence)
+    try:
+        ref = tokens(run(be, p, b, geometry=GEO, prefix_caching=False)[0])
+        res, st, hooks = run(be, p, b, mode=mode, geometry=GEO, device_work_s=DEVICE_WORK_S,
+                             poison=True, poison_fence=fence)
+    finally:
+        be.close()
     assert hooks.reused > 0 and st["prefix_cache"]["evictions"] > 0
-    return sum(a != g for a, g in zip(ref, tokens(res))), st
-
-
-def _sim():
-    be = get_backend("sim")
-    return be
+    return sum(a != g for a, g in zip(ref, tokens(res)))
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_fence_keeps_every_step_off_a_rewritten_block_sim(workload, mode):
-    be = _sim()
-    try:
-        bad, _ = _check(be, workload, mode, fence=True)
-    finally:
-        be.close()
-    assert bad == 0
+    assert _bad_results(get_backend("sim"), workload, mode, fence=True) == 0
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_without_the_fence_a_step_in_flight_reads_the_rewrite_sim(workload, mode):
-    be = _sim()
-    try:
-        bad, _ = _check(be, workload, mode, fence=False)
-    finally:
-        be.close()
+    bad = _bad_results(get_backend("sim"), workload, mode, fence=False)
     assert bad > 0, "the unfenced arm read no poison: the hazard was not reproduced"
 
 
 def test_sync_has_no_hazard_even_without_the_fence(workload):
     """Depth 1 collects step t before it plans t + 1: nothing is in flight to read a block."""
-    be = _sim()
-    try:
-        bad, _ = _check(be, workload, "sync", fence=False)
-    finally:
-        be.close()
-    assert bad == 0
+    assert _bad_results(get_backend("sim"), workload, "sync", fence=False) == 0
 
 
 def _cuda():
@@ -84,9 +70,5 @@ def _cuda():
 @pytest.mark.parametrize("fence", (True, False))
 def test_kv_reuse_hazard_cuda(workload, mode, fence):
     """The sim tests above on the GPU: the fence holds, the unfenced arm is detected."""
-    be = _cuda()
-    try:
-        bad, _ = _check(be, workload, mode, fence=fence)
-    finally:
-        be.close()
+    bad = _bad_results(_cuda(), workload, mode, fence=fence)
     assert (bad == 0) if fence else (bad > 0)
