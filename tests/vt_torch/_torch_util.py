@@ -1,6 +1,8 @@
 """Shared by the vt.torch tests: a tiny seeded Llama on a backend, the eager torch reference,
-and engines per mode. Imported only after pytest.importorskip("torch")."""
+engines per mode, and the torch benches on the tiny preset. Imported only after pytest.importorskip("torch")."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import torch
@@ -69,3 +71,13 @@ def eager_greedy(module: LlamaDecoder, prompt, new: int) -> list[int]:
             tok = int(logits[0].argmax())
             out.append(tok)
     return out
+
+
+def tiny_bench(capsys, tmp_path, workload: str, *flags: str) -> tuple[str, dict]:
+    """`vt bench --workload WORKLOAD --preset tiny --backend sim FLAGS --json FILE`, which must
+    exit 0: (what it printed, the JSON it wrote)."""
+    from vt.cli.main import main as vt_main
+    out = tmp_path / f"{workload}.json"
+    assert vt_main(["bench", "--workload", workload, "--preset", "tiny", "--backend", "sim",
+                    *flags, "--json", str(out)]) == 0
+    return capsys.readouterr().out, json.loads(out.read_text())

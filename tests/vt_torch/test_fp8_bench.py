@@ -1,12 +1,10 @@
 """vt bench's torch-decode and torch-ttft with --quantization fp8: the FP8 decoder runs, the
 floor counts FP8 codes and scales, and the dense (bf16) floor is reported beside it."""
-import json
-
 import pytest
 
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 
-from vt.cli.main import main as vt_main  # noqa: E402
+from _torch_util import tiny_bench  # noqa: E402
 from vt.step import KVGeometry  # noqa: E402
 from vt.torch.llama import LlamaConfig, LlamaDecoder  # noqa: E402
 
@@ -32,13 +30,10 @@ def test_weight_bytes_count_codes_and_scales_and_the_dense_equivalent():
 def test_the_decode_bench_runs_an_fp8_decoder_on_the_sim(capsys, tmp_path):
     """--quantization fp8 on the tiny preset: the table says so, the JSON holds both weight
     sizes (FP8 smaller)."""
-    out = tmp_path / "decode.json"
-    assert vt_main(["bench", "--workload", "torch-decode", "--preset", "tiny", "--backend",
-                    "sim", "--rows", "1", "2", "--live", "8", "--max-context", "32", "--steps",
-                    "4", "--repeats", "1", "--hf-rows", "--quantization", "fp8", "--json",
-                    str(out)]) == 0
-    assert "fp8: codes and scales" in capsys.readouterr().out
-    result = json.loads(out.read_text())
+    printed, result = tiny_bench(capsys, tmp_path, "torch-decode", "--rows", "1", "2", "--live",
+                                 "8", "--max-context", "32", "--steps", "4", "--repeats", "1",
+                                 "--hf-rows", "--quantization", "fp8")
+    assert "fp8: codes and scales" in printed
     assert result["quantization"] == "fp8"
     assert result["weight_bytes"] < result["dense_weight_bytes"]
     assert all(c["tpot_s"] > 0 for c in result["cells"])
@@ -55,9 +50,8 @@ def test_the_dense_floor_of_an_fp8_run_is_its_weights_in_the_dtype():
 
 def test_the_ttft_bench_runs_an_fp8_decoder_on_the_sim(capsys, tmp_path):
     """torch-ttft --quantization fp8 --no-peer on the tiny preset: its table names FP8."""
-    out = tmp_path / "ttft.json"
-    assert vt_main(["bench", "--workload", "torch-ttft", "--preset", "tiny", "--backend", "sim",
-                    "--conc", "2", "--prompt-len", "6", "--context", "10", "--repeats", "1",
-                    "--no-peer", "--quantization", "fp8", "--json", str(out)]) == 0
-    assert "fp8 weights (prompt linear dequantize)" in capsys.readouterr().out
-    assert json.loads(out.read_text())["vt"]["tpot_s"] > 0
+    printed, result = tiny_bench(capsys, tmp_path, "torch-ttft", "--conc", "2", "--prompt-len",
+                                 "6", "--context", "10", "--repeats", "1", "--no-peer",
+                                 "--quantization", "fp8")
+    assert "fp8 weights (prompt linear dequantize)" in printed
+    assert result["vt"]["tpot_s"] > 0

@@ -10,6 +10,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="vt.torch needs PyTorch (pip install \".[torch]\")")
 pytest.importorskip("transformers", reason="the tiny checkpoint's tokenizer needs transformers")
 
+from _torch_util import tiny_bench  # noqa: E402
 from tools import tiny_checkpoint  # noqa: E402
 from vt.cli.main import main as vt_main  # noqa: E402
 from vt.serve import kv_cache  # noqa: E402
@@ -95,13 +96,10 @@ def test_the_refusals_name_the_value_in_one_line(sim_backend, checkpoint, tmp_pa
 def test_the_decode_bench_counts_the_fp8_cache_in_its_floor(capsys, tmp_path):
     """torch-decode --kv-cache-dtype fp8 on the sim: the table says so; the JSON's KV bytes a
     token are a byte an element, the dense floor's the dtype's."""
-    out = tmp_path / "decode.json"
-    assert vt_main(["bench", "--workload", "torch-decode", "--preset", "tiny", "--backend",
-                    "sim", "--rows", "2", "--live", "8", "--max-context", "32", "--steps",
-                    "2", "--repeats", "1", "--hf-rows", "--kv-cache-dtype", "fp8", "--json",
-                    str(out)]) == 0
-    assert "(fp8 cache)" in capsys.readouterr().out
-    r = json.loads(out.read_text())
+    printed, r = tiny_bench(capsys, tmp_path, "torch-decode", "--rows", "2", "--live", "8",
+                            "--max-context", "32", "--steps", "2", "--repeats", "1", "--hf-rows",
+                            "--kv-cache-dtype", "fp8")
+    assert "(fp8 cache)" in printed
     assert r["kv_cache_dtype"] == "fp8"
     assert r["dense_kv_bytes_per_token"] == 4 * r["kv_bytes_per_token"]   # float32 on the sim
     assert all(c["tpot_s"] > 0 for c in r["cells"])
@@ -114,9 +112,8 @@ def test_the_decode_bench_counts_the_fp8_cache_in_its_floor(capsys, tmp_path):
 
 
 def test_the_ttft_bench_runs_an_fp8_cache_on_the_sim(capsys, tmp_path):
-    out = tmp_path / "ttft.json"
-    assert vt_main(["bench", "--workload", "torch-ttft", "--preset", "tiny", "--backend", "sim",
-                    "--conc", "2", "--prompt-len", "6", "--context", "10", "--repeats", "1",
-                    "--no-peer", "--kv-cache-dtype", "fp8", "--json", str(out)]) == 0
-    assert "fp8 KV cache" in capsys.readouterr().out
-    assert json.loads(out.read_text())["vt"]["tpot_s"] > 0
+    printed, result = tiny_bench(capsys, tmp_path, "torch-ttft", "--conc", "2", "--prompt-len",
+                                 "6", "--context", "10", "--repeats", "1", "--no-peer",
+                                 "--kv-cache-dtype", "fp8")
+    assert "fp8 KV cache" in printed
+    assert result["vt"]["tpot_s"] > 0
