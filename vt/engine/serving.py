@@ -438,7 +438,7 @@ class ServingLoop:
         every row and block (the batch step counter goes on: Scheduler.reset). The loop then
         serves the rest."""
         self._failed_steps += 1
-        device_error = self.runner.abort()
+        device_error = self.runner.abort(exc)
         if device_error is not None and device_error is not exc:
             exc.add_note(f"vt: the device also reported: {device_error}")
         buf = self._buffer

@@ -240,9 +240,10 @@ class Runner:
         self._check_open()
         return self.driver.ceiling_us(n, replays)
 
-    def abort(self) -> BaseException | None:
-        """After a failure mid-run: wait for the stream, drop the steps in flight. Returns the
-        device-side error the wait raised, if any (the sim reports a failed op this way)."""
+    def abort(self, cause: BaseException | None = None) -> BaseException | None:
+        """After a failure mid-run (`cause`, the step's error): wait for the stream, drop the
+        steps in flight. Returns the device-side error the wait raised, if any (the sim
+        reports a failed op this way)."""
         error = None
         try:
             self.stream.synchronize()

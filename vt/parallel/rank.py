@@ -62,10 +62,10 @@ class RankZeroRunner(Runner):
         self.group.send(wire.ceiling(n, replays))
         return super().ceiling_us(n, replays)
 
-    def abort(self) -> BaseException | None:
-        reason = self.group.failure or "a step failed on rank 0"
-        self.group.stop(reason)
-        return super().abort()
+    def abort(self, cause: BaseException | None = None) -> BaseException | None:
+        what = f": {type(cause).__name__}: {cause}" if cause is not None else ""
+        self.group.stop(self.group.failure or f"a step failed on rank 0{what}")
+        return super().abort(cause)
 
     def close(self) -> str | None:
         if self.group.failure is not None:
