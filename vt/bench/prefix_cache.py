@@ -42,7 +42,6 @@ the model.
 """
 from __future__ import annotations
 
-import json
 import queue
 import statistics
 import time
@@ -101,11 +100,9 @@ def check_arguments(args, error) -> None:
 
 
 def run_and_report(args) -> int:
+    from vt.bench.report import print_and_save
     result = run_http(args) if args.http else run(args)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    print_and_save(format_table(result), result, args.json)
     return 0
 
 

@@ -101,6 +101,13 @@ def write_json(res: dict, path: str) -> None:
     write_text_atomic(path, json.dumps(res, indent=1))
 
 
+def print_and_save(table_text: str, res: dict, json_path: str | None) -> None:
+    """A workload's report: its table printed, its result written to json_path when given."""
+    print(table_text)
+    if json_path:
+        write_json(res, json_path)
+
+
 class BadResultFile(VtError, ValueError):
     """A --from-json file that is not a readable vt bench result (the CLI's usage error)."""
 

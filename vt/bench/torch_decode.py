@@ -39,7 +39,6 @@ test. `--png` draws TPOT against rows with the floor for each live context.
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
 
@@ -92,15 +91,13 @@ def check_arguments(args, error) -> None:
 
 def run_and_report(args) -> int:
     """Run, print the table, write the JSON (and the PNG) when asked for."""
+    from vt.bench.report import print_and_save
     result = run(args)
     if args.speculative:
         from vt.bench.speculative_decode import format_table as speculative_table
-        print(speculative_table(result))
+        print_and_save(speculative_table(result), result, args.json)
     else:
-        print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        print_and_save(format_table(result), result, args.json)
     if args.png:
         write_png(result, args.png)
     return 0

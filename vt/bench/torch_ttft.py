@@ -24,7 +24,6 @@ mixed step's decode rows) run in one forward call; decode steps are captured gra
 from __future__ import annotations
 
 import gc
-import json
 import statistics
 import time
 
@@ -61,11 +60,9 @@ def check_arguments(args, error) -> None:
 
 def run_and_report(args) -> int:
     """Run, print the table, write the JSON (and the PNG) when asked for."""
+    from vt.bench.report import print_and_save
     result = run(args)
-    print(format_table(result))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    print_and_save(format_table(result), result, args.json)
     return 0
 
 
