@@ -1,6 +1,6 @@
 """vt.torch.triton_fp8: the FP8-weight GEMV against vt.torch.fp8.reference_linear (the CPU's
 FP8 linear) and float64 of the dequantized weights: per-channel and 128 x 128 block scales,
-1 to 16 rows, widths that fill no block evenly. On a GPU at the 8B shape's widths in bf16;
+1 to 256 rows (every row tile, partial tiles too), widths that fill no block evenly. On a GPU at the 8B shape's widths in bf16;
 under Triton's CPU interpreter (TRITON_INTERPRET=1) in fp16, whose rounding the interpreter
 shares with torch. The CUDA prompt-step linears (dequantize, scaled_mm) and a captured FP8
 decode step are GPU tests; their sim twins are tests/vt_torch/test_fp8_load.py's."""
@@ -43,7 +43,7 @@ def check(x, per_block, N, tol):
 
 @interpreted
 @pytest.mark.parametrize("per_block", [False, True], ids=["channel", "block"])
-@pytest.mark.parametrize("S", [1, 3])
+@pytest.mark.parametrize("S", [1, 3, 20, 70])
 def test_fp8_gemv_in_the_interpreter(S, per_block):
     """fp16, N = 200 and K = 1000 (partial tiles and blocks): within 1e-3 of float64."""
     pytest.importorskip("triton", reason="the kernel needs Triton")
@@ -53,7 +53,7 @@ def test_fp8_gemv_in_the_interpreter(S, per_block):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_block", [False, True], ids=["channel", "block"])
-@pytest.mark.parametrize("S", [1, 3, 8, 16])
+@pytest.mark.parametrize("S", [1, 3, 8, 16, 32, 48, 128, 256])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (77, 1000)])
 def test_fp8_gemv_matches_the_reference(S, N, K, per_block):
     """bf16 rows (rounded once: ulp 2**-8) within 1e-2 of float64 and of the reference."""

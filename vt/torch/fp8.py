@@ -16,7 +16,7 @@ The linear (linear, linear_silu_mul; LayerOps' FP8 kind, vt.torch.llama):
     per-channel scale up to one float32 rounding per element), x in float32, F.linear in
     float32, then one rounding to x's dtype, then the bias in x's dtype. silu_mul follows on
     the rounded output, as the bf16 path's does.
-  CUDA, at most triton_fp8.MAX_ROWS rows: vt.torch.triton_fp8's GEMV, which reads the FP8
+  CUDA, at most triton_fp8.MAX_ROWS rows: vt.torch.triton_fp8's kernel, which reads the FP8
     weight and computes the same function: e4m3 and bf16 widened to float32 exactly, products
     summed in float32 (in its own order), the scale applied in float32 (per channel in the
     epilogue, per block on each 128-wide K tile's partial sum), one rounding to x's dtype.

@@ -1,5 +1,5 @@
-"""A Triton linear over FP8 (e4m3) weights for decode steps of few rows: y = x @ (q * scale).T
-for x [S, K] bf16/fp16 with S <= 16, q float8_e4m3fn [N, K] row-major, its float32 scale per
+"""A Triton linear over FP8 (e4m3) weights for decode steps: y = x @ (q * scale).T
+for x [S, K] bf16/fp16 with S <= MAX_ROWS, q float8_e4m3fn [N, K] row-major, its float32 scale per
 output channel ([N]) or per 128 x 128 block ([ceil(N / 128), ceil(K / 128)]), reading each
 weight byte once: half the bytes of the bf16 GEMV (vt.torch.triton_gemv), whose structure
 this follows.
@@ -13,9 +13,11 @@ rounded once to x's dtype. Only the summation order differs from the reference.
 One row runs on the CUDA cores (as triton_gemv's one-row kernel: a fixed shape, PDL), with
 linear_silu_mul taking the MLP's activation into the gate_up projection's epilogue (gate and
 up rows interleaved in a tile, each scaled, rounded to the storage dtype, then silu_times).
-Two to 16 rows run a 16-row tile through tl.dot with the weight tile widened to x's dtype.
-Shapes are fixed (no autotuning): nothing runs on the host at a call but the launch, so it
-captures. The shapes are untimed on a GPU so far; ONE_ROW repeats triton_gemv's.
+More rows run tiles of 16, 32 or 64 rows through tl.dot with the weight tile widened to x's
+dtype; the row tiles are the grid's fastest axis, so the programs that share a weight tile run
+together and HBM serves it about once (L2 the rest). Beyond MAX_ROWS (prompt steps) the
+caller's prompt linear (cuBLAS) is the better kernel. Shapes are fixed per row count (no
+autotuning): nothing runs on the host at a call but the launch, so it captures.
 """
 from __future__ import annotations
 
@@ -26,10 +28,15 @@ import triton.language as tl
 from vt.torch import triton_pdl as pdl
 from vt.torch.triton_fused import silu_times
 
-MAX_ROWS = 16
+MAX_ROWS = 256
 BLOCK = 128   # the block scales' K and N extent (vt.torch.fp8.BLOCK)
 ONE_ROW = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
-FEW_ROWS = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
+# (most rows, the tile): the first whose row count covers S; past 64 rows, 64-row tiles.
+# Narrow column tiles up to 64 rows keep more programs than SMs at N = 4096.
+ROW_TILES = ((16, dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)),
+             (32, dict(ROWS=32, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)),
+             (64, dict(ROWS=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)),
+             (MAX_ROWS, dict(ROWS=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)))
 
 
 def fits(x: torch.Tensor, weight) -> bool:
@@ -49,11 +56,18 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.T
     if S == 1:
         _launch_one_row(x, codes, scale, y, K, glu_out=False)
     elif S:
-        cfg = dict(FEW_ROWS, BLOCK_K=BLOCK) if per_block else FEW_ROWS
-        _fp8_gemv[(triton.cdiv(N, cfg["BLOCK_N"]),)](
+        cfg = row_tile(S)
+        if per_block:
+            cfg = dict(cfg, BLOCK_K=BLOCK)
+        _fp8_gemv[(triton.cdiv(S, cfg["ROWS"]), triton.cdiv(N, cfg["BLOCK_N"]))](
             x, codes, scale, y, S, N, K, x.stride(0), codes.stride(0), y.stride(0),
-            _scale_cols(scale), ROWS=MAX_ROWS, PER_BLOCK=per_block, **cfg)
+            _scale_cols(scale), PER_BLOCK=per_block, **cfg)
     return y
+
+
+def row_tile(S: int) -> dict:
+    """The tile and launch shape of the tl.dot kernel for S rows (2 <= S <= MAX_ROWS)."""
+    return next(cfg for most, cfg in ROW_TILES if S <= most)
 
 
 def linear_silu_mul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -158,11 +172,12 @@ def _fp8_gemv_one_row(X, W, SCALE, Y, N, K, stride_w, SC, GLU_OUT: tl.constexpr,
 def _fp8_gemv(X, W, SCALE, Y, S, N, K, stride_x, stride_w, stride_y, SC, ROWS: tl.constexpr,
               PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               EVEN_K: tl.constexpr):
-    """2..16 rows: a [ROWS, BLOCK_K] x [BLOCK_K, BLOCK_N] tensor-core dot per K tile (rows past
-    S masked to zero), the weight tile widened to x's dtype (exact). PER_BLOCK: BLOCK_K is
-    128, one block column a tile, whose dot is scaled before it is added."""
-    rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rs = tl.arange(0, ROWS)
+    """2..MAX_ROWS rows, program (row tile, column tile): a [ROWS, BLOCK_K] x [BLOCK_K, BLOCK_N]
+    tensor-core dot per K tile (rows past S masked to zero), the weight tile widened to x's
+    dtype (exact). PER_BLOCK: BLOCK_K is 128, one block column a tile, whose dot is scaled
+    before it is added."""
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rk = tl.arange(0, BLOCK_K)
     w_ptr = W + rn[:, None].to(tl.int64) * stride_w + rk[None, :]
     x_ptr = X + rs[:, None] * stride_x + rk[None, :]
