@@ -94,6 +94,8 @@ def test_the_ttft_tool_prints_its_table_on_the_sim(capsys, tmp_path):
                for n in ("6", "20"))
     assert "static cache" in result["peer_static"]["impl"] and "static: transformers" in table
     assert result["vt"]["steps"]["prefill"] >= 3
+    # every timed prompt is computed, none served by the prefix cache (on by default)
+    assert result["vt"]["prefix_hit_rate"] == 0.0
 
 
 def test_the_decode_floor_tool_prints_its_table_on_the_sim(capsys, tmp_path):

@@ -24,8 +24,11 @@ mixed step's decode rows) run in one forward call; decode steps are captured gra
 from __future__ import annotations
 
 import gc
+import itertools
 import statistics
 import time
+
+from vt.bench.errors import CommandFailed
 
 
 def add_arguments(p) -> None:
@@ -117,25 +120,37 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     model = TorchForwardModel(be, module, vocab=cfg.vocab, geometry=geo, prefill="flat")
     sizes = tuple(s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < args.conc) + (args.conc,)
     config = ExecutorConfig(mode=args.mode, serving_conc=args.conc, capture_sizes=sizes)
-    prompts = seeded_prompts(cfg.vocab, args.conc, args.prompt_len)
+    # Every prompt submitted is new (its own seed): a repeat would be served from the prefix
+    # cache, on by default, and time a cache hit instead of a prefill.
+    seeds = itertools.count(2)
+
+    def fresh(n: int, length: int) -> list[list[int]]:
+        return seeded_prompts(cfg.vocab, n, length, seed=next(seeds))
+
     new = args.context - args.prompt_len
     with Engine(be, model, config, max_prefill_tokens=args.conc * args.prompt_len) as eng:
         setup_s = time.perf_counter() - t0
-        _first_tokens(eng, prompts)   # warm: every prompt shape once more, outside the timing
+        _first_tokens(eng, fresh(args.conc, args.prompt_len))   # warm: every prompt shape
         single = {}
         for P in args.single:
-            one_prompt = seeded_prompts(cfg.vocab, 1, P)
-            _first_tokens(eng, one_prompt)   # warm: this prompt's shape
-            single[str(P)] = statistics.median(_first_tokens(eng, one_prompt)[0]
+            _first_tokens(eng, fresh(1, P))   # warm: this prompt's shape
+            single[str(P)] = statistics.median(_first_tokens(eng, fresh(1, P))[0]
                                                for _ in range(args.repeats))
-        many = [_first_tokens(eng, prompts) for _ in range(args.repeats)]
+        many = [_first_tokens(eng, fresh(args.conc, args.prompt_len))
+                for _ in range(args.repeats)]
         tpot = []
         for _ in range(args.repeats):
-            res = [h.result() for h in [eng.submit(p, max_new_tokens=new) for p in prompts]]
+            res = [h.result() for h in [eng.submit(p, max_new_tokens=new)
+                                        for p in fresh(args.conc, args.prompt_len)]]
             tpot.append(statistics.median((r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1)
                                           for r in res))
         stats = eng.stats()
+    hit_rate = (stats.get("prefix_cache") or {}).get("hit_rate") or 0.0
+    if hit_rate:
+        raise CommandFailed(f"torch-ttft: the prefix cache served {hit_rate:.1%} of the prompt "
+                         "tokens; every timed prompt must be computed")
     return dict(params=params, prompt_kernels=module.prompt_kernels, setup_s=setup_s,
+                prefix_hit_rate=hit_rate,
                 ttft_single_s=single,
                 ttft_n_last_s=statistics.median(max(m) for m in many),
                 ttft_n_median_s=statistics.median(statistics.median(m) for m in many),
