@@ -30,7 +30,8 @@ from vt.torch.triton_fused import silu_times
 
 MAX_ROWS = 256
 BLOCK = 128   # the block scales' K and N extent (vt.torch.fp8.BLOCK)
-ONE_ROW = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
+# One row: triton_gemv's shape with twice its K tile, so a tile holds as many bytes (32 a thread).
+ONE_ROW = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=4)
 # (most rows, the tile): the first whose row count covers S; past 64 rows, 64-row tiles.
 # Narrow column tiles up to 64 rows keep more programs than SMs at N = 4096.
 ROW_TILES = ((16, dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)),
