@@ -1,10 +1,19 @@
 """FlatStaging: a flattened batch (vt/step/flat.py) on its way to the device.
 
 One pinned block and its device twin, allocated once for the largest step (every token of a
-full batch: max_seqs * max_context), hold every vector of a flattened step packed end to end,
+full batch: max_seqs * max_context), hold every vector of a flattened step one after another,
 so a step's inputs travel in ONE host-to-device copy of the used prefix. Safe to reuse from
 step to step: a step with prompt tokens owns its logits and drains, so the next step's write
 comes after the device has read this one's copy.
+
+Every vector starts on a 16-byte boundary (ALIGN_WORDS), whatever the step's token and
+sequence counts. Triton compiles a kernel once per pattern of which pointer arguments are
+16-byte aligned: were the vectors packed end to end, that pattern would change with the
+counts, and the first step of new counts would compile another variant of the prompt kernels
+(vt.torch's varlen attention, RoPE and KV write) in the middle of serving, hundreds of
+milliseconds that every request in that step would wait for. Aligned, every step has the one pattern the start-up
+warm-up compiles. (The device block starts aligned: the pool hands out 512-byte aligned
+blocks, and the sim's numpy arrays are 16-byte aligned.)
 """
 from __future__ import annotations
 
@@ -12,6 +21,13 @@ import numpy as np
 
 from vt.step.contract import KVGeometry
 from vt.step.flat import SEQ_FIELDS, TOKEN_FIELDS, FlatInputs
+
+ALIGN_WORDS = 4   # int32 words in 16 bytes: each vector starts at a multiple of this
+
+
+def _padded(n: int) -> int:
+    """n words rounded up to whole ALIGN_WORDS (where the next vector starts)."""
+    return -(-n // ALIGN_WORDS) * ALIGN_WORDS
 
 
 class FlatStaging:
@@ -24,7 +40,7 @@ class FlatStaging:
         self._dev = be.empty((words,), np.int32)
 
     def _words(self, T: int, B: int) -> int:
-        return len(TOKEN_FIELDS) * T + (B + 1) + len(SEQ_FIELDS) * B + B * self.max_blocks
+        return sum(_padded(n) for _, n, _ in self._layout(T, B))
 
     def stage(self, flat: FlatInputs) -> FlatInputs:
         """Write the host batch `flat` into the pinned block; returns the device FlatInputs its
@@ -38,7 +54,7 @@ class FlatStaging:
         for f, n, shape in self._layout(T, B):
             self._host[at:at + n].reshape(shape)[...] = getattr(flat, f)
             views[f] = self._dev[at:at + n].reshape(shape)
-            at += n
+            at += _padded(n)
         self._used = at
         return FlatInputs(**views, query_start_loc_cpu=flat.query_start_loc_cpu,
                           seq_lens_cpu=flat.seq_lens_cpu, num_decode=flat.num_decode)
