@@ -1,5 +1,7 @@
 """Speculative decoding over vt.torch's LlamaDecoder: its decode is the verify step (a row's
 k + 1 tokens as decode rows over its cached prefix). The sim twin of the GPU test below."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -13,7 +15,7 @@ from vt.torch import TorchForwardModel  # noqa: E402
 from vt.engine import Engine  # noqa: E402
 from vt.backend import available_backends  # noqa: E402
 
-from vt_torch._torch_util import GEO, prompts as make_prompts, tiny_llama  # noqa: E402
+from vt_torch._torch_util import GEO, TINY, prompts as make_prompts, tiny_llama  # noqa: E402
 
 K = 4
 
@@ -97,3 +99,65 @@ def test_llama_through_the_engine_with_prefix_caching_on_the_gpu():
     finally:
         be.close()
     assert got == want
+
+
+def _one_token_steps_and_a_verify_step(device: str, invariant: bool, dtype):
+    """A tiny decoder with nn's own initialization (logits close together, as random 8B
+    weights give), a prompt decoded a token a step, then k + 1 = 5 more tokens two ways: one
+    token a step, and as one verify step (the rows of one sequence at consecutive positions,
+    as SpeculativeModel's prologue builds them). Returns both [5, vocab] logits."""
+    from vt.torch import TorchInputs
+    from vt.torch.llama import LlamaDecoder
+    torch.manual_seed(7)
+    m = LlamaDecoder(TINY_NEAR, GEO, dtype=dtype, device=device, batch_invariant=invariant)
+    g, dev = GEO, torch.device(device)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)   # noqa: E731
+    blocks = torch.arange(1, g.max_blocks + 1, dtype=torch.int32, device=dev)[None]
+    slot = lambda p: int(blocks[0, p // g.block_size]) * g.block_size + p % g.block_size   # noqa: E731
+    rng = np.random.default_rng(7)
+    prompt, new = rng.integers(0, TINY_NEAR.vocab, 9).tolist(), rng.integers(0, TINY_NEAR.vocab, 5)
+    table = torch.zeros(g.max_seqs + 1 + 5, dtype=torch.int32, device=dev)
+    one = torch.empty(1, TINY_NEAR.vocab, dtype=torch.float32, device=dev)
+    singles = []
+    for p, tok in enumerate(prompt + new.tolist()):
+        table[0] = tok
+        m(TorchInputs.decode(table, i32([0]), i32([p]), i32([p + 1]), i32([slot(p)]), blocks,
+                             i32([0])), one)
+        if p >= len(prompt):
+            singles.append(one.clone())
+    L = len(prompt)
+    table[g.max_seqs + 1:] = i32(new.tolist())
+    verify = torch.empty(5, TINY_NEAR.vocab, dtype=torch.float32, device=dev)
+    m(TorchInputs.decode(table, i32(list(range(g.max_seqs + 1, g.max_seqs + 6))),
+                         i32([L + j for j in range(5)]), i32([L + j + 1 for j in range(5)]),
+                         i32([slot(L + j) for j in range(5)]), blocks.expand(5, -1).contiguous(),
+                         i32([0] * 5)), verify)
+    return torch.cat(singles).cpu(), verify.cpu()
+
+
+TINY_NEAR = dataclasses.replace(TINY, vocab=512, qk_norm=False)
+
+
+def _same_bytes(a, b) -> bool:
+    return a.contiguous().view(torch.uint8).equal(b.contiguous().view(torch.uint8))
+
+
+def test_a_verify_steps_logits_are_the_one_token_steps_bytes_with_the_batch_invariant_decoder():
+    """On the sim's CPU kernels: the batch-invariant decoder gives each verify position the
+    logits bytes a one-token step gives it (so speculation's greedy tokens are its own, and
+    the oracle's right drafts all accepted); the default decoder does not (its one-row and
+    five-row projections sum in other orders), which is how the oracle's acceptance fell on
+    the GPU with random weights."""
+    singles, verify = _one_token_steps_and_a_verify_step("cpu", True, torch.float32)
+    assert _same_bytes(singles, verify)
+    singles, verify = _one_token_steps_and_a_verify_step("cpu", False, torch.float32)
+    assert not _same_bytes(singles, verify), "the default decoder matched: the check proves nothing"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_verify_steps_logits_are_the_one_token_steps_bytes_on_the_gpu():
+    """The GPU twin, in bf16: the batch-invariant decoder's Triton kernels give a verify
+    position the one-token step's logits bytes."""
+    singles, verify = _one_token_steps_and_a_verify_step("cuda", True, torch.bfloat16)
+    assert _same_bytes(singles, verify)

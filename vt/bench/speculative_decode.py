@@ -3,10 +3,26 @@ decoding without it, on one torch Llama decoder (default torch-llama3-8b), in on
 
 Per rows S (--rows), S prompts of L - steps/2 tokens each (L the first --live, the mean live
 context of the steps, as in the floor table) decode --steps new tokens,
-greedy, on one engine without speculation (the baseline, whose tokens are the oracle's
-references) and on one speculative engine per --accept fraction (oracle: the first
-round(accept * k) drafts of each step right, the rest wrong; ngram: its own lookups, one
-engine). Each run is timed --repeats times after a warm one; the median is kept.
+greedy, on one engine without speculation (the baseline) and on one speculative engine per
+--accept fraction (oracle: the first round(accept * k) drafts of each step right, the rest
+wrong; ngram: its own lookups, one engine). Each run is timed --repeats times after a warm
+one; the median is kept. The baseline's warm run decodes k tokens more than the timed ones:
+its tokens are the oracle's references, so that a request's last verify step, whose drafts
+reach k tokens past the ones it keeps, proposes right ones too.
+
+Both engines run the decoder in its batch-invariant mode (LlamaDecoder(batch_invariant=True);
+--no-batch-invariant: its default kernels). A verify step is the decoder's decode step over
+S * (k + 1) rows, and in that mode a token's logits bits do not depend on the rows of its
+step, so the target's greedy token of every verify position is the one decoding without
+speculation gives: the tokens equal the baseline's and the oracle's right drafts are all
+accepted. With the default kernels the verify step's sums run in another order than a
+one-token step's (another matmul kernel for k + 1 times the rows, attention split
+otherwise), so on near-tied logits (random weights) the target's greedy token can flip; from
+there on the oracle proposes the baseline's tokens, which the target no longer produces, and
+its acceptance falls with no bug anywhere. In the batch-invariant mode the bench therefore
+fails (exit 1, one line on stderr, after the table) where a speculative run's tokens differ
+from the baseline's or an oracle run accepts less than the drafts it proposes right, less
+ACCEPTANCE_SLACK: a broken oracle or verify step, never noise.
 
 - step ms: a decode step's time, (last token's time - first token's) / the steps between
   them; each step's tokens share their time, so the steps are the distinct times. At one row
@@ -14,10 +30,6 @@ engine). Each run is timed --repeats times after a warm one; the median is kept.
   one-token step, host included.
 - tok/s: the tokens the S requests got after their first over the same span, all rows.
 - speedup: tok/s over the baseline's at the same S; acceptance: Engine.stats()'s.
-
-The oracle's fraction is what it proposes right; what is accepted is what the target agrees
-with, the same unless the verify step's logits differ from the baseline's (a decoder that is
-not batch-invariant): the acceptance column says what was reached.
 """
 from __future__ import annotations
 
@@ -25,6 +37,9 @@ import statistics
 import time
 
 METHODS = ("oracle", "ngram")
+# An oracle run of the batch-invariant decoder accepts exactly the drafts it proposes right
+# (round(accept * k) of k); the slack only keeps a float comparison from failing on equality.
+ACCEPTANCE_SLACK = 0.01
 
 
 def add_arguments(p) -> None:
@@ -36,11 +51,18 @@ def add_arguments(p) -> None:
                    help="--speculative: drafts per step (default 4)")
     p.add_argument("--accept", type=float, nargs="+", default=[1.0, 0.5], metavar="F",
                    help="--speculative oracle: the fractions of right drafts (default 1.0 0.5)")
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="--speculative: run the decoder on its default kernels, not its "
+                        "batch-invariant ones (faster; greedy tokens with speculation may then "
+                        "differ from those without, and the oracle's acceptance fall)")
 
 
 def check_arguments(args, error) -> None:
     from vt.forward.speculative import MAX_K
     if args.speculative is None:
+        if args.no_batch_invariant:
+            error("--no-batch-invariant: only with --speculative (the floor table's decoder "
+                  "follows VT_BATCH_INVARIANT)")
         return
     if not 1 <= args.num_spec <= MAX_K:
         error(f"--num-spec {args.num_spec}: must be in [1, {MAX_K}]")
@@ -70,7 +92,8 @@ def run(be, cfg, dtype, args, out) -> None:
     geo = whole_context_geometry(rows[-1], args.max_context)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode")
+    module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode",
+                          batch_invariant=not args.no_batch_invariant)
     table = zeros(be, (verify_table_rows(geo.max_seqs, geo.max_seqs, k),), np.int32)
     config = ExecutorConfig(mode=args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
     prompt_len = args.live[0] - args.steps // 2
@@ -83,15 +106,17 @@ def run(be, cfg, dtype, args, out) -> None:
                       prefix_caching=False)
 
     res = dict(method=args.speculative, k=k, rows=rows, prompt=prompt_len,
-               new_tokens=args.steps, runs=[])
-    refs = {}
+               new_tokens=args.steps, batch_invariant=module.batch_invariant, runs=[])
+    refs, repeatable = {}, True
     with engine(None) as eng:
         res["setup_s"] = time.perf_counter() - t0
         for S in rows:
-            cell, tokens = _timed(eng, prompts[S], args)
-            refs.update({tuple(p): t for p, t in zip(prompts[S], tokens)})
+            cell, tokens, warm = _timed(eng, prompts[S], args, args.steps + k)
+            refs.update({tuple(p): t for p, t in zip(prompts[S], warm)})
+            repeatable &= all(list(t) == list(w[:args.steps]) for t, w in zip(tokens, warm))
             res["runs"].append(dict(cell, rows=S, accept=None))
             _say(res["runs"][-1])
+    res["baseline_repeatable"] = repeatable
     accepts = args.accept if args.speculative == "oracle" else [None]
     for a in accepts:
         spec = SpeculativeConfig(args.speculative, k=k, accept=1.0 if a is None else a,
@@ -99,28 +124,55 @@ def run(be, cfg, dtype, args, out) -> None:
         with engine(spec) as eng:
             for S in rows:
                 before = eng.stats()["speculative"]
-                cell, tokens = _timed(eng, prompts[S], args)
+                cell, tokens, _ = _timed(eng, prompts[S], args, args.steps)
                 after = eng.stats()["speculative"]
                 drafts = after["drafts"] - before["drafts"]
                 cell["acceptance"] = (after["accepted"] - before["accepted"]) / drafts if drafts else 0.0
-                cell["tokens_equal"] = all(list(t) == list(refs[tuple(p)])
+                cell["tokens_equal"] = all(list(t) == list(refs[tuple(p)][:args.steps])
                                            for p, t in zip(prompts[S], tokens))
                 res["runs"].append(dict(cell, rows=S, accept=a))
                 _say(res["runs"][-1])
     res.update(ratios(res["runs"], rows))
+    res["failure"] = failure(res)
     out["speculative"] = res
 
 
-def _timed(eng, prompts, args):
-    """(the median cell of --repeats runs after a warm one, the last run's tokens)."""
-    eng.generate(prompts, max_new_tokens=args.steps)   # warm
+def failure(s: dict) -> str | None:
+    """The one line the bench fails with (module docstring), or None: with the batch-invariant
+    decoder, the baseline's tokens must repeat run to run, every speculative run's must equal
+    them, and an oracle run must accept the drafts it proposes right."""
+    if not s["batch_invariant"]:
+        return None
+    where = "vt bench: torch-decode --speculative with the batch-invariant decoder"
+    if not s["baseline_repeatable"]:
+        return f"{where}: the baseline's tokens differ between its runs"
+    for c in s["runs"]:
+        if "acceptance" not in c:
+            continue
+        what = "ngram" if c["accept"] is None else f"oracle accept {c['accept']}"
+        if not c["tokens_equal"]:
+            return (f"{where}: {what} at S={c['rows']}: the tokens differ from the baseline's "
+                    f"(acceptance {c['acceptance']:.3f})")
+        if c["accept"] is not None:
+            right = round(c["accept"] * s["k"]) / s["k"]
+            if c["acceptance"] < right - ACCEPTANCE_SLACK:
+                return (f"{where}: {what} at S={c['rows']} accepted {c['acceptance']:.3f} of its "
+                        f"drafts, {right:.3f} of them right: the oracle or the verify step is "
+                        f"broken")
+    return None
+
+
+def _timed(eng, prompts, args, warm_new_tokens: int):
+    """(the median cell of --repeats runs of --steps new tokens after a warm run of
+    warm_new_tokens, the last timed run's tokens, the warm run's tokens)."""
+    warm = [r.tokens for r in eng.generate(prompts, max_new_tokens=warm_new_tokens)]
     cells, tokens = [], None
     for _ in range(args.repeats):
         results = eng.generate(prompts, max_new_tokens=args.steps)
         tokens = [r.tokens for r in results]
         cells.append(_cell([r.token_times for r in results]))
     pick = lambda key: statistics.median(c[key] for c in cells)   # noqa: E731
-    return dict(step_s=pick("step_s"), tokens_per_s=pick("tokens_per_s")), tokens
+    return dict(step_s=pick("step_s"), tokens_per_s=pick("tokens_per_s")), tokens, warm
 
 
 def _cell(times) -> dict:
@@ -153,9 +205,11 @@ def _say(r) -> None:
 
 def format_table(r: dict) -> str:
     s = r["speculative"]
-    lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, vt mode {r['mode']}: "
-             f"speculative {s['method']}, k={s['k']}, prompts of {s['prompt']} tokens, "
-             f"{s['new_tokens']} new ones",
+    kernels = ("batch-invariant decoder" if s["batch_invariant"] else
+               "default kernels (not batch-invariant)")
+    lines = [f"{r['preset']} on {r['device']} ({r['backend']}), {r['dtype']}, vt mode {r['mode']}, "
+             f"{kernels}: speculative {s['method']}, k={s['k']}, prompts of {s['prompt']} "
+             f"tokens, {s['new_tokens']} new ones",
              f"{'S':>3} {'run':>12} {'step ms':>8} {'tok/s':>9} {'speedup':>7} {'accepted':>8} "
              f"{'same':>5}"]
     for c in s["runs"]:
@@ -171,4 +225,8 @@ def format_table(r: dict) -> str:
     lines.append("step ms: (last token time - first) / steps between; speedup: tok/s over the "
                  "baseline's at the same rows; accepted: drafts accepted / verified; same: the "
                  "tokens equal the baseline's")
+    if not s["batch_invariant"]:
+        lines.append("default kernels: a verify step's logits may differ in their last bits from "
+                     "a one-token step's, so greedy tokens may differ from the baseline's and the "
+                     "oracle's acceptance fall below its right drafts (docs/speculative.md)")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import sys
 import time
 
 
@@ -96,6 +97,10 @@ def run_and_report(args) -> int:
     if args.speculative:
         from vt.bench.speculative_decode import format_table as speculative_table
         print_and_save(speculative_table(result), result, args.json)
+        failed = result["speculative"]["failure"]
+        if failed:   # after the table and the JSON, which show what went wrong
+            print(failed, file=sys.stderr)
+            return 1
     else:
         print_and_save(format_table(result), result, args.json)
     if args.png:

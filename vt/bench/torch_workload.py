@@ -98,9 +98,10 @@ def tool_setup(preset: str, backend: str):
     return be, cfg, dtype, common
 
 
-def tool_decoder(cfg, geometry, dtype, be, args, tool: str):
+def tool_decoder(cfg, geometry, dtype, be, args, tool: str, batch_invariant: bool | None = None):
     """The torch tools' LlamaDecoder of --kernels, --linear and --prompt-kernels on `be`'s
-    device; a choice the device cannot take exits with one line that names it."""
+    device (batch_invariant: LlamaDecoder's; None reads VT_BATCH_INVARIANT); a choice the
+    device cannot take exits with one line that names it."""
     from vt.torch import torch_device
     from vt.torch.llama import LlamaDecoder
     try:
@@ -109,7 +110,8 @@ def tool_decoder(cfg, geometry, dtype, be, args, tool: str):
                             prompt_kernels=args.prompt_kernels,
                             quantization=getattr(args, "quantization", None),
                             fp8_prompt_linear=getattr(args, "fp8_prompt_linear", "dequantize"),
-                            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"))
+                            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+                            batch_invariant=batch_invariant)
     except ValueError as exc:
         raise SystemExit(f"{tool}: {exc}") from None
 
