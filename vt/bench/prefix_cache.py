@@ -4,11 +4,18 @@ with caching on and off in the same run (two engines over the one decoder, one a
 other, each warmed first).
 
 Shapes (--shapes; every one by default):
-  chat: --clients conversations of --turns turns each (uniform in [min, max]); each turn
-    appends --turn-tokens new user tokens (uniform) to the whole history (every earlier
-    prompt and answer) and asks for --output-len tokens; a client sends its next turn when
-    its previous answer is complete. With caching on, a turn finds the history cached, the
-    previous answers included.
+  chat: --conversations conversations (4 per client by default) of --turns turns each
+    (uniform in [min, max]), served by --clients clients: a client holds one conversation at
+    a time, sends its next turn when the previous answer is complete and, when its
+    conversation ends, takes the next one, so --clients conversations run at once until the
+    last ones. Each turn appends --turn-tokens new user tokens (uniform) to the whole history
+    (every earlier prompt and answer) and asks for --output-len tokens. With caching on, a
+    turn finds the history cached, the previous answers included. The clients start one
+    after another, spread evenly over one answer's time (--output-len decode steps of
+    --clients rows, timed in the first engine's warm-up; both engines get the same offsets):
+    every answer has the same length and no client waits between turns, so clients started
+    together would stay in step for the whole run, every turn arriving in the same step as
+    every other client's and waiting for all of their prefills (--lockstep: that way).
   system: --requests requests from --clients closed-loop clients; every prompt is the same
     system prompt of --system-len tokens (drawn once, uniform) then --turn-tokens tokens of
     its own; --output-len tokens each.
@@ -44,12 +51,14 @@ from __future__ import annotations
 
 import queue
 import statistics
+import threading
 import time
 
 import numpy as np
 
 SHAPES = ("chat", "system", "long-prefix", "no-hit")
 BLOCK = 16
+CONVERSATIONS_PER_CLIENT = 4   # chat's default: the clients stay busy for most of the run
 
 
 def add_arguments(p) -> None:
@@ -58,6 +67,12 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES),
                    help="the traffic shapes to run (default: all)")
     p.add_argument("--clients", type=int, default=16, help="concurrent clients (default 16)")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="chat: conversations the clients serve, one at a time each "
+                        "(default 4 per client)")
+    p.add_argument("--lockstep", action="store_true",
+                   help="chat: every client starts at once (their turns then arrive together "
+                        "all run long) instead of one after another over one answer's time")
     p.add_argument("--turns", type=int, nargs=2, default=[4, 8], metavar=("MIN", "MAX"),
                    help="chat: turns per conversation (default 4 8)")
     p.add_argument("--turn-tokens", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"),
@@ -97,6 +112,8 @@ def check_arguments(args, error) -> None:
               f"--long-prompt {args.long_prompt}")
     if args.output_len < 2:
         error(f"--output-len {args.output_len}: at least 2 (TPOT needs two tokens)")
+    if args.conversations is not None and args.conversations < 1:
+        error(f"--conversations {args.conversations} must be positive")
 
 
 def run_and_report(args) -> int:
@@ -107,6 +124,12 @@ def run_and_report(args) -> int:
 
 
 # -- the requests ----------------------------------------------------------------------
+def conversations(args) -> int:
+    """chat's conversations: --conversations, else CONVERSATIONS_PER_CLIENT per client."""
+    return args.conversations if args.conversations is not None else \
+        CONVERSATIONS_PER_CLIENT * args.clients
+
+
 def _max_context(args) -> int:
     """The longest sequence any shape makes, rounded up to whole blocks."""
     chat = args.turns[1] * (args.turn_tokens[1] + args.output_len) if "chat" in args.shapes else 0
@@ -126,7 +149,7 @@ def draw(args, vocab: int) -> dict:
         return int(rng.integers(lo_hi[0], lo_hi[1] + 1))
 
     chat = [[toks(between(args.turn_tokens)) for _ in range(between(args.turns))]
-            for _ in range(args.clients)]
+            for _ in range(conversations(args))]
     system = toks(between(args.system_len))
     sys_reqs = [np.concatenate([system, toks(between(args.turn_tokens))]) for _ in range(args.requests)]
     long_prefix = toks(args.long_cached)
@@ -138,35 +161,57 @@ def draw(args, vocab: int) -> dict:
 
 
 # -- serving one shape on one engine ---------------------------------------------------
-def _chat(eng, conversations, output_len: int, timeout_s: float):
-    """Every client's conversation, a turn sent when the previous answer is complete;
-    (handles by client, then turn; wall)."""
+def chat_offsets(clients: int, output_len: int, step_s: float, lockstep: bool) -> list[float]:
+    """When each chat client starts, in seconds after the first: spread evenly over one
+    answer's time (output_len steps of step_s), or all at once (lockstep)."""
+    return [0.0 if lockstep else c * output_len * step_s / clients for c in range(clients)]
+
+
+def _chat(eng, conversations, offsets, output_len: int, timeout_s: float):
+    """The conversations served by len(offsets) clients, client c starting at offsets[c] s: a
+    client takes the next conversation, sends a turn when the previous answer is complete,
+    and takes the next conversation when its own ends; (handles by conversation, then turn;
+    wall)."""
     done_q: queue.Queue = queue.Queue()
     history = [np.zeros(0, np.int32) for _ in conversations]
     turn = [0] * len(conversations)
+    waiting = iter(range(len(conversations)))
     sent = {}
 
-    def send(c):
-        prompt = np.concatenate([history[c], conversations[c][turn[c]]])
-        history[c] = prompt
+    def send(k):
+        prompt = np.concatenate([history[k], conversations[k][turn[k]]])
+        history[k] = prompt
         h = eng.submit(prompt, max_new_tokens=output_len)
-        sent[c, turn[c]] = h
-        h.add_done_callback(lambda _h, c=c: done_q.put((c, _h)))
+        sent[k, turn[k]] = h
+        h.add_done_callback(lambda _h, k=k: done_q.put((k, _h)))
+
+    def take_next():
+        k = next(waiting, None)
+        if k is not None:
+            send(k)
 
     t0 = time.perf_counter()
-    for c in range(len(conversations)):
-        send(c)
-    left = sum(len(c) for c in conversations)
+    deadline = t0 + timeout_s
+    starts = sorted(t0 + o for o in offsets)
+    total = left = sum(len(c) for c in conversations)
     while left:
+        while starts and starts[0] <= time.perf_counter():
+            starts.pop(0)
+            take_next()
+        until = min(starts[0], deadline) if starts else deadline
         try:
-            c, h = done_q.get(timeout=max(t0 + timeout_s - time.perf_counter(), 0.0))
+            k, h = done_q.get(timeout=max(until - time.perf_counter(), 0.0))
         except queue.Empty:
-            raise _late("chat", len(sent) - done_q.qsize(), timeout_s) from None
+            if time.perf_counter() >= deadline:
+                raise _late("chat", total - left, timeout_s) from None
+            continue
         left -= 1
-        history[c] = np.concatenate([history[c], np.asarray(h.result(timeout=0).tokens, np.int32)])
-        turn[c] += 1
-        if turn[c] < len(conversations[c]):
-            send(c)
+        history[k] = np.concatenate([history[k], np.asarray(h.result(timeout=0).tokens, np.int32)])
+        turn[k] += 1
+        if turn[k] < len(conversations[k]):
+            send(k)
+        else:
+            take_next()
     return [sent[k] for k in sorted(sent)], time.perf_counter() - t0
 
 
@@ -214,12 +259,13 @@ def _ttft(eng, prompt) -> float:
     return float(r.token_times[0] - t0)
 
 
-def _serve_shapes(eng, args, work, timeout_s: float) -> tuple[dict, dict]:
-    """Every asked shape on one warm engine: ({shape: metrics}, {shape: tokens})."""
+def _serve_shapes(eng, args, work, offsets, timeout_s: float) -> tuple[dict, dict]:
+    """Every asked shape on one warm engine, chat's clients starting at `offsets`:
+    ({shape: metrics}, {shape: tokens})."""
     cells, tokens = {}, {}
     if "chat" in args.shapes:
         cells["chat"], tokens["chat"] = _measure(
-            eng, lambda: _chat(eng, work["chat"], args.output_len, timeout_s))
+            eng, lambda: _chat(eng, work["chat"], offsets, args.output_len, timeout_s))
     if "system" in args.shapes:
         cells["system"], tokens["system"] = _measure(
             eng, lambda: _closed(eng, work["system"], args.clients, args.output_len, timeout_s))
@@ -242,19 +288,30 @@ def _serve_shapes(eng, args, work, timeout_s: float) -> tuple[dict, dict]:
     return cells, tokens
 
 
-def _warm(eng, args, vocab: int) -> None:
+STEP_TIMING_TOKENS = 8   # the warm-up's tokens per client: its decode steps are timed
+
+
+def _warm(eng, args, vocab: int) -> float:
     """Every kind of step once, outside the timing: prompts of each shape's lengths, a turn
-    that hits the cache, decode at every batch size the clients make."""
+    that hits the cache, decode at every batch size the clients make. Returns the median
+    time between two tokens of a request while every client decodes (chat_offsets' step)."""
     rng = np.random.default_rng(args.seed + 1)
     lengths = {args.short_prompt, args.long_prompt, args.no_hit_len, args.turn_tokens[1],
                args.long_prompt - args.long_cached}
     for n in sorted(lengths):
         eng.submit(rng.integers(0, vocab, n).astype(np.int32), max_new_tokens=2).result()
     prompts = [rng.integers(0, vocab, args.turn_tokens[0]).astype(np.int32) for _ in range(args.clients)]
-    res = [h.result() for h in [eng.submit(p, max_new_tokens=4) for p in prompts]]
+    res = [h.result() for h in [eng.submit(p, max_new_tokens=STEP_TIMING_TOKENS) for p in prompts]]
     again = [np.concatenate([p, np.asarray(r.tokens, np.int32), p[:8]]) for p, r in zip(prompts, res)]
     for h in [eng.submit(p, max_new_tokens=2) for p in again]:
         h.result()
+    return _step_s([r.token_times for r in res])
+
+
+def _step_s(token_times) -> float:
+    """The median time between two tokens of these requests, their first two left out (a
+    step that also prefills another client's prompt may take them)."""
+    return float(np.median(np.concatenate([np.diff(np.asarray(t, float)[2:]) for t in token_times])))
 
 
 def run(args, timeout_s: float = 600.0) -> dict:
@@ -267,7 +324,8 @@ def run(args, timeout_s: float = 600.0) -> dict:
     from vt.torch import TorchForwardModel
     be, cfg, dtype, common = tool_setup(args.preset, args.backend)
     out = dict(common, workload="prefix-cache", mode=args.mode, shapes=list(args.shapes),
-               clients=args.clients, turns=list(args.turns), turn_tokens=list(args.turn_tokens),
+               clients=args.clients, conversations=conversations(args), lockstep=args.lockstep,
+               turns=list(args.turns), turn_tokens=list(args.turn_tokens),
                output_len=args.output_len, system_len=list(args.system_len),
                requests=args.requests, long_prompt=args.long_prompt, long_cached=args.long_cached,
                short_prompt=args.short_prompt, no_hit_len=args.no_hit_len, seed=args.seed,
@@ -287,15 +345,18 @@ def run(args, timeout_s: float = 600.0) -> dict:
         sizes = tuple(s for s in (1, 2, 4, 8, 16, 24, 32, 48, 64) if s < rows) + (rows,)
         config = ExecutorConfig(mode=args.mode, serving_conc=rows, capture_sizes=sizes)
         work = draw(args, cfg.vocab)
-        runs, tokens = {}, {}
+        runs, tokens, offsets = {}, {}, None
         for caching in (True, False):
             key = "on" if caching else "off"
             t0 = time.perf_counter()
             with Engine(be, model, config, max_prefill_tokens=args.max_prefill_tokens,
                         prefix_caching=caching) as eng:
-                _warm(eng, args, cfg.vocab)
+                step_s = _warm(eng, args, cfg.vocab)
                 setup_s = time.perf_counter() - t0
-                runs[key], tokens[key] = _serve_shapes(eng, args, work, timeout_s)
+                if offsets is None:   # the first engine's: both get the same
+                    offsets = out["chat_offsets_s"] = chat_offsets(
+                        args.clients, args.output_len, step_s, args.lockstep)
+                runs[key], tokens[key] = _serve_shapes(eng, args, work, offsets, timeout_s)
                 runs[key]["setup_s"] = setup_s
         out["on"], out["off"] = runs["on"], runs["off"]
         out["tokens_differ"] = {s: sum(a != b for a, b in zip(tokens["on"][s], tokens["off"][s]))
@@ -326,9 +387,13 @@ def ratios(on: dict, off: dict) -> dict:
 def format_table(result: dict) -> str:
     lines = [f"prefix-cache: {result['preset']} on {result['device']} ({result['backend']}, "
              f"{result['dtype']}, mode {result['mode']}, {result['clients']} clients, "
-             f"batch invariant {result['batch_invariant']})",
-             f"{'shape':<12} {'cache':<5} {'TTFT p50/p90/p99 ms':>24} {'TPOT p50 ms':>12} "
-             f"{'tok/s':>9} {'hit rate':>9} {'evict':>6}"]
+             f"batch invariant {result['batch_invariant']})"]
+    if "chat" in result["on"]:
+        start = ("all at once" if result["lockstep"] else
+                 f"over {result['chat_offsets_s'][-1] * 1e3:.0f} ms")
+        lines.append(f"chat: {result['conversations']} conversations, the clients started {start}")
+    lines.append(f"{'shape':<12} {'cache':<5} {'TTFT p50/p90/p99 ms':>24} {'TPOT p50 ms':>12} "
+                 f"{'tok/s':>9} {'hit rate':>9} {'evict':>6}")
     for shape in ("chat", "system", "no-hit"):
         if shape not in result["on"]:
             continue
@@ -361,23 +426,32 @@ def _server_flags(args, caching: bool) -> list[str]:
             + ([] if caching else ["--no-prefix-cache"]))
 
 
-def _http_chat(pool, conversations, output_len: int, timeout_s: float):
-    """Each client's conversation on its own thread: a turn's prompt is the history (every
-    earlier prompt and answer) and its new tokens; (completions by client then turn, the
-    prompt tokens sent, wall)."""
+def _http_chat(pool, conversations, offsets, output_len: int, timeout_s: float):
+    """_chat through HTTP: each client on its own thread, starting offsets[c] s after the
+    first, takes the next conversation and sends its turns, a turn's prompt the history
+    (every earlier prompt and answer) and its new tokens; (completions by conversation then
+    turn, the prompt tokens sent, wall)."""
     from vt.bench.serve_http import run_clients
-    first = np.cumsum([0] + [len(c) for c in conversations])   # client k's turns start there
+    first = np.cumsum([0] + [len(c) for c in conversations])   # conversation k's turns start there
     done: list = [None] * int(first[-1])
     sent = [0] * len(conversations)
+    waiting, lock = iter(range(len(conversations))), threading.Lock()
 
-    def client(k):
-        c, history = pool.get(k), []
-        for t, new in enumerate(conversations[k]):
-            prompt = history + new.tolist()
-            sent[k] += len(prompt)
-            done[first[k] + t] = c.stream(prompt, output_len)
-            history = prompt + done[first[k] + t].token_ids
-    _, wall = run_clients(client, len(conversations), done, "chat", timeout_s)
+    def client(i):
+        time.sleep(offsets[i])
+        c = pool.get(i)
+        while True:
+            with lock:
+                k = next(waiting, None)
+            if k is None:
+                return
+            history = []
+            for t, new in enumerate(conversations[k]):
+                prompt = history + new.tolist()
+                sent[k] += len(prompt)
+                done[first[k] + t] = c.stream(prompt, output_len)
+                history = prompt + done[first[k] + t].token_ids
+    _, wall = run_clients(client, min(len(offsets), len(conversations)), done, "chat", timeout_s)
     return done, sum(sent), wall
 
 
@@ -411,8 +485,9 @@ def _cache_counters(url: str) -> dict:
     return out
 
 
-def _http_shapes(pool, url: str, args, work, timeout_s: float) -> tuple[dict, dict]:
-    """Every asked shape against one warm server: ({shape: metrics}, {shape: tokens})."""
+def _http_shapes(pool, url: str, args, work, offsets, timeout_s: float) -> tuple[dict, dict]:
+    """Every asked shape against one warm server, chat's clients starting at `offsets`:
+    ({shape: metrics}, {shape: tokens})."""
     from vt.bench.serve_http import closed_loop
     cells, tokens = {}, {}
     n = args.output_len
@@ -423,7 +498,7 @@ def _http_shapes(pool, url: str, args, work, timeout_s: float) -> tuple[dict, di
         return done, sum(len(p) for p in prompts), wall
     if "chat" in args.shapes:
         cells["chat"], tokens["chat"] = _http_measure(
-            url, lambda: _http_chat(pool, work["chat"], n, timeout_s))
+            url, lambda: _http_chat(pool, work["chat"], offsets, n, timeout_s))
     if "system" in args.shapes:
         cells["system"], tokens["system"] = _http_measure(url, lambda: closed(work["system"]))
     if "no-hit" in args.shapes:
@@ -445,9 +520,10 @@ def _http_shapes(pool, url: str, args, work, timeout_s: float) -> tuple[dict, di
     return cells, tokens
 
 
-def _http_warm(pool, args, vocab: int) -> None:
+def _http_warm(pool, args, vocab: int) -> float:
     """Every kind of step once, outside the timing (as _warm does in process), and a
-    connection per client."""
+    connection per client; returns the median time between two streamed tokens while every
+    client decodes (as _warm does)."""
     from vt.bench.serve_http import closed_loop
     rng = np.random.default_rng(args.seed + 1)
     lengths = {args.short_prompt, args.long_prompt, args.no_hit_len, args.turn_tokens[1],
@@ -455,9 +531,10 @@ def _http_warm(pool, args, vocab: int) -> None:
     for n in sorted(lengths):
         pool.get(0).stream(rng.integers(0, vocab, n).tolist(), 2)
     prompts = [rng.integers(0, vocab, args.turn_tokens[0]).tolist() for _ in range(args.clients)]
-    done, _ = closed_loop(pool, [(p, 4) for p in prompts], args.clients, 600.0)
+    done, _ = closed_loop(pool, [(p, STEP_TIMING_TOKENS) for p in prompts], args.clients, 600.0)
     again = [(p + c.token_ids + p[:8], 2) for p, c in zip(prompts, done)]
     closed_loop(pool, again, args.clients, 600.0)
+    return _step_s([c.token_times for c in done])
 
 
 def run_http(args, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> dict:
@@ -470,13 +547,14 @@ def run_http(args, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> 
                                      stop_vt_serve)
     out = dict(preset=Path(args.http).name, backend=args.backend, dtype="auto",
                device=platform.node(), via="http", workload="prefix-cache", mode=args.mode,
-               shapes=list(args.shapes), clients=args.clients, turns=list(args.turns),
+               shapes=list(args.shapes), clients=args.clients,
+               conversations=conversations(args), lockstep=args.lockstep, turns=list(args.turns),
                turn_tokens=list(args.turn_tokens), output_len=args.output_len,
                system_len=list(args.system_len), requests=args.requests,
                long_prompt=args.long_prompt, long_cached=args.long_cached,
                short_prompt=args.short_prompt, no_hit_len=args.no_hit_len, seed=args.seed,
                batch_invariant=None, max_context=_max_context(args))
-    runs, tokens, work = {}, {}, None
+    runs, tokens, work, offsets = {}, {}, None, None
     for caching in (True, False):
         key = "on" if caching else "off"
         t0 = time.perf_counter()
@@ -486,9 +564,12 @@ def run_http(args, timeout_s: float = 600.0, start_timeout_s: float = 600.0) -> 
             work = work or draw(args, info.vocab)
             pool = ClientPool(url, info.model, timeout_s)
             try:
-                _http_warm(pool, args, info.vocab)
+                step_s = _http_warm(pool, args, info.vocab)
                 setup_s = time.perf_counter() - t0
-                runs[key], tokens[key] = _http_shapes(pool, url, args, work, timeout_s)
+                if offsets is None:   # the first server's: both get the same
+                    offsets = out["chat_offsets_s"] = chat_offsets(
+                        args.clients, args.output_len, step_s, args.lockstep)
+                runs[key], tokens[key] = _http_shapes(pool, url, args, work, offsets, timeout_s)
                 runs[key]["setup_s"] = setup_s
             finally:
                 pool.close()

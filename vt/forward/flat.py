@@ -11,9 +11,9 @@ sequence counts. Triton compiles a kernel once per pattern of which pointer argu
 16-byte aligned: were the vectors packed end to end, that pattern would change with the
 counts, and the first step of new counts would compile another variant of the prompt kernels
 (vt.torch's varlen attention, RoPE and KV write) in the middle of serving, hundreds of
-milliseconds that every request in that step would wait for. Aligned, every step has the one pattern the start-up
-warm-up compiles. (The device block starts aligned: the pool hands out 512-byte aligned
-blocks, and the sim's numpy arrays are 16-byte aligned.)
+milliseconds that every request in that step would wait for. Aligned, every step has the one
+pattern the start-up warm-up compiles. (The device block starts aligned: the pool hands out
+512-byte aligned blocks, and the sim's numpy arrays are 16-byte aligned.)
 """
 from __future__ import annotations
 
