@@ -21,6 +21,12 @@ flag is tested on the hot path and a test arm overrides only the hook it needs:
   it is seen complete, so no step reads the poison; fence=False removes the fence (a block
   is reusable the moment it is released, while the step that reads it may still run), and
   a step in flight reads the poison: wrong tokens or an error row.
+- MaskPoison(write, fence=...): the grammar-mask staging hazard's arm and detector. Right
+  after the serving loop queued a step's mask copies (behind that step's forward), write(
+  masks, rows) overwrites those rows' pinned staging (vt/sampling/token_mask.py). With the
+  staging guard (fence=True, what every production writer gets) it first waits until the
+  queued copies have read staging, so no sampler sees the poison; fence=False takes staging
+  unfenced, the copies read the poison: a constrained row samples with the wrong mask.
 - with_device_work(step_model, seconds): every decode queues that much device time first,
   so the host runs ahead of the device on any backend (the regime where the host-overwrite
   hazard shows).
@@ -44,6 +50,10 @@ class ExecutorHooks:
     # A callable(blocks) the pool calls with the KV blocks it hands to a new owner; None:
     # nothing (production).
     kv_blocks_reused = None
+
+    def after_mask_write(self, masks, rows) -> None:
+        """After the serving loop queued the mask copies of `rows` (masks: the model's
+        vt.sampling.token_mask.TokenMaskState)."""
 
     def pre_grow_pool(self, pool, nbytes: int, count: int) -> None:
         """Before a size's captures: reserve `count` pool blocks of `nbytes`, one retained
@@ -88,6 +98,23 @@ class KVPoison(ExecutorHooks):
     def kv_blocks_reused(self, blocks) -> None:
         self.reused += len(blocks)
         self._write(blocks)
+
+
+class MaskPoison(ExecutorHooks):
+    """The grammar-mask staging hazard's arm (module docstring). write(staging, row): poison
+    one row's staging array; `poisoned` counts the rows written."""
+
+    def __init__(self, write, *, fence: bool = True):
+        if not callable(write):
+            raise TypeError(f"MaskPoison: write must be a callable(staging, row), got "
+                            f"{type(write).__name__}")
+        self._write, self.fence, self.poisoned = write, bool(fence), 0
+        self.label = "+mask-poison" if fence else "+mask-poison-no-fence"
+
+    def after_mask_write(self, masks, rows) -> None:
+        for row in rows:
+            self._write(masks.staging(row, fenced=self.fence), row)
+            self.poisoned += 1
 
 
 class NoPoolPreGrow(ExecutorHooks):

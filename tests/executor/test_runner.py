@@ -77,8 +77,8 @@ def test_every_path_gives_the_tokens_of_the_eager_one(sim_backend, monkeypatch, 
     rows run eagerly (no size fits); a runner without graphs runs every step eagerly. Both
     give the same tokens, each over its own toy state."""
     replays = []
-    launch = SizeSlot.launch
-    monkeypatch.setattr(SizeSlot, "launch",
+    launch = SizeSlot.launch_forward   # every replay launches its forward graph first
+    monkeypatch.setattr(SizeSlot, "launch_forward",
                         lambda self, *a: (replays.append(self.size), launch(self, *a))[1])
     graphs, eager = _runner(sim_backend, (1, 2), mode), _runner(sim_backend, (), mode)
     try:
@@ -143,3 +143,70 @@ def test_the_drain_is_skipped_only_after_graph_steps_of_a_ring_mode(sim_backend,
         runner.close()
     assert stats.drains_after == drains_after
     assert stats.drains == sum(drains_after.values())
+
+
+@pytest.mark.parametrize("mode", ["drain", "ring", "staged"])
+def test_a_split_launch_gives_the_tokens_of_a_whole_one(backend, mode):
+    """launch(sample=False) then launch_sampler: the forward graph alone, then the sampler
+    graph, with a step collected between them as the serving loop does; the tokens are those
+    of whole launches, each run over its own toy state."""
+    def serve(split: bool):
+        runner, seq = _runner(backend, (1, 2), mode), _Sequences()
+        try:
+            tokens = []
+            prev = runner.launch(StepPlan(prefill=seq.prefill([0, 1])))
+            for _ in range(4):
+                handle = runner.launch(StepPlan(seq.decode([0, 1])), sample=not split)
+                tokens.append(runner.collect(prev).tolist())
+                if split:
+                    runner.launch_sampler(handle)
+                prev = handle
+            tokens.append(runner.collect(prev).tolist())
+            return tokens, runner.stats.split_steps
+        finally:
+            runner.close()
+    whole, split = serve(False), serve(True)
+    assert whole[1] == 0 and split[1] == 4
+    assert split[0] == whole[0] and len({tuple(t) for t in whole[0]}) > 1
+
+
+def test_a_split_launch_refuses_what_it_cannot_do(sim_backend):
+    """Only a graph step launches its forward alone; its sampler comes before the next launch
+    and before its collect, and only for that step."""
+    runner, seq = _runner(sim_backend, (1, 2)), _Sequences()
+    try:
+        with pytest.raises(ValueError, match="runs eagerly: only a graph step"):
+            runner.launch(StepPlan(prefill=seq.prefill([0, 1])), sample=False)
+        first = runner.launch(StepPlan(prefill=seq.prefill([0, 1, 2])))
+        assert not runner.splits(0) and runner.splits(2) and not runner.splits(3)
+        with pytest.raises(ValueError, match="3 rows runs eagerly"):
+            runner.launch(StepPlan(seq.decode([0, 1, 2])), sample=False)
+        runner.collect(first)
+        handle = runner.launch(StepPlan(seq.decode([0, 1])), sample=False)
+        with pytest.raises(RuntimeError, match=f"step {handle.index} was launched without its "
+                                               f"sampler; launch_sampler\\(\\) it before the next"):
+            runner.launch(StepPlan(seq.decode([0, 1])))
+        with pytest.raises(RuntimeError, match="before collecting it"):
+            runner.collect(handle)
+        with pytest.raises(ValueError, match=f"step {first.index} has no forward awaiting"):
+            runner.launch_sampler(first)
+        runner.launch_sampler(handle)
+        with pytest.raises(ValueError, match=f"step {handle.index} has no forward awaiting"):
+            runner.launch_sampler(handle)
+        assert runner.collect(handle).shape == (2,)
+    finally:
+        runner.close()
+
+
+def test_abort_launches_the_sampler_of_a_split_step(sim_backend):
+    """A failure between a step's forward and its sampler: abort() completes the step on the
+    device, so the slot's next step launches its forward as usual."""
+    runner, seq = _runner(sim_backend, (1, 2), "ring"), _Sequences()
+    try:
+        runner.collect(runner.launch(StepPlan(prefill=seq.prefill([0, 1]))))
+        for _ in range(2):   # both slots of size 2 left with a forward awaiting its sampler
+            runner.launch(StepPlan(seq.decode([0, 1])), sample=False)
+            assert runner.abort(RuntimeError("a grammar failed")) is None
+        assert runner.collect(runner.launch(StepPlan(seq.decode([0, 1])))).shape == (2,)
+    finally:
+        runner.close()

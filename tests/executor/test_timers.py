@@ -112,9 +112,10 @@ def test_graph_and_mixed_steps_share_the_slot_api(sim_backend, monkeypatch):
     import vt.executor
     from vt.graphs.slot import SizeSlot
     calls = []
-    write, launch = SizeSlot.write, SizeSlot.launch
+    write, launch = SizeSlot.write, SizeSlot.launch_forward   # launch() starts with it too
     monkeypatch.setattr(SizeSlot, "write", lambda self, rows: (calls.append("w"), write(self, rows))[1])
-    monkeypatch.setattr(SizeSlot, "launch", lambda self, *a: (calls.append("l"), launch(self, *a))[1])
+    monkeypatch.setattr(SizeSlot, "launch_forward",
+                        lambda self, *a: (calls.append("l"), launch(self, *a))[1])
     prompts, budgets = workload(24, seed=8)
     toy = ToyForward(sim_backend, vocab=VOCAB)
     with Engine(sim_backend, toy.step_model(), ExecutorConfig(serving_conc=6, mode="ring")) as eng:

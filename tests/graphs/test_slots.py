@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from vt.backend import CaptureAllocationError
-from vt.graphs import DecodeGraphDriver, GraphSettings, StaleLogitsError
+from vt.graphs import DecodeGraphDriver, GraphSettings, StaleLogitsError, StepHalves
 from vt.config import ExecutorConfig
 from vt.step.contract import DecodeRows
 from vt.forward.toy import ToyForward
@@ -19,10 +19,7 @@ def _driver(be, mode="drain", hooks=NULL_HOOKS):
     c = ExecutorConfig(mode=mode, capture_sizes=(1, 2, 4, 8))
     settings = GraphSettings(sizes=c.capture_sizes, slots_per_size=c.slots_per_size,
                              guarded=c.guarded, staged=c.staged_h2d)
-
-    def step(stream, inputs, logits, out_tokens):
-        model.decode(stream, inputs, logits)
-        model.sample(stream, logits, inputs, out_tokens)
+    step = StepHalves(forward=model.decode, sample=model.sample)
     return DecodeGraphDriver(be, be.stream(name="test"), step, vocab=32, max_blocks=g.max_blocks,
                              pad=g.pad, settings=settings, hooks=hooks), toy
 
@@ -71,13 +68,14 @@ def test_off_path_needs_no_pre_grow(backend):
 @pytest.mark.parametrize("mode", ["ring", "staged"])
 def test_capture_with_warm_up_makes_no_malloc_during_capture(backend, mode):
     """Warm-up + pre-grow: every size (4 of them), k=2 slots, 0 driver calls while
-    capturing; staged captures one graph per size."""
+    capturing; staged captures one step per size. A step is two captures (its forward's
+    graph and its sampler's)."""
     drv, _ = _driver(backend, mode)
     before = backend.pool.stats()
     drv.capture()
     after = backend.pool.stats()
     assert after.mallocs_during_capture == 0
-    assert after.captures - before.captures == (4 if mode == "staged" else 8)
+    assert after.captures - before.captures == 2 * (4 if mode == "staged" else 8)
     assert all(len(r.slots) == 2 for r in drv.rings.values())
     drv.close()
 

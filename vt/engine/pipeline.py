@@ -7,8 +7,10 @@ leaves the batch after step N+1 is launched (depth 2 cannot know sooner), so bot
 plan the same steps and give the same tokens.
 
 A request with a grammar needs its token of step N on the host (its mask of step N+1 is built
-from it) before step N+1 is launched: while one is live, the loop collects the step in flight
-before it plans (take_in_flight), so steps run at depth 1 (vt/engine/serving.py).
+from it) before step N+1's sampler runs: at depth 2 the loop launches step N+1's forward,
+collects step N, queues the masks, then launches step N+1's sampler; a step that cannot be
+split so (prefill, mixed, eager) is planned only after the step in flight is collected
+(take_in_flight): vt/engine/serving.py.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class StepPipeline:
     """What has been launched and not yet collected, and the stops not yet applied."""
 
     __slots__ = ("leave", "in_flight", "stopped")
+    depth = 0   # steps in flight after a launch: the subclass's
 
     def __init__(self, leave: Callable):
         self.leave = leave      # leave(request): out of the batch (Scheduler.leave)
@@ -52,6 +55,7 @@ class CollectNextStep(StepPipeline):
     """Depth 2: step N is collected after step N+1 is launched; its stops apply at once."""
 
     __slots__ = ()
+    depth = 2
 
     def launched(self, handle):
         ready, self.in_flight = self.in_flight, handle
@@ -67,6 +71,7 @@ class CollectAtOnce(StepPipeline):
     is launched, as at depth 2."""
 
     __slots__ = ()
+    depth = 1
 
     def launched(self, handle):
         if self.stopped:

@@ -127,7 +127,7 @@ class Scheduler:
         b, geo = self.batch, self.geo
         b.begin_step()
         n_dec = b.n
-        if not self.prefilling and (not pending or n_dec >= self.serving_conc):
+        if self.decode_only_next(pending):
             return StepPlan(BatchStep(b) if n_dec else None, None, self.decode_tag())
         chunks, budget = [], self.max_prefill_tokens     # (request, end of its chunk)
         for req in self.prefilling:
@@ -187,6 +187,11 @@ class Scheduler:
         return StepPlan(decode, prefill, tag, admitted)
 
     # -- prefix caching (vt/engine/kv_blocks.py) ------------------------------------------
+    def decode_only_next(self, pending: deque) -> bool:
+        """Whether the next plan is the batch's decode rows alone (no prompt chunk goes on and
+        nobody is admitted): its rows are the batch's n."""
+        return not self.prefilling and (not pending or self.batch.n >= self.serving_conc)
+
     def _planned(self, chunks) -> set:
         """The hashes of the full prompt blocks this plan's continuing chunks compute."""
         bs, out = self.geo.block_size, set()

@@ -30,6 +30,7 @@ from vt.engine.token_buffer import TokenBuffer
 from vt.engine.pipeline import step_pipeline
 from vt.engine.profile import LoopProfile
 from vt.engine.progress import Phase
+from vt.engine.grammars import GrammarRows
 from vt.engine.requests import RequestPhase
 from vt.engine.scheduler import Scheduler
 
@@ -63,7 +64,7 @@ class ServingLoop:
                                 on_kv_reuse=hooks.kv_blocks_reused, speculative=speculative)
         self._pipeline = step_pipeline(depth, self._sched.leave)
         self._masks = step_model.token_masks   # the sampler's grammar masks (None: refused)
-        self._constrained: list = []          # live requests with a grammar (serving thread's)
+        self._grammars = GrammarRows(self._masks, runner.stream, hooks.after_mask_write)
         self._wall_s = 0.0
         self._failed_steps = 0
         self._decode_phase, self._prefill_phase = Phase(), Phase()
@@ -250,44 +251,54 @@ class ServingLoop:
                 self._fail(exc, pending if isinstance(exc, SchedulerStalledError) else ())
 
     def _step(self, pending: deque) -> None:
-        """One step: plan step N+1, launch it, collect what the pipeline's depth says, update."""
-        if self._constrained:
-            self._collect_for_grammars()
+        """One step: plan step N+1, launch it, collect what the pipeline's depth says, update.
+        While a constrained request is live, a step that can be split launches its forward,
+        then collects step N (which queues the masks), then its sampler; any other is
+        planned once step N is collected (`_split_next`)."""
+        split = self._split_next(pending)
         plan = self._sched.plan(pending)
-        ready = self._pipeline.launched(self._launch(plan, pending))
+        handle = self._launch(plan, pending, sample=not split)
+        ready = self._pipeline.launched(handle)
         if ready is not None:
             self._collect(ready)
+        if split:
+            self.runner.launch_sampler(handle)
         self._update(plan)
 
     def _profiled_step(self, pending: deque) -> None:
         """_step with LoopProfile's hooks between its parts (profile=True)."""
         prof = self._loop_profile
         timed = prof.begin()
-        if self._constrained:
-            self._collect_for_grammars()
+        split = self._split_next(pending)
         plan = self._sched.plan(pending)
         if timed:
             prof.planned()
-        ready = self._pipeline.launched(self._launch(plan, pending))
+        handle = self._launch(plan, pending, sample=not split)
+        ready = self._pipeline.launched(handle)
         if timed:
             prof.launched()
         if ready is not None:
             self._collect(ready)
+        if split:
+            self.runner.launch_sampler(handle)
         phase = self._update(plan)
         if timed:
             prof.end(phase)
 
     # -- the parts of a step, in order --------------------------------------------------
-    def _launch(self, plan, pending: deque):
+    def _launch(self, plan, pending: deque, *, sample: bool = True):
         """Launch the plan (Scheduler.plan's: the requests it admits are live from now) and
         move the batch past it; returns its handle (None: an empty plan, which only a step
-        in flight or stops still to apply may explain)."""
+        in flight or stops still to apply may explain). sample=False: its forward alone
+        (Runner.launch)."""
         if plan.admitted:
             self._buffer.admit(plan.admitted)
-            self._constrained += [r for r in plan.admitted
-                                  if r.sampling.grammar is not None and r not in self._constrained]
+            self._grammars.admit(plan.admitted)
         if plan.n:
-            handle = self.runner.launch(plan)
+            # a tensor-parallel group's runner launches whole steps only (its model has no
+            # grammar masks, so nothing splits there)
+            handle = (self.runner.launch(plan) if sample
+                      else self.runner.launch(plan, sample=False))
             self._sched.after_launch(plan)
             return handle
         if self._pipeline.empty():
@@ -312,43 +323,33 @@ class ServingLoop:
         sched.completed(ready.tag.t)   # its done event seen: its released blocks reusable
         if stopped:
             self._pipeline.collected(stopped)
-        if self._constrained:
-            self._advance_grammars(ready.tag.t)
+        if self._grammars:
+            self._grammars.advance(ready.tag.t, self._buffer.tokens)
         if self._progress_sinks:
             self._report(ready.index)
 
-    # -- grammars (vt/sampling/token_mask.py) --------------------------------------------
+    # -- grammars (vt/engine/grammars.py) ------------------------------------------------
     # A constrained request's mask for step N+1 is built from its token of step N, so that
-    # token must be on the host before step N+1 is launched: while one is live, the step in
-    # flight is collected before the next is planned (depth 1 for every row), and each
-    # collect advances the grammars and writes the next masks in the stream, before the
-    # next launch.
-    def _collect_for_grammars(self) -> None:
+    # token must be on the host before step N+1's sampler runs. At depth 2, when the next
+    # step is a graph step (decode rows only, a captured size), its forward is launched
+    # first and reads token N on the device; step N is then collected, the grammars take
+    # their tokens and the masks are copied in the stream, and the step's sampler follows:
+    # the device runs the forward while the host builds the masks, for every row. Any other
+    # step (prefill, mixed, eager; depth 1) is planned once the step in flight is collected.
+    def _split_next(self, pending: deque) -> bool:
+        """Whether the next step launches its forward before step N is collected (a
+        constrained request live and the step a graph step at depth 2); when a constrained
+        request is live and it does not, step N is collected now."""
+        if not self._grammars:
+            return False
+        sched = self._sched
+        if (self._pipeline.depth == 2 and sched.decode_only_next(pending)
+                and self.runner.splits(sched.batch.n)):
+            return True
         ready = self._pipeline.take_in_flight()
         if ready is not None:
             self._collect(ready)
-
-    def _advance_grammars(self, t: int) -> None:
-        """Each live constrained request's grammar takes its token of batch step t; one that
-        samples again gets its next mask (TokenMaskState.write, in the runner's stream)."""
-        masks, tokens, stream = self._masks, self._buffer.tokens, self.runner.stream
-        live = []
-        for req in self._constrained:
-            if req.finished:
-                continue
-            live.append(req)
-            first = req.first_step
-            if first is None or first > t or req.phase is not RequestPhase.DECODING:
-                continue   # no token of its own in step t (prefilling, or a non-final chunk)
-            d = req.entry(t)
-            if d >= req.span_end or tokens[d] < 0:
-                continue   # past its end, or an error token (the request ends with it)
-            grammar = req.sampling.grammar
-            grammar.accept(int(tokens[d]))
-            if d + 1 < req.span_end and req.row is not None:   # it samples again
-                grammar.fill_mask(masks.staging(req.row))
-                masks.write(stream, req.row)
-        self._constrained = live
+        return False
 
     def _update(self, plan):
         """After the collect: the cancelled requests finish (the step that held them is

@@ -48,6 +48,7 @@ class StepHandle:
 class RunnerStats:
     steps: int = 0
     graph_steps: int = 0
+    split_steps: int = 0      # graph steps whose forward was launched alone (launch(sample=False))
     eager_steps: int = 0      # pure decode above the largest captured size
     mixed_steps: int = 0      # prefill + decode
     prefill_steps: int = 0

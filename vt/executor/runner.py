@@ -1,9 +1,12 @@
 """Runner: one step at a time, depth-2 async, with the drain and its skip.
 
-A graph step is one graph launch: the slot's input block H2D, the forward, the sampler (which
-writes the next step's input token into the device token table) and the tokens' D2H into the
-slot's pinned output, then one event record. Step N+1 is launched before the host reads step
-N's tokens.
+A graph step is the slot's two graphs (vt/graphs/capture.py): the input block's H2D and the
+forward, then the sampler (which writes the next step's input token into the device token
+table), the tokens' D2H into the slot's pinned output and one event record. Step N+1 is
+launched before the host reads step N's tokens. launch(plan, sample=False) launches a graph
+step's forward alone, and launch_sampler(handle) its sampler later: the host queues work
+between the two in the stream (a grammar's masks, built from step N's tokens while the
+forward of step N+1 runs: vt/engine/serving.py).
 
 Before Refresh(N+1) the host drains (waits for step N) unless the skip applies: the
 previous step's logits are a non-owning graph view AND the mode skips the drain
@@ -21,7 +24,7 @@ import numpy as np
 
 from vt.backend.errors import ClosedError
 from vt.executor.eager import EagerPath
-from vt.graphs import DecodeGraphDriver, GraphSettings
+from vt.graphs import DecodeGraphDriver, GraphSettings, StepHalves
 from vt.executor.logits_record import LogitsRecord
 from vt.executor.plan import RunnerStats, StepHandle, StepPlan  # noqa: F401  (StepPlan: re-exported)
 from vt.executor.timers import NULL_TIMER, SampledTimer, TracingTimer
@@ -29,14 +32,11 @@ from vt.backend.waits import DEFAULT_POLL_US, wait_event
 from vt.hooks import NULL_HOOKS, ExecutorHooks
 
 
-def _decode_and_sample(model):
-    """The captured step. A closure over the model only: a bound method of the runner would
-    make runner -> driver -> runner a cycle, freed only by the cyclic GC at any later moment
-    (its pinned buffers with it)."""
-    def step(stream, inputs, logits, out_tokens) -> None:
-        model.decode(stream, inputs, logits)
-        model.sample(stream, logits, inputs, out_tokens)
-    return step
+def _step_halves(model) -> StepHalves:
+    """The captured step's two halves. Bound methods of the model only: a bound method of
+    the runner would make runner -> driver -> runner a cycle, freed only by the cyclic GC at
+    any later moment (its pinned buffers with it)."""
+    return StepHalves(forward=model.decode, sample=model.sample)
 
 
 class Runner:
@@ -62,7 +62,7 @@ class Runner:
         self._poll_s = poll_us * 1e-6
         settings = GraphSettings(sizes=config.capture_sizes, slots_per_size=config.slots_per_size,
                                  guarded=config.guarded, staged=config.staged_h2d)
-        self.driver = DecodeGraphDriver(be, self.stream, _decode_and_sample(model), vocab=model.vocab,
+        self.driver = DecodeGraphDriver(be, self.stream, _step_halves(model), vocab=model.vocab,
                                         max_blocks=geo.max_blocks, pad=model.pad, settings=settings,
                                         hooks=hooks)
         self.eager = EagerPath(be, self.stream, model, capacity=self.capacity,
@@ -78,6 +78,7 @@ class Runner:
         self._ring_for = self.driver.ring_for
         self.set_profile(profile)
         self._last: StepHandle | None = None
+        self._unsampled: StepHandle | None = None   # launched with sample=False, sampler not yet
         self._inflight: list[StepHandle] = []
         self._steps = 0
         self._closed = False
@@ -106,22 +107,44 @@ class Runner:
         self.eager.warm_up(self.driver.rings, max_prefill_tokens, progress)
 
     # -- launch -------------------------------------------------------------------------
-    def launch(self, plan: StepPlan) -> StepHandle:
+    def launch(self, plan: StepPlan, *, sample: bool = True) -> StepHandle:
         """Launch one step: a graph replay when its rows are decode-only and a captured size
         fits, else the eager path. Drains first unless the skip applies (its logits are a
-        graph's view and the mode skips the drain: module docstring)."""
+        graph's view and the mode skips the drain: module docstring). sample=False: a graph
+        step's forward alone (splits(plan.n) must hold); launch_sampler(handle) launches the
+        rest before the next launch or its collect."""
         self.check_launch(plan)
         n = plan.n
+        ring = None if plan.prefill else self._ring_for(n)
+        if not sample and ring is None:
+            raise ValueError(f"a step of {n} rows{' with prompts' if plan.prefill else ''} runs "
+                             f"eagerly: only a graph step launches its forward alone "
+                             f"(Runner.splits)")
         prev = self._last
         if prev is not None and prev.tokens is None and not (
                 prev.logits.non_owning_view and self._skip_graph_drain):
             self._drain(prev)
-        ring = None if plan.prefill else self._ring_for(n)
-        handle = self._launch_graph(ring, plan) if ring is not None else self._launch_eager(plan)
+        handle = (self._launch_graph(ring, plan, sample) if ring is not None
+                  else self._launch_eager(plan))
         self._last = handle
         self._inflight.append(handle)
         self._steps += 1
         return handle
+
+    def splits(self, n: int) -> bool:
+        """Whether a decode-only step of n rows is a graph step, whose forward launch(plan,
+        sample=False) may launch alone."""
+        return 0 < n <= self.capacity and self._ring_for(n) is not None
+
+    def launch_sampler(self, handle: StepHandle) -> None:
+        """The sampler of the step launched with sample=False (after what the host queued on
+        the stream since its forward)."""
+        if handle is not self._unsampled:
+            raise ValueError(f"step {handle.index} has no forward awaiting its sampler "
+                             f"(awaiting: {None if self._unsampled is None else self._unsampled.index})")
+        self._unsampled = None
+        handle.slot.launch_sampler(self.stream)
+        self._graph_launched(handle)
 
     def check_usable(self) -> None:
         """Raise what makes this runner unable to take steps (a stopped tensor-parallel group:
@@ -137,12 +160,16 @@ class Runner:
             raise ValueError("an empty step: nothing to decode or prefill")
         if n > self.capacity:
             raise ValueError(f"a step of {n} rows exceeds max_seqs={self.capacity}")
+        if self._unsampled is not None:
+            raise RuntimeError(f"step {self._unsampled.index} was launched without its sampler; "
+                               f"launch_sampler() it before the next launch")
         if len(self._inflight) >= 2:
             raise RuntimeError(f"two steps ({[h.index for h in self._inflight]}) are launched and "
                                f"not collected; collect the oldest before launching (depth 2)")
 
-    def _launch_graph(self, ring, plan: StepPlan) -> StepHandle:
-        """Acquire the ring's next slot (its guard), write the rows into it, replay it."""
+    def _launch_graph(self, ring, plan: StepPlan, sample: bool) -> StepHandle:
+        """Acquire the ring's next slot (its guard), write the rows into it, replay it (its
+        forward alone without `sample`)."""
         timer, index, n, st = self.timer, self._steps, plan.n, self.stats
         timer.acquiring()
         slot, waited = ring.acquire(self._poll_s)
@@ -150,16 +177,28 @@ class Runner:
         timer.acquired(slot, waited)
         slot.write(plan.decode)
         timer.refreshed()
-        logits = slot.launch(self.stream, n, index)
+        logits = slot.launch_forward(self.stream, n, index)
         handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done, slot)
         st.steps += 1
         st.graph_steps += 1
         st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
+        if sample:
+            slot.launch_sampler(self.stream)
+            self._graph_launched(handle)
+        else:
+            st.split_steps += 1
+            self._unsampled = handle
+        return handle
+
+    def _graph_launched(self, handle: StepHandle) -> None:
+        """After a graph step's sampler launch: what reads its logits (the record of them
+        follows the sampler, which changes a constrained or penalized row's), its timing,
+        the hook."""
         if self._record is not None:
             self._record.record(handle)
-        timer.launched(handle)
-        self._after_graph_launch(ring, handle, self._skip_graph_drain, st)
-        return handle
+        self.timer.launched(handle)
+        self._after_graph_launch(self._ring_for(handle.n), handle, self._skip_graph_drain,
+                                 self.stats)
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
         """Prefill, mixed and oversize steps (vt/executor/eager.py), with their own logits."""
@@ -202,6 +241,9 @@ class Runner:
         if not inflight or handle is not inflight[0]:
             raise ValueError(f"step {handle.index} is not the oldest step in flight "
                              f"(in flight: {[h.index for h in inflight]})")
+        if handle is self._unsampled:
+            raise RuntimeError(f"step {handle.index} was launched without its sampler; "
+                               f"launch_sampler() it before collecting it")
         inflight.pop(0)
         if handle.tokens is None:
             self._wait(handle, drain=False)
@@ -246,11 +288,15 @@ class Runner:
         reports a failed op this way)."""
         error = None
         try:
+            if self._unsampled is not None:
+                # the step's sampler too (its tokens are dropped): the slot's graphs and its
+                # done event stay paired for the slot's next step
+                self._unsampled.slot.launch_sampler(self.stream)
             self.stream.synchronize()
         except Exception as exc:  # noqa: BLE001 (reported to the caller, who re-raises its own)
             error = exc
         self._inflight.clear()
-        self._last = None
+        self._last = self._unsampled = None
         return error
 
     def close(self) -> str | None:

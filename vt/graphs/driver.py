@@ -1,9 +1,10 @@
 """DecodeGraphDriver: decode steps of any forward as captured graphs, one SlotRing per size.
 
-The step is `step(stream, inputs, logits_out, out_tokens)`: a forward that only launches work
-(capturable: no host sync, no allocation outside the backend's pool), reads its per-step
-inputs from `inputs` (DecodeInputs, device arrays) and writes `logits_out` [S, vocab] f32,
-followed by the sampler writing `out_tokens` [S]. Scheduling (drain, token readback) is the
+The step is a StepHalves (vt/graphs/capture.py): `forward(stream, inputs, logits_out)`, which
+only launches work (capturable: no host sync, no allocation outside the backend's pool),
+reads its per-step inputs from `inputs` (DecodeInputs, device arrays) and writes
+`logits_out` [S, vocab] f32, and `sample(stream, logits, inputs, out_tokens)`, the sampler
+writing `out_tokens` [S]; each slot captures them as two graphs. Scheduling (drain, token readback) is the
 runner's job; eager steps are vt/executor/eager.py's.
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ import bisect
 from dataclasses import dataclass
 
 from vt.backend.errors import ClosedError
-from vt.graphs.capture import capture_slot, logits_nbytes, warm_up
+from vt.graphs.capture import StepHalves, capture_slot, logits_nbytes, warm_up
 from vt.graphs.slot import SizeSlot, SlotRing
 from vt.step.contract import PadRow
 from vt.backend.timing import timed_ms
@@ -41,7 +42,7 @@ class DecodeGraphDriver:
     """Captures every size, picks the padded size of a step and hands out its next slot.
     `hooks` (vt.hooks): the pool pre-grow goes through hooks.pre_grow_pool."""
 
-    def __init__(self, be, stream, step, *, vocab: int, max_blocks: int, pad: PadRow,
+    def __init__(self, be, stream, step: StepHalves, *, vocab: int, max_blocks: int, pad: PadRow,
                  settings: GraphSettings, hooks: ExecutorHooks = NULL_HOOKS):
         self.be, self.stream, self.step = be, stream, step
         self.vocab = integer("DecodeGraphDriver.vocab", vocab, 2)

@@ -10,24 +10,47 @@ class StaleLogitsError(VtError, RuntimeError):
 
 
 class GraphOutput:
-    """A captured graph and its retained [S, vocab] logits block. `generation` counts the
-    launches, so a view taken at one launch can tell that a later one overwrote it."""
+    """A step captured as two graphs, the forward (which writes the retained [S, vocab] logits
+    block) and the sampler (which reads it), launched back to back or apart: the host may
+    queue work between them (a grammar's masks, vt/engine/serving.py). `generation` counts
+    the forward's launches, so a view taken at one launch can tell that a later one
+    overwrote it. A forward's sampler must be launched before the next forward, and only
+    then (RuntimeError otherwise): the logits it reads are the last forward's."""
 
-    def __init__(self, graph, logits, name: str):
-        self.graph = graph
+    def __init__(self, forward, sampler, logits, name: str):
+        self.forward, self.sampler = forward, sampler
         self.logits = logits   # [S, vocab] f32, retained: never returned to the scratch arena
         self.name = name
         self.generation = 0
+        self.sampler_pending = False   # a forward was launched and its sampler not yet
 
     def launch(self, stream) -> int:
-        self.graph.launch(stream)
+        """The whole step: the forward, then its sampler."""
+        gen = self.launch_forward(stream)
+        self.launch_sampler(stream)
+        return gen
+
+    def launch_forward(self, stream) -> int:
+        if self.sampler_pending:
+            raise RuntimeError(f"{self.name}: forward launched again before the sampler of "
+                               f"generation {self.generation}; launch_sampler() first")
+        self.forward.launch(stream)
         self.generation += 1
+        self.sampler_pending = True
         return self.generation
 
+    def launch_sampler(self, stream) -> None:
+        if not self.sampler_pending:
+            raise RuntimeError(f"{self.name}: launch_sampler() without a forward to sample "
+                               f"(generation {self.generation} is sampled already)")
+        self.sampler.launch(stream)
+        self.sampler_pending = False
+
     def close(self):
-        if self.graph is not None:
-            self.graph.close()
-            self.graph = None
+        for graph in (self.forward, self.sampler):
+            if graph is not None:
+                graph.close()
+        self.forward = self.sampler = None
         self.logits = None
 
 

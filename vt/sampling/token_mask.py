@@ -7,7 +7,7 @@ Per sequence row r (a token-table row) the device keeps:
   bits [R, ceil(V / 32)] i32: token t is allowed iff bit (t & 31) of word t >> 5 is set (the
   layout xgrammar's fill_next_token_bitmask writes).
 The host writes a constrained row's bits (from pinned staging, one H2D copy in the step's
-stream, before the step that samples with them) each time it knows the row's previous token;
+stream, before the sampler that uses them) each time it knows the row's previous token;
 the step itself carries no mask and no extra per-row vector. A row whose `on` is 0 is left
 alone: the kernel's block returns at once for it, so rows without a grammar pay one flag read.
 
@@ -28,13 +28,16 @@ def mask_words(vocab: int) -> int:
 
 class TokenMaskState:
     """The device tables of `rows` sequence rows of a `vocab`-token model and the pinned
-    staging a row's next mask is written into (staging(row), then write(stream, row)).
+    staging a row's next mask is written into (staging(row), then write(stream, rows)).
 
-    A row's staging is rewritten only once the host has collected the step that sampled with
-    its previous mask (a constrained row waits for its own token before its next step, and a
-    prefill step drains), so one staging row per sequence row suffices. The on/off flags are
-    copied from two pinned constants that never change: a flag's copy still in flight reads
-    the value it was enqueued with."""
+    The staging guard: a copy from staging reads it when the stream reaches the copy, which
+    may be after the host has moved on (the serving loop queues a step's mask copies behind
+    that step's forward, vt/engine/serving.py). So write() records an event after its copies,
+    and staging(row) for a row copied since the host last saw that event complete waits for
+    it: the host never rewrites a staging row a queued copy has yet to read.
+    (vt.hooks.MaskPoison is its detector: a writer that takes staging unfenced.)
+    The on/off flags are copied from two pinned constants that never change: a flag's copy
+    still in flight reads the value it was enqueued with."""
 
     def __init__(self, be, rows: int, vocab: int):
         self.be, self.rows, self.vocab = be, rows, vocab
@@ -47,23 +50,36 @@ class TokenMaskState:
         self._zero = be.pinned_empty((1,), np.int32)
         self._zero[0] = 0
         self._flagged: set[int] = set()     # rows whose device flag is 1 (the host's view)
+        self._copied = be.event(blocking_sync=True)   # recorded after write()'s copies
+        self._unseen: set[int] = set()      # rows copied since the host saw _copied complete
 
     def args(self) -> tuple:
         return self.on, self.bits
 
-    def staging(self, row: int) -> np.ndarray:
-        """The pinned [ceil(V / 32)] int32 row to fill with `row`'s next mask."""
+    def staging(self, row: int, *, fenced: bool = True) -> np.ndarray:
+        """The pinned [ceil(V / 32)] int32 row to fill with `row`'s next mask, once no queued
+        copy still reads it (the guard: class docstring). fenced=False skips the guard: only
+        the detector's unsafe arm asks for that."""
         if not 0 <= row < self.rows:
             raise IndexError(f"TokenMaskState: row {row} outside [0, {self.rows})")
+        if fenced and row in self._unseen:
+            self._copied.synchronize()
+            self._unseen.clear()
         return self._staging[row]
 
-    def write(self, stream, row: int) -> None:
-        """`row` samples with its staging's mask from the next step launched on `stream` on."""
+    def write(self, stream, rows) -> None:
+        """Each of `rows` samples with its staging's mask from the next sampler launched on
+        `stream` on."""
+        if not rows:
+            return
         be = self.be
-        be.copy_h2d(self.bits[row], self._staging[row], stream)
-        if row not in self._flagged:
-            be.copy_h2d(self.on[row:row + 1], self._one, stream)
-            self._flagged.add(row)
+        for row in rows:
+            be.copy_h2d(self.bits[row], self._staging[row], stream)
+            if row not in self._flagged:
+                be.copy_h2d(self.on[row:row + 1], self._one, stream)
+                self._flagged.add(row)
+        self._copied.record(stream)
+        self._unseen.update(rows)
 
     def clear(self, stream, row: int) -> None:
         """`row` samples unconstrained from the next step on `stream` on (nothing if it does)."""
@@ -75,13 +91,15 @@ class TokenMaskState:
         """Rows of newly prefilled requests (PrefillSeq: row, sampling): a constrained one's
         first mask, its grammar's initial state (written for every prompt chunk: each chunk
         samples, and the grammar has accepted nothing yet); any other's flag cleared."""
+        constrained = []
         for s in seqs:
             grammar = s.sampling.grammar
             if grammar is None:
                 self.clear(stream, s.row)
             else:
                 grammar.fill_mask(self.staging(s.row))
-                self.write(stream, s.row)
+                constrained.append(s.row)
+        self.write(stream, constrained)
 
 
 def apply_mask(logits, token_rows, on, bits) -> None:
