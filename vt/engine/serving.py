@@ -55,7 +55,7 @@ class ServingLoop:
         self._next_id = 0
         self._progress_sinks: list = []       # generate() calls with a progress callback
         self._buffer = TokenBuffer(geo.max_seqs, geo.max_context, step_model.vocab, record_logits,
-                                   speculative=speculative)
+                                   speculative=speculative, records_read=runner.set_copy_records)
         self._notifier = StepNotifier()
         hooks = runner.hooks
         self._sched = Scheduler(geo, serving_conc, max_prefill_tokens,

@@ -15,6 +15,7 @@ reader that raced the finish sees `final` set after its copy and uses it instead
 from __future__ import annotations
 
 import traceback
+from typing import Callable
 
 import numpy as np
 
@@ -33,10 +34,15 @@ _NO_RECORD = np.array([-1, UNASKED] + [0] * (RECORD_WORDS - 2), np.int32)
 class TokenBuffer:
     """speculative: k, the drafts of a verify step (0: none). Then a step's rows emit a number
     of tokens each, known when it is collected (`store_verified`): each request counts its
-    own (Request.emitted) and every entry has its time."""
+    own (Request.emitted) and every entry has its time.
+
+    records_read(on): told whether the token records of the steps collected from now on are
+    read (on: with speculation, or while a live request asks for logprobs), when that
+    changes; the engine passes Runner.set_copy_records, so that no step's records are copied
+    for nothing."""
 
     def __init__(self, rows: int, span: int, vocab: int, record_logits: bool, *,
-                 speculative: int = 0):
+                 speculative: int = 0, records_read: Callable[[bool], None] | None = None):
         # + 1: the scratch entry where the token of a non-final prefill chunk goes
         self.tokens = np.zeros(rows * span + 1, np.int32)
         self.logits = np.zeros((rows * span + 1, vocab), np.float32) if record_logits else None
@@ -51,13 +57,16 @@ class TokenBuffer:
         self.records: dict[int, np.ndarray] = {}
         self._asking = 0             # live requests that ask for logprobs: 0 skips the records
         self.k = speculative
+        self._records_read = records_read if records_read is not None else _ignore
+        self._records_read(bool(speculative))
         self._entry_times = np.zeros(rows * span + 1) if speculative else None
         self.spec = SpeculativeCounts()
 
     def admit(self, reqs) -> None:
-        """Requests admitted by a step's plan: live from now."""
+        """Requests admitted by a step's plan: live from now (called before that step is
+        launched, so the records of their first tokens are copied)."""
         self.live.update(reqs)
-        self._asking += sum(r.sampling.logprobs is not None for r in reqs)
+        self._count_asking(sum(r.sampling.logprobs is not None for r in reqs))
 
     def store(self, tag, tokens: np.ndarray, host_logits, now: float, records=None) -> list[Request]:
         """Put a step's tokens (and the records [n, RECORD_WORDS] of the rows that asked for
@@ -192,13 +201,26 @@ class TokenBuffer:
         self.finished += 1
         if req in self.live:
             self.live.discard(req)
-            self._asking -= req.sampling.logprobs is not None
+            if req.sampling.logprobs is not None:
+                self._count_asking(-1)
         req.done_event.set()
         for fn in req.on_done:
             try:
                 fn(req)
             except Exception:   # noqa: BLE001 (a caller's callback must not fail the step's others)
                 traceback.print_exc()
+
+    def _count_asking(self, change: int) -> None:
+        """Live requests asking for logprobs: `change` more; records_read when that count
+        leaves or reaches 0 (speculation reads every step's records anyway)."""
+        was = self._asking
+        self._asking = was + change
+        if not self.k and (was == 0) != (self._asking == 0):
+            self._records_read(self._asking > 0)
+
+
+def _ignore(on: bool) -> None:
+    """records_read of a TokenBuffer nobody tells."""
 
 
 class SpeculativeCounts:

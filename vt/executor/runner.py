@@ -81,7 +81,15 @@ class Runner:
         self._unsampled: StepHandle | None = None   # launched with sample=False, sampler not yet
         self._inflight: list[StepHandle] = []
         self._steps = 0
+        self._copy_records = True   # set_copy_records
         self._closed = False
+
+    def set_copy_records(self, on: bool) -> None:
+        """Whether collect copies each step's token records out of the pinned buffer into
+        handle.records from now on (on at first). Off, handle.records stays None: a caller
+        turns it off while it reads no records (the engine: no running request asks for
+        logprobs and no speculation): they are [n, RECORD_WORDS], the tokens [n]."""
+        self._copy_records = bool(on)
 
     def set_profile(self, on: bool) -> None:
         """Profile from the next launch on (always with a trace): the sampled timer, made
@@ -234,7 +242,8 @@ class Runner:
     # -- collect ------------------------------------------------------------------------
     def collect(self, handle: StepHandle) -> np.ndarray:
         """Wait for the oldest step in flight and return its sampled tokens [n] (a host copy;
-        handle.records [n, RECORD_WORDS] holds them with the logprobs rows asked for)."""
+        handle.records [n, RECORD_WORDS] holds them with the logprobs rows asked for, unless
+        set_copy_records(False))."""
         if self._closed:
             raise ClosedError("Runner is closed")
         inflight = self._inflight
@@ -265,7 +274,8 @@ class Runner:
         self.timer.waited(handle, drain, waited)
         out = handle.out_host[:handle.n]   # [n, RECORD_WORDS]: the tokens and their logprobs
         handle.tokens = out[:, 0].copy()
-        handle.records = out.copy()
+        if self._copy_records:
+            handle.records = out.copy()
         if handle.slot is not None:
             handle.slot.collected(handle.index)
         st = self.stats
