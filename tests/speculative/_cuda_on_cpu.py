@@ -5,9 +5,10 @@ arguments, their order, the grid) can be checked against its numpy twin without 
 The kernels use no shared memory, no barrier and no atomics, and their threads write
 disjoint elements, so running the threads in sequence is one of the interleavings a GPU may
 run. `cuda_function_on_cpu` stands in for vt.backend.nvrtc.cuda_function; numpy stands in for
-CuPy (the greedy pick of Accept.run_cupy calls the array functions both libraries share).
-Every array a launch passes must be a C-contiguous int32 array (a kernel indexes its
-pointer as one), and the arguments must match the kernel's signature in number and kind.
+CuPy (the slicing and copies a run_cupy makes are array operations both libraries share).
+Every array a launch passes must be a C-contiguous array of its pointer's type (int32,
+float32 or uint64: a kernel indexes its pointer as one), and the arguments must match the
+kernel's signature in number and kind.
 """
 from __future__ import annotations
 
@@ -42,19 +43,25 @@ def build(code: str, workdir) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def signatures(code: str) -> dict[str, list[str]]:
-    """kernel name -> each parameter's kind: "ptr" (an int array) or "int"."""
+POINTEES = {"int": np.int32, "float": np.float32, "unsigned long long": np.uint64}
+
+
+def signatures(code: str) -> dict[str, list]:
+    """kernel name -> each parameter's kind: the numpy dtype its pointer points at (int*,
+    float*, unsigned long long*), or "int"."""
     out = {}
     for name, params in re.findall(r"__global__\s+void\s+(\w+)\s*\(([^)]*)\)", code):
         kinds = []
         for p in params.split(","):
             p = " ".join(p.split())
-            if re.fullmatch(r"(const )?int\* \w+", p):
-                kinds.append("ptr")
+            ptr = re.fullmatch(r"(?:const )?(int|float|unsigned long long)\* \w+", p)
+            if ptr:
+                kinds.append(np.dtype(POINTEES[ptr.group(1)]))
             elif re.fullmatch(r"int \w+", p):
                 kinds.append("int")
             else:
-                raise ValueError(f"{name}: parameter {p!r} is neither int* nor int")
+                raise ValueError(f"{name}: parameter {p!r} is neither a pointer to "
+                                 f"{', '.join(POINTEES)} nor int")
         out[name] = kinds
     return out
 
@@ -75,10 +82,10 @@ def cuda_function_on_cpu(lib: ctypes.CDLL, code: str):
                 raise TypeError(f"{name}: {len(args)} arguments for {len(kinds)} parameters")
             c_args = []
             for i, (a, kind) in enumerate(zip(args, kinds)):
-                if kind == "ptr":
-                    if not (isinstance(a, np.ndarray) and a.dtype == np.int32
+                if kind != "int":
+                    if not (isinstance(a, np.ndarray) and a.dtype == kind
                             and a.flags.c_contiguous):
-                        raise TypeError(f"{name}: argument {i} must be a C-contiguous int32 "
+                        raise TypeError(f"{name}: argument {i} must be a C-contiguous {kind} "
                                         f"array, got {type(a).__name__} "
                                         f"{getattr(a, 'dtype', '')} {getattr(a, 'strides', '')}")
                     c_args.append(ctypes.c_void_p(a.ctypes.data))

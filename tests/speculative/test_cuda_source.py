@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from vt.forward import spec_kernels
-from vt.forward.spec_kernels import ACCEPT, NGRAM, ORACLE, PROLOGUE, SEED, greedy
+from vt.forward.spec_kernels import ACCEPT, NGRAM, ORACLE, PROLOGUE, SEED
 from vt.forward.speculative import read_record
 from vt.sampling.logprobs import RECORD_WORDS
 from vt.step.contract import kv_slot
@@ -81,7 +81,7 @@ def test_every_kernels_cuda_source_equals_its_numpy_twin(on_cpu, seed):
         token_rows=token_rows, block_tables=ints(NUM_BLOCKS, S, MB), pos=pos,
         drafts=ints(V, S, k), token_table=ints(V, table_len), v_rows=poison(S * w),
         v_pos=poison(S * w), v_lens=poison(S * w), v_slots=poison(S * w),
-        v_tables=poison(S * w, MB), v_state=poison(S * w)),
+        v_tables=poison(S * w, MB), v_state=poison(S * w), **_knobs(rng, S, S * w)),
         k=k, base=rows, pad_row=PAD_ROW, pad_slot=PAD_SLOT, pad_state=PAD_STATE,
         block_size=BLOCK_SIZE, max_context=MAX_CONTEXT)
     _both(on_cpu, ORACLE, dict(token_rows=token_rows, pos=pos, ref=ints(V, rows, width),
@@ -91,16 +91,15 @@ def test_every_kernels_cuda_source_equals_its_numpy_twin(on_cpu, seed):
                               drafts=poison(S, k)),
           n_min=1, n_max=int(rng.integers(1, 4)))
 
-    g = ints(V, MAX_SEQS * w)   # the target's greedy tokens, drafts agreeing with a prefix
+    g = ints(V, MAX_SEQS * w)   # the sampler's tokens, drafts agreeing with a prefix
     logits = rng.standard_normal((MAX_SEQS * w, V)).astype(np.float32)
-    logits[np.arange(len(g)), g] = 10.0
-    logits[rng.integers(0, S * w)] = np.nan           # an error token mid-run
-    drafts = g.reshape(MAX_SEQS, w)[:S, :k].copy()
+    g[rng.integers(0, S * w)] = -1                    # an error token mid-run
+    drafts = np.maximum(g.reshape(MAX_SEQS, w)[:S, :k], 0)
     for r in range(S):
         drafts[r, rng.integers(0, k + 1):] += 1       # the first mismatch (none at k)
     drafts %= V
     accepted = _both(on_cpu, ACCEPT, dict(
-        v_logits=logits, drafts=drafts, token_rows=token_rows, pos=pos.copy(),
+        targets=g, v_logits=logits, drafts=drafts, token_rows=token_rows, pos=pos.copy(),
         hist=ints(V, rows, width), token_table=ints(V, table_len),
         records=poison(S, RECORD_WORDS), logits_out=np.full((S, V), -7.0, np.float32)),
         k=k, pad_row=PAD_ROW)
@@ -110,6 +109,18 @@ def test_every_kernels_cuda_source_equals_its_numpy_twin(on_cpu, seed):
     _both(on_cpu, SEED, dict(token_rows=rng.permutation(MAX_SEQS)[:n].astype(np.int32),
                              positions=ints(MAX_CONTEXT + 3, n), token_table=ints(V, table_len),
                              pos=pos.copy(), hist=ints(V, rows, width)))
+
+
+def _knobs(rng, S: int, n: int) -> dict:
+    """A step's sampling knobs [S] (random) and the verify rows' [n] (poisoned), in the
+    prologue's order."""
+    step = dict(temperature=rng.random(S).astype(np.float32), top_k=rng.integers(0, 9, S).astype(np.int32),
+                top_p=rng.random(S).astype(np.float32), min_p=rng.random(S).astype(np.float32),
+                seed=rng.integers(0, 2**63, S, dtype=np.uint64))
+    out = {}
+    for name, v in step.items():
+        out[name], out["v_" + name] = v, np.full(n, 7, v.dtype)
+    return out
 
 
 def _oracle_run(run, prompts, refs, *, k, right, vocab=50):
@@ -145,11 +156,13 @@ def _oracle_run(run, prompts, refs, *, k, right, vocab=50):
         run(ORACLE, token_rows, pos, ref, drafts, right=right, vocab=vocab)
         v = {name: np.full(S * w, -7, np.int32) for name in ("rows", "pos", "lens", "slots", "state")}
         v_tables = np.full((S * w, MB), -7, np.int32)
+        knobs = _knobs(np.random.default_rng(0), S, S * w)
         run(PROLOGUE, token_rows, tables, pos, drafts, table, v["rows"], v["pos"], v["lens"],
-            v["slots"], v_tables, v["state"], k=k, base=base, pad_row=PAD_ROW,
+            v["slots"], v_tables, v["state"], *knobs.values(), k=k, base=base, pad_row=PAD_ROW,
             pad_slot=PAD_SLOT, pad_state=PAD_STATE, block_size=BLOCK_SIZE,
             max_context=MAX_CONTEXT)
         logits = np.zeros((S * w, vocab), np.float32)
+        targets = np.full(S * w, -7, np.int32)
         for r in range(S):
             inputs = [int(table[v["rows"][r * w + j]]) for j in range(w)]
             assert inputs[0] == known[r][-1], "the verify's first input is the row's last token"
@@ -159,10 +172,15 @@ def _oracle_run(run, prompts, refs, *, k, right, vocab=50):
                 assert (v["pos"][i], v["lens"][i]) == (q, q + 1)
                 assert v["slots"][i] == kv_slot(tables[r], q, BLOCK_SIZE)
                 assert (v_tables[i] == tables[r]).all() and v["state"][i] == PAD_STATE
-                logits[i, target_next(known[r][:-1] + inputs[:j + 1], seqs[r])] = 1.0
+                assert knobs["v_seed"][i] == knobs["seed"][r]
+                assert knobs["v_temperature"][i] == knobs["temperature"][r]
+                targets[i] = target_next(known[r][:-1] + inputs[:j + 1], seqs[r])
+                logits[i, targets[i]] = 1.0
         records = np.full((S, RECORD_WORDS), -7, np.int32)
-        run(ACCEPT, logits, drafts, token_rows, pos, hist, table, records,
-            np.zeros((S, vocab), np.float32), k=k, pad_row=PAD_ROW)
+        logits_out = np.zeros((S, vocab), np.float32)
+        run(ACCEPT, targets, logits, drafts, token_rows, pos, hist, table, records, logits_out,
+            k=k, pad_row=PAD_ROW)
+        np.testing.assert_array_equal(logits_out, logits[::w])
         step = []
         for r, row in enumerate(token_rows):
             emitted = read_record(records[r]).tolist()
@@ -205,18 +223,3 @@ def test_an_oracle_one_position_late_has_no_draft_accepted(monkeypatch):
     got, counts = _oracle_run(run_numpy, prompts, refs, k=4, right=4)
     assert got[0] == refs[0][:len(got[0])]
     assert all(c == [1] for c in counts)
-
-
-def test_the_greedy_pick_on_the_device_path_breaks_ties_and_errors_as_the_reference(on_cpu):
-    """Accept.run_cupy's greedy (CuPy's argmax, numpy standing in) gives the lowest id on a
-    tie and -1 for a NaN, +inf or all -inf row, as greedy() does."""
-    logits = np.array([[1, 3, 3, 0], [0, np.nan, 5, 1], [np.inf, 0, 0, 0],
-                       [-np.inf] * 4, [2, 2, 2, 2]], np.float32)
-    assert greedy(logits).tolist() == [1, -1, -1, -1, 0]
-    k, S = 4, 1
-    drafts = np.array([[1, 9, 9, 9]], np.int32)
-    records = np.zeros((S, RECORD_WORDS), np.int32)
-    on_cpu(ACCEPT, logits, drafts, np.array([0], np.int32), np.zeros(2, np.int32),
-           np.zeros((2, 16), np.int32), np.zeros(8, np.int32), records,
-           np.zeros((S, 4), np.float32), k=k, pad_row=1)
-    assert read_record(records[0]).tolist() == [1, -1]

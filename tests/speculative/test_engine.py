@@ -156,10 +156,20 @@ def test_the_engine_launches_verify_step_n_plus_1_before_it_reads_step_n(sim_bac
     assert st["graph_steps"] > 4
 
 
+class _AnyToken:
+    """A grammar that allows every token."""
+
+    def fill_mask(self, bits):
+        bits[:] = -1
+
+    def accept(self, token):
+        return True
+
+
 @pytest.mark.parametrize("kwargs,message", [
-    (dict(sampling=SamplingParams(temperature=0.7)), "temperature=0.7"),
-    (dict(sampling=SamplingParams(logprobs=2)), "logprobs=2"),
+    (dict(sampling=SamplingParams(temperature=0.7, logprobs=2)), "logprobs=2"),
     (dict(sampling=SamplingParams(presence_penalty=0.5)), "penalties"),
+    (dict(sampling=SamplingParams(grammar=_AnyToken())), "grammar"),
 ])
 def test_what_speculation_cannot_serve_is_refused_by_name(sim_backend, kwargs, message):
     with _engine(sim_backend, config("ngram", 2)) as eng:

@@ -40,7 +40,8 @@ def test_accept_keeps_drafts_up_to_the_first_mismatch_and_emits_the_targets_toke
     table = np.zeros(32, np.int32)
     records = np.zeros((3, RECORD_WORDS), np.int32)
     out = np.zeros((3, V), np.float32)
-    ACCEPT.run_numpy(logits, drafts, rows, pos, hist, table, records, out, k=k, pad_row=4)
+    targets = np.array(target, np.int32).ravel()   # the sampler's token at each position
+    ACCEPT.run_numpy(targets, logits, drafts, rows, pos, hist, table, records, out, k=k, pad_row=4)
     assert records[:2, COUNT].tolist() == [3, 4]
     assert records[0, TOKENS:TOKENS + 3].tolist() == [3, 4, 5]
     assert records[1, TOKENS:TOKENS + 4].tolist() == [1, 2, 3, 7]

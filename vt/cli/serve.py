@@ -222,7 +222,8 @@ def add_parser(sub) -> None:
     p.add_argument("--speculative", default=None, choices=["ngram"],
                    help="speculative decoding (docs/speculative.md): ngram proposes the "
                         "tokens that followed the latest earlier match of the row's last "
-                        "tokens in its prompt and output; greedy requests only")
+                        "tokens in its prompt and output; greedy or sampled requests, "
+                        "without logprobs or penalties")
     p.add_argument("--num-spec", type=int, default=None, metavar="K",
                    help="--speculative: drafts verified per row per step (default 4)")
     p.add_argument("--log-level", default="warning",

@@ -85,11 +85,12 @@ class Engine:
     position-addressed (StepModel.prefix_cacheable, e.g. vt.torch's LlamaDecoder) and
     prefills from a position; off otherwise (the bundled hybrid's recurrent state), which
     `prefix_caching_note` says. True: on, or ValueError when the model cannot; False: off.
-    speculative: a vt.forward.speculative.SpeculativeConfig: greedy speculative decoding,
-    k drafts verified per row per step (docs/speculative.md); the step model must declare
+    speculative: a vt.forward.speculative.SpeculativeConfig: speculative decoding, k drafts
+    verified per row per step (docs/speculative.md); the step model must declare
     verifies_by_decode and hold verify_table_rows(...) token-table entries. Its requests are
-    greedy, without logprobs or penalties; stats()["speculative"] has its acceptance. None
-    (the default): none.
+    greedy or sampled (temperature, top_k, top_p, min_p, seed: the tokens decoding without it
+    samples), without logprobs, grammars or penalties; stats()["speculative"] has its
+    acceptance. None (the default): none.
     submit() and generate() may be called from any number of threads at once; the serving
     thread starts with start() or the first of them.
     """

@@ -1,5 +1,5 @@
-"""generate_speculative: greedy speculative decoding of a batch of prompts over the runner, at
-the executor config's depth (docs/speculative.md).
+"""generate_speculative: speculative decoding of a batch of prompts over the runner, at the
+executor config's depth (docs/speculative.md).
 
 Every prompt is admitted at once (one prefill step), then decode steps run until each request
 has max_new_tokens or its stop token. A step's plan is each live row's token-table row and
@@ -20,7 +20,8 @@ import numpy as np
 from vt.executor.plan import StepPlan
 from vt.executor.runner import Runner
 from vt.forward.speculative import SpeculativeModel, read_record
-from vt.step.contract import DecodeRows, PrefillSeq
+from vt.engine.submit import check_speculative_sampling
+from vt.step.contract import GREEDY, DecodeRows, PrefillSeq, row_vectors
 from vt.hooks import NULL_HOOKS
 
 
@@ -45,15 +46,22 @@ class SpeculativeStats:
 
 
 def generate_speculative(be, model: SpeculativeModel, config, prompts, max_new_tokens, *,
-                         stop_token: int | None = None, hooks=NULL_HOOKS):
-    """(tokens per prompt [list of int32 arrays], SpeculativeStats) of greedy decoding with
-    `model`'s drafts under ExecutorConfig `config` (its mode, capture sizes and trace)."""
+                         stop_token: int | None = None, sampling=None, hooks=NULL_HOOKS):
+    """(tokens per prompt [list of int32 arrays], SpeculativeStats) of decoding with `model`'s
+    drafts under ExecutorConfig `config` (its mode, capture sizes and trace). sampling: None
+    (greedy), one vt.SamplingParams for every prompt or one per prompt (temperature, top_k,
+    top_p, min_p and seed; no logprobs, penalties or grammar)."""
     g, k = model.geometry, model.config.k
     n = len(prompts)
     budgets = [int(max_new_tokens)] * n if np.isscalar(max_new_tokens) else [int(b) for b in max_new_tokens]
     if not 1 <= n <= g.max_seqs or len(budgets) != n:
         raise ValueError(f"generate_speculative: {n} prompts with {len(budgets)} budgets; "
                          f"1 to max_seqs={g.max_seqs} prompts, one budget each")
+    samplings = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling or GREEDY] * n
+    if len(samplings) != n:
+        raise ValueError(f"generate_speculative: {len(samplings)} SamplingParams for {n} prompts")
+    for i, sp in enumerate(samplings):
+        check_speculative_sampling(i, sp)
     if model.config.method == "oracle":
         missing = [i for i, p in enumerate(prompts)
                    if tuple(int(t) for t in p) not in model.config.references]
@@ -64,7 +72,8 @@ def generate_speculative(be, model: SpeculativeModel, config, prompts, max_new_t
     with closing(Runner(be, model, config, hooks=hooks)) as runner:
         runner.capture()
         runner.warm_up(sum(len(p) for p in prompts))
-        seqs = [PrefillSeq(i, np.asarray(p, np.int32), tables[i], i) for i, p in enumerate(prompts)]
+        seqs = [PrefillSeq(i, np.asarray(p, np.int32), tables[i], i, samplings[i])
+                for i, p in enumerate(prompts)]
         first = runner.collect(runner.launch(StepPlan(None, seqs, tag=list(range(n)))))
         out = [[int(first[i])] for i in range(n)]
         done = [len(out[i]) >= budgets[i] or out[i][-1] == stop_token for i in range(n)]
@@ -72,7 +81,7 @@ def generate_speculative(be, model: SpeculativeModel, config, prompts, max_new_t
         while True:
             live = [i for i in range(n) if not done[i]]
             if live:
-                inflight.append(runner.launch(StepPlan(_rows(live, tables), tag=live)))
+                inflight.append(runner.launch(StepPlan(_rows(live, tables, samplings), tag=live)))
             if not inflight:
                 break
             if live and config.depth == 2 and len(inflight) < 2:
@@ -115,10 +124,11 @@ def _reserve(g, k: int, prompts, budgets) -> list[np.ndarray]:
     return tables
 
 
-def _rows(live: list[int], tables) -> DecodeRows:
-    """The decode rows of a verify step: rows and block tables; the positions, lengths and
-    slots the host would plan are the device's (zeros here: never read)."""
+def _rows(live: list[int], tables, samplings) -> DecodeRows:
+    """The decode rows of a verify step: rows, block tables and sampling; the positions,
+    lengths and slots the host would plan are the device's (zeros here: never read)."""
     rows = np.array(live, np.int32)
     zero = np.zeros(len(live), np.int32)
-    return DecodeRows(rows, zero, zero + 1, zero, np.stack([tables[i] for i in live]), rows)
+    return DecodeRows(rows, zero, zero + 1, zero, np.stack([tables[i] for i in live]), rows,
+                      **row_vectors([samplings[i] for i in live]))
 

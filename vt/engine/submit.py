@@ -15,8 +15,8 @@ def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry
                   kv_capacity: int, *, speculative: int = 0) -> list[Request]:
     """Validated Requests (index = the prompt's position). stop_token: None, one token id or
     a collection of them (any of them ends the request). speculative: k of the engine's
-    speculative decoding (0: none): requests are greedy, without logprobs or penalties
-    (acceptance is greedy, and a verify step's record holds its tokens), and hold KV for k
+    speculative decoding (0: none): requests have no logprobs, penalties or grammar (a verify
+    step samples the model's own logits, and its record holds its tokens), and hold KV for k
     more positions."""
     prompts = list(prompts)
     budgets = _per_prompt(max_new_tokens, len(prompts), "max_new_tokens")
@@ -40,7 +40,7 @@ def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry
         if arr.min() < 0 or arr.max() >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
         if speculative:
-            _check_speculative(i, sp)
+            check_speculative_sampling(i, sp)
         _check_fits(i, arr.size, int(max_new), geo, kv_capacity, speculative)
         reqs.append(Request(i, arr.astype(np.int32), int(max_new), stops, sp))
     return reqs
@@ -73,11 +73,9 @@ def check_one_request(max_new_tokens, sampling) -> None:
                         f"takes one per prompt), got {type(max_new_tokens).__name__}")
 
 
-def _check_speculative(i: int, sp: SamplingParams) -> None:
-    """Speculative decoding serves greedy requests without logprobs or penalties."""
-    if not sp.greedy:
-        raise ValueError(f"sampling for prompt {i}: temperature={sp.temperature} with "
-                         f"speculative decoding, which is greedy only: use temperature 0")
+def check_speculative_sampling(i: int, sp: SamplingParams) -> None:
+    """Speculative decoding serves greedy and sampled requests (temperature, top_k, top_p,
+    min_p, seed), without logprobs, grammar or penalties."""
     if sp.logprobs is not None:
         raise ValueError(f"sampling for prompt {i}: logprobs={sp.logprobs} with speculative "
                          f"decoding, which returns no logprobs")

@@ -1,6 +1,8 @@
 """The device half of speculative decoding (vt/forward/speculative.py): the verify step's
-prologue, the proposers and greedy acceptance, each a kernel with its numpy twin beside it
-(run_numpy on the sim, run_cupy on cuda, one CUDA source for all of them).
+prologue, the proposers and acceptance, each a kernel with its numpy twin beside it
+(run_numpy on the sim, run_cupy on cuda, one CUDA source for all of them). The target's
+token at each verify position is vt's sampler's (vt/sampling), launched between verify and
+accept.
 
 Per sequence row the device keeps `pos[row]`, the position of the row's last token (the next
 step's input), and `hist[row, :]`, every token of the row by position (prompt, then output).
@@ -21,31 +23,30 @@ COUNT = 2
 TOKENS = 3
 
 
-def greedy(logits: np.ndarray) -> np.ndarray:
-    """The greedy token of each row of `logits` [n, vocab] exactly as vt's sampler picks it
-    (vt/sampling/reference.py): NaN ranks lowest, the lowest id wins a tie, a row with a NaN,
-    a +inf or only -inf gives -1."""
-    x = np.asarray(logits, np.float32)
-    finite = np.where(np.isnan(x), -np.inf, x)
-    toks = np.argmax(finite, axis=1).astype(np.int32)
-    err = np.isnan(x).any(1) | np.isposinf(x).any(1) | (finite.max(axis=1) == -np.inf)
-    toks[err] = -1
-    return toks
+# A step row's sampling knobs (vt/sampling/params.py ROW_VECTORS) that its k + 1 verify rows
+# take, in the prologue's argument order: each is passed as the step's [S] vector, then the
+# verify rows' [S * (k + 1)] one.
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "seed")
 
 
 class Prologue:
     """The verify step's rows: row r's k + 1 tokens (its last token, then its k drafts) become
     the decode rows r * (k + 1) + j of the target, at positions pos[row] + j, each with its
-    own entry of the token table (`base` + that index) holding its input token. A position
-    past max_context writes the pad slot (such a row's request has ended: nothing reads it);
-    padded rows write the pad slot only."""
+    own entry of the token table (`base` + that index) holding its input token, and row r's
+    sampling knobs (SAMPLING: the sampler then draws each verify position as it would draw
+    that position decoding one token a step). A position past max_context writes the pad slot
+    (such a row's request has ended: nothing reads it); padded rows write the pad slot only."""
 
     name = "spec_prologue"
 
     def run_numpy(self, token_rows, block_tables, pos, drafts, token_table, v_rows, v_pos, v_lens,
-                  v_slots, v_tables, v_state, *, k, base, pad_row, pad_slot, pad_state,
-                  block_size, max_context):
+                  v_slots, v_tables, v_state, temperature, v_temperature, top_k, v_top_k, top_p,
+                  v_top_p, min_p, v_min_p, seed, v_seed, *, k, base, pad_row, pad_slot,
+                  pad_state, block_size, max_context):
         S, w = len(token_rows), k + 1
+        for step, verify in ((temperature, v_temperature), (top_k, v_top_k), (top_p, v_top_p),
+                             (min_p, v_min_p), (seed, v_seed)):
+            verify[:S * w] = np.repeat(step[:S], w)
         for r in range(S):
             row = int(token_rows[r])
             for j in range(w):
@@ -58,15 +59,17 @@ class Prologue:
                 token_table[base + v] = token_table[row] if j == 0 else drafts[r, j - 1]
 
     def run_cupy(self, stream_handle, token_rows, block_tables, pos, drafts, token_table, v_rows,
-                 v_pos, v_lens, v_slots, v_tables, v_state, *, k, base, pad_row, pad_slot,
-                 pad_state, block_size, max_context):
+                 v_pos, v_lens, v_slots, v_tables, v_state, temperature, v_temperature, top_k,
+                 v_top_k, top_p, v_top_p, min_p, v_min_p, seed, v_seed, *, k, base, pad_row,
+                 pad_slot, pad_state, block_size, max_context):
         from vt.backend.nvrtc import cuda_function
         n = len(token_rows) * (k + 1)
         mb = block_tables.shape[1]
         cuda_function(CODE, "spec_prologue")(
             (-(-n // 128),), (128,),
             (token_rows, block_tables, pos, drafts, token_table, v_rows, v_pos, v_lens, v_slots,
-             v_tables, v_state, np.int32(n), np.int32(k), np.int32(mb), np.int32(base),
+             v_tables, v_state, temperature, v_temperature, top_k, v_top_k, top_p, v_top_p,
+             min_p, v_min_p, seed, v_seed, np.int32(n), np.int32(k), np.int32(mb), np.int32(base),
              np.int32(pad_row), np.int32(pad_slot), np.int32(pad_state), np.int32(block_size),
              np.int32(max_context)))
 
@@ -135,19 +138,31 @@ def _ngram_match(h, p: int, n_min: int, n_max: int) -> int:
 
 
 class Accept:
-    """Greedy acceptance, after the target's verify: g = the greedy token of every verify
-    position; row r accepts its drafts while draft j == g[r, j] and emits g[r, 0 .. a] (the
+    """Acceptance, after the verify and the sampler: `targets` [S * (k + 1)] holds the token
+    vt's sampler drew at every verify position (each row's own knobs, keyed on its seed and
+    the position, as decoding one token a step draws it; a greedy row's is the argmax). Row r
+    accepts its drafts while draft j == targets[r, j] and emits targets[r, 0 .. a] (the
     accepted drafts, then the target's own token: the correction, or the bonus after k
     accepted). An error token (-1) ends the run there. Writes the row's record, advances
     pos[row] and hist[row] by what it emits, puts its last token in the token table (the next
-    step's input) and copies each row's first position's logits into logits_out [S, vocab]."""
+    step's input) and copies each row's first position's logits into logits_out [S, vocab].
+
+    Why a sampled row's tokens have the target's distribution: each emitted token is some t_j
+    whose prefix is the emitted tokens before it (a draft is kept only where it equals t_j),
+    so it is drawn from the target's p_j at that prefix, keyed as decoding without speculation
+    keys it (the same seed gives the same tokens, whenever the verify logits are the one-token
+    step's). As rejection sampling with a point-mass draft that does not see t_j's draw: d_j
+    is kept with probability P(t_j = d_j) = p_j(d_j), and a rejected d_j leaves t_j ~ p_j
+    with d_j's mass removed, renormalized (the residual max(0, p_j - q_j)); all k kept, the
+    bonus is t_k ~ p_k.
+    """
 
     name = "spec_accept"
 
-    def run_numpy(self, v_logits, drafts, token_rows, pos, hist, token_table, records, logits_out,
-                  *, k, pad_row):
+    def run_numpy(self, targets, v_logits, drafts, token_rows, pos, hist, token_table, records,
+                  logits_out, *, k, pad_row):
         S, w = len(token_rows), k + 1
-        g = greedy(v_logits[:S * w]).reshape(S, w)
+        g = np.asarray(targets[:S * w]).reshape(S, w)
         width = hist.shape[1]
         for r in range(S):
             a = 0
@@ -166,27 +181,17 @@ class Accept:
                 token_table[row] = max(int(emitted[-1]), 0)
         logits_out[:S] = v_logits[:S * w:w]
 
-    def run_cupy(self, stream_handle, v_logits, drafts, token_rows, pos, hist, token_table, records,
-                 logits_out, *, k, pad_row):
+    def run_cupy(self, stream_handle, targets, v_logits, drafts, token_rows, pos, hist, token_table,
+                 records, logits_out, *, k, pad_row):
         from vt.backend.nvrtc import cuda_function
         S, w = len(token_rows), k + 1
         V = v_logits.shape[1]
-        greedy_tokens = _greedy_cupy(v_logits[:S * w])
         cuda_function(CODE, "spec_accept")(
             (-(-S // 64),), (64,),
-            (greedy_tokens, drafts, token_rows, pos, hist, token_table, records, np.int32(S),
+            (targets, drafts, token_rows, pos, hist, token_table, records, np.int32(S),
              np.int32(k), np.int32(hist.shape[1]), np.int32(records.shape[1]),
              np.int32(pad_row), np.int32(UNASKED)))
         logits_out[:S] = v_logits[:S * w:w].reshape(S, V)
-
-
-def _greedy_cupy(x):
-    """greedy() on the device (CuPy: its temporaries come from vt's pool under capture)."""
-    import cupy as cp
-    finite = cp.where(cp.isnan(x), cp.float32(-cp.inf), x)
-    toks = cp.argmax(finite, axis=1).astype(cp.int32)
-    err = cp.isnan(x).any(1) | cp.isposinf(x).any(1) | (finite.max(axis=1) == -cp.inf)
-    return cp.where(err, cp.int32(-1), toks)
 
 
 class Seed:
@@ -216,8 +221,10 @@ CODE = r"""
 extern "C" __global__ void spec_prologue(
     const int* token_rows, const int* block_tables, const int* pos, const int* drafts,
     int* token_table, int* v_rows, int* v_pos, int* v_lens, int* v_slots, int* v_tables,
-    int* v_state, int n, int k, int mb, int base, int pad_row, int pad_slot, int pad_state,
-    int block_size, int max_context) {
+    int* v_state, const float* temperature, float* v_temperature, const int* top_k,
+    int* v_top_k, const float* top_p, float* v_top_p, const float* min_p, float* v_min_p,
+    const unsigned long long* seed, unsigned long long* v_seed, int n, int k, int mb, int base,
+    int pad_row, int pad_slot, int pad_state, int block_size, int max_context) {
   int v = blockIdx.x * blockDim.x + threadIdx.x;
   if (v >= n) return;
   int w = k + 1, r = v / w, j = v % w;
@@ -230,6 +237,8 @@ extern "C" __global__ void spec_prologue(
   v_slots[v] = live ? bt[q / block_size] * block_size + q % block_size : pad_slot;
   for (int b = 0; b < mb; ++b) v_tables[(long long)v * mb + b] = bt[b];
   token_table[base + v] = j == 0 ? token_table[row] : drafts[r * k + j - 1];
+  v_temperature[v] = temperature[r]; v_top_k[v] = top_k[r]; v_top_p[v] = top_p[r];
+  v_min_p[v] = min_p[r]; v_seed[v] = seed[r];
 }
 
 extern "C" __global__ void spec_oracle(const int* token_rows, const int* pos, const int* ref,

@@ -9,8 +9,13 @@ One verify step of S rows, all in the graph of size S (one per ring slot, as any
     propose    drafts [S, k] from the device's history of the row (n-gram) or a reference
     verify     the target's decode over S * (k + 1) rows: row r's j-th token attends over
                its cached prefix and its own tokens 0 .. j
-    accept     greedy: drafts kept while they equal the target's token; the row's record
-               (count, tokens), pos[row] and hist[row] advanced, its last token in the table
+    sample     vt's sampler draws the target's token at every verify position, with the
+               row's knobs, keyed on its seed and the position (greedy rows: the argmax)
+    accept     drafts kept while they equal the target's token; the row's record (count,
+               tokens), pos[row] and hist[row] advanced, its last token in the table
+
+A sampled row's tokens are the ones decoding without speculation draws with the same seed,
+and so have the target's distribution (spec_kernels.Accept says why).
 
 The host never plans a position: it sends each row's token-table row and block table (the
 request's blocks, reserved for every token it may reach plus k), so step N + 1 can be
@@ -30,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from vt.backend.zeros import zeros
-from vt.forward.spec_kernels import ACCEPT, COUNT, NGRAM, ORACLE, PROLOGUE, SEED, TOKENS
+from vt.forward.spec_kernels import ACCEPT, COUNT, NGRAM, ORACLE, PROLOGUE, SAMPLING, SEED, TOKENS
+from vt.sampling.sampler import Sampler
 from vt.step.contract import LOGITS_DTYPE, StepModel
 from vt.step.inputblock import InputBlock
 from vt.validate import integer
@@ -97,7 +103,9 @@ class SpeculativeModel(StepModel):
     """`target` (a StepModel with verifies_by_decode) decoding with `config`'s drafts; at most
     `max_rows` rows per step (default: the geometry's max_seqs; the runner's capture sizes
     must not exceed it). Prompts are the target's; a prefill step's sampling is the
-    target's (greedy rows only: acceptance is greedy), followed by the row's device state."""
+    target's, followed by the row's device state. A verify step samples with vt's sampler
+    (its own instance: no penalties, logit bias, grammar masks or logprobs, which speculation
+    does not serve), the draws vt's step models make."""
 
     chunked_prefill = property(lambda self: self.target.chunked_prefill)
     prefix_cacheable = property(lambda self: self.target.prefix_cacheable)
@@ -138,6 +146,8 @@ class SpeculativeModel(StepModel):
         self.drafts = zeros(be, (self.max_rows, k), np.int32)
         self._verify_in = InputBlock(be.empty, self.max_rows * (k + 1), g.max_blocks)
         self._verify_logits = be.empty((self.max_rows * (k + 1), self.vocab), LOGITS_DTYPE)
+        self._targets = zeros(be, (self.max_rows * (k + 1),), np.int32)   # the sampler's tokens
+        self._sampler = Sampler()
         self._verified: int | None = None   # rows decode() verified, for the sample() after it
 
     # -- the decode step: prologue, propose, verify (sample() accepts) -------------------
@@ -148,9 +158,10 @@ class SpeculativeModel(StepModel):
                              f"{self.max_rows}")
         self._propose(stream, inputs.token_rows, self.drafts[:S])
         v = self._verify_in.inputs.rows(0, S * (k + 1))
+        knobs = [a for f in SAMPLING for a in (getattr(inputs, f), getattr(v, f))]
         self.be.launch(stream, PROLOGUE, inputs.token_rows, inputs.block_tables, self.pos,
                        self.drafts[:S], self.token_table, v.token_rows, v.positions, v.seq_lens,
-                       v.slot_mapping, v.block_tables, v.state_idx, k=k, base=g.max_seqs + 1,
+                       v.slot_mapping, v.block_tables, v.state_idx, *knobs, k=k, base=g.max_seqs + 1,
                        pad_row=pad.token_row, pad_slot=pad.slot, pad_state=pad.state_idx,
                        block_size=g.block_size, max_context=g.max_context)
         self.target.decode(stream, v, self._verify_logits[:S * (k + 1)])
@@ -166,13 +177,22 @@ class SpeculativeModel(StepModel):
                            n_min=c.ngram_min, n_max=c.ngram_max)
 
     def sample(self, stream, logits, inputs, out_tokens) -> None:
-        """After decode(): greedy acceptance into records [S, RECORD_WORDS]. After a prefill:
-        the target's sampler, then each row's first token into its device state."""
+        """After decode(): the sampler's token at every verify position, then acceptance
+        into records [S, RECORD_WORDS]. After a prefill: the target's sampler, then each row's
+        first token into its device state."""
         S, self._verified = self._verified, None
         if S is not None:
-            self.be.launch(stream, ACCEPT, self._verify_logits, self.drafts[:S], inputs.token_rows,
-                           self.pos, self.hist, self.token_table, out_tokens, logits,
-                           k=self.config.k, pad_row=self.pad.token_row)
+            k = self.config.k
+            n = S * (k + 1)
+            v = self._verify_in.inputs.rows(0, n)
+            # The verify rows' token-table entries take the drafts' draws: scratch, rewritten
+            # by the next prologue before anything reads them.
+            self.be.launch(stream, self._sampler, self._verify_logits[:n], v.token_rows,
+                           v.positions, v.temperature, v.top_k, v.top_p, v.min_p, v.seed,
+                           self._targets[:n], self.token_table)
+            self.be.launch(stream, ACCEPT, self._targets[:n], self._verify_logits,
+                           self.drafts[:S], inputs.token_rows, self.pos, self.hist,
+                           self.token_table, out_tokens, logits, k=k, pad_row=self.pad.token_row)
             return
         self.target.sample(stream, logits, inputs, out_tokens)
         self.be.launch(stream, SEED, inputs.token_rows, inputs.positions, self.token_table,
@@ -207,7 +227,10 @@ class SpeculativeModel(StepModel):
         self.target.warm_up_prefill(stream, max_prefill_tokens, logits_out)
 
     def sampler_workspaces(self, be, rows: int) -> list[int]:
-        return self.target.sampler_workspaces(be, rows)
+        """The target's, and those of this model's own sampler, which a verify step runs over
+        k + 1 rows a row (a list, not a set: each sampler keeps its own counter buffer)."""
+        verify = StepModel.sampler_workspaces(self, be, min(rows, self.max_rows) * (self.config.k + 1))
+        return self.target.sampler_workspaces(be, rows) + verify
 
     def release_stream(self, stream) -> None:
         self.target.release_stream(stream)
