@@ -77,9 +77,10 @@ def test_every_path_gives_the_tokens_of_the_eager_one(sim_backend, monkeypatch, 
     rows run eagerly (no size fits); a runner without graphs runs every step eagerly. Both
     give the same tokens, each over its own toy state."""
     replays = []
-    launch = SizeSlot.launch_forward   # every replay launches its forward graph first
-    monkeypatch.setattr(SizeSlot, "launch_forward",
-                        lambda self, *a: (replays.append(self.size), launch(self, *a))[1])
+    for name in ("launch", "launch_forward"):   # a replay is one of them: the whole step, or
+        launch = getattr(SizeSlot, name)        # its forward with the sampler to follow
+        monkeypatch.setattr(SizeSlot, name, lambda self, *a, launch=launch:
+                            (replays.append(self.size), launch(self, *a))[1])
     graphs, eager = _runner(sim_backend, (1, 2), mode), _runner(sim_backend, (), mode)
     try:
         kinds, tokens = _serve_plans(graphs)

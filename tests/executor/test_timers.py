@@ -112,10 +112,12 @@ def test_graph_and_mixed_steps_share_the_slot_api(sim_backend, monkeypatch):
     import vt.executor
     from vt.graphs.slot import SizeSlot
     calls = []
-    write, launch = SizeSlot.write, SizeSlot.launch_forward   # launch() starts with it too
+    write = SizeSlot.write
     monkeypatch.setattr(SizeSlot, "write", lambda self, rows: (calls.append("w"), write(self, rows))[1])
-    monkeypatch.setattr(SizeSlot, "launch_forward",
-                        lambda self, *a: (calls.append("l"), launch(self, *a))[1])
+    for name in ("launch", "launch_forward"):   # the whole step, or its forward alone
+        launch = getattr(SizeSlot, name)
+        monkeypatch.setattr(SizeSlot, name, lambda self, *a, launch=launch:
+                            (calls.append("l"), launch(self, *a))[1])
     prompts, budgets = workload(24, seed=8)
     toy = ToyForward(sim_backend, vocab=VOCAB)
     with Engine(sim_backend, toy.step_model(), ExecutorConfig(serving_conc=6, mode="ring")) as eng:

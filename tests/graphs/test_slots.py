@@ -187,3 +187,76 @@ def test_graph_settings_take_one_or_two_slots_per_size(slots, error):
         GraphSettings(sizes=(1, 2), slots_per_size=slots, guarded=True, staged=False)
     assert GraphSettings(sizes=(np.int64(1),), slots_per_size=np.int64(2), guarded=True,
                          staged=False).slots_per_size == 2
+
+
+def _count_graph_launches(monkeypatch, drv):
+    """The names of the graphs launched from now on, in order (every graph of the backend:
+    the slots' forward, sampler and whole-step graphs are one class)."""
+    launched = []
+    graph_class = type(drv.rings[2].peek().output.whole)
+    launch = graph_class.launch
+    monkeypatch.setattr(graph_class, "launch",
+                        lambda self, stream: (launched.append(self.name), launch(self, stream))[1])
+    return launched
+
+
+@pytest.mark.parametrize("mode", ["drain", "ring", "staged"])
+def test_a_slot_step_is_one_graph_launch_and_its_halves_two(backend, monkeypatch, mode):
+    """slot.launch replays the joined step graph alone; launch_forward + launch_sampler replay
+    the forward and the sampler graphs. Over four steps (each reading the tokens the one
+    before fed into the token table), each on its own toy state, the two give the same
+    logits and token records byte for byte, and the same generation count."""
+    def steps(split: bool):
+        drv, _ = _driver(backend, mode)
+        drv.capture()
+        launched = _count_graph_launches(monkeypatch, drv)
+        records, logits, names = [], [], []
+        for position in range(4):
+            slot, _ = _acquire(drv, 2)
+            slot.host.fill(_rows(2, position), drv.pad)
+            slot.out_host[...] = -1
+            if split:
+                view = slot.launch_forward(drv.stream, 2, position)
+                slot.launch_sampler(drv.stream)
+            else:
+                view = slot.launch(drv.stream, 2, position)
+            slot.done.synchronize()
+            names.append(list(launched))
+            launched.clear()
+            records.append(slot.out_host[:2].copy())
+            logits.append(np.asarray(backend.xp.asnumpy(view.rows) if backend.name == "cuda"
+                                     else view.rows).copy())
+            assert view.generation == slot.output.generation and not slot.output.sampler_pending
+        generations = [s.output.generation for s in drv.rings[2].slots]
+        monkeypatch.undo()
+        drv.close()
+        return records, logits, names, generations
+    whole, split = steps(False), steps(True)
+    slot_names = ["S=2 slot=0", "S=2 slot=1" if mode == "ring" else "S=2 slot=0"] * 2
+    assert whole[2] == [[f"{name} step"] for name in slot_names]
+    assert split[2] == [[f"{name} forward", f"{name} sampler"] for name in slot_names]
+    # each slot's output: staged slots share one
+    assert whole[3] == split[3] == {"drain": [4], "ring": [2, 2], "staged": [4, 4]}[mode]
+    for got, want in zip(split[0] + split[1], whole[0] + whole[1]):
+        assert got.tobytes() == want.tobytes()
+    assert len({r.tobytes() for r in whole[0]}) > 1   # the steps differ: their inputs were read
+
+
+def test_a_whole_launch_waits_for_the_sampler_of_a_forward_launched_alone(sim_backend):
+    """A whole launch is a forward and its sampler: after a forward alone, it is refused until
+    that forward's sampler is launched, as a second forward is."""
+    drv, _ = _driver(sim_backend)
+    drv.capture()
+    slot, _ = _acquire(drv, 2)
+    slot.host.fill(_rows(2), drv.pad)
+    slot.launch_forward(drv.stream, 2, 0)
+    with pytest.raises(RuntimeError, match=r"S=2 slot=0: forward launched again before the "
+                                           r"sampler of generation 1"):
+        slot.launch(drv.stream, 2, 1)
+    slot.launch_sampler(drv.stream)
+    assert slot.launch(drv.stream, 2, 1).generation == 2 and not slot.output.sampler_pending
+    with pytest.raises(RuntimeError, match="launch_sampler\\(\\) without a forward to sample "
+                                           "\\(generation 2 is sampled already\\)"):
+        slot.launch_sampler(drv.stream)
+    drv.stream.synchronize()
+    drv.close()

@@ -11,29 +11,30 @@ class StaleLogitsError(VtError, RuntimeError):
 
 class GraphOutput:
     """A step captured as two graphs, the forward (which writes the retained [S, vocab] logits
-    block) and the sampler (which reads it), launched back to back or apart: the host may
-    queue work between them (a grammar's masks, vt/engine/serving.py). `generation` counts
-    the forward's launches, so a view taken at one launch can tell that a later one
-    overwrote it. A forward's sampler must be launched before the next forward, and only
+    block) and the sampler (which reads it), and `whole`, the two joined into one graph
+    (be.join_graphs: nothing captured twice). launch() is the whole step in one graph launch;
+    launch_forward() and launch_sampler() launch the halves apart, so the host may queue work
+    between them (a grammar's masks, vt/engine/serving.py). `generation` counts the
+    forward's launches, whole or alone, so a view taken at one launch can tell that a later
+    one overwrote it. A forward's sampler must be launched before the next forward, and only
     then (RuntimeError otherwise): the logits it reads are the last forward's."""
 
-    def __init__(self, forward, sampler, logits, name: str):
-        self.forward, self.sampler = forward, sampler
+    def __init__(self, forward, sampler, whole, logits, name: str):
+        self.forward, self.sampler, self.whole = forward, sampler, whole
         self.logits = logits   # [S, vocab] f32, retained: never returned to the scratch arena
         self.name = name
         self.generation = 0
-        self.sampler_pending = False   # a forward was launched and its sampler not yet
+        self.sampler_pending = False   # a forward was launched alone and its sampler not yet
 
     def launch(self, stream) -> int:
-        """The whole step: the forward, then its sampler."""
-        gen = self.launch_forward(stream)
-        self.launch_sampler(stream)
-        return gen
+        """The whole step, one launch: a forward and its sampler."""
+        self._check_no_sampler_pending()
+        self.whole.launch(stream)
+        self.generation += 1
+        return self.generation
 
     def launch_forward(self, stream) -> int:
-        if self.sampler_pending:
-            raise RuntimeError(f"{self.name}: forward launched again before the sampler of "
-                               f"generation {self.generation}; launch_sampler() first")
+        self._check_no_sampler_pending()
         self.forward.launch(stream)
         self.generation += 1
         self.sampler_pending = True
@@ -47,11 +48,16 @@ class GraphOutput:
         self.sampler_pending = False
 
     def close(self):
-        for graph in (self.forward, self.sampler):
+        for graph in (self.whole, self.forward, self.sampler):
             if graph is not None:
                 graph.close()
-        self.forward = self.sampler = None
+        self.forward = self.sampler = self.whole = None
         self.logits = None
+
+    def _check_no_sampler_pending(self) -> None:
+        if self.sampler_pending:
+            raise RuntimeError(f"{self.name}: forward launched again before the sampler of "
+                               f"generation {self.generation}; launch_sampler() first")
 
 
 class ForwardLogits:

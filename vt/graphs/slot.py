@@ -2,9 +2,9 @@
 read yet (the host-overwrite hazard, docs/design.md).
 
 A step on a slot, graph step or a mixed step's decode rows alike: `ring.acquire()` (the
-guard), `slot.write(rows)` (the refresh), `slot.launch(stream, n, index)` (or its two
-halves, `launch_forward` then `launch_sampler`, with host work queued between them), and
-once the host saw it done, `slot.collected(index)`."""
+guard), `slot.write(rows)` (the refresh), `slot.launch(stream, n, index)` (one graph launch;
+or its two halves, `launch_forward` then `launch_sampler`, with host work queued between
+them), and once the host saw it done, `slot.collected(index)`."""
 from __future__ import annotations
 
 import numpy as np
@@ -63,31 +63,27 @@ class SizeSlot:
         self.host.poison(self.pad)
 
     def launch(self, stream, n: int, index: int) -> ForwardLogits:
-        """Replay step `index` (the runner's count) on `stream`; `done` completes once the
-        tokens are in out_host (graph mode: the sampler graph's last node records it; staged:
-        recorded after the copies). The returned view is valid until this slot's next
-        launch."""
-        view = self.launch_forward(stream, n, index)
-        self.launch_sampler(stream)
-        return view
+        """Replay step `index` (the runner's count) on `stream`, in one graph launch (the
+        output's whole step); `done` completes once the tokens are in out_host (graph mode:
+        the step graph's last node records it; staged: recorded after the copies). The
+        returned view is valid until this slot's next launch."""
+        self._inputs_in(stream, n, index)
+        gen = self.output.launch(stream)
+        self._tokens_out(stream)
+        return ForwardLogits(self.output.logits, n, self.output, gen)
 
     def launch_forward(self, stream, n: int, index: int) -> ForwardLogits:
-        """The first half of launch(): the inputs' H2D and the forward. Work the host queues
-        on `stream` before launch_sampler() runs after the forward and before the sampler."""
-        be = self.be
-        self.idle, self.last_index, self.last_rows = False, index, n
-        if self.staged:
-            self.host.copy_to(be, self.device, stream)
-            self.staged_read.record(stream)
+        """launch() in two: this half, the inputs' H2D and the forward graph; work the host
+        queues on `stream` before launch_sampler() runs after the forward and before the
+        sampler."""
+        self._inputs_in(stream, n, index)
         gen = self.output.launch_forward(stream)
         return ForwardLogits(self.output.logits, n, self.output, gen)
 
     def launch_sampler(self, stream) -> None:
-        """The second half of launch(): the sampler, the tokens' D2H and `done`."""
+        """The second half of a split launch: the sampler graph, the tokens' D2H and `done`."""
         self.output.launch_sampler(stream)
-        if self.staged:
-            self.be.copy_d2h(self.out_host, self.out_device, stream)
-            self.done.record(stream)
+        self._tokens_out(stream)
 
     def copy_tokens(self, dst, stream) -> None:
         """The last launch's token records [len(dst)] into the device array `dst`, on
@@ -105,6 +101,21 @@ class SizeSlot:
             if ev is not None:
                 ev.close()
         self.output = None   # the ring closes outputs: staged slots share one
+
+    def _inputs_in(self, stream, n: int, index: int) -> None:
+        """What comes before the forward: the slot's record of the step and, staged, the
+        out-of-graph H2D (the graph reads the inputs itself otherwise)."""
+        self.idle, self.last_index, self.last_rows = False, index, n
+        if self.staged:
+            self.host.copy_to(self.be, self.device, stream)
+            self.staged_read.record(stream)
+
+    def _tokens_out(self, stream) -> None:
+        """What comes after the sampler, staged: the tokens' D2H and `done` (in the graph
+        otherwise)."""
+        if self.staged:
+            self.be.copy_d2h(self.out_host, self.out_device, stream)
+            self.done.record(stream)
 
 
 class SlotRing:

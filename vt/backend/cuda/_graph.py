@@ -1,4 +1,5 @@
-"""Stream capture into a CUDA graph, and the instantiated executable graph."""
+"""Stream capture into a CUDA graph, the instantiated executable graph, and two graphs joined
+into one."""
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +8,7 @@ import warnings
 
 from cuda.bindings import runtime as cudart
 
-from vt.backend.errors import CaptureError, CudaError
+from vt.backend.errors import CaptureError, ClosedError, CudaError
 
 from ._check import SUCCESS, check, cuda_error, push_recorder
 from ._memory import capture_closed, capture_opened
@@ -19,13 +20,17 @@ _SPECIAL_STREAMS = (0, int(cudart.cudaStreamLegacy), int(cudart.cudaStreamPerThr
 
 
 class Graph(HandleOwner):
-    """An instantiated graph: `launch` replays it on a stream; close() destroys exec and graph."""
+    """An instantiated graph: `launch` replays it on a stream; close() destroys exec and graph.
+
+    `graph_handle` is the cudaGraph_t it was instantiated from, kept (not destroyed) until
+    close() so that join_graphs can clone it into a child node."""
 
     _kind = "graph"
 
     def __init__(self, graph, graph_exec, name: str, num_nodes: int):
         self.name = name
         self.num_nodes = num_nodes
+        self.graph_handle = graph
         self._exec = graph_exec
         self._own(_destroy_graph, graph, graph_exec)
 
@@ -45,6 +50,34 @@ class Graph(HandleOwner):
 
     def __repr__(self) -> str:
         return f"<Graph {self.name!r} nodes={self.num_nodes}{' closed' if self.closed else ''}>"
+
+
+def join_graphs(first: Graph, second: Graph, name: str) -> Graph:
+    """One executable graph that runs `first`, then `second`: a new graph of two child-graph
+    nodes, the second depending on the first, instantiated. Nothing is captured, so nothing
+    is allocated from the pool; instantiating sizes the exec's own driver resources, as
+    every instantiate does (not device memory that vt's pool hands out).
+
+    A child node CLONES its graph (cudaGraphAddChildGraphNode), so `first` and `second` stay
+    open and launchable, and closing them, before or after, leaves the joined graph whole.
+    Separate execs of the same work may coexist; one stream's order keeps them from running
+    at once, which is all their shared buffers need."""
+    for graph in (first, second):
+        if not isinstance(graph, Graph):
+            raise TypeError(f"join_graphs {name!r}: {graph!r} is not a graph of the cuda backend")
+        if graph.closed:
+            raise ClosedError(f"join_graphs {name!r}: graph {graph.name!r} is closed")
+    graph = check(cudart.cudaGraphCreate(0), "cudaGraphCreate")
+    try:
+        head = check(cudart.cudaGraphAddChildGraphNode(graph, None, 0, first.graph_handle),
+                     "cudaGraphAddChildGraphNode")
+        check(cudart.cudaGraphAddChildGraphNode(graph, [head], 1, second.graph_handle),
+              "cudaGraphAddChildGraphNode")
+        graph_exec = check(cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+    except BaseException:
+        _destroy_graph(graph)
+        raise
+    return Graph(graph, graph_exec, name, first.num_nodes + second.num_nodes)
 
 
 class Capture:

@@ -10,7 +10,7 @@ import numpy as np
 from ._copy import copy_d2d, copy_d2h, copy_d2h_mapped, copy_h2d, copy_h2d_mapped
 from ._device import Device
 from ._event import Event, EventOptions
-from ._graph import Capture, Graph
+from ._graph import Capture, Graph, join_graphs
 from .._handle import HandleOwner
 from ._memory import RawMemory, device_array, pinned_empty
 from ._mapped import MappedCopy
@@ -148,6 +148,12 @@ class CudaBackend(HandleOwner):
         cap = Capture(stream, name, self.pool, self._routing(stream), self._track)
         self._captures.add(cap)
         return cap
+
+    def join_graphs(self, first: Graph, second: Graph, name: str = "joined") -> Graph:
+        """One graph that runs `first`, then `second` (one launch instead of two); both stay
+        usable and may be closed in any order (see _graph.join_graphs)."""
+        self._require_open()
+        return self._track(join_graphs(first, second, name))
 
     def is_capturing(self, stream: Stream) -> bool:
         self._require_open()

@@ -1,8 +1,9 @@
-"""Sim capture and graphs: a capture records a stream's ops, a replay re-enqueues them."""
+"""Sim capture and graphs: a capture records a stream's ops, a replay re-enqueues them; two
+graphs join into one that replays the first's ops, then the second's."""
 from __future__ import annotations
 
 from .._handle import HandleOwner
-from ..errors import CudaError
+from ..errors import ClosedError, CudaError
 
 
 class Capture:
@@ -53,6 +54,12 @@ class Graph(HandleOwner):
     def num_nodes(self) -> int:
         return len(self._nodes)
 
+    @property
+    def nodes(self) -> tuple:
+        """The recorded ops, in replay order (join_graphs copies them)."""
+        self._require_open()
+        return tuple(self._nodes)
+
     def upload(self, stream) -> None:
         self._require_open()
         stream._require_open()
@@ -65,3 +72,15 @@ class Graph(HandleOwner):
 
     def _closed_message(self) -> str:
         return f"graph {self.name!r} is closed"
+
+
+def join_graphs(first: Graph, second: Graph, name: str) -> Graph:
+    """The cuda join's twin: a graph replaying `first`'s ops, then `second`'s. It holds its own
+    list of them, as a child node holds a clone, so the two stay launchable and closing them
+    leaves it whole; a closed graph is refused, as CUDA has no graph left to clone."""
+    for graph in (first, second):
+        if not isinstance(graph, Graph):
+            raise TypeError(f"join_graphs {name!r}: {graph!r} is not a graph of the sim backend")
+        if graph.closed:
+            raise ClosedError(f"join_graphs {name!r}: graph {graph.name!r} is closed")
+    return Graph(first.nodes + second.nodes, name)

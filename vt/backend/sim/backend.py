@@ -14,7 +14,7 @@ from .._handle import HandleOwner
 from ..errors import CaptureError, CudaError
 from ..pool import DevicePool
 from ._event import Event
-from ._graph import Capture, Graph
+from ._graph import Capture, Graph, join_graphs
 from ._memory import (DeviceOwner, PinnedOwner, RawMemory, as_bytes, owned_array, owner_of,
                       stream_view)
 from ._stream import Op, Stream, check_delay
@@ -146,6 +146,12 @@ class SimBackend(HandleOwner):
             warnings.warn(f"capture {name!r} recorded no work; its graph does nothing",
                           RuntimeWarning, stacklevel=3)
         cap._graph = self._track(Graph(cap.nodes, name))
+
+    def join_graphs(self, first: Graph, second: Graph, name: str = "joined") -> Graph:
+        """One graph that runs `first`, then `second` (one launch instead of two); both stay
+        usable and may be closed in any order (see _graph.join_graphs)."""
+        self._require_open()
+        return self._track(join_graphs(first, second, name))
 
     def is_capturing(self, stream: Stream) -> bool:
         return stream.capture is not None
