@@ -161,3 +161,68 @@ def test_a_verify_steps_logits_are_the_one_token_steps_bytes_on_the_gpu():
     position the one-token step's logits bytes."""
     singles, verify = _one_token_steps_and_a_verify_step("cuda", True, torch.bfloat16)
     assert _same_bytes(singles, verify)
+
+
+
+def _invariant_llama(be):
+    """tiny_llama's weights, batch-invariant: a verify position's logits bits are the one-token
+    step's, so a sampled draw is too (on the GPU, where its kernels are fast)."""
+    from vt.torch import torch_device
+    from vt.torch.llama import LlamaDecoder
+    torch.manual_seed(0)
+    model = LlamaDecoder(TINY, GEO, dtype=torch.float32, device=torch_device(be), batch_invariant=True)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.5 / p.shape[1] ** 0.5 * 4)
+    return model
+
+
+def _sampled_run(be, module, mode, method):
+    """Seeded sampled requests (every knob, and a greedy one) on `module`: its tokens through
+    the Engine without speculation, and with it."""
+    from vt.step.contract import SamplingParams
+    ps = make_prompts(4, seed=11)
+    budgets = [12, 9, 14, 10]
+    sps = [SamplingParams(0.9, seed=5), SamplingParams(1.2, top_k=20, seed=6),
+           SamplingParams(0.8, top_p=0.9, min_p=0.02, seed=7), SamplingParams()]
+    with Engine(be, TorchForwardModel(be, module, geometry=GEO),
+                ExecutorConfig(mode="drain", capture_sizes=(1, 2, 4))) as eng:
+        want = [r.tokens for r in eng.generate(ps, max_new_tokens=budgets, sampling=sps)]
+    table = zeros(be, (verify_table_rows(GEO.max_seqs, GEO.max_seqs, K),), np.int32)
+    target = TorchForwardModel(be, module, geometry=GEO, token_table=table)
+    refs = {tuple(p): w for p, w in zip(ps, want)}
+    model = SpeculativeModel(be, target, SpeculativeConfig(method, k=K, references=refs))
+    got, st = generate_speculative(be, model, ExecutorConfig(mode=mode, capture_sizes=(1, 2, 4)),
+                                   ps, budgets, sampling=sps)
+    return got, want, st
+
+
+def test_llama_sampled_speculation_gives_its_own_sampled_tokens_on_the_sim(sim_backend):
+    """The same seeds give the same tokens with speculation and without; the oracle proposing
+    them has its drafts accepted. (The default kernels: on these well-spread logits a verify
+    step's rounding flips no draw; the GPU twin runs the batch-invariant decoder.)"""
+    got, want, st = _sampled_run(sim_backend, tiny_llama(sim_backend), "ring", "oracle")
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)), (got, want)
+    assert st.acceptance_rate > 0.6
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("cuda" not in available_backends(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["drain", "ring", "staged"])
+@pytest.mark.parametrize("method", ["oracle", "ngram"])
+def test_llama_sampled_speculation_gives_its_own_sampled_tokens_on_the_gpu(mode, method):
+    """The GPU twin, run twice (the same tokens run to run): vt's CUDA sampler over the verify
+    rows of the batch-invariant decoder gives the tokens it samples without speculation."""
+    from vt.backend import get_backend
+    be = get_backend("cuda")
+    try:
+        module = _invariant_llama(be)
+        got, want, st = _sampled_run(be, module, mode, method)
+        again, _, _ = _sampled_run(be, module, mode, method)
+    finally:
+        be.close()
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)), (got, want)
+    assert all(np.array_equal(a, b) for a, b in zip(again, got))
+    if method == "oracle":
+        assert st.acceptance_rate > 0.6

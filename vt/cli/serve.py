@@ -161,7 +161,7 @@ def open_served(args, who: str, out=None):
         log.line(f"{who}: {engine.prefix_caching_note}")
         if spec:
             log.line(f"{who}: speculative decoding: {spec.method}, {spec.k} drafts a step "
-                     f"(greedy requests only)")
+                     f"(no logprobs or penalties)")
     except BaseException:
         served.close()
         be.close()

@@ -5,7 +5,8 @@ the device inside the step's captured graph (docs/speculative.md draws the step)
 One verify step of S rows, all in the graph of size S (one per ring slot, as any step):
 
     prologue   pos[row] -> the rows' k + 1 positions, KV slots, lengths (device state, not
-               the host's vectors) and input tokens (the last token, then the drafts)
+               the host's vectors), input tokens (the last token, then the drafts) and the
+               row's sampling knobs
     propose    drafts [S, k] from the device's history of the row (n-gram) or a reference
     verify     the target's decode over S * (k + 1) rows: row r's j-th token attends over
                its cached prefix and its own tokens 0 .. j
@@ -14,11 +15,12 @@ One verify step of S rows, all in the graph of size S (one per ring slot, as any
     accept     drafts kept while they equal the target's token; the row's record (count,
                tokens), pos[row] and hist[row] advanced, its last token in the table
 
-A sampled row's tokens are the ones decoding without speculation draws with the same seed,
-and so have the target's distribution (spec_kernels.Accept says why).
+A sampled row's tokens have the target's distribution, and are the ones decoding without
+speculation draws with the same seed wherever the verify logits are the one-token step's
+(spec_kernels.Accept says why).
 
-The host never plans a position: it sends each row's token-table row and block table (the
-request's blocks, reserved for every token it may reach plus k), so step N + 1 can be
+The host never plans a position: it sends each row's token-table row, block table (the
+request's blocks, reserved for every token it may reach plus k) and sampling knobs, so step N + 1 can be
 launched before step N's accepted counts are known; it reads them with the tokens, one step
 late, for bookkeeping only.
 
