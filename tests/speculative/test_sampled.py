@@ -266,3 +266,30 @@ def test_sampled_speculation_draws_the_targets_distribution_on_the_gpu(proposer)
     np.testing.assert_array_equal(tokens, own)
     if proposer == "accepts every draft":
         assert rate == 1.0
+
+
+def test_greedy_rows_draw_the_argmax_the_greedy_acceptance_took(sim_backend):
+    """A greedy row's verify draws (the sampler at temperature 0) are the greedy pick that
+    acceptance took before it sampled: NaN ranks lowest, the lowest id wins a tie (-0.0 ties
+    +0.0), and a row with a NaN, a +inf or only -inf gives -1. Random logits with ties too."""
+    from vt.sampling.sampler import Sampler
+
+    def greedy_pick(logits):
+        x = np.asarray(logits, np.float32)
+        finite = np.where(np.isnan(x), -np.inf, x)
+        toks = np.argmax(finite, axis=1).astype(np.int32)
+        toks[np.isnan(x).any(1) | np.isposinf(x).any(1) | (finite.max(axis=1) == -np.inf)] = -1
+        return toks
+
+    rng = np.random.default_rng(4)
+    logits = np.round(rng.standard_normal((40, 9)) * 2).astype(np.float32)
+    logits[:5] = [[1, 3, 3, 0, 0, 0, 0, 0, 0], [0, np.nan, 5, 1, 0, 0, 0, 0, 0],
+                  [np.inf, 0, 0, 0, 0, 0, 0, 0, 0], [-np.inf] * 9, [-0.0, 0.0, -1, -1, -1, -1, -1, -1, -1]]
+    n = len(logits)
+    tokens = np.full(n, -7, np.int32)
+    zero = np.zeros(n, np.float32)
+    Sampler().run_numpy(logits.copy(), np.arange(n, dtype=np.int32), np.arange(n, dtype=np.int32),
+                        zero, np.zeros(n, np.int32), zero + 1, zero, np.arange(n, dtype=np.uint64),
+                        tokens, np.zeros(n, np.int32))
+    np.testing.assert_array_equal(tokens, greedy_pick(logits))
+    assert tokens[:5].tolist() == [1, -1, -1, -1, 0]
