@@ -146,29 +146,38 @@ def test_the_drain_is_skipped_only_after_graph_steps_of_a_ring_mode(sim_backend,
     assert stats.drains == sum(drains_after.values())
 
 
-@pytest.mark.parametrize("mode", ["drain", "ring", "staged"])
-def test_a_split_launch_gives_the_tokens_of_a_whole_one(backend, mode):
-    """launch(sample=False) then launch_sampler: the forward graph alone, then the sampler
-    graph, with a step collected between them as the serving loop does; the tokens are those
-    of whole launches, each run over its own toy state."""
+@pytest.mark.parametrize("mode", ["sync", "drain", "ring", "staged"])
+def test_a_decode_step_is_one_graph_launch_and_a_split_one_two(backend, monkeypatch, mode):
+    """launch(plan) replays a graph step as ONE graph launch (the slot's joined step graph);
+    launch(sample=False) then launch_sampler: the forward graph alone, then the sampler
+    graph, with a step collected between them as the serving loop does. The tokens are those
+    of whole launches, byte for byte, each run over its own toy state."""
     def serve(split: bool):
         runner, seq = _runner(backend, (1, 2), mode), _Sequences()
+        graph_class = type(runner.driver.rings[2].peek().output.whole)
+        real_launch, launched = graph_class.launch, []
+        monkeypatch.setattr(graph_class, "launch", lambda self, stream:
+                            (launched.append(self.name.rsplit(" ", 1)[1]), real_launch(self, stream))[1])
         try:
-            tokens = []
+            tokens, per_step = [], []
             prev = runner.launch(StepPlan(prefill=seq.prefill([0, 1])))
             for _ in range(4):
+                launched.clear()
                 handle = runner.launch(StepPlan(seq.decode([0, 1])), sample=not split)
-                tokens.append(runner.collect(prev).tolist())
+                tokens.append(runner.collect(prev).tobytes())
                 if split:
                     runner.launch_sampler(handle)
+                per_step.append(list(launched))
                 prev = handle
-            tokens.append(runner.collect(prev).tolist())
-            return tokens, runner.stats.split_steps
+            tokens.append(runner.collect(prev).tobytes())
+            return tokens, per_step, runner.stats.split_steps
         finally:
+            monkeypatch.undo()
             runner.close()
     whole, split = serve(False), serve(True)
-    assert whole[1] == 0 and split[1] == 4
-    assert split[0] == whole[0] and len({tuple(t) for t in whole[0]}) > 1
+    assert whole[1] == [["step"]] * 4 and split[1] == [["forward", "sampler"]] * 4
+    assert whole[2] == 0 and split[2] == 4
+    assert split[0] == whole[0] and len(set(whole[0])) > 1
 
 
 def test_a_split_launch_refuses_what_it_cannot_do(sim_backend):

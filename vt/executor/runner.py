@@ -1,12 +1,12 @@
 """Runner: one step at a time, depth-2 async, with the drain and its skip.
 
-A graph step is the slot's two graphs (vt/graphs/capture.py): the input block's H2D and the
-forward, then the sampler (which writes the next step's input token into the device token
-table), the tokens' D2H into the slot's pinned output and one event record. Step N+1 is
-launched before the host reads step N's tokens. launch(plan, sample=False) launches a graph
-step's forward alone, and launch_sampler(handle) its sampler later: the host queues work
-between the two in the stream (a grammar's masks, built from step N's tokens while the
-forward of step N+1 runs: vt/engine/serving.py).
+A graph step is one launch of the slot's step graph (vt/graphs/capture.py): the input
+block's H2D and the forward, then the sampler (which writes the next step's input token into
+the device token table), the tokens' D2H into the slot's pinned output and one event record.
+Step N+1 is launched before the host reads step N's tokens. launch(plan, sample=False)
+launches a graph step's forward graph alone, and launch_sampler(handle) its sampler graph
+later: the host queues work between the two in the stream (a grammar's masks, built from
+step N's tokens while the forward of step N+1 runs: vt/engine/serving.py).
 
 Before Refresh(N+1) the host drains (waits for step N) unless the skip applies: the
 previous step's logits are a non-owning graph view AND the mode skips the drain
@@ -176,8 +176,8 @@ class Runner:
                                f"not collected; collect the oldest before launching (depth 2)")
 
     def _launch_graph(self, ring, plan: StepPlan, sample: bool) -> StepHandle:
-        """Acquire the ring's next slot (its guard), write the rows into it, replay it (its
-        forward alone without `sample`)."""
+        """Acquire the ring's next slot (its guard), write the rows into it, replay it: the
+        whole step in one graph launch, or without `sample` its forward graph alone."""
         timer, index, n, st = self.timer, self._steps, plan.n, self.stats
         timer.acquiring()
         slot, waited = ring.acquire(self._poll_s)
@@ -185,13 +185,12 @@ class Runner:
         timer.acquired(slot, waited)
         slot.write(plan.decode)
         timer.refreshed()
-        logits = slot.launch_forward(self.stream, n, index)
+        logits = (slot.launch if sample else slot.launch_forward)(self.stream, n, index)
         handle = StepHandle(index, "graph", n, slot.size, logits, plan.tag, slot.out_host, slot.done, slot)
         st.steps += 1
         st.graph_steps += 1
         st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
         if sample:
-            slot.launch_sampler(self.stream)
             self._graph_launched(handle)
         else:
             st.split_steps += 1
