@@ -45,8 +45,9 @@ STOP_GRACE_S = 5.0            # workers still running this long after STOP are t
 CLOSE_TIMEOUT_S = 60.0        # a clean close: each worker closes its runner and exits
 # How long a failed step waits to see whether a worker died. A killed process shows as dead
 # only once the kernel has torn down its memory, which for a torch process on a loaded 2-core
-# machine was seen to take over 1 s; only the error path pays this wait.
-DEATH_WAIT_S = 3.0
+# machine was seen to take over 3 s; only the error path pays this wait, and it ends as soon
+# as a worker shows as dead or the monitor thread has named the failure.
+DEATH_WAIT_S = 10.0
 # NVLink multicast (NVLS) stays off: the machines vt runs on do not lend it to every process.
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
             "NVSHMEM_DISABLE_NVLS": "1"}
@@ -268,8 +269,11 @@ class RankGroup:
         if self.failure is None and not self._closing.is_set():
             # A killed worker's sockets close before its exit can be seen: a collective with it
             # may fail first. Give a dying worker a moment to show as dead.
-            multiprocessing.connection.wait([p.sentinel for p in self._procs], DEATH_WAIT_S)
-            dead = [rank for rank, p in enumerate(self._procs, start=1) if not p.is_alive()]
+            deadline = time.monotonic() + DEATH_WAIT_S
+            dead = []
+            while not dead and self.failure is None and time.monotonic() < deadline:
+                multiprocessing.connection.wait([p.sentinel for p in self._procs], 0.1)
+                dead = [rank for rank, p in enumerate(self._procs, start=1) if not p.is_alive()]
             if dead:
                 reason = self._death(dead[0])
         self.fail(reason)
