@@ -1,38 +1,17 @@
 """Constrained requests through the Engine (sim, every safe mode): each token a request with
 a grammar samples is one its grammar allows after the tokens before it, its grammar sees its
 tokens in order, and the requests without one beside it sample the tokens they sample alone
-(the loop collects each step before it plans the next while a constrained request is live:
-its next mask needs its token); a model without grammar masks refuses a grammar by name."""
+(a step's sampler waits for the masks its constrained rows need, docs/sampler.md); a model
+without grammar masks refuses a grammar by name."""
 import numpy as np
 import pytest
 
 from engine_runs import kernel_engine
+from toy_grammar import ToyGrammar, follows
 from vt import ForwardModel, SamplingParams
 from vt.config import SAFE_MODES
 
 VOCAB = 61
-
-
-def _allowed(prev: int | None) -> set[int]:
-    """The toy grammar: a few tokens after each token (and at the start), none of them likely
-    under the forward's logits by chance alone."""
-    base = 5 if prev is None else (prev * 7 + 3) % VOCAB
-    return {base, (base + 11) % VOCAB, (base + 29) % VOCAB}
-
-
-class ToyGrammar:
-    def __init__(self):
-        self.seen: list[int] = []
-
-    def fill_mask(self, bits) -> None:
-        bits[...] = 0
-        words = bits.view(np.uint32)
-        for t in _allowed(self.seen[-1] if self.seen else None):
-            words[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
-
-    def accept(self, token: int) -> None:
-        assert token in _allowed(self.seen[-1] if self.seen else None), (self.seen, token)
-        self.seen.append(token)
 
 
 class _Wavy:
@@ -54,21 +33,12 @@ def _engine(be, mode, model_class=ForwardModel):
     return kernel_engine(be, _Wavy(), VOCAB, mode, model_class)
 
 
-def _valid(tokens) -> bool:
-    prev = None
-    for t in tokens:
-        if t not in _allowed(prev):
-            return False
-        prev = t
-    return True
-
-
 @pytest.mark.parametrize("mode", SAFE_MODES)
 def test_constrained_tokens_follow_the_grammar_and_neighbours_are_unchanged(sim_backend, mode):
     prompts = [[3, 9, 9], [12, 4], [7, 7, 7, 1], [20], [2, 2, 5, 8, 1]]
     plain = [SamplingParams(0.0), SamplingParams(0.9, seed=4), SamplingParams(0.0),
              SamplingParams(1.3, seed=2), SamplingParams(0.7, seed=9)]
-    grammars = [None, ToyGrammar(), None, ToyGrammar(), None]
+    grammars = [None, ToyGrammar(VOCAB), None, ToyGrammar(VOCAB), None]
     asks = [sp if g is None else SamplingParams(sp.temperature, seed=sp.seed, grammar=g)
             for sp, g in zip(plain, grammars)]
     with _engine(sim_backend, mode) as eng:
@@ -78,8 +48,8 @@ def test_constrained_tokens_follow_the_grammar_and_neighbours_are_unchanged(sim_
         if g is None:
             assert m.tokens == a.tokens, (mode, i)
         else:
-            assert len(m.tokens) == 12 and _valid(m.tokens), (mode, i, m.tokens)
-            assert not _valid(a.tokens)          # unconstrained, the same request strays
+            assert len(m.tokens) == 12 and follows(m.tokens, VOCAB), (mode, i, m.tokens)
+            assert not follows(a.tokens, VOCAB)          # unconstrained, the same request strays
             assert g.seen == m.tokens[:len(g.seen)] and len(g.seen) >= 11
 
 
@@ -88,4 +58,4 @@ def test_a_grammar_on_a_model_without_masks_is_refused(sim_backend):
     assert StepModel.token_masks is None
     with _engine(sim_backend, "ring", _NoMasks) as eng:
         with pytest.raises(ValueError, match="SamplingParams.grammar: this engine's step model"):
-            eng.submit([1, 2], sampling=SamplingParams(grammar=ToyGrammar()))
+            eng.submit([1, 2], sampling=SamplingParams(grammar=ToyGrammar(VOCAB)))

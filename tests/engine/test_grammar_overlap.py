@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engine_runs import VOCAB
+from toy_grammar import ToyGrammar, follows
 from vt import SamplingParams
 from vt.config import SAFE_MODES, ExecutorConfig
 from vt.engine.engine import Engine
@@ -22,39 +23,8 @@ CONSTRAINED = (1, 2, 5)
 BUDGETS = [12, 10, 12, 9, 11, 12]
 
 
-def _allowed(prev: int | None) -> set[int]:
-    base = 5 if prev is None else (prev * 7 + 3) % VOCAB
-    return {base, (base + 11) % VOCAB, (base + 29) % VOCAB}
-
-
-class _Grammar:
-    """A few tokens after each token; its tokens must come in order and be allowed."""
-
-    def __init__(self):
-        self.seen: list[int] = []
-
-    def fill_mask(self, bits) -> None:
-        bits[...] = 0
-        words = bits.view(np.uint32)
-        for t in _allowed(self.seen[-1] if self.seen else None):
-            words[t >> 5] |= np.uint32(1) << np.uint32(t & 31)
-
-    def accept(self, token: int) -> None:
-        assert token in _allowed(self.seen[-1] if self.seen else None), (self.seen, token)
-        self.seen.append(token)
-
-
-def _valid(tokens) -> bool:
-    prev = None
-    for t in tokens:
-        if t not in _allowed(prev):
-            return False
-        prev = t
-    return True
-
-
 def _asks(constrained=CONSTRAINED):
-    return [SamplingParams(sp.temperature, seed=sp.seed, grammar=_Grammar()) if i in constrained
+    return [SamplingParams(sp.temperature, seed=sp.seed, grammar=ToyGrammar(VOCAB)) if i in constrained
             else sp for i, sp in enumerate(PLAIN)]
 
 
@@ -83,8 +53,8 @@ def test_constrained_tokens_are_byte_identical_in_every_mode_and_neighbours_unch
         for i, (got, r, a) in enumerate(zip(results, ref, alone)):
             assert _same(got, r), (mode, i)
             if i in CONSTRAINED:
-                assert len(got.tokens) == BUDGETS[i] and _valid(got.tokens), (mode, i)
-                assert not _valid(a.tokens), i   # unconstrained, the same request strays
+                assert len(got.tokens) == BUDGETS[i] and follows(got.tokens, VOCAB), (mode, i)
+                assert not follows(a.tokens, VOCAB), i   # unconstrained, the same request strays
             else:
                 assert _same(got, a), (mode, i)   # a constrained neighbour changes nothing
 
@@ -106,7 +76,7 @@ def test_a_constrained_step_launches_its_forward_before_the_step_in_flight_is_co
     monkeypatch.setattr(Runner, "collect",
                         lambda self, h: (events.append(("collect", h.index)), collect(self, h))[1])
     results, stats = _run(sim_backend, "ring", _asks())
-    assert all(_valid(results[i].tokens) for i in CONSTRAINED)
+    assert all(follows(results[i].tokens, VOCAB) for i in CONSTRAINED)
     forwards = [i for kind, i in events if kind == "forward"]
     assert len(forwards) == stats["split_steps"] >= max(BUDGETS) - 2
     for i in forwards:
