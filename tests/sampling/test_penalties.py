@@ -41,7 +41,8 @@ def test_the_twin_equals_the_definitions():
     x = (rng.standard_normal((S, V)) * 3).astype(np.float32)
     x[0, 11] = -np.inf
     state = dict(counts=np.zeros((R, V), np.uint16), bits=np.zeros((R, -(-V // 32)), np.uint32),
-                 ids=np.full((R, 1024), -1, np.int32), vals=np.zeros((R, 1024), np.float32))
+                 ids=np.full((R, 1024), -1, np.int32), vals=np.zeros((R, 1024), np.float32),
+                 min_left=np.zeros(R, np.int32), stops=np.full((R, 256), -1, np.int32))
     prompts, outputs = {}, {}
     for i, (r, sp) in enumerate(zip(rows, sps)):
         prompts[i] = rng.integers(0, V, 20)
@@ -54,7 +55,7 @@ def test_the_twin_equals_the_definitions():
     vec = {k: np.array([getattr(sp, k) for sp in sps], np.float32)
            for k in ("presence_penalty", "frequency_penalty", "repetition_penalty")}
     penalties.penalize(got, rows, np.ones(S, np.int32), vec["presence_penalty"], vec["frequency_penalty"],
-                       vec["repetition_penalty"], state["counts"], state["bits"], state["ids"], state["vals"])
+                       vec["repetition_penalty"], *state.values())
     for i, sp in enumerate(sps):
         np.testing.assert_allclose(got[i], _by_definition(x[i], prompts[i], outputs[i], sp), rtol=1e-5, atol=1e-5)
     untouched = x.copy()
@@ -65,7 +66,8 @@ def test_the_twin_equals_the_definitions():
 def test_counts_saturate_and_skip_error_rows_and_unpenalized_rows():
     counts = np.zeros((4, 10), np.uint16)
     counts[1, 3] = penalties.COUNT_MAX
-    penalties.count(np.array([3, 3, -1, 5]), np.array([1, 2, 0, 3]), np.array([1, 0, 1, 1]), counts)
+    penalties.count(np.array([3, 3, -1, 5]), np.array([1, 2, 0, 3]), np.array([1, 0, 1, 1]), counts,
+                    np.zeros(4, np.int32))
     assert counts[1, 3] == penalties.COUNT_MAX and counts[2].sum() == 0 and counts[0].sum() == 0
     assert counts[3, 5] == 1
 

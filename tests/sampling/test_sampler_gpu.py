@@ -197,31 +197,40 @@ def test_kernel_token_records_equal_numpy_twin(V):
 
 
 def test_penalty_kernels_equal_numpy_twin():
-    """penalize and count_tokens (vt/sampling/penalties.py) on random state: the same float32
-    logits bit for bit (no FMA contraction), the same counts."""
+    """penalize and count_tokens (vt/sampling/penalties.py) on random state, every row's stages
+    drawn from {none, PENALIZE, MIN_TOKENS, both}: the same float32 logits bit for bit (no FMA
+    contraction; stop tokens -inf while min_left > 0), the same counts and min_left."""
     from vt.sampling import penalties
+    from vt.sampling.params import MAX_MIN_TOKENS_STOPS
     rng = np.random.default_rng(5)
-    S, V, R, MB = 32, 151936, 40, 1024
+    S, V, R, MB, MS = 32, 151936, 40, 1024, MAX_MIN_TOKENS_STOPS
     x = random_logits(rng, S, V, ties=True)
     rows = rng.permutation(R)[:S].astype(np.int32)
-    pen = (rng.random(S) < 0.7).astype(np.int32)
+    pen = rng.integers(0, 4, S).astype(np.int32)
     pres, freq = (rng.uniform(-2, 2, S).astype(np.float32) for _ in range(2))
     rep = rng.uniform(0.5, 2, S).astype(np.float32)
     counts = rng.integers(0, 3, (R, V)).astype(np.uint16)
     bits = rng.integers(0, 2**32, (R, -(-V // 32)), dtype=np.uint64).astype(np.uint32)
     ids = np.full((R, MB), -1, np.int32)
     vals = np.zeros((R, MB), np.float32)
+    left = rng.integers(0, 3, R).astype(np.int32)
+    stops = np.full((R, MS), -1, np.int32)
     for r in range(R):
         k = int(rng.integers(0, 50))
         ids[r, :k] = rng.choice(V, k, replace=False)
         vals[r, :k] = rng.uniform(-100, 100, k)
+        k = int(rng.integers(0, MS + 1))
+        stops[r, :k] = rng.choice(V, k, replace=False)
+    assert (pen & 2).any() and (left[rows[(pen & 2) > 0]] > 0).any()
     want = x.copy()
-    penalties.penalize(want, rows, pen, pres, freq, rep, counts, bits, ids, vals)
+    penalties.penalize(want, rows, pen, pres, freq, rep, counts, bits, ids, vals, left, stops)
     got = cp.asarray(x)
-    dev = [cp.asarray(a) for a in (rows, pen, pres, freq, rep, counts, bits, ids, vals)]
+    dev = [cp.asarray(a) for a in (rows, pen, pres, freq, rep, counts, bits, ids, vals, left, stops)]
     penalties.launch_penalize(got, *dev)
     np.testing.assert_array_equal(got.get(), want)
+    assert np.isneginf(want).sum() > np.isneginf(x).sum()    # some stop token was banned
     toks = rng.integers(-1, V, S).astype(np.int32)
-    penalties.count(toks, rows, pen, counts)
-    penalties.launch_count(cp.asarray(toks), dev[0], dev[1], dev[5])
+    penalties.count(toks, rows, pen, counts, left)
+    penalties.launch_count(cp.asarray(toks), dev[0], dev[1], dev[5], dev[9])
     np.testing.assert_array_equal(dev[5].get(), counts)
+    np.testing.assert_array_equal(dev[9].get(), left)

@@ -63,7 +63,8 @@ def test_the_sampler_draws_only_allowed_tokens_and_leaves_other_rows_alone(tempe
     pos = np.arange(S, dtype=np.int32) * 5
     extra = [kn["logprobs"], np.zeros(S, np.int32), np.zeros(S, np.float32), np.zeros(S, np.float32),
              np.ones(S, np.float32), np.zeros((9, V), np.uint16), np.zeros((9, 10), np.uint32),
-             np.full((9, 4), -1, np.int32), np.zeros((9, 4), np.float32)]
+             np.full((9, 4), -1, np.int32), np.zeros((9, 4), np.float32), np.zeros(9, np.int32),
+             np.full((9, 4), -1, np.int32)]
 
     def sample(*mask):
         out, table = np.full(S, -7, np.int32), np.full(10, -7, np.int32)

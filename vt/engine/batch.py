@@ -72,7 +72,7 @@ class DecodeBatch:
         self.temperature[i], self.top_k[i], self.seed[i] = sampling.temperature, sampling.top_k or 0, sampling.seed
         self.top_p[i], self.min_p[i] = sampling.top_p, sampling.min_p
         self.logprobs[i] = NO_LOGPROBS if sampling.logprobs is None else sampling.logprobs
-        self.penalized[i] = sampling.penalized
+        self.penalized[i] = sampling.penalize_stages
         self.penalties[:, i] = (sampling.presence_penalty, sampling.frequency_penalty,
                                 sampling.repetition_penalty)
         self.dest_off[i] = dest - t

@@ -167,7 +167,7 @@ class Scheduler:
             bt = np.full(geo.max_blocks, geo.scratch_block, np.int32)
             bt[:len(req.blocks)] = req.blocks
             prefill.append(PrefillSeq(req.row, req.prompt[:end], bt, req.row, req.sampling,
-                                      start=req.prefilled))
+                                      start=req.prefilled, stop_tokens=req.stop_tokens))
             req.prefilled = end
             if end == req.prompt_len:
                 req.phase, req.first_step = RequestPhase.DECODING, b.t

@@ -8,16 +8,18 @@ import numpy as np
 from vt.engine.errors import KVCacheExhaustedError, PromptTooLongError, RequestTooLargeError
 from vt.engine.requests import Request
 from vt.engine.scheduler import kv_blocks_needed
+from vt.sampling.params import MAX_MIN_TOKENS_STOPS
 from vt.step.contract import GREEDY, KVGeometry, SamplingParams
 
 
 def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry, vocab: int,
                   kv_capacity: int, *, speculative: int = 0) -> list[Request]:
     """Validated Requests (index = the prompt's position). stop_token: None, one token id or
-    a collection of them (any of them ends the request). speculative: k of the engine's
-    speculative decoding (0: none): requests have no logprobs, penalties or grammar (a verify
-    step samples the model's own logits, and its record holds its tokens), and hold KV for k
-    more positions."""
+    a collection of them (any of them ends the request; a min_tokens request cannot sample
+    them before it has min_tokens tokens). speculative: k of the engine's speculative decoding
+    (0: none): requests have no logprobs, penalties, min_tokens or grammar (a verify step
+    samples the model's own logits, and its record holds its tokens), and hold KV for k more
+    positions."""
     prompts = list(prompts)
     budgets = _per_prompt(max_new_tokens, len(prompts), "max_new_tokens")
     samplings = _per_prompt(GREEDY if sampling is None else sampling, len(prompts), "sampling")
@@ -39,6 +41,7 @@ def make_requests(prompts, max_new_tokens, stop_token, sampling, geo: KVGeometry
                              f"shape {arr.shape} dtype {arr.dtype}")
         if arr.min() < 0 or arr.max() >= vocab:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        _check_min_tokens(i, sp, int(max_new), stops)
         if speculative:
             check_speculative_sampling(i, sp)
         _check_fits(i, arr.size, int(max_new), geo, kv_capacity, speculative)
@@ -75,7 +78,7 @@ def check_one_request(max_new_tokens, sampling) -> None:
 
 def check_speculative_sampling(i: int, sp: SamplingParams) -> None:
     """Speculative decoding serves greedy and sampled requests (temperature, top_k, top_p,
-    min_p, seed), without logprobs, grammar or penalties."""
+    min_p, seed), without logprobs, grammar, penalties or min_tokens."""
     if sp.logprobs is not None:
         raise ValueError(f"sampling for prompt {i}: logprobs={sp.logprobs} with speculative "
                          f"decoding, which returns no logprobs")
@@ -85,6 +88,20 @@ def check_speculative_sampling(i: int, sp: SamplingParams) -> None:
     if sp.penalized:
         raise ValueError(f"sampling for prompt {i}: penalties or logit_bias with speculative "
                          f"decoding, whose acceptance reads the model's own logits")
+    if sp.min_tokens:
+        raise ValueError(f"sampling for prompt {i}: min_tokens={sp.min_tokens} with speculative "
+                         f"decoding, whose verify step samples several tokens of a row at once")
+
+
+def _check_min_tokens(i: int, sp: SamplingParams, max_new: int, stops: tuple) -> None:
+    """min_tokens at most max_new_tokens (vLLM's rule), and stop tokens few enough for the
+    sampler's per-row ban list."""
+    if sp.min_tokens > max_new:
+        raise ValueError(f"sampling for prompt {i}: min_tokens={sp.min_tokens} exceeds "
+                         f"max_new_tokens={max_new}")
+    if sp.min_tokens and len(stops) > MAX_MIN_TOKENS_STOPS:
+        raise ValueError(f"sampling for prompt {i}: min_tokens={sp.min_tokens} with "
+                         f"{len(stops)} stop tokens; at most {MAX_MIN_TOKENS_STOPS} can be banned")
 
 
 def _check_fits(i: int, prompt_len: int, max_new: int, geo: KVGeometry, kv_capacity: int,

@@ -24,6 +24,11 @@ ROW_VECTORS: dict[str, np.dtype] = {
 }
 # logprobs: -1 = none; n >= 0 = the sampled token's logprob and the n most likely tokens'.
 NO_LOGPROBS = -1
+# penalized: which of the penalize kernel's stages a row runs (bits; 0: none, the kernel returns
+# at once). PENALIZE: penalties and logit bias; MIN_TOKENS: its stop tokens banned while the
+# row's min_tokens are not all out (vt/sampling/penalties.py).
+PENALIZE, MIN_TOKENS = 1, 2
+MAX_MIN_TOKENS_STOPS = 256      # the most stop tokens a min_tokens request bans (a row's list on the device)
 MAX_LOGPROBS = 20               # the most top tokens a row asks for (OpenAI's top_logprobs bound)
 MAX_LOGIT_BIAS = 1024           # the most logit_bias entries of a request (a row's table on the device)
 
@@ -79,6 +84,9 @@ class SamplingParams:
     grammar: the tokens a constrained request samples are those its grammar allows at each
     step (vt/sampling/token_mask.py), applied after penalties and bias.
 
+    min_tokens: until the request has this many tokens its stop tokens (the engine's
+    stop_token: EOS and the like) cannot be sampled, their logits -inf (vLLM's definition).
+
     logprobs: None (none), or n in [0, MAX_LOGPROBS]: the sampler also returns the sampled
     token's log-probability and the n most likely tokens with theirs, of the distribution it
     samples from after temperature and before top_k/top_p/min_p (log_softmax(logits /
@@ -97,6 +105,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple = ()          # ((token id, bias), ...), or a dict of them
+    min_tokens: int = 0
     # A grammar the tokens must follow (vt/sampling/token_mask.py): an object per request with
     # fill_mask(bits) (the allowed next tokens into an int32 [ceil(V / 32)] bitmask) and
     # accept(token) (the token the request sampled). Stateful: never share one between requests.
@@ -130,6 +139,8 @@ class SamplingParams:
         if not rep > 0:
             raise ValueError(f"SamplingParams.repetition_penalty={rep!r} must be > 0 (1: none)")
         bias = _logit_bias(self.logit_bias)
+        if _int("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"SamplingParams.min_tokens={_shown(self.min_tokens)} must be >= 0")
         g = self.grammar
         if g is not None and not (callable(getattr(g, "fill_mask", None)) and callable(getattr(g, "accept", None))):
             raise TypeError(f"SamplingParams.grammar must have fill_mask(bits) and accept(token), "
@@ -139,7 +150,8 @@ class SamplingParams:
                         ("top_k", None if self.top_k is None else int(self.top_k)),
                         ("logprobs", None if self.logprobs is None else int(self.logprobs)),
                         ("presence_penalty", pres), ("frequency_penalty", freq),
-                        ("repetition_penalty", rep), ("logit_bias", bias)):
+                        ("repetition_penalty", rep), ("logit_bias", bias),
+                        ("min_tokens", int(self.min_tokens))):
             object.__setattr__(self, name, v)
 
     @property
@@ -147,6 +159,12 @@ class SamplingParams:
         """Whether penalties or a logit bias change this request's logits."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias)
+
+    @property
+    def penalize_stages(self) -> int:
+        """The row's `penalized` value: PENALIZE if penalties or a bias change its logits, plus
+        MIN_TOKENS if it bans its stop tokens until min_tokens."""
+        return (PENALIZE if self.penalized else 0) | (MIN_TOKENS if self.min_tokens else 0)
 
     @property
     def greedy(self) -> bool:
@@ -191,7 +209,7 @@ def row_vectors(params: list[SamplingParams]) -> dict[str, np.ndarray]:
         "seed": np.array([p.seed for p in params], np.uint64),
         "logprobs": np.array([NO_LOGPROBS if p.logprobs is None else p.logprobs for p in params],
                              np.int32),
-        "penalized": np.array([p.penalized for p in params], np.int32),
+        "penalized": np.array([p.penalize_stages for p in params], np.int32),
         "presence_penalty": np.array([p.presence_penalty for p in params], np.float32),
         "frequency_penalty": np.array([p.frequency_penalty for p in params], np.float32),
         "repetition_penalty": np.array([p.repetition_penalty for p in params], np.float32),

@@ -20,7 +20,7 @@ Arguments (S rows, vocabulary V):
   top_k [S] i32 (0 = all), top_p [S] f32, min_p [S] f32, seed [S] u64,
   out_tokens [S] i32, or records [S, RECORD_WORDS] i32 (vt/sampling/logprobs.py),
   token_table [*] i32, logprobs [S] i32 (with records: -1, or how many top tokens a row asks),
-  then, for penalties and logit bias (vt/sampling/penalties.py), penalized [S] i32,
+  then, for penalties, logit bias and min_tokens (vt/sampling/penalties.py), penalized [S] i32,
   presence [S], frequency [S], repetition [S] f32 and the instance's PenaltyState tables
   (bind() makes them; extra_args() gives all of these for a step's inputs), then the
   TokenMaskState's on [R] and bits [R, ceil(V / 32)] (vt/sampling/token_mask.py)
@@ -68,9 +68,9 @@ class Sampler:
         self.masks: TokenMaskState | None = None
 
     def bind(self, be, rows: int, vocab: int) -> None:
-        """Keep penalty state (counts, prompts, logit bias) and grammar masks for `rows`
-        token-table rows on `be`: the model that owns this sampler calls it once, before any
-        step."""
+        """Keep penalty state (counts, prompts, logit bias, min_tokens) and grammar masks for
+        `rows` token-table rows on `be`: the model that owns this sampler calls it once, before
+        any step."""
         self.penalties = PenaltyState(be, rows, vocab)
         self.masks = TokenMaskState(be, rows, vocab)
 
@@ -98,7 +98,7 @@ class Sampler:
             apply_mask(logits, token_rows, *mask)
         tokens = reference.sample_tokens(logits, positions, temperature, top_k, top_p, min_p, seed)
         if penalty:
-            count(tokens, token_rows, penalty[0], penalty[4])
+            count(tokens, token_rows, penalty[0], penalty[4], penalty[8])
         if records is None:
             out_tokens[...] = tokens
         else:
@@ -136,7 +136,7 @@ class Sampler:
                                tokens, token_table, cnt, ws, np.int32(S), np.int32(V), np.int32(B),
                                np.int32(C)))
         if penalty:
-            launch_count(tokens, token_rows, penalty[0], penalty[4])
+            launch_count(tokens, token_rows, penalty[0], penalty[4], penalty[8])
         if records is not None:
             launch_records(logits, tokens, temperature, logprobs, records)
 
@@ -158,7 +158,7 @@ class Sampler:
         return self._counters[dev]
 
 
-_PENALTY_ARGS = 8    # penalized, presence, frequency, repetition, and PenaltyState.args()
+_PENALTY_ARGS = 10   # penalized, presence, frequency, repetition, and PenaltyState.args()
 _MASK_ARGS = 2       # TokenMaskState.args()
 
 

@@ -117,7 +117,7 @@ class RowSampling:
     min_p: object = None                # [n] f32
     seed: object = None                 # [n] uint64
     logprobs: object = None             # [n] int32, -1: none
-    penalized: object = None            # [n] int32, 0: no penalty or bias
+    penalized: object = None            # [n] int32 bits (PENALIZE, MIN_TOKENS), 0: none
     presence_penalty: object = None     # [n] f32
     frequency_penalty: object = None    # [n] f32
     repetition_penalty: object = None   # [n] f32
@@ -131,10 +131,10 @@ class DecodeInputs(RowSampling):
     positions[S]: position of that token; seq_lens[S]: tokens in the cache after this step's
     write (position + 1); slot_mapping[S]: KV cache slot written; block_tables[S, max_blocks];
     state_idx[S]: recurrent (GDN) state slot; temperature[S] f32, top_k[S] i32 (0: all),
-    top_p[S] f32, min_p[S] f32, seed[S] u64, logprobs[S] i32 (-1: none), penalized[S] i32 (0:
-    no penalty or bias), presence_penalty[S], frequency_penalty[S], repetition_penalty[S] f32:
-    each row's sampling (vt.sampling.SamplingParams). Padded rows point at the model's scratch
-    row and sample greedily.
+    top_p[S] f32, min_p[S] f32, seed[S] u64, logprobs[S] i32 (-1: none), penalized[S] i32
+    (bits: penalties/bias, min_tokens; 0: none), presence_penalty[S], frequency_penalty[S],
+    repetition_penalty[S] f32: each row's sampling (vt.sampling.SamplingParams). Padded rows
+    point at the model's scratch row and sample greedily.
     """
     token_rows: object
     positions: object
@@ -189,6 +189,8 @@ class PrefillSeq:
     state_idx: int
     sampling: SamplingParams = GREEDY
     start: int = 0
+    # the ids that end the request: banned until it has sampling.min_tokens tokens
+    stop_tokens: tuple[int, ...] = ()
 
 
 def prefill_last_rows(seqs: list[PrefillSeq], block_size: int) -> DecodeRows:
