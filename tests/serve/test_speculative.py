@@ -1,6 +1,6 @@
 """`vt serve --speculative ngram --num-spec K`: the completion is transformers' greedy one, a
-sampled request is served, and /metrics carries the acceptance; logprobs are refused; the
-flags refuse what speculation cannot serve, in one line."""
+sampled request is served, and /metrics carries the acceptance; logprobs and min_tokens are
+refused; the flags refuse what speculation cannot serve, in one line."""
 import signal
 
 import httpx
@@ -28,6 +28,8 @@ def test_speculative_serving_gives_the_greedy_completion_and_its_acceptance(chec
             ignore_eos=True))
         with_logprobs = httpx.post(f"{url}/v1/completions", timeout=60, json=dict(
             model=str(checkpoint), prompt=ids, max_tokens=4, temperature=0.8, logprobs=2))
+        with_min_tokens = httpx.post(f"{url}/v1/completions", timeout=60, json=dict(
+            model=str(checkpoint), prompt=ids, max_tokens=4, min_tokens=2))
         metrics = httpx.get(f"{url}/metrics", timeout=60).text
     finally:
         stop_server(proc, signal.SIGTERM)
@@ -35,6 +37,8 @@ def test_speculative_serving_gives_the_greedy_completion_and_its_acceptance(chec
     assert sampled.status_code == 200, sampled.text
     assert sampled.json()["usage"]["completion_tokens"] == 4, sampled.text
     assert with_logprobs.status_code == 400 and "logprobs" in with_logprobs.text, with_logprobs.text
+    assert with_min_tokens.status_code == 400, with_min_tokens.text
+    assert "min_tokens=2 with speculative decoding" in with_min_tokens.text, with_min_tokens.text
     assert "vt_spec_decode_acceptance_rate " in metrics
     drafts = [l for l in metrics.splitlines() if l.startswith("vt_spec_decode_draft_tokens_total")]
     assert drafts and int(drafts[0].split()[1]) > 0, drafts

@@ -116,3 +116,33 @@ def test_held_bytes_without_a_stop_string_in_their_text_are_flushed_whole():
     stream = TextStream(_utf8, ("zz",))
     assert stream.push(ids) + stream.finish() == _utf8(ids) == "a\ufffd"
     assert not stream.stopped and stream.tokens == 3 == stream.settled
+
+
+@pytest.mark.parametrize("stops, min_tokens, text, want, tokens", [
+    (("b",), 3, "abab", "aba", 4),           # the "b" of token 2 is ignored, token 4's stops it
+    (("b",), 0, "abab", "a", 2),
+    (("xy",), 2, "axy", "a", 3),             # begins in the first min_tokens, ends after: counts
+    (("abc", "b"), 2, "abx", "abx", None),   # "b" ends in token 2, even held back with "a"
+    (("abc", "b"), 2, "abc", "", 3),
+], ids=["ignored-then-found", "without", "spanning", "short-stop-held", "long-stop-held"])
+def test_a_stop_string_counts_only_if_it_ends_after_the_first_min_tokens(stops, min_tokens, text,
+                                                                         want, tokens):
+    """vLLM's rule: the text of the first min_tokens tokens is never searched on its own; a
+    stop string that ends after it counts, wherever it begins."""
+    stream = TextStream(_utf8, stops, min_tokens=min_tokens)
+    got = stream.push([ord(c) for c in text])
+    got += stream.finish()
+    assert got == want and stream.stopped == (tokens is not None)
+    assert stream.tokens == (len(text) if tokens is None else tokens)
+
+
+def test_held_bytes_in_the_first_min_tokens_are_no_stop_string_at_the_end():
+    """The held-back bytes' text at the end: a stop string that ends in the text of a held
+    token among the first min_tokens does not count; one that ends in a later one does."""
+    ids = [ord("a"), ord("b"), 0xFF, 0xFF, 0xFF, 0xFF, 0xFF]
+    stream = TextStream(_utf8, ("\ufffd" * 3,), min_tokens=5)   # the first three end at token 5
+    assert stream.push(ids) + stream.finish() == "ab\ufffd"     # the next three at token 6
+    assert stream.stopped and stream.tokens == 6
+    stream = TextStream(_utf8, ("\ufffd" * 3,), min_tokens=7)
+    assert stream.push(ids) + stream.finish() == "ab" + "\ufffd" * 5
+    assert not stream.stopped and stream.tokens == 7

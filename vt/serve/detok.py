@@ -12,6 +12,8 @@ tokenizer has no text for) costs the same per token as any other.
 
 StopStrings holds back the longest tail that could still begin a stop string, and cuts the
 text before the first stop string found, as OpenAI does (the stop string is not returned).
+With min_tokens (vLLM's), a stop string that ends in the text of the request's first
+min_tokens tokens does not count; one that ends after it does, even if it begins inside.
 """
 from __future__ import annotations
 
@@ -70,31 +72,51 @@ class StopStrings:
     def __init__(self, stops: tuple[str, ...], include: bool = False):
         self.stops, self.include = tuple(stops), include
         self._pending = ""
+        self._unchecked = 0     # leading chars of _pending no stop string may end in
         self.stopped = False
 
-    def push(self, text: str) -> str:
-        """The text that can be emitted now; sets `stopped` at the first stop string."""
+    def push(self, text: str, *, checked: bool = True, unchecked: int = 0) -> str:
+        """The text that can be emitted now; sets `stopped` at the first stop string.
+        checked=False: no stop string may end in this text (a min_tokens request's first
+        tokens), though one may begin in it; unchecked: none may end in its first chars."""
         if self.stopped or not text:
             return ""
         if not self.stops:
             return text
         buf = self._pending + text
-        cut, found = min(((i, s) for s in self.stops if (i := buf.find(s)) >= 0), default=(-1, ""))
+        head = self._head(buf, checked, unchecked)
+        cut, found = self._first(buf, head)
         if cut >= 0:
-            self.stopped, self._pending = True, ""
+            self.stopped, self._pending, self._unchecked = True, "", 0
             return buf[:cut + len(found)] if self.include else buf[:cut]
-        hold = self._held_tail(buf)
-        self._pending = buf[len(buf) - hold:]
-        return buf[:len(buf) - hold]
+        emitted = len(buf) - self._held_tail(buf)
+        self._unchecked = max(0, head - emitted)
+        self._pending = buf[emitted:]
+        return buf[:emitted]
 
     def flush(self) -> str:
-        out, self._pending = ("" if self.stopped else self._pending), ""
+        out, self._pending, self._unchecked = ("" if self.stopped else self._pending), "", 0
         return out
 
-    def would_stop(self, text: str) -> bool:
-        """Whether push(text) would find a stop string (nothing changes)."""
+    def would_stop(self, text: str, *, checked: bool = True, unchecked: int = 0) -> bool:
+        """Whether push(text, ...) with the same arguments would find a stop string (nothing
+        changes)."""
         buf = self._pending + text
-        return not self.stopped and any(s in buf for s in self.stops)
+        return not self.stopped and self._first(buf, self._head(buf, checked, unchecked))[0] >= 0
+
+    def _head(self, buf: str, checked: bool, unchecked: int) -> int:
+        """How many of buf's first chars no stop string may end in: all of them unless checked;
+        else the pending ones up to the end of text's unchecked chars, or pending's own
+        unchecked head."""
+        if not checked:
+            return len(buf)
+        return len(self._pending) + unchecked if unchecked else self._unchecked
+
+    def _first(self, buf: str, head: int) -> tuple[int, str]:
+        """(where, which) of the first stop string in buf that ends past its first `head`
+        chars; (-1, "") if none."""
+        return min(((i, s) for s in self.stops if (i := buf.find(s, max(0, head - len(s) + 1))) >= 0),
+                   default=(-1, ""))
 
     def _held_tail(self, buf: str) -> int:
         """The length of the longest tail of buf that is the start of a stop string."""
@@ -107,13 +129,16 @@ class StopStrings:
 
 class TextStream:
     """One request's text: tokens in, text deltas out, until a stop string (`stopped`).
-    `tokens` counts the tokens consumed up to and including the one that completed it."""
+    `tokens` counts the tokens consumed up to and including the one that completed it.
+    min_tokens: no stop string ends in the text that arrives with the first min_tokens
+    tokens (vLLM's min_tokens)."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = (),
-                 include_stop: bool = False):
+                 include_stop: bool = False, min_tokens: int = 0):
         self._detok = IncrementalDetokenizer(decode)
         self._stops = StopStrings(stop, include_stop)
         self.tokens = 0
+        self.min_tokens = min_tokens
 
     @property
     def stopped(self) -> bool:
@@ -125,7 +150,8 @@ class TextStream:
         out = []
         for tok in ids:            # one at a time: the stop is known at the token that made it
             self.tokens += 1
-            out.append(self._stops.push(self._detok.push([tok])))
+            checked = self.tokens > self.min_tokens
+            out.append(self._stops.push(self._detok.push([tok]), checked=checked))
             if self.stopped:
                 break
         return "".join(out)
@@ -139,12 +165,16 @@ class TextStream:
         if self.stopped:
             return ""
         held = self._detok.held
-        for count in range(1, held + 1) if self._stops.stops else ():
+        # the held tokens among the first min_tokens: no stop string may end in their text
+        head = max(0, min(held, self.min_tokens - (self.tokens - held)))
+        unchecked = len(self._detok.held_text(head)) if head else 0
+        for count in range(head + 1, held + 1) if self._stops.stops else ():
             text = self._detok.held_text(count)
-            if self._stops.would_stop(text):
+            if self._stops.would_stop(text, unchecked=unchecked):
                 self.tokens -= held - count
-                return self._stops.push(text)
-        return self._stops.push(self._detok.flush()) + self._stops.flush()
+                return self._stops.push(text, unchecked=unchecked)
+        return (self._stops.push(self._detok.flush(), checked=self.tokens > self.min_tokens,
+                                 unchecked=unchecked) + self._stops.flush())
 
     @property
     def settled(self) -> int:

@@ -20,6 +20,7 @@ from vt.parallel.errors import TensorParallelError
 from vt.serve.grammar import GrammarEngine
 from vt.serve.metrics import ServeMetrics
 from vt.serve.model_source import ServedModel
+from vt.sampling.params import MAX_MIN_TOKENS_STOPS
 from vt.serve.protocol import GenerationSpec, RequestError, RequestLimits
 from vt.errors import VtError
 
@@ -120,6 +121,17 @@ class GenerationService:
         return self.engine.stats()
 
 
+def _check_min_tokens(min_tokens: int, max_new: int, stops: int) -> None:
+    """min_tokens within the tokens the request may have (max_tokens given or, when not, the
+    rest of the context: protocol.py checked the first), and stop tokens the sampler can ban."""
+    if min_tokens > max_new:
+        raise RequestError(f"min_tokens={min_tokens} exceeds the {max_new} tokens the request "
+                           f"may generate", param="min_tokens")
+    if min_tokens and stops > MAX_MIN_TOKENS_STOPS:
+        raise RequestError(f"min_tokens with {stops} stop token ids (stop_token_ids and EOS); "
+                           f"at most {MAX_MIN_TOKENS_STOPS}", param="min_tokens")
+
+
 class Generation:
     """One request on the engine. Iterate deltas() once; `outcome` is set when it ends."""
 
@@ -133,10 +145,12 @@ class Generation:
                                f"{geo.max_context}", param=prompt_param)
         max_new = spec.max_tokens if spec.max_tokens is not None else geo.max_context - n + 1
         stops = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(model.eos_ids))
+        _check_min_tokens(spec.sampling.min_tokens, max_new, len(stops))
         self.spec, self.prompt_tokens = spec, n
         self.outcome: Outcome | None = None
         self._text = (model.text.stream(spec.stop, include_stop=spec.include_stop,
-                                        skip_special_tokens=spec.skip_special_tokens)
+                                        skip_special_tokens=spec.skip_special_tokens,
+                                        min_tokens=spec.sampling.min_tokens)
                       if model.text is not None else None)
         self._submitted = self._first_at = self._last_at = time.perf_counter()
         sampling, self._grammar = spec.sampling, None

@@ -2,7 +2,7 @@
 
 A body is parsed as JSON and checked against a pydantic model that forbids unknown fields and
 coerces nothing (strict: "5" is not an int, 1.0 is not an int, 1 is a float). What vt cannot do
-is refused by name rather than ignored: n above MAX_CHOICES, echo, suffix, best_of, min_tokens,
+is refused by name rather than ignored: n above MAX_CHOICES, echo, suffix, best_of,
 and the chat fields of _refuse_chat_fields. Every refusal is a RequestError, which the app answers with HTTP 400 (or
 the status it carries) and an OpenAI-style error body.
 
@@ -11,8 +11,8 @@ refused, as is JSON nested too deep to parse. What a body may hold is bounded be
 costly runs (RequestLimits): its bytes, and a text prompt's characters, which cannot fit the
 context when each of its tokens would need more characters than the tokenizer's longest token.
 
-Beyond OpenAI's fields, as vLLM names them: top_k, min_p, stop_token_ids, ignore_eos, and
-guided_json / guided_regex / guided_choice.
+Beyond OpenAI's fields, as vLLM names them: top_k, min_p, stop_token_ids, ignore_eos,
+min_tokens, and guided_json / guided_regex / guided_choice.
 
 Structured output (response_format json_object or json_schema, guided_*, tool_choice
 "required" or a named function) becomes the request's Constraint, at most one per request;
@@ -404,8 +404,6 @@ def generation_spec(body: _Body, vocab: int) -> GenerationSpec:
                      ("best_of", getattr(body, "best_of", None) in (None, 1))):
         if not ok:
             raise RequestError(f"{name} is not supported", param=name)
-    if body.min_tokens != 0:
-        raise RequestError("min_tokens is not supported (only 0)", param="min_tokens")
     if isinstance(body, ChatBody):
         _refuse_chat_fields(body)
         body.template_variables()
@@ -421,6 +419,10 @@ def generation_spec(body: _Body, vocab: int) -> GenerationSpec:
         max_tokens = 16                      # OpenAI's default for completions
     if max_tokens is not None and max_tokens < 1:
         raise RequestError(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if body.min_tokens < 0 or (max_tokens is not None and body.min_tokens > max_tokens):
+        bound = "" if max_tokens is None else f" and at most max_tokens={max_tokens}"
+        raise RequestError(f"min_tokens must be >= 0{bound}, got {body.min_tokens}",
+                           param="min_tokens")
     stop = () if body.stop is None else (body.stop,) if isinstance(body.stop, str) else tuple(body.stop)
     if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
         raise RequestError(f"stop takes 1 to {MAX_STOP_STRINGS} non-empty strings", param="stop")
@@ -553,7 +555,7 @@ def _sampling(body: _Body, vocab: int, logprobs: int | None) -> SamplingParams:
         seed = secrets.randbelow(_SEED_BOUND) if temperature > 0 else 0
     return SamplingParams(temperature, top_k=None if top_k in (None, -1, 0) else top_k,
                           top_p=top_p, min_p=min_p, seed=seed, logprobs=logprobs,
-                          **_penalties(body, vocab))
+                          min_tokens=body.min_tokens, **_penalties(body, vocab))
 
 
 def _penalties(body: _Body, vocab: int) -> dict:

@@ -49,11 +49,11 @@ class TextCodec:
         return self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def stream(self, stop: tuple[str, ...] = (), *, include_stop: bool = False,
-               skip_special_tokens: bool = True) -> TextStream:
+               skip_special_tokens: bool = True, min_tokens: int = 0) -> TextStream:
         """An incremental decoder of one request's tokens, cutting at the first stop string
-        (keeping it with include_stop)."""
+        (keeping it with include_stop) that ends after the first min_tokens tokens' text."""
         decode = self.decode if skip_special_tokens else (lambda ids: self.decode(ids, False))
-        return TextStream(decode, stop, include_stop)
+        return TextStream(decode, stop, include_stop, min_tokens)
 
 
 def eos_token_ids(path) -> tuple[int, ...]:
