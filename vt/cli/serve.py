@@ -223,7 +223,7 @@ def add_parser(sub) -> None:
                    help="speculative decoding (docs/speculative.md): ngram proposes the "
                         "tokens that followed the latest earlier match of the row's last "
                         "tokens in its prompt and output; greedy or sampled requests, "
-                        "without logprobs or penalties")
+                        "without logprobs, penalties, grammars or min_tokens")
     p.add_argument("--num-spec", type=int, default=None, metavar="K",
                    help="--speculative: drafts verified per row per step (default 4)")
     p.add_argument("--log-level", default="warning",
