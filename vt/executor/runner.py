@@ -152,7 +152,7 @@ class Runner:
                              f"(awaiting: {None if self._unsampled is None else self._unsampled.index})")
         self._unsampled = None
         handle.slot.launch_sampler(self.stream)
-        self._graph_launched(handle)
+        self._graph_launched(self._ring_for(handle.n), handle)
 
     def check_usable(self) -> None:
         """Raise what makes this runner unable to take steps (a stopped tensor-parallel group:
@@ -191,21 +191,20 @@ class Runner:
         st.graph_steps += 1
         st.steps_by_size[slot.size] = st.steps_by_size.get(slot.size, 0) + 1
         if sample:
-            self._graph_launched(handle)
+            self._graph_launched(ring, handle)
         else:
             st.split_steps += 1
             self._unsampled = handle
         return handle
 
-    def _graph_launched(self, handle: StepHandle) -> None:
+    def _graph_launched(self, ring, handle: StepHandle) -> None:
         """After a graph step's sampler launch: what reads its logits (the record of them
         follows the sampler, which changes a constrained or penalized row's), its timing,
         the hook."""
         if self._record is not None:
             self._record.record(handle)
         self.timer.launched(handle)
-        self._after_graph_launch(self._ring_for(handle.n), handle, self._skip_graph_drain,
-                                 self.stats)
+        self._after_graph_launch(ring, handle, self._skip_graph_drain, self.stats)
 
     def _launch_eager(self, plan: StepPlan) -> StepHandle:
         """Prefill, mixed and oversize steps (vt/executor/eager.py), with their own logits."""
