@@ -148,7 +148,7 @@ def _run_vt(be, cfg, dtype, args) -> dict:
     hit_rate = (stats.get("prefix_cache") or {}).get("hit_rate") or 0.0
     if hit_rate:
         raise CommandFailed(f"torch-ttft: the prefix cache served {hit_rate:.1%} of the prompt "
-                         "tokens; every timed prompt must be computed")
+                            "tokens; every timed prompt must be computed")
     return dict(params=params, prompt_kernels=module.prompt_kernels, setup_s=setup_s,
                 prefix_hit_rate=hit_rate,
                 ttft_single_s=single,
