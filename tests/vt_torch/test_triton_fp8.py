@@ -42,11 +42,16 @@ def check(x, per_block, N, tol):
 
 
 @interpreted
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
 @pytest.mark.parametrize("per_block", [False, True], ids=["channel", "block"])
 @pytest.mark.parametrize("S", [1, 3, 20, 70])
-def test_fp8_gemv_in_the_interpreter(S, per_block):
-    """fp16, N = 200 and K = 1000 (partial tiles and blocks): within 1e-3 of float64."""
+def test_fp8_gemv_in_the_interpreter(S, per_block, wide, monkeypatch):
+    """fp16, N = 200 and K = 1000 (partial tiles and blocks): within 1e-3 of float64; `wide`
+    runs the tiles of wide projections (WIDE_N lowered to 200)."""
     pytest.importorskip("triton", reason="the kernel needs Triton")
+    from vt.torch import triton_fp8
+    if wide:
+        monkeypatch.setattr(triton_fp8, "WIDE_N", 200)
     torch.manual_seed(S)
     check(torch.randn(S, 1000, dtype=torch.float16), per_block, 200, tol=1e-3)
 
@@ -54,7 +59,7 @@ def test_fp8_gemv_in_the_interpreter(S, per_block):
 @pytest.mark.gpu
 @pytest.mark.parametrize("per_block", [False, True], ids=["channel", "block"])
 @pytest.mark.parametrize("S", [1, 3, 8, 16, 32, 48, 128, 256])
-@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (77, 1000)])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (28672, 4096), (77, 1000)])
 def test_fp8_gemv_matches_the_reference(S, N, K, per_block):
     """bf16 rows (rounded once: ulp 2**-8) within 1e-2 of float64 and of the reference."""
     if not torch.cuda.is_available():
@@ -104,3 +109,65 @@ def test_fp8_decoder_on_cuda_matches_the_cpu_reference():
     cpu = position_logits(models[0], tokens)
     cuda = position_logits(models[1], tokens).cpu()
     assert rel_err(cuda, cpu) < 2e-2
+
+
+def _activations(M, K, device, dtype):
+    x = torch.randn(M, K, device=device, dtype=dtype) * 3
+    x[1] = 0          # an all-zero row: scale 1, codes 0
+    x[2, 0] = 1e4     # one outlier: the row's other values go subnormal or to zero
+    return x
+
+
+def check_quantize_rows(x, codes_too=True):
+    from vt.torch import fp8, triton_fp8
+    codes, scale = triton_fp8.quantize_rows(x)
+    want_codes, want_scale = fp8.quantize_rows(x)
+    assert codes.dtype == torch.float8_e4m3fn and scale.shape == (x.shape[0], 1)
+    assert torch.equal(scale, want_scale)
+    if codes_too:
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+@interpreted
+def test_quantize_rows_in_the_interpreter():
+    """The scales bit for bit fp8.quantize_rows' (the eager version), K = 1000 (a partial
+    tile). Not the codes: the interpreter's float32 -> e4m3 cast rounds a value that carries
+    into the next binade down to half of it (127.3 -> 64), which the GPU's cast does not; the
+    GPU test compares the codes."""
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    torch.manual_seed(0)
+    check_quantize_rows(_activations(5, 1000, "cpu", torch.float16), codes_too=False)
+
+
+def test_the_kernels_limits_are_the_callers():
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    from vt.torch import fp8, triton_fp8
+    assert (triton_fp8.MAX_ROWS, triton_fp8.FP8_MAX) == (fp8.GEMV_MAX_ROWS, fp8.FP8_MAX)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("K", [4096, 14336, 1000])
+def test_quantize_rows_matches_the_eager_quantization(K):
+    """bf16 prompt activations at the 8B shape's widths: codes and scales bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(K)
+    check_quantize_rows(_activations(300, K, "cuda", torch.bfloat16))
+
+
+def test_the_cpu_quantizes_activations_where_cuda_does():
+    """Past GEMV_MAX_ROWS rows, prompt_linear="scaled_mm" quantizes the activations on the CPU
+    too (reference_scaled_linear): its output differs from the weight-only reference's, by no
+    more than e4m3's rounding of x allows, and fewer rows keep the weight-only reference."""
+    from vt.torch import fp8
+    torch.manual_seed(0)
+    w = _weight(64, 256, False, "cpu")
+    many = torch.randn(fp8.GEMV_MAX_ROWS + 1, 256)
+    scaled = fp8.linear(many, w, prompt_linear="scaled_mm")
+    assert torch.equal(scaled, fp8.reference_scaled_linear(many, w))
+    assert not torch.equal(scaled, fp8.reference_linear(many, w))
+    assert rel_err(scaled, fp8.reference_linear(many, w)) < 6e-2
+    few = many[:fp8.GEMV_MAX_ROWS]
+    assert torch.equal(fp8.linear(few, w, prompt_linear="scaled_mm"), fp8.reference_linear(few, w))
+    with pytest.raises(ValueError, match="prompt_linear='fast'"):
+        fp8.linear(many, w, prompt_linear="fast")

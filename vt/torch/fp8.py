@@ -16,7 +16,7 @@ The linear (linear, linear_silu_mul; LayerOps' FP8 kind, vt.torch.llama):
     per-channel scale up to one float32 rounding per element), x in float32, F.linear in
     float32, then one rounding to x's dtype, then the bias in x's dtype. silu_mul follows on
     the rounded output, as the bf16 path's does.
-  CUDA, at most triton_fp8.MAX_ROWS rows: vt.torch.triton_fp8's kernel, which reads the FP8
+  CUDA, at most GEMV_MAX_ROWS rows: vt.torch.triton_fp8's kernel, which reads the FP8
     weight and computes the same function: e4m3 and bf16 widened to float32 exactly, products
     summed in float32 (in its own order), the scale applied in float32 (per channel in the
     epilogue, per block on each 128-wide K tile's partial sum), one rounding to x's dtype.
@@ -24,6 +24,8 @@ The linear (linear, linear_silu_mul; LayerOps' FP8 kind, vt.torch.llama):
     dequantized to x's dtype, then cuBLAS: a second rounding of the weight to bf16) or
     "scaled_mm" (torch._scaled_mm with per-token dynamic activation scales, amax / 448 of each
     row, and the per-channel weight scales: FP8 tensor cores; per-block weights dequantize).
+    The CPU follows the same choice past GEMV_MAX_ROWS rows: with "scaled_mm" it quantizes the
+    activations as CUDA does (reference_scaled_linear), so the sim computes what the GPU does.
 Every shape follows the inputs' and nothing is read on the host: each call captures.
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0      # e4m3fn's largest finite magnitude
 BLOCK = 128          # the `fp8` format's weight_block_size, the only one vt reads
 QUANTIZATIONS = ("fp8",)
+GEMV_MAX_ROWS = 256  # the most rows vt.torch.triton_fp8's kernel takes; more go to the prompt linear
 PROMPT_LINEARS = ("dequantize", "scaled_mm")
 
 
@@ -146,8 +149,11 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *,
     if not isinstance(weight, Fp8Weight):
         return dense(x, weight, bias)
     _check(x, weight)
+    prompt_linear = prompt_linear or PROMPT_LINEAR
     if x.is_cuda:
-        y = _cuda_linear(x, weight, prompt_linear or PROMPT_LINEAR)
+        y = _cuda_linear(x, weight, prompt_linear)
+    elif _scales_activations(x, weight, prompt_linear):
+        y = reference_scaled_linear(x, weight)
     else:
         y = reference_linear(x, weight)
     return y if bias is None else y + bias
@@ -172,27 +178,48 @@ def reference_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return F.linear(x.float(), dequantize(weight)).to(x.dtype)
 
 
-def _cuda_linear(x, weight: Fp8Weight, prompt_linear: str) -> torch.Tensor:
-    if _triton().fits(x, weight):
-        return _triton().linear(x, weight.data, weight.scale)
-    if prompt_linear == "scaled_mm" and not weight.per_block:
-        return scaled_mm_linear(x, weight)
+def reference_scaled_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """The CPU's twin of scaled_mm_linear: x's rows quantized as quantize_rows does, the e4m3
+    products summed in float32, both scales applied in float32, one rounding to x's dtype."""
+    xq, x_scale = quantize_rows(x)
+    acc = F.linear(xq.float(), weight.data.float())
+    return (acc * x_scale * weight.scale[None, :]).to(x.dtype)
+
+
+def _scales_activations(x, weight: Fp8Weight, prompt_linear: str) -> bool:
+    """Whether this call quantizes x too: the scaled_mm prompt linear, past the GEMV's rows,
+    for a per-channel weight (a block-scaled one dequantizes)."""
     if prompt_linear not in PROMPT_LINEARS:
         raise ValueError(f"fp8.linear: prompt_linear={prompt_linear!r} must be one of "
                          f"{PROMPT_LINEARS}")
+    return prompt_linear == "scaled_mm" and x.shape[0] > GEMV_MAX_ROWS and not weight.per_block
+
+
+def _cuda_linear(x, weight: Fp8Weight, prompt_linear: str) -> torch.Tensor:
+    if _triton().fits(x, weight):
+        return _triton().linear(x, weight.data, weight.scale)
+    if _scales_activations(x, weight, prompt_linear):
+        return scaled_mm_linear(x, weight)
     return F.linear(x, dequantize(weight, x.dtype))
 
 
 def scaled_mm_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """x [M, K] @ weight.T on FP8 tensor cores: each row of x quantized with its own scale
-    (amax / 448, dynamic), the weight's per-channel scales, float32 accumulation (no fast
-    accumulation), out in x's dtype."""
-    amax = x.float().abs().amax(dim=1, keepdim=True)
-    x_scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))   # [M, 1]
-    xq = to_fp8(x.float() / x_scale)
+    (quantize_rows: amax / 448, dynamic; triton_fp8's kernel on CUDA), the weight's
+    per-channel scales, float32 accumulation (no fast accumulation), out in x's dtype."""
+    xq, x_scale = _triton().quantize_rows(x) if x.is_cuda else quantize_rows(x)
     return torch._scaled_mm(xq, weight.data.t(), scale_a=x_scale,
                             scale_b=weight.scale[None, :], out_dtype=x.dtype,
                             use_fast_accum=False)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 codes [M, K], float32 scale [M, 1]): each row's amax / 448 (1 for an
+    all-zero row), codes = x / scale rounded to nearest e4m3 (to_fp8)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return to_fp8(xf / scale), scale
 
 
 def _check(x, weight: Fp8Weight):

@@ -13,11 +13,16 @@ rounded once to x's dtype. Only the summation order differs from the reference.
 One row runs on the CUDA cores (as triton_gemv's one-row kernel: a fixed shape, PDL), with
 linear_silu_mul taking the MLP's activation into the gate_up projection's epilogue (gate and
 up rows interleaved in a tile, each scaled, rounded to the storage dtype, then silu_times).
-More rows run tiles of 16, 32 or 64 rows through tl.dot with the weight tile widened to x's
+More rows run tiles of 16 to 128 rows (ROW_TILES) through tl.dot with the weight tile widened to x's
 dtype; the row tiles are the grid's fastest axis, so the programs that share a weight tile run
 together and HBM serves it about once (L2 the rest). Beyond MAX_ROWS (prompt steps) the
 caller's prompt linear (cuBLAS) is the better kernel. Shapes are fixed per row count (no
 autotuning): nothing runs on the host at a call but the launch, so it captures.
+
+quantize_rows is the prompt linear's activation quantization for torch._scaled_mm (vt.torch.fp8
+.scaled_mm_linear): one program a row reads it twice (its amax, then the codes, the second pass
+from L2) where the eager version makes five passes over a float32 copy; the same values as
+vt.torch.fp8.quantize_rows (a correctly rounded float32 division, e4m3 rounded to nearest).
 """
 from __future__ import annotations
 
@@ -28,16 +33,28 @@ import triton.language as tl
 from vt.torch import triton_pdl as pdl
 from vt.torch.triton_fused import silu_times
 
-MAX_ROWS = 256
+MAX_ROWS = 256    # vt.torch.fp8.GEMV_MAX_ROWS (which this module's callers read without Triton)
+FP8_MAX = 448.0   # e4m3fn's largest finite magnitude (vt.torch.fp8.FP8_MAX)
 BLOCK = 128   # the block scales' K and N extent (vt.torch.fp8.BLOCK)
-# One row: triton_gemv's shape with twice its K tile, so a tile holds as many bytes (32 a thread).
-ONE_ROW = dict(BLOCK_N=8, BLOCK_K=1024, num_warps=8, num_stages=4)
-# (most rows, the tile): the first whose row count covers S; past 64 rows, 64-row tiles.
-# Narrow column tiles up to 64 rows keep more programs than SMs at N = 4096.
-ROW_TILES = ((16, dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)),
-             (32, dict(ROWS=32, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)),
-             (64, dict(ROWS=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)),
-             (MAX_ROWS, dict(ROWS=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)))
+# One row: triton_gemv's shape with four times its K tile, 64 weight bytes a thread in flight:
+# measured on an H100 at the 8B shape's projections, K tiles of 2048 beat 1024 by 2-20 %.
+ONE_ROW = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=4)
+QUANT_BLOCK_K = 2048
+# (most rows, tile for N < WIDE_N, tile for N >= WIDE_N): the first whose row count covers S.
+# Measured on an H100 at the 8B shape's projections (N 4096 to 28672): a wide projection
+# (gate_up) runs fastest with wide column tiles that convert each weight tile once for all the
+# rows; a narrow one (o, down: 4096 columns) needs narrow tiles, and up to 32 rows two 16-row
+# tiles, to keep about two programs an SM.
+WIDE_N = 16384
+_TILE = dict(num_warps=4, num_stages=4)
+ROW_TILES = ((16, dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, **_TILE),
+              dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, **_TILE)),
+             (32, dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, **_TILE),
+              dict(ROWS=32, BLOCK_N=64, BLOCK_K=128, **_TILE)),
+             (64, dict(ROWS=64, BLOCK_N=32, BLOCK_K=128, **_TILE),
+              dict(ROWS=64, BLOCK_N=64, BLOCK_K=128, **_TILE)),
+             (MAX_ROWS, dict(ROWS=64, BLOCK_N=32, BLOCK_K=128, **_TILE),
+              dict(ROWS=128, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=4)))
 
 
 def fits(x: torch.Tensor, weight) -> bool:
@@ -57,7 +74,7 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.T
     if S == 1:
         _launch_one_row(x, codes, scale, y, K, glu_out=False)
     elif S:
-        cfg = row_tile(S)
+        cfg = row_tile(S, N)
         if per_block:
             cfg = dict(cfg, BLOCK_K=BLOCK)
         _fp8_gemv[(triton.cdiv(S, cfg["ROWS"]), triton.cdiv(N, cfg["BLOCK_N"]))](
@@ -66,9 +83,11 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.T
     return y
 
 
-def row_tile(S: int) -> dict:
-    """The tile and launch shape of the tl.dot kernel for S rows (2 <= S <= MAX_ROWS)."""
-    return next(cfg for most, cfg in ROW_TILES if S <= most)
+def row_tile(S: int, N: int) -> dict:
+    """The tile and launch shape of the tl.dot kernel for S rows (2 <= S <= MAX_ROWS) of an
+    N-column output."""
+    narrow, wide = next((narrow, wide) for most, narrow, wide in ROW_TILES if S <= most)
+    return wide if N >= WIDE_N else narrow
 
 
 def linear_silu_mul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -83,6 +102,42 @@ def linear_silu_mul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
     y = torch.empty(1, rows // 2, dtype=x.dtype, device=x.device)
     _launch_one_row(x, codes, scale, y, K, glu_out=True)
     return y
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (CUDA, bf16/fp16/fp32, last dim contiguous) -> (codes float8_e4m3fn [M, K],
+    scale float32 [M, 1]): each row's amax / 448 (1 for an all-zero row), codes = x / scale
+    rounded to nearest e4m3, clamped to +-448."""
+    if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float16,
+                                                            torch.float32):
+        raise ValueError(f"triton_fp8.quantize_rows: x must be 2-D bf16/fp16/fp32 with a "
+                         f"contiguous last dim, got {tuple(x.shape)} {x.dtype}")
+    M, K = x.shape
+    codes = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
+    if M:
+        _quantize_rows[(M,)](x, codes, scale, K, x.stride(0), codes.stride(0),
+                             BLOCK_K=min(QUANT_BLOCK_K, triton.next_power_of_2(K)), num_warps=8)
+    return codes, scale
+
+
+@triton.jit
+def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+        peak = tl.maximum(peak, tl.abs(v))
+    amax = tl.max(peak, axis=0)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    tl.store(SCALE + row, s)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(v, s), -FP8_MAX, FP8_MAX)
+        tl.store(Q + row * stride_q + kk, q.to(tl.float8e4nv), mask=kk < K)
 
 
 def _check(x, codes, scale, rows_ok: bool, rows_need: str):
