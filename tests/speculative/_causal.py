@@ -21,8 +21,10 @@ class CausalToy:
 
     verifies_by_decode = True
 
-    def __init__(self, be, *, geometry=GEOMETRY, vocab=VOCAB, max_k=MAX_K):
-        self.be, self.vocab, self.geometry = be, vocab, geometry
+    def __init__(self, be, *, geometry=GEOMETRY, vocab=VOCAB, max_k=MAX_K, salt=0.0):
+        """salt: shifts every logit's phase, another model of the same shape (a draft that
+        disagrees with the target)."""
+        self.be, self.vocab, self.geometry, self.salt = be, vocab, geometry, salt
         g = geometry
         self.token_table = zeros(be, (verify_table_rows(g.max_seqs, g.max_seqs, max_k),), np.int32)
         self.kv = zeros(be, (g.num_kv_blocks * g.block_size,), np.float32)
@@ -30,7 +32,7 @@ class CausalToy:
     def __call__(self, stream, inputs, logits_out) -> None:
         self.be.launch(stream, _CAUSAL, self.token_table, inputs.token_rows, inputs.positions,
                        inputs.seq_lens, inputs.slot_mapping, inputs.block_tables, self.kv,
-                       logits_out, block_size=self.geometry.block_size)
+                       logits_out, block_size=self.geometry.block_size, salt=self.salt)
 
     def step_model(self, *, prefix_cacheable: bool = False) -> ForwardModel:
         """prefix_cacheable: a position's KV is its token's and position's alone, so cached
@@ -42,14 +44,14 @@ class CausalToy:
 class _Causal:
     name = "causal_toy"
 
-    def run_numpy(self, table, rows, pos, lens, slots, bt, kv, logits, *, block_size):
+    def run_numpy(self, table, rows, pos, lens, slots, bt, kv, logits, *, block_size, salt):
         x = np.sin(table[rows].astype(np.float32) * np.float32(12.9898) +
                    pos.astype(np.float32) * np.float32(78.233)) * np.float32(43758.547)
         kv[slots] = x - np.floor(x)
         j = np.arange(logits.shape[1], dtype=np.float32)
         for r in range(len(rows)):
             acc = kv[kv_slot(bt[r], np.arange(lens[r]), block_size)].sum(dtype=np.float32)
-            logits[r] = np.sin(acc * (j + 1) * np.float32(0.37) + j)
+            logits[r] = np.sin(acc * (j + 1) * np.float32(0.37) + j + np.float32(salt))
 
 
 _CAUSAL = _Causal()
@@ -75,9 +77,13 @@ def config(method, k, prompts=None, refs=None, accept=1.0):
     return SpeculativeConfig(method, k=k, accept=accept, references=refs)
 
 
-def speculative(be, method, k, prompts=None, refs=None, accept=1.0):
+def speculative(be, method, k, prompts=None, refs=None, accept=1.0, draft_salt=0.0):
+    """A SpeculativeModel over a fresh causal toy. method "draft": the draft is another causal
+    toy with its own KV cache, the target's own function for draft_salt 0 (every draft
+    accepted), another for any other salt."""
     refs = None if refs is None else {tuple(int(t) for t in p): r for p, r in zip(prompts, refs)}
-    cfg = SpeculativeConfig(method, k=k, accept=accept, references=refs)
+    draft = CausalToy(be, salt=draft_salt).step_model() if method == "draft" else None
+    cfg = SpeculativeConfig(method, k=k, accept=accept, references=refs, draft=draft)
     return SpeculativeModel(be, CausalToy(be).step_model(), cfg)
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from vt.forward import spec_kernels
-from vt.forward.spec_kernels import ACCEPT, NGRAM, ORACLE, PROLOGUE, SEED
+from vt.forward.spec_kernels import (ACCEPT, DRAFT_COLLECT, DRAFT_PROLOGUE, NGRAM, ORACLE,
+                                     PROLOGUE, SEED)
 from vt.forward.speculative import read_record
 from vt.sampling.logprobs import RECORD_WORDS
 from vt.step.contract import kv_slot
@@ -109,6 +110,54 @@ def test_every_kernels_cuda_source_equals_its_numpy_twin(on_cpu, seed):
     _both(on_cpu, SEED, dict(token_rows=rng.permutation(MAX_SEQS)[:n].astype(np.int32),
                              positions=ints(MAX_CONTEXT + 3, n), token_table=ints(V, table_len),
                              pos=pos.copy(), hist=ints(V, rows, width)))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_draft_kernels_cuda_source_equals_its_numpy_twin_and_the_pass_layout(on_cpu, seed):
+    """The draft's prologue and collect on both paths, and the layout the draft's passes
+    read: row v serves step row v % S at position pos + v // S - 1 (pass 0: p - 1 and p,
+    its input tokens the row's history there; pass j: p + j), each with its own token-table
+    entry and the row's block table, greedy knobs; past max_context, before 0 or a padded
+    row: the pad slot. Collect puts pass j's token of row r at drafts[r, j], -1 made 0."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 6))
+    S, V = int(rng.integers(1, MAX_SEQS + 1)), 9
+    n, rows, width = S * (k + 1), MAX_SEQS + 1, MAX_CONTEXT + k + 1
+    token_rows = _rows(rng, S)
+    pos = rng.integers(1, MAX_CONTEXT + k + 1, rows).astype(np.int32)
+    pos[rng.integers(0, rows)] = 0                     # a row at position 0: p - 1 is before it
+    tables = rng.integers(0, NUM_BLOCKS, (S, MB)).astype(np.int32)
+    hist = rng.integers(-1, V, (rows, width)).astype(np.int32)   # -1: an error token
+    poison = lambda *shape: np.full(shape, -7, np.int32)   # noqa: E731
+    f32 = lambda: np.full(n, 7.0, np.float32)   # noqa: E731
+    out = _both(on_cpu, DRAFT_PROLOGUE, dict(
+        token_rows=token_rows, block_tables=tables, pos=pos, hist=hist,
+        d_table=poison(rows + MAX_SEQS * (k + 1)), d_rows=poison(n), d_pos=poison(n),
+        d_lens=poison(n), d_slots=poison(n), d_tables=poison(n, MB), d_state=poison(n),
+        d_temperature=f32(), d_top_k=poison(n), d_top_p=f32(), d_min_p=f32(),
+        d_seed=np.full(n, 7, np.uint64)),
+        k=k, base=rows, pad_row=PAD_ROW, pad_slot=PAD_SLOT, pad_state=PAD_STATE,
+        block_size=BLOCK_SIZE, max_context=MAX_CONTEXT)
+    for v in range(n):
+        r, shift = v % S, v // S - 1
+        row = int(token_rows[r])
+        p = int(pos[row]) + shift
+        live = row != PAD_ROW and 0 <= p < MAX_CONTEXT
+        assert out["d_rows"][v] == rows + v and out["d_state"][v] == PAD_STATE
+        assert (out["d_tables"][v] == tables[r]).all()
+        if live:
+            assert (out["d_pos"][v], out["d_lens"][v]) == (p, p + 1)
+            assert out["d_slots"][v] == kv_slot(tables[r], p, BLOCK_SIZE)
+        else:
+            assert out["d_slots"][v] == PAD_SLOT
+        if v < 2 * S:
+            want = max(int(hist[row, min(p, width - 1)]), 0) if p >= 0 else 0
+            assert out["d_table"][rows + v] == want
+    assert (out["d_temperature"] == 0).all() and (out["d_seed"] == 0).all()
+    assert (out["d_table"][rows + 2 * S:] == -7).all()   # later passes' inputs: the sampler's
+    passes = rng.integers(-1, V, (k, MAX_SEQS)).astype(np.int32)
+    got = _both(on_cpu, DRAFT_COLLECT, dict(passes=passes, drafts=poison(S, k)))["drafts"]
+    np.testing.assert_array_equal(got, np.maximum(passes[:, :S].T, 0))
 
 
 def _knobs(rng, S: int, n: int) -> dict:

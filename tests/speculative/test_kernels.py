@@ -66,8 +66,8 @@ def test_bad_speculative_configs_and_targets_are_refused_by_name(sim_backend):
     from vt.forward.speculative import SpeculativeConfig, SpeculativeModel
     from vt.forward.toy import ToyForward
     from ._causal import CausalToy
-    with pytest.raises(ValueError, match="method must be one of ngram, oracle, got 'draft'"):
-        SpeculativeConfig("draft")
+    with pytest.raises(ValueError, match="method must be one of ngram, oracle, draft, got 'eagle'"):
+        SpeculativeConfig("eagle")
     with pytest.raises(ValueError, match="k"):
         SpeculativeConfig("ngram", k=0)
     with pytest.raises(ValueError, match="accept must be a fraction in \\[0, 1\\], got 1.5"):

@@ -214,7 +214,79 @@ class Seed:
             (token_rows, positions, token_table, pos, hist, np.int32(n), np.int32(hist.shape[1])))
 
 
+class DraftPrologue:
+    """The draft model's rows of a verify step (vt/forward/spec_proposers.py DraftProposer):
+    its k greedy passes over S step rows, as (k + 1) * S decode rows of the draft, laid out
+    by pass. Row v serves step row r = v % S at position pos[row] + v // S - 1:
+
+        pass 0      v in [0, 2S): positions p - 1 (rows [0, S)) and p (rows [S, 2S))
+        pass j >= 1 v in [(j + 1) S, (j + 2) S): position p + j
+
+    p - 1 is in pass 0 because the step before may have accepted all its drafts, the last of
+    which the draft never ran on; every other draft position it rewrites holds the token it
+    held. Each row gets its own entry of the draft's token table (`base` + v); pass 0's two
+    input tokens are the row's hist[p - 1] and hist[p] (its last token); a pass j >= 1 reads
+    the token the draft's greedy sampling of pass j - 1 writes into its entries. The sampling
+    knobs are greedy's (temperature 0). Positions and slots follow Prologue's rules: past
+    max_context, before 0, or a padded row: the pad slot."""
+
+    name = "spec_draft_prologue"
+
+    def run_numpy(self, token_rows, block_tables, pos, hist, d_table, d_rows, d_pos, d_lens,
+                  d_slots, d_tables, d_state, d_temperature, d_top_k, d_top_p, d_min_p, d_seed,
+                  *, k, base, pad_row, pad_slot, pad_state, block_size, max_context):
+        S, width = len(token_rows), hist.shape[1]
+        n = S * (k + 1)
+        d_temperature[:n], d_top_k[:n], d_top_p[:n], d_min_p[:n], d_seed[:n] = 0, 0, 1, 0, 0
+        for v in range(n):
+            r, shift = v % S, v // S - 1
+            row = int(token_rows[r])
+            p = int(pos[row]) + shift
+            q = min(max(p, 0), max_context - 1)
+            live = row != pad_row and 0 <= p < max_context
+            d_rows[v], d_pos[v], d_lens[v], d_state[v] = base + v, q, q + 1, pad_state
+            d_slots[v] = kv_slot(block_tables[r], q, block_size) if live else pad_slot
+            d_tables[v] = block_tables[r]
+            if v < 2 * S:
+                d_table[base + v] = max(int(hist[row, min(p, width - 1)]), 0) if p >= 0 else 0
+
+    def run_cupy(self, stream_handle, token_rows, block_tables, pos, hist, d_table, d_rows, d_pos,
+                 d_lens, d_slots, d_tables, d_state, d_temperature, d_top_k, d_top_p, d_min_p,
+                 d_seed, *, k, base, pad_row, pad_slot, pad_state, block_size, max_context):
+        from vt.backend.nvrtc import cuda_function
+        S = len(token_rows)
+        n = S * (k + 1)
+        cuda_function(CODE, "spec_draft_prologue")(
+            (-(-n // 128),), (128,),
+            (token_rows, block_tables, pos, hist, d_table, d_rows, d_pos, d_lens, d_slots,
+             d_tables, d_state, d_temperature, d_top_k, d_top_p, d_min_p, d_seed, np.int32(S),
+             np.int32(k), np.int32(block_tables.shape[1]), np.int32(hist.shape[1]),
+             np.int32(base), np.int32(pad_row), np.int32(pad_slot), np.int32(pad_state),
+             np.int32(block_size), np.int32(max_context)))
+
+
+class DraftCollect:
+    """drafts[r, j] = passes[j, r], the draft's greedy token of pass j for step row r (the
+    sampler writes a pass's tokens contiguously), with an error token (-1: the draft's
+    logits were NaN or all -inf) made 0: a draft is an input token of the target's verify
+    row, which must be in range, and a wrong draft only costs its acceptance."""
+
+    name = "spec_draft_collect"
+
+    def run_numpy(self, passes, drafts):
+        S, k = drafts.shape
+        drafts[...] = np.maximum(passes[:k, :S].T, 0)
+
+    def run_cupy(self, stream_handle, passes, drafts):
+        from vt.backend.nvrtc import cuda_function
+        S, k = drafts.shape
+        cuda_function(CODE, "spec_draft_collect")(
+            (-(-(S * k) // 128),), (128,),
+            (passes, drafts, np.int32(S), np.int32(k), np.int32(passes.shape[1])))
+
+
 PROLOGUE, ORACLE, NGRAM, ACCEPT, SEED = Prologue(), OracleDrafts(), NgramDrafts(), Accept(), Seed()
+DRAFT_PROLOGUE, DRAFT_COLLECT = DraftPrologue(), DraftCollect()
 
 
 CODE = r"""
@@ -304,5 +376,38 @@ extern "C" __global__ void spec_seed(const int* token_rows, const int* positions
   int row = token_rows[i], p = positions[i] + 1;
   pos[row] = p;
   hist[(long long)row * width + (p < width ? p : width - 1)] = token_table[row];
+}
+
+extern "C" __global__ void spec_draft_prologue(
+    const int* token_rows, const int* block_tables, const int* pos, const int* hist,
+    int* d_table, int* d_rows, int* d_pos, int* d_lens, int* d_slots, int* d_tables,
+    int* d_state, float* d_temperature, int* d_top_k, float* d_top_p, float* d_min_p,
+    unsigned long long* d_seed, int S, int k, int mb, int width, int base, int pad_row,
+    int pad_slot, int pad_state, int block_size, int max_context) {
+  int v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= S * (k + 1)) return;
+  int r = v % S, shift = v / S - 1;
+  int row = token_rows[r];
+  int p = pos[row] + shift;
+  int q = p < 0 ? 0 : (p < max_context ? p : max_context - 1);
+  bool live = row != pad_row && p >= 0 && p < max_context;
+  d_rows[v] = base + v; d_pos[v] = q; d_lens[v] = q + 1; d_state[v] = pad_state;
+  const int* bt = block_tables + (long long)r * mb;
+  d_slots[v] = live ? bt[q / block_size] * block_size + q % block_size : pad_slot;
+  for (int b = 0; b < mb; ++b) d_tables[(long long)v * mb + b] = bt[b];
+  d_temperature[v] = 0.0f; d_top_k[v] = 0; d_top_p[v] = 1.0f; d_min_p[v] = 0.0f; d_seed[v] = 0ull;
+  if (v < 2 * S) {
+    int t = p >= 0 ? hist[(long long)row * width + (p < width ? p : width - 1)] : 0;
+    d_table[base + v] = t > 0 ? t : 0;
+  }
+}
+
+extern "C" __global__ void spec_draft_collect(const int* passes, int* drafts, int S, int k,
+                                              int stride) {
+  int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= S * k) return;
+  int r = i / k, j = i % k;
+  int t = passes[(long long)j * stride + r];
+  drafts[i] = t > 0 ? t : 0;
 }
 """
