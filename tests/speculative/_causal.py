@@ -71,10 +71,11 @@ def reference(be, prompts, budgets, stop_token=None):
                                                stop_token=stop_token)]
 
 
-def config(method, k, prompts=None, refs=None, accept=1.0):
-    """A SpeculativeConfig; the oracle's references are `refs`, the tokens of `prompts`."""
+def config(method, k, prompts=None, refs=None, accept=1.0, draft=None):
+    """A SpeculativeConfig; the oracle's references are `refs`, the tokens of `prompts`;
+    draft: method "draft"'s step model."""
     refs = None if refs is None else {tuple(int(t) for t in p): list(r) for p, r in zip(prompts, refs)}
-    return SpeculativeConfig(method, k=k, accept=accept, references=refs)
+    return SpeculativeConfig(method, k=k, accept=accept, references=refs, draft=draft)
 
 
 def speculative(be, method, k, prompts=None, refs=None, accept=1.0, draft_salt=0.0):

@@ -25,8 +25,9 @@ def table(seed: int = 5) -> np.ndarray:
 class TrigramToy:
     verifies_by_decode = True
 
-    def __init__(self, be, rows: int, k: int, *, max_context: int = 16):
-        self.be, self.vocab, self.table = be, VOCAB, table()
+    def __init__(self, be, rows: int, k: int, *, max_context: int = 16, seed: int = 5):
+        """seed: the logits table's (another seed, another model: a draft)."""
+        self.be, self.vocab, self.table = be, VOCAB, table(seed)
         bs = 4
         blocks = rows * -(-max_context // bs) + 1
         self.geometry = KVGeometry(max_seqs=rows, num_kv_blocks=blocks, block_size=bs,

@@ -32,13 +32,15 @@ def _engine(be, spec, mode="ring", *, hooks=None, prefix_cacheable=False, servin
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("method", ["ngram", "oracle"])
+@pytest.mark.parametrize("method", ["ngram", "oracle", "draft"])
 def test_engine_speculative_tokens_equal_the_targets(sim_backend, method, k, mode):
     """14 requests of mixed lengths over 8 rows (admitted as rows free up, into a batch that
-    is decoding), under POISON: the tokens of the target decoding alone."""
+    is decoding), under POISON: the tokens of the target decoding alone. The target as its
+    own draft has every draft accepted, in rows that served an earlier request too."""
     prompts, budgets = workload(14, seed=20 + k, max_new=(1, 24))
     want = reference(sim_backend, prompts, budgets)
-    spec = config(method, k, prompts, want if method == "oracle" else None)
+    draft = CausalToy(sim_backend).step_model() if method == "draft" else None
+    spec = config(method, k, prompts, want if method == "oracle" else None, draft=draft)
     with _engine(sim_backend, spec, mode, hooks=Poison()) as eng:
         got = [r.tokens for r in eng.generate(prompts, max_new_tokens=budgets)]
         st = eng.stats()
@@ -48,6 +50,8 @@ def test_engine_speculative_tokens_equal_the_targets(sim_backend, method, k, mod
     assert s["verify_rows"] > 0 and s["drafts"] == k * s["verify_rows"]
     if method == "oracle":
         assert s["acceptance_rate"] > 0.75, s
+    if method == "draft":
+        assert s["acceptance_rate"] == 1.0 and s["mean_accepted_length"] == k + 1, s
 
 
 def test_requests_submitted_while_others_decode_get_the_targets_tokens(sim_backend):

@@ -57,6 +57,59 @@ def test_llama_speculative_tokens_equal_its_own_on_the_gpu(mode, method):
     assert all(np.array_equal(a, b) for a, b in zip(got, want)), (got, want)
 
 
+TINY4 = dataclasses.replace(TINY, layers=4)
+
+
+def _draft_run(be, mode, draft_kind):
+    """A 4-layer decoder (random weights) with a draft of its own: "itself" (a second decoder
+    with its weights, its own KV cache) or "two layers" (a 2-layer decoder of other random
+    weights). Its tokens alone, and with the draft proposing."""
+    ps = make_prompts(4, seed=3)
+    budgets = [10, 14, 12, 9]
+    cfg = ExecutorConfig(mode="drain", capture_sizes=(1, 2, 4))
+    with Engine(be, TorchForwardModel(be, tiny_llama(be, cfg=TINY4), geometry=GEO), cfg) as eng:
+        want = [r.tokens for r in eng.generate(ps, max_new_tokens=budgets)]
+    table = lambda: zeros(be, (verify_table_rows(GEO.max_seqs, GEO.max_seqs, K),), np.int32)   # noqa: E731
+    target = TorchForwardModel(be, tiny_llama(be, cfg=TINY4), geometry=GEO, token_table=table())
+    module = tiny_llama(be, cfg=TINY4) if draft_kind == "itself" else tiny_llama(be, seed=1)
+    draft = TorchForwardModel(be, module, geometry=GEO, token_table=table())
+    model = SpeculativeModel(be, target, SpeculativeConfig("draft", k=K, draft=draft))
+    got, st = generate_speculative(be, model, ExecutorConfig(mode=mode, capture_sizes=(1, 2, 4)),
+                                   ps, budgets)
+    return got, want, st
+
+
+@pytest.mark.parametrize("draft_kind", ["itself", "two layers"])
+def test_llama_with_a_llama_draft_gives_its_own_tokens_on_the_sim(sim_backend, draft_kind):
+    """A vt.torch draft in the verify step's graph: the target's tokens; the target's own
+    weights as the draft have every draft accepted."""
+    got, want, st = _draft_run(sim_backend, "ring", draft_kind)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)), (got, want)
+    if draft_kind == "itself":
+        assert st.acceptance_rate == 1.0, st
+    else:
+        assert st.acceptance_rate < 1.0, st
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif("cuda" not in available_backends(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["drain", "ring", "staged"])
+@pytest.mark.parametrize("draft_kind", ["itself", "two layers"])
+def test_llama_with_a_llama_draft_gives_its_own_tokens_on_the_gpu(mode, draft_kind):
+    """The GPU twin: the draft's passes (its decode at 2S and S rows, vt's CUDA sampler at
+    temperature 0, the draft prologue and collect kernels) captured in the verify step's
+    graph on cuda."""
+    from vt.backend import get_backend
+    be = get_backend("cuda")
+    try:
+        got, want, st = _draft_run(be, mode, draft_kind)
+    finally:
+        be.close()
+    assert all(np.array_equal(a, b) for a, b in zip(got, want)), (got, want)
+    if draft_kind == "itself":
+        assert st.acceptance_rate > 0.9, st
+
+
 def _engine_run(be, method, accept=1.0):
     """vt.torch's decoder through the Engine (prefix caching on, its default), a second turn
     hitting the first's cached blocks: speculation's tokens and the decoder's own."""

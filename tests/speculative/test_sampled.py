@@ -53,10 +53,12 @@ def _check(got, want):
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("method", ["ngram", "oracle"])
+@pytest.mark.parametrize("method", ["ngram", "oracle", "draft"])
 def test_sampled_tokens_equal_sampling_without_speculation(sim_backend, method, k, mode):
     """Every proposer, mode and k, under POISON: a seeded request's tokens are the ones the
-    target samples alone with the same seed; the oracle proposing them has them accepted."""
+    target samples alone with the same seed; the oracle proposing them has them accepted.
+    (The draft is the target's function: its greedy drafts are kept where the draws take
+    the argmax.)"""
     prompts, budgets = workload(6, seed=50 + k, max_new=(8, 20))
     samplings = _samplings(len(prompts))
     want = _without_speculation(sim_backend, prompts, budgets, samplings)
@@ -71,16 +73,18 @@ def test_sampled_tokens_equal_sampling_without_speculation(sim_backend, method, 
 
 
 @pytest.mark.parametrize("mode", ["ring", "staged"])
-def test_the_engine_serves_sampled_requests_with_speculation(sim_backend, mode):
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_the_engine_serves_sampled_requests_with_speculation(sim_backend, method, mode):
     """Through the Engine's continuous batching (14 requests over 8 rows, admitted as rows free
     up): the sampled tokens of the target alone, and again the same on a second run."""
     prompts, budgets = workload(14, seed=61, max_new=(1, 24))
     samplings = _samplings(len(prompts), seed0=7)
     want = _without_speculation(sim_backend, prompts, budgets, samplings)
     for _ in range(2):
+        draft = CausalToy(sim_backend, salt=0.05).step_model() if method == "draft" else None
         with Engine(sim_backend, CausalToy(sim_backend).step_model(),
                     ExecutorConfig(mode=mode, capture_sizes=SIZES, serving_conc=8), hooks=Poison(),
-                    speculative=config("ngram", 2)) as eng:
+                    speculative=config(method, 2, draft=draft)) as eng:
             got = [list(r.tokens) for r in eng.generate(prompts, max_new_tokens=budgets,
                                                         sampling=samplings)]
             assert eng.stats()["speculative"]["verify_rows"] > 0
@@ -137,8 +141,11 @@ def _draws(be, method, accept, knobs, *, mode="sync", capture_sizes=(1,), batche
         ps, ss = prompts[b * rows:(b + 1) * rows], seeds[b * rows:(b + 1) * rows]
         refs = {tuple(int(t) for t in p): list(r) for p, r in zip(ps, own[b * rows:(b + 1) * rows])}
         toy = _trigram.TrigramToy(be, rows, K)
+        draft = _trigram.TrigramToy(be, rows, K, seed=DRAFT_TABLE).step_model() \
+            if method == "draft" else None
         model = SpeculativeModel(be, toy.step_model(), SpeculativeConfig(
-            method, k=K, accept=accept, references=refs if method == "oracle" else None))
+            method, k=K, accept=accept, references=refs if method == "oracle" else None,
+            draft=draft))
         t, top_k, top_p = knobs
         sps = [SamplingParams(t, top_k=top_k, top_p=top_p, seed=int(s)) for s in ss]
         out, st = generate_speculative(be, model, ExecutorConfig(mode=mode, capture_sizes=capture_sizes),
@@ -159,7 +166,10 @@ def _fit(tokens, knobs) -> list[tuple[str, float, int]]:
 
 
 PROPOSERS = {"accepts every draft": ("oracle", 1.0), "accepts none": ("oracle", 0.0),
-             "ngram": ("ngram", 1.0)}
+             "ngram": ("ngram", 1.0), "draft": ("draft", 1.0)}
+# the draft model's logits table: another trigram model than the target's (its greedy
+# drafts are accepted with the target's probability of them)
+DRAFT_TABLE = 6
 
 
 @pytest.mark.parametrize("knobs", list(KNOBS), ids=str)
@@ -167,8 +177,8 @@ PROPOSERS = {"accepts every draft": ("oracle", 1.0), "accepts none": ("oracle", 
 def test_sampled_speculation_draws_the_targets_distribution(sim_backend, proposer, knobs):
     """2048 rows, each its own seed: the first two tokens speculation emits fit the target's
     exact distribution (chi-square, p = 0.001), whether the proposer's drafts are all
-    accepted, none is, or the n-gram's are now and then; and they are the target's own
-    sampler's tokens."""
+    accepted, none is, or the n-gram's or a draft model's are now and then; and they are the
+    target's own sampler's tokens."""
     method, accept = PROPOSERS[proposer]
     tokens, rate, own = _draws(sim_backend, method, accept, KNOBS[knobs])
     if proposer == "accepts every draft":
