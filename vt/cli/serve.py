@@ -124,7 +124,7 @@ def open_served(args, who: str, out=None):
     name = backend_name(args.backend)
     conc = args.max_concurrency or (CUDA_DEFAULT_CONC if name == "cuda" else SIM_DEFAULT_CONC)
     be = pick_backend(args.backend, who=who)
-    spec = speculative_config(args)
+    k = getattr(args, "num_spec", None) if getattr(args, "speculative", None) else None
     try:
         if getattr(args, "preset", None):
             log.line(f"{who}: preset {args.preset} (random weights, token ids only) on {be.name}")
@@ -141,7 +141,8 @@ def open_served(args, who: str, out=None):
                                      quantization=getattr(args, "quantization", None),
                                      kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                                      progress=log, token_table_rows=verify_table_rows(
-                                         conc, conc, spec.k) if spec else None)
+                                         conc, conc, k) if k else None,
+                                     draft=getattr(args, "draft_model", None))
     except ValueError as e:
         be.close()
         raise UsageError(f"{who}: {e}") from None
@@ -150,6 +151,7 @@ def open_served(args, who: str, out=None):
         raise
     for note in served.notes:
         log.line(f"{who}: {note}")
+    spec = speculative_config(args, served.draft)
     config = serving_config(args.mode, conc)
     try:
         log.line(f"{who}: {args.mode} mode, decode graphs for batch sizes "
@@ -169,23 +171,31 @@ def open_served(args, who: str, out=None):
     return be, served, engine, conc
 
 
-def speculative_config(args):
-    """The SpeculativeConfig of --speculative/--num-spec (None without them)."""
+def speculative_config(args, draft=None):
+    """The SpeculativeConfig of --speculative/--num-spec (None without them); draft: the
+    step model of --draft-model (ServedModel.draft) for --speculative draft."""
     method = getattr(args, "speculative", None)
     if method is None:
         return None
     from vt.forward.speculative import SpeculativeConfig
-    return SpeculativeConfig(method, k=args.num_spec)
+    return SpeculativeConfig(method, k=args.num_spec, draft=draft)
 
 
 def check_speculative_arguments(args, who: str) -> None:
-    """--speculative needs --model on one process; --num-spec needs --speculative."""
+    """--speculative needs --model on one process; --num-spec needs --speculative; a draft
+    model and --speculative draft come together."""
     from vt.forward.speculative import MAX_K
     method = getattr(args, "speculative", None)
+    draft_model = getattr(args, "draft_model", None)
+    if draft_model is not None and method != "draft":
+        raise UsageError(f"{who}: --draft-model needs --speculative draft")
     if method is None:
         if getattr(args, "num_spec", None) is not None:
             raise UsageError(f"{who}: --num-spec needs --speculative")
         return
+    if method == "draft" and draft_model is None:
+        raise UsageError(f"{who}: --speculative draft needs --draft-model DIR, the draft "
+                         f"model's checkpoint directory")
     if getattr(args, "preset", None):
         raise UsageError(f"{who}: --speculative needs --model: a bundled preset keeps a "
                          f"recurrent state, which a verify step cannot roll back")
@@ -219,13 +229,18 @@ def add_parser(sub) -> None:
                         "(default: none)")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to serve with instead of the tokenizer's")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
                    help="speculative decoding (docs/speculative.md): ngram proposes the "
                         "tokens that followed the latest earlier match of the row's last "
-                        "tokens in its prompt and output; greedy or sampled requests, "
-                        "without logprobs, penalties, grammars or min_tokens")
+                        "tokens in its prompt and output; draft, the greedy tokens of "
+                        "--draft-model; greedy or sampled requests, without logprobs, "
+                        "penalties, grammars or min_tokens")
     p.add_argument("--num-spec", type=int, default=None, metavar="K",
                    help="--speculative: drafts verified per row per step (default 4)")
+    p.add_argument("--draft-model", default=None, metavar="DIR",
+                   help="--speculative draft: the draft model's Hugging Face checkpoint "
+                        "directory, a smaller model of --model's tokenizer (same vocabulary), "
+                        "loaded with its backend and --dtype")
     p.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

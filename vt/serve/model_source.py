@@ -42,6 +42,7 @@ class ServedModel:
     eos_ids: tuple[int, ...]
     close: Callable[[], None] = lambda: None
     notes: tuple[str, ...] = ()  # what was chosen (context, KV cache), a line each
+    draft: object = None         # the draft model's step model (speculative decoding), or None
 
 
 def geometry_for(max_seqs: int, max_context: int, block_size: int,
@@ -58,7 +59,7 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                     gpu_memory_utilization: float = kv_cache.DEFAULT_GPU_MEMORY_UTILIZATION,
                     progress=None, quantization: str | None = None,
                     token_table_rows: int | None = None,
-                    kv_cache_dtype: str = "auto") -> ServedModel:
+                    kv_cache_dtype: str = "auto", draft=None) -> ServedModel:
     """The checkpoint at `path` on backend `be` (cuda: bfloat16 by default; sim: CPU float32).
     max_context None: the checkpoint's context (module docstring), at most
     DEFAULT_MAX_CONTEXT; more than the checkpoint's is a ValueError. kv_blocks None: sized
@@ -73,7 +74,12 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
     or "fp8" (e4m3, one byte an element, vt.torch.kv_fp8; one process only): the cache
     sized at that many bytes a token. token_table_rows: the
     token table's entries (None: one a row and the scratch row; speculative decoding needs
-    vt.forward.speculative.verify_table_rows)."""
+    vt.forward.speculative.verify_table_rows). draft: None, or a second checkpoint directory,
+    the draft model of speculative decoding (one process only): its vocabulary must be the
+    checkpoint's (ValueError naming both), it is loaded with the same backend and dtype (no
+    quantization, its KV cache at the dtype) into a KV cache of the same geometry (both
+    caches and both models' weights counted where the cache is sized), and `draft` of the
+    ServedModel is its step model, with token_table_rows entries too."""
     import torch
 
     from vt.torch import TorchForwardModel, hf, torch_device
@@ -87,6 +93,7 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
         raise ValueError(f"gpu_memory_utilization {gpu_memory_utilization} must be in (0, 1]")
     max_context, context_note = checkpoint_context(cfg, read_max_position_embeddings(path),
                                                    max_context)
+    draft_cfg = None if draft is None else draft_config(cfg, path, Path(draft), tensor_parallel)
     text = TextCodec.from_dir(path)
     if dtype == "auto":
         dtype = "bfloat16" if be.name == "cuda" else "float32"
@@ -107,9 +114,12 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                                block_size=block_size, kv_blocks=kv_blocks,
                                tensor_parallel=tensor_parallel,
                                utilization=gpu_memory_utilization, quantization=quantization,
-                               kv_cache_dtype=kv_cache_dtype)
+                               kv_cache_dtype=kv_cache_dtype, draft_cfg=draft_cfg)
     geo = geometry_for(max_seqs, max_context, block_size, size.num_kv_blocks)
     notes = (context_note, size.describe())
+    if draft_cfg is not None:
+        notes += (f"draft model {draft}: {draft_cfg.layers} layers (the target's "
+                  f"{cfg.layers}), its own KV cache of the same {geo.num_kv_blocks:,} blocks",)
     if tensor_parallel > 1:
         if wrap_forward is not None:
             raise ValueError("wrap_forward and tensor_parallel together are not supported")
@@ -120,16 +130,41 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                      progress=phase_reporter(progress, "loading weights"),
                      quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     forward = module if wrap_forward is None else wrap_forward(module)
-    table = None
-    if token_table_rows is not None:
-        import numpy as np
-
-        from vt.backend.zeros import zeros
-        table = zeros(be, (token_table_rows,), np.int32)
     step = TorchForwardModel(be, forward, vocab=cfg.vocab, geometry=geo, prefill=PREFILL,
-                             token_table=table)
+                             token_table=_token_table(be, token_table_rows))
+    draft_step = None
+    if draft_cfg is not None:
+        draft_module = hf.load(Path(draft), geo, dtype=torch_dtype, device=torch_device(be),
+                               progress=phase_reporter(progress, "loading the draft's weights"))
+        draft_step = TorchForwardModel(be, draft_module, vocab=cfg.vocab, geometry=geo,
+                                       prefill=PREFILL, token_table=_token_table(be, token_table_rows))
     return ServedModel(name or path.name, step, geo, cfg.vocab, text, eos_token_ids(path),
-                       notes=notes)
+                       notes=notes, draft=draft_step)
+
+
+def _token_table(be, rows: int | None):
+    """A zeroed token table of `rows` entries, or None (the step model's own default)."""
+    if rows is None:
+        return None
+    import numpy as np
+
+    from vt.backend.zeros import zeros
+    return zeros(be, (rows,), np.int32)
+
+
+def draft_config(cfg, path: Path, draft: Path, tensor_parallel: int):
+    """The draft checkpoint's config (load_checkpoint's draft), read before any weight:
+    ValueError when its vocabulary is not the target's or tensor_parallel > 1."""
+    from vt.torch import hf
+
+    if tensor_parallel > 1:
+        raise ValueError(f"a draft model runs in one process; tensor_parallel {tensor_parallel} "
+                         f"is not implemented for it")
+    draft_cfg = hf.read_config(draft)
+    if draft_cfg.vocab != cfg.vocab:
+        raise ValueError(f"the draft model {draft}'s vocab {draft_cfg.vocab:,} differs from "
+                         f"{path}'s {cfg.vocab:,}: a draft must share the target's tokenizer")
+    return draft_cfg
 
 
 def checkpoint_context(cfg, max_position_embeddings: int | None,
@@ -159,10 +194,12 @@ def checkpoint_context(cfg, max_position_embeddings: int | None,
 def checkpoint_kv_cache(be, cfg, torch_dtype, *, max_seqs: int, max_context: int,
                         block_size: int, kv_blocks: int | None, tensor_parallel: int,
                         utilization: float, quantization: str | None = None,
-                        kv_cache_dtype: str = "auto") -> kv_cache.KVCacheSize:
+                        kv_cache_dtype: str = "auto", draft_cfg=None) -> kv_cache.KVCacheSize:
     """The KV cache of a checkpoint of `cfg` (vt/serve/kv_cache.py): on cuda from the GPU
     memory free now, less the weights (checkpoint_weight_bytes) and activations of one rank;
-    on the sim SIM_KV_CACHE_BYTES. Each token's K and V at kv_cache_dtype's bytes."""
+    on the sim SIM_KV_CACHE_BYTES. Each token's K and V at kv_cache_dtype's bytes. draft_cfg:
+    a draft model's config, whose cache of the same blocks (at the dtype's bytes) and weights
+    share the budget."""
     import torch
 
     from vt.torch import torch_device
@@ -170,12 +207,16 @@ def checkpoint_kv_cache(be, cfg, torch_dtype, *, max_seqs: int, max_context: int
     elem, tp = torch_dtype.itemsize, tensor_parallel
     per_token = kv_cache.kv_bytes_per_token(cfg, kv_cache.kv_element_bytes(elem, kv_cache_dtype),
                                             tp)
+    if draft_cfg is not None:
+        per_token += kv_cache.kv_bytes_per_token(draft_cfg, elem)
     if be.name != "cuda":
         budget = kv_cache.SIM_KV_CACHE_BYTES
         why = f"the sim's budget of {budget / 2**20:,.0f} MiB"
     else:
         free, _ = torch.cuda.mem_get_info(torch_device(be))
         weights = checkpoint_weight_bytes(cfg, elem, tp, quantization)
+        if draft_cfg is not None:
+            weights += checkpoint_weight_bytes(draft_cfg, elem)
         # The engine's default prompt budget for this decoder (chunked): max_context tokens.
         activations = kv_cache.prefill_activation_bytes(cfg, max_context, elem, tp)
         budget = kv_cache.kv_budget_bytes(free_bytes=free, utilization=utilization,
