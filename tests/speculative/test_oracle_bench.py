@@ -80,6 +80,33 @@ def test_no_batch_invariant_runs_the_default_kernels_and_checks_nothing(
     assert "greedy tokens may differ from the baseline's" in out
 
 
+def test_the_draft_bench_runs_a_draft_of_draft_layers_and_keeps_the_tokens(tmp_path, capsys):
+    """--speculative draft --draft-layers 1: one speculative engine whose draft is the tiny
+    decoder's shape with one layer; its tokens are the baseline's, and the table says its
+    random-weight acceptance means nothing."""
+    path = tmp_path / "draft.json"
+    argv = [a if a != "oracle" else "draft" for a in FLAGS]
+    rc = main([*argv, "--backend", "sim", "--rows", "1", "--draft-layers", "1", "--json", str(path)])
+    s = json.loads(path.read_text())["speculative"]
+    out = capsys.readouterr().out
+    assert rc == 0 and s["failure"] is None and s["draft_layers"] == 1
+    (run,) = [r for r in s["runs"] if "acceptance" in r]
+    assert run["tokens_equal"] and 0.0 <= run["acceptance"] <= 1.0
+    assert "speculative draft, k=2" in out and "draft: the target's shape with 1 layers" in out
+    assert "its acceptance on random weights means nothing" in out
+
+
+@pytest.mark.parametrize("extra,words", [
+    (["--speculative", "draft"], "--speculative draft needs --draft-layers N"),
+    (["--speculative", "ngram", "--draft-layers", "2"], "--draft-layers needs --speculative draft"),
+    (["--speculative", "draft", "--draft-layers", "0"], "--draft-layers 0: must be at least 1"),
+])
+def test_draft_bench_flags_are_refused_in_one_line(extra, words, capsys):
+    assert main(["bench", "--workload", "torch-decode", "--preset", "tiny", "--backend", "sim",
+                 *extra]) == 2
+    assert words in capsys.readouterr().err
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif("cuda" not in available_backends(), reason="needs a CUDA GPU")
 def test_the_oracle_accepts_exactly_its_right_drafts_on_the_gpu(tmp_path):

@@ -1,11 +1,14 @@
-"""`vt bench --workload torch-decode --speculative oracle|ngram`: speculative decoding against
-decoding without it, on one torch Llama decoder (default torch-llama3-8b), in one run.
+"""`vt bench --workload torch-decode --speculative oracle|ngram|draft`: speculative decoding
+against decoding without it, on one torch Llama decoder (default torch-llama3-8b), in one run.
 
 Per rows S (--rows), S prompts of L - steps/2 tokens each (L the first --live, the mean live
 context of the steps, as in the floor table) decode --steps new tokens,
 greedy, on one engine without speculation (the baseline) and on one speculative engine per
 --accept fraction (oracle: the first round(accept * k) drafts of each step right, the rest
-wrong; ngram: its own lookups, one engine). Each run is timed --repeats times after a warm
+wrong; ngram: its own lookups, one engine; draft: a draft model of the target's shape with
+--draft-layers layers and its own random weights, one engine: its acceptance on random weights
+means nothing, its step time is what a draft of that size costs). Each run is timed
+--repeats times after a warm
 one; the median is kept. The baseline's warm run decodes k tokens more than the timed ones:
 its tokens are the oracle's references, so that a request's last verify step, whose drafts
 reach k tokens past the ones it keeps, proposes right ones too.
@@ -33,10 +36,11 @@ ACCEPTANCE_SLACK: a broken oracle or verify step, never noise.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
-METHODS = ("oracle", "ngram")
+METHODS = ("oracle", "ngram", "draft")
 # An oracle run of the batch-invariant decoder accepts exactly the drafts it proposes right
 # (round(accept * k) of k); the slack only keeps a float comparison from failing on equality.
 ACCEPTANCE_SLACK = 0.01
@@ -46,11 +50,15 @@ def add_arguments(p) -> None:
     p.add_argument("--speculative", default=None, choices=METHODS,
                    help="compare speculative decoding (docs/speculative.md) with decoding "
                         "without it instead of the floor table: oracle (a set fraction of "
-                        "right drafts, --accept) or ngram")
+                        "right drafts, --accept), ngram, or draft (--draft-layers)")
     p.add_argument("--num-spec", type=int, default=4, metavar="K",
                    help="--speculative: drafts per step (default 4)")
     p.add_argument("--accept", type=float, nargs="+", default=[1.0, 0.5], metavar="F",
                    help="--speculative oracle: the fractions of right drafts (default 1.0 0.5)")
+    p.add_argument("--draft-layers", type=int, default=None, metavar="N",
+                   help="--speculative draft: the draft model, the target's shape with N layers "
+                        "and random weights of its own (its acceptance means nothing; its cost "
+                        "is that of a draft of that size)")
     p.add_argument("--no-batch-invariant", action="store_true",
                    help="--speculative: run the decoder on its default kernels, not its "
                         "batch-invariant ones (faster; greedy tokens with speculation may then "
@@ -59,11 +67,16 @@ def add_arguments(p) -> None:
 
 def check_arguments(args, error) -> None:
     from vt.forward.speculative import MAX_K
+    if (args.draft_layers is not None) != (args.speculative == "draft"):
+        error("--speculative draft needs --draft-layers N, and --draft-layers needs "
+              "--speculative draft")
     if args.speculative is None:
         if args.no_batch_invariant:
             error("--no-batch-invariant: only with --speculative (the floor table's decoder "
                   "follows VT_BATCH_INVARIANT)")
         return
+    if args.draft_layers is not None and args.draft_layers < 1:
+        error(f"--draft-layers {args.draft_layers}: must be at least 1")
     if not 1 <= args.num_spec <= MAX_K:
         error(f"--num-spec {args.num_spec}: must be in [1, {MAX_K}]")
     bad = [a for a in args.accept if not 0.0 <= a <= 1.0]
@@ -95,6 +108,14 @@ def run(be, cfg, dtype, args, out) -> None:
     module = tool_decoder(cfg, geo, dtype, be, args, "torch_decode",
                           batch_invariant=not args.no_batch_invariant)
     table = zeros(be, (verify_table_rows(geo.max_seqs, geo.max_seqs, k),), np.int32)
+    draft = None
+    if args.speculative == "draft":
+        torch.manual_seed(1)
+        draft_module = tool_decoder(dataclasses.replace(cfg, layers=args.draft_layers), geo,
+                                    dtype, be, args, "torch_decode",
+                                    batch_invariant=not args.no_batch_invariant)
+        draft = TorchForwardModel(be, draft_module, vocab=cfg.vocab, geometry=geo, prefill="flat",
+                                  token_table=zeros(be, table.shape, np.int32))
     config = ExecutorConfig(mode=args.mode, serving_conc=rows[-1], capture_sizes=tuple(rows))
     prompt_len = args.live[0] - args.steps // 2
     prompts = {S: seeded_prompts(cfg.vocab, S, prompt_len, S * 100003 + 7) for S in rows}
@@ -106,7 +127,8 @@ def run(be, cfg, dtype, args, out) -> None:
                       prefix_caching=False)
 
     res = dict(method=args.speculative, k=k, rows=rows, prompt=prompt_len,
-               new_tokens=args.steps, batch_invariant=module.batch_invariant, runs=[])
+               new_tokens=args.steps, batch_invariant=module.batch_invariant, runs=[],
+               draft_layers=args.draft_layers)
     refs, repeatable = {}, True
     with engine(None) as eng:
         res["setup_s"] = time.perf_counter() - t0
@@ -115,12 +137,13 @@ def run(be, cfg, dtype, args, out) -> None:
             refs.update({tuple(p): t for p, t in zip(prompts[S], warm)})
             repeatable &= all(list(t) == list(w[:args.steps]) for t, w in zip(tokens, warm))
             res["runs"].append(dict(cell, rows=S, accept=None))
-            _say(res["runs"][-1])
+            _say(res["runs"][-1], args.speculative)
     res["baseline_repeatable"] = repeatable
     accepts = args.accept if args.speculative == "oracle" else [None]
     for a in accepts:
         spec = SpeculativeConfig(args.speculative, k=k, accept=1.0 if a is None else a,
-                                 references=refs if args.speculative == "oracle" else None)
+                                 references=refs if args.speculative == "oracle" else None,
+                                 draft=draft)
         with engine(spec) as eng:
             for S in rows:
                 before = eng.stats()["speculative"]
@@ -131,7 +154,7 @@ def run(be, cfg, dtype, args, out) -> None:
                 cell["tokens_equal"] = all(list(t) == list(refs[tuple(p)][:args.steps])
                                            for p, t in zip(prompts[S], tokens))
                 res["runs"].append(dict(cell, rows=S, accept=a))
-                _say(res["runs"][-1])
+                _say(res["runs"][-1], args.speculative)
     res.update(ratios(res["runs"], rows))
     res["failure"] = failure(res)
     out["speculative"] = res
@@ -149,7 +172,7 @@ def failure(s: dict) -> str | None:
     for c in s["runs"]:
         if "acceptance" not in c:
             continue
-        what = "ngram" if c["accept"] is None else f"oracle accept {c['accept']}"
+        what = s["method"] if c["accept"] is None else f"oracle accept {c['accept']}"
         if not c["tokens_equal"]:
             return (f"{where}: {what} at S={c['rows']}: the tokens differ from the baseline's "
                     f"(acceptance {c['acceptance']:.3f})")
@@ -195,9 +218,9 @@ def ratios(runs, rows) -> dict:
     return dict(verify_over_step=one[0]["step_s"] / base[rows[0]]["step_s"] if one else None)
 
 
-def _say(r) -> None:
+def _say(r, method: str) -> None:
     what = "baseline" if "acceptance" not in r else (
-        f"accept {r['accept']}" if r["accept"] is not None else "ngram")
+        f"accept {r['accept']}" if r["accept"] is not None else method)
     print(f"  S={r['rows']:3d} {what:>12}: step {1e3 * r['step_s']:8.3f} ms, "
           f"{r['tokens_per_s']:9.1f} tok/s"
           + (f", acceptance {r['acceptance']:.2f}" if "acceptance" in r else ""), flush=True)
@@ -215,7 +238,7 @@ def format_table(r: dict) -> str:
     for c in s["runs"]:
         spec = "acceptance" in c
         what = "baseline" if not spec else (f"accept {c['accept']}" if c["accept"] is not None
-                                            else "ngram")
+                                            else s["method"])
         lines.append(f"{c['rows']:3d} {what:>12} {1e3 * c['step_s']:8.3f} {c['tokens_per_s']:9.1f} "
                      + (f"{c['speedup']:7.2f} {c['acceptance']:8.2f} {str(c['tokens_equal']):>5}"
                         if spec else f"{'-':>7} {'-':>8} {'-':>5}"))
@@ -225,6 +248,10 @@ def format_table(r: dict) -> str:
     lines.append("step ms: (last token time - first) / steps between; speedup: tok/s over the "
                  "baseline's at the same rows; accepted: drafts accepted / verified; same: the "
                  "tokens equal the baseline's")
+    if s["method"] == "draft":
+        lines.append(f"draft: the target's shape with {s['draft_layers']} layers and random "
+                     f"weights of its own: its acceptance on random weights means nothing (the "
+                     f"tokens and the step cost do)")
     if not s["batch_invariant"]:
         lines.append("default kernels: a verify step's logits may differ in their last bits from "
                      "a one-token step's, so greedy tokens may differ from the baseline's and the "

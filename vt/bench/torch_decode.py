@@ -30,8 +30,8 @@ decoder of geometry max_context --max-context:
   cache) and with its static cache, which on a GPU compiles the decode forward into CUDA
   graphs (`--hf-cache`; the first, longest generate is the compile's warm-up).
 
-`--speculative oracle|ngram` compares speculative decoding with decoding without it instead
-(vt/bench/speculative_decode.py).
+`--speculative oracle|ngram|draft` compares speculative decoding with decoding without it
+instead (vt/bench/speculative_decode.py; draft with `--draft-layers N`).
 
 `--preset tiny` runs a small fp32 decoder anywhere (the sim too, with no floor): the tool's own
 test. `--png` draws TPOT against rows with the floor for each live context.
