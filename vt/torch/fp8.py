@@ -214,11 +214,13 @@ def scaled_mm_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 codes [M, K], float32 scale [M, 1]): each row's amax / 448 (1 for an
-    all-zero row), codes = x / scale rounded to nearest e4m3 (to_fp8)."""
+    """x [M, K] -> (e4m3 codes [M, K], float32 scale [M, 1]): each row's amax times 1 / 448
+    in float32 (1 for an all-zero row; a product, not a quotient, because that is what CUDA's
+    torch computes for a tensor over a number, and the CPU and the Triton kernel must agree
+    with it bit for bit), codes = x / scale rounded to nearest e4m3 (to_fp8)."""
     xf = x.float()
     amax = xf.abs().amax(dim=1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, amax * (1.0 / FP8_MAX), torch.ones_like(amax))
     return to_fp8(xf / scale), scale
 
 

@@ -22,7 +22,8 @@ autotuning): nothing runs on the host at a call but the launch, so it captures.
 quantize_rows is the prompt linear's activation quantization for torch._scaled_mm (vt.torch.fp8
 .scaled_mm_linear): one program a row reads it twice (its amax, then the codes, the second pass
 from L2) where the eager version makes five passes over a float32 copy; the same values as
-vt.torch.fp8.quantize_rows (a correctly rounded float32 division, e4m3 rounded to nearest).
+vt.torch.fp8.quantize_rows (its float32 product and correctly rounded division, e4m3 rounded
+to nearest).
 """
 from __future__ import annotations
 
@@ -35,6 +36,9 @@ from vt.torch.triton_fused import silu_times
 
 MAX_ROWS = 256    # vt.torch.fp8.GEMV_MAX_ROWS (which this module's callers read without Triton)
 FP8_MAX = 448.0   # e4m3fn's largest finite magnitude (vt.torch.fp8.FP8_MAX)
+# the kernels' copies (a jit function reads constexpr globals only); 1 / 448 in float32
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_INV_FP8_MAX = tl.constexpr(1.0 / FP8_MAX)
 BLOCK = 128   # the block scales' K and N extent (vt.torch.fp8.BLOCK)
 # One row: triton_gemv's shape with four times its K tile, 64 weight bytes a thread in flight:
 # measured on an H100 at the 8B shape's projections, K tiles of 2048 beat 1024 by 2-20 %.
@@ -106,8 +110,7 @@ def linear_silu_mul(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] (CUDA, bf16/fp16/fp32, last dim contiguous) -> (codes float8_e4m3fn [M, K],
-    scale float32 [M, 1]): each row's amax / 448 (1 for an all-zero row), codes = x / scale
-    rounded to nearest e4m3, clamped to +-448."""
+    scale float32 [M, 1]): vt.torch.fp8.quantize_rows' values, bit for bit."""
     if x.dim() != 2 or x.stride(-1) != 1 or x.dtype not in (torch.bfloat16, torch.float16,
                                                             torch.float32):
         raise ValueError(f"triton_fp8.quantize_rows: x must be 2-D bf16/fp16/fp32 with a "
@@ -131,12 +134,12 @@ def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
         v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(v))
     amax = tl.max(peak, axis=0)
-    s = tl.where(amax > 0, tl.math.div_rn(amax, FP8_MAX), 1.0)
+    s = tl.where(amax > 0, amax * _INV_FP8_MAX, 1.0)
     tl.store(SCALE + row, s)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
         v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, s), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.math.div_rn(v, s), -_FP8_MAX, _FP8_MAX)
         tl.store(Q + row * stride_q + kk, q.to(tl.float8e4nv), mask=kk < K)
 
 
