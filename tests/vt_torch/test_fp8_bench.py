@@ -53,5 +53,5 @@ def test_the_ttft_bench_runs_an_fp8_decoder_on_the_sim(capsys, tmp_path):
     printed, result = tiny_bench(capsys, tmp_path, "torch-ttft", "--conc", "2", "--prompt-len",
                                  "6", "--context", "10", "--repeats", "1", "--no-peer",
                                  "--quantization", "fp8")
-    assert "fp8 weights (prompt linear dequantize)" in printed
+    assert "fp8 weights (prompt linear scaled_mm)" in printed
     assert result["vt"]["tpot_s"] > 0

@@ -74,10 +74,11 @@ def add_precision_arguments(p) -> None:
     weights' quantization and the KV cache's dtype); tool_decoder reads them."""
     p.add_argument("--quantization", default=None, choices=["fp8"],
                    help="FP8 (e4m3) projection weights, per output channel (docs/torch.md)")
-    p.add_argument("--fp8-prompt-linear", default="dequantize",
-                   choices=["dequantize", "scaled_mm"],
-                   help="with --quantization fp8: what computes steps of more than 16 rows "
-                        "on CUDA (default dequantize)")
+    p.add_argument("--fp8-prompt-linear", default="scaled_mm",
+                   choices=["scaled_mm", "dequantize"],
+                   help="with --quantization fp8: what computes steps of more than 256 rows "
+                        "(default scaled_mm: FP8 tensor cores, each token's activations "
+                        "quantized; dequantize: the weights dequantized, then cuBLAS)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                    help="the KV cache's element type (auto: the model dtype; fp8: e4m3 codes "
                         "with a scale of 1.0 per layer's K and V; docs/torch.md)")
@@ -109,7 +110,7 @@ def tool_decoder(cfg, geometry, dtype, be, args, tool: str, batch_invariant: boo
                             kernels=args.kernels, linear=args.linear,
                             prompt_kernels=args.prompt_kernels,
                             quantization=getattr(args, "quantization", None),
-                            fp8_prompt_linear=getattr(args, "fp8_prompt_linear", "dequantize"),
+                            fp8_prompt_linear=getattr(args, "fp8_prompt_linear", "scaled_mm"),
                             kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                             batch_invariant=batch_invariant)
     except ValueError as exc:

@@ -20,10 +20,11 @@ The linear (linear, linear_silu_mul; LayerOps' FP8 kind, vt.torch.llama):
     weight and computes the same function: e4m3 and bf16 widened to float32 exactly, products
     summed in float32 (in its own order), the scale applied in float32 (per channel in the
     epilogue, per block on each 128-wide K tile's partial sum), one rounding to x's dtype.
-  CUDA, more rows (a step with prompt tokens): PROMPT_LINEAR picks "dequantize" (the weight
-    dequantized to x's dtype, then cuBLAS: a second rounding of the weight to bf16) or
-    "scaled_mm" (torch._scaled_mm with per-token dynamic activation scales, amax / 448 of each
-    row, and the per-channel weight scales: FP8 tensor cores; per-block weights dequantize).
+  CUDA, more rows (a step with prompt tokens): PROMPT_LINEAR picks "scaled_mm" (the default;
+    torch._scaled_mm with per-token dynamic activation scales, amax / 448 of each
+    row, and the per-channel weight scales: FP8 tensor cores; per-block weights dequantize) or
+    "dequantize" (the weight dequantized to x's dtype, then cuBLAS: a second rounding of the
+    weight to bf16, activations unquantized).
     The CPU follows the same choice past GEMV_MAX_ROWS rows: with "scaled_mm" it quantizes the
     activations as CUDA does (reference_scaled_linear), so the sim computes what the GPU does.
 Every shape follows the inputs' and nothing is read on the host: each call captures.
@@ -138,7 +139,9 @@ def quantize_block(w: torch.Tensor) -> Fp8Weight:
 
 # ---- the linear -------------------------------------------------------------------------
 
-PROMPT_LINEAR = "dequantize"
+# scaled_mm by default: at a 4,096-token prompt of the 8B shape on an H100 it takes 0.77x
+# bf16's time to first token where dequantize takes 1.48x (docs/benchmarks.md).
+PROMPT_LINEAR = "scaled_mm"
 
 
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *,

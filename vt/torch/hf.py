@@ -46,7 +46,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
          tp: TensorParallel | None = None, progress=None, quantization: str | None = None,
-         fp8_prompt_linear: str = "dequantize", kv_cache_dtype: str = "auto") -> LlamaDecoder:
+         fp8_prompt_linear: str = fp8.PROMPT_LINEAR, kv_cache_dtype: str = "auto") -> LlamaDecoder:
     """A LlamaDecoder with the checkpoint's weights, its KV cache sized for `geometry`.
     device: where its tensors go; by default the device of the backend vt.backend.get_backend()
     picks here (cuda when a GPU is usable, else cpu: the sim's). tp: rank tp.rank's shard

@@ -67,7 +67,7 @@ scales (vt.torch.fp8.Fp8Linear: per output channel, or per 128 x 128 block with
 fp8_scales="block", as the `fp8` checkpoint format stores them); the embedding, the norms and
 the head keep `dtype`. Each LayerOps' linears then take FP8 weights (fp8_ops): the float32
 reference on the CPU, the FP8 GEMV at <= 16 rows on CUDA, and fp8_prompt_linear
-("dequantize" or "scaled_mm") for more rows. quantize_weights_ fills them from dense weights;
+("scaled_mm", the default, or "dequantize") for more rows. quantize_weights_ fills them from dense weights;
 vt.torch.hf.load reads FP8 checkpoints or quantizes at load. One rank, not batch_invariant.
 
 kv_cache_dtype="fp8" ("auto", the default: the model's dtype): the KV cache holds K and V as
@@ -230,7 +230,7 @@ class LlamaDecoder(nn.Module):
                  device="cuda", kernels: str = "auto", linear: str = "auto",
                  prompt_kernels: str = "auto", tp: TensorParallel | None = None,
                  batch_invariant: bool | None = None, quantization: str | None = None,
-                 fp8_scales: str = "channel", fp8_prompt_linear: str = "dequantize",
+                 fp8_scales: str = "channel", fp8_prompt_linear: str = fp8.PROMPT_LINEAR,
                  kv_cache_dtype: str | None = "auto"):
         super().__init__()
         self.tp = TensorParallel(0, 1) if tp is None else tp
