@@ -66,17 +66,19 @@ def _draft_config(be, k, salt=0.0):
     return SpeculativeConfig("draft", k=k, draft=CausalToy(be, salt=salt).step_model(prefix_cacheable=True))
 
 
-def test_a_draft_through_the_engine_reuses_its_kv_of_cached_blocks(sim_backend):
+@pytest.mark.parametrize("mode", ["sync", "ring"])
+def test_a_draft_through_the_engine_reuses_its_kv_of_cached_blocks(sim_backend, mode):
     """Prefix caching on: a second turn (a first turn's prompt, its answer and two more tokens)
     starts from the first turn's cached blocks, the target's and, at the same block ids,
     the draft's. Budgets of 1 + 2 (k + 1) tokens end each first turn on a step that accepted
     all k drafts, with the answer's last position closing a named block: the draft's KV
     there is written by the step still in flight when the answer ends. The target as its
-    own draft then accepts every draft of both turns, and nothing is allocated after warm-up."""
+    own draft then accepts every draft of both turns, and nothing is allocated after warm-up.
+    At depth 1 (sync) as at depth 2 (ring)."""
     be, k = sim_backend, 4
     prompts = [[5, 9], [7, 1, 2, 30, 4, 11], [3, 3], [8, 2, 6, 1, 0, 12]]   # 2 + 10, 6 + 10: blocks of 4
     budget = 1 + 2 * (k + 1)
-    cfg = ExecutorConfig(mode="ring", capture_sizes=SIZES, serving_conc=4)
+    cfg = ExecutorConfig(mode=mode, capture_sizes=SIZES, serving_conc=4)
     with Engine(be, CausalToy(be).step_model(prefix_cacheable=True), cfg) as eng:
         want = [list(r.tokens) for r in eng.generate(prompts, max_new_tokens=budget)]
         turn2 = [p + w + [3, 4] for p, w in zip(prompts, want)]
