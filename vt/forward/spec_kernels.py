@@ -146,6 +146,9 @@ class Accept:
     accepted). An error token (-1) ends the run there. Writes the row's record, advances
     pos[row] and hist[row] by what it emits, puts its last token in the token table (the next
     step's input) and copies each row's first position's logits into logits_out [S, vocab].
+    hist and the token table get an error token as 0: the step in flight after it still
+    carries the row, and its proposer reads hist for drafts, the target's input tokens, which
+    must be in range (the request has ended: what that step emits is dropped).
 
     Why a sampled row's tokens have the target's distribution: each emitted token is some t_j
     whose prefix is the emitted tokens before it (a draft is kept only where it equals t_j),
@@ -175,8 +178,8 @@ class Accept:
             row = int(token_rows[r])
             if row != pad_row:
                 p = int(pos[row])
-                for j in range(a + 1):
-                    hist[row, min(p + 1 + j, width - 1)] = emitted[j]
+                for j in range(a + 1):   # an error token (-1) becomes 0, as in the token table
+                    hist[row, min(p + 1 + j, width - 1)] = max(int(emitted[j]), 0)
                 pos[row] = p + a + 1
                 token_table[row] = max(int(emitted[-1]), 0)
         logits_out[:S] = v_logits[:S * w:w]
@@ -362,7 +365,7 @@ extern "C" __global__ void spec_accept(const int* g, const int* drafts, const in
   int p = pos[row];
   for (int j = 0; j <= a; ++j) {
     int at = p + 1 + j;
-    hist[(long long)row * width + (at < width ? at : width - 1)] = gr[j];
+    hist[(long long)row * width + (at < width ? at : width - 1)] = gr[j] > 0 ? gr[j] : 0;
   }
   pos[row] = p + a + 1;
   token_table[row] = gr[a] > 0 ? gr[a] : 0;
