@@ -13,11 +13,26 @@ position-addressed KV) draws prompts that share prefixes and serves them with pr
 on, against a reference with it off: cached blocks must give the same bytes. The unsafe arm (mode unguarded + POISON) runs on
 the same cases and must show mismatches, or the harness is blind.
 
+Speculative cases (every third case by default, each with --speculative, none with
+--spec-every 0) serve the positional toy through a speculative engine
+(Engine(..., speculative=...), docs/speculative.md) in every safe mode, sync included, with
+prefix caching on, against the same reference: sync, no speculation, caching off. The
+proposer is drawn per case from ngram, draft (a second positional toy of the same geometry:
+the target's twin, every draft accepted, or one with noisy logits that agrees sometimes) and
+oracle (the reference's tokens, all or half of each step's drafts right), k from 1, 2, 4.
+Greedy and seeded sampled tokens must equal the reference's exactly: docs/speculative.md
+promises it wherever a verify step's logits are the one-token step's bit for bit, which the
+numpy toys' are. Logits are not compared (a speculative engine does not record them). The
+toy (recurrent state) and the bundled hybrids cannot verify by decode, so only the
+positional toy speculates; its report rows are "positional+spec", with "reference" the
+non-speculative sync run.
+
   python3 tools/fuzz.py --backend sim --steps-per-mode 2000                 # CPU, ~1 min
   python3 tools/fuzz.py --backend cuda --steps-per-mode 2000 --json fuzz.json   # H200, ~2 min
   python3 tools/fuzz.py --backend sim --seed 17 --cases 1 --models toy      # replay a case seed
   python3 tools/fuzz.py --backend sim --replay case.json                    # replay a printed case
   python3 tools/fuzz.py --faults          # step faults and NaN rows, online (tools/fuzz_faults.py)
+  python3 tools/fuzz.py --speculative --time-budget-s 60   # every case speculative
 
 Per model and mode it reports steps (all kinds), graph steps, requests, prompt tokens served
 from the prefix cache (cached), mismatches vs sync
@@ -49,7 +64,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
+from vt.engine.scheduler import kv_blocks_needed  # noqa: E402
 from vt.config import MODES, SAFE_MODES, ExecutorConfig  # noqa: E402
+from vt.forward.speculative import SpeculativeConfig  # noqa: E402
 from vt.step.contract import KVGeometry, SamplingParams  # noqa: E402
 from vt.hooks import NULL_HOOKS, Poison, with_device_work  # noqa: E402
 
@@ -61,6 +78,11 @@ BUNDLED = ("tiny-dense", "tiny-moe")
 BUNDLED_MAX_SEQS, BUNDLED_KV_BLOCKS = 16, 96   # 96 blocks of 8: requests wait for blocks
 ALONE_REQUESTS = 12
 TOYS = ("toy", "positional")   # the toy forwards: their geometry is drawn
+SPEC_MODELS = ("positional",)   # the models that verify by decode (docs/speculative.md)
+SPEC_METHODS = ("ngram", "draft", "oracle")
+SPEC_KS = (1, 2, 4)
+DRAFT_NOISES = (0.0, 0.001, 0.01, 1.0)   # 0: the target's twin (every draft accepted)
+REFERENCE = "reference"   # a speculative case's reference run (sync, no speculation)
 
 
 # -- cases ------------------------------------------------------------------------------
@@ -100,6 +122,10 @@ class Case:
     wait_poll_us: float | None = None   # ExecutorConfig.wait_poll_us (None: the default)
     max_prefill_tokens: int | None = None   # Engine(max_prefill_tokens=...): prompts per step
     seed: int | None = None     # the NumpyDraw seed it came from (None: drawn by hypothesis)
+    speculative: str | None = None   # the proposer of a speculative case (SPEC_METHODS)
+    spec_k: int = 0             # its drafts per step
+    draft_noise: float = 0.0    # method "draft": the draft's logits noise (0: the target's twin)
+    oracle_accept: float = 1.0  # method "oracle": the fraction of each step's drafts kept right
 
     @property
     def geometry(self) -> KVGeometry:
@@ -109,6 +135,24 @@ class Case:
     @property
     def requests(self) -> int:
         return sum(len(r) for r in self.rounds)
+
+    @property
+    def label(self) -> str:
+        """The report's model column: the model, "+spec" for a speculative case."""
+        return f"{self.model}+spec" if self.speculative else self.model
+
+    @property
+    def reference_key(self) -> str:
+        """The run the others are compared with: "sync", or a speculative case's REFERENCE
+        (its own "sync" run is speculative, and compared too)."""
+        return REFERENCE if self.speculative else "sync"
+
+    def spec_summary(self) -> str:
+        """The speculation drawn, in words ("" for none)."""
+        if not self.speculative:
+            return ""
+        extra = {"draft": f" noise {self.draft_noise}", "oracle": f" accept {self.oracle_accept}"}
+        return f"{self.speculative} k={self.spec_k}{extra.get(self.speculative, '')}"
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
@@ -147,13 +191,19 @@ class NumpyDraw:
 def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int = 2,
               sim_delays=(0.0,), device_works=(0.0,), max_prompt: int = 12,
               max_budget: int | None = None, max_round_steps: int = 150,
-              seed: int | None = None) -> Case:
+              seed: int | None = None, speculative: bool = False) -> Case:
     """One case from drawer `d`. A toy's geometry is drawn; a bundled preset's is the
     model's (tools' HybridModel of BUNDLED_MAX_SEQS rows and BUNDLED_KV_BLOCKS blocks). The
     positional toy's prompts start with one of a few shared prefixes (or are one whole), so
     later requests and rounds hit the prefix cache. A
     round's budgets add up to at most serving_conc * max_round_steps tokens (about that many
-    steps): the cost of a case stays bounded whatever the concurrency drawn."""
+    steps): the cost of a case stays bounded whatever the concurrency drawn.
+    speculative: a speculative case (a model of SPEC_MODELS): its proposer, k and the
+    proposer's knob are drawn after everything else (so a seed draws the same workload with
+    speculation or without), its KV pool grown by the k positions a request reserves more."""
+    if speculative and model not in SPEC_MODELS:
+        raise ValueError(f"draw_case: speculative=True needs a model that verifies by decode "
+                         f"({', '.join(SPEC_MODELS)}), got model={model!r}")
     if model in TOYS:
         vocab, bs = TOY_VOCAB, d.choice((2, 4, 8))
         ctx, max_seqs = d.choice((16, 32, 48)), d.choice((4, 8, 16))
@@ -199,12 +249,42 @@ def draw_case(d, *, model: str = "toy", max_requests: int = 24, max_rounds: int 
     else:
         num_kv_blocks = BUNDLED_KV_BLOCKS + 1
     sizes = tuple(s for s in CAPTURE_CHOICES if s <= max_seqs and d.bool())
-    return Case(model=model, vocab=vocab, max_seqs=max_seqs, num_kv_blocks=num_kv_blocks,
+    case = Case(model=model, vocab=vocab, max_seqs=max_seqs, num_kv_blocks=num_kv_blocks,
                 block_size=bs, max_context=ctx, rounds=tuple(rounds), stops=tuple(stops),
                 capture_sizes=sizes, serving_conc=conc, drain_poison=d.bool(), sim_delay_s=d.choice(tuple(sim_delays)),
                 device_work_s=d.choice(tuple(device_works)), record_logits=d.bool(),
                 profile=d.bool(), wait_poll_us=d.choice((None, 0, 20, 200)),
                 max_prefill_tokens=d.choice((None, 2 * ctx, 4 * ctx)), seed=seed)
+    if not speculative:
+        return case
+    method, k = d.choice(SPEC_METHODS), d.choice(SPEC_KS)
+    noise = d.choice(DRAFT_NOISES) if method == "draft" else 0.0
+    accept = d.choice((1.0, 0.5)) if method == "oracle" else 1.0
+    return with_speculation(case, method, k, draft_noise=noise, oracle_accept=accept)
+
+
+def with_speculation(case: Case, method: str, k: int, *, draft_noise: float = 0.0,
+                     oracle_accept: float = 1.0) -> Case:
+    """`case` (not speculative, of a SPEC_MODELS model) served with speculation: its KV pool
+    grown by the k positions a request reserves more (kv_blocks_needed), logits not recorded
+    (a speculative engine refuses to), and with the target's twin as the draft every
+    request greedy, so that every draft must be accepted (check_results)."""
+    if case.model not in SPEC_MODELS or case.speculative:
+        raise ValueError(f"with_speculation: needs a case of {', '.join(SPEC_MODELS)} without "
+                         f"speculation, got model={case.model!r}, speculative={case.speculative!r}")
+    if method not in SPEC_METHODS or k not in SPEC_KS:
+        raise ValueError(f"with_speculation: method must be one of {SPEC_METHODS} and k one of "
+                         f"{SPEC_KS}, got {method!r}, {k!r}")
+    rounds = case.rounds
+    if method == "draft" and draft_noise == 0.0:
+        rounds = tuple(tuple(Req(r.prompt, r.budget) for r in rnd) for rnd in rounds)
+    geo = case.geometry
+    more = max(kv_blocks_needed(len(r.prompt), r.budget, geo, k) -
+               kv_blocks_needed(len(r.prompt), r.budget, geo) for rnd in rounds for r in rnd)
+    return dataclasses.replace(case, rounds=rounds, num_kv_blocks=case.num_kv_blocks + more,
+                               record_logits=False, speculative=method, spec_k=k,
+                               draft_noise=draft_noise if method == "draft" else 0.0,
+                               oracle_accept=oracle_accept if method == "oracle" else 1.0)
 
 
 def numpy_case(seed: int, **kw) -> Case:
@@ -245,7 +325,7 @@ class Models:
                                     .step_model(), device_work_s)
         if case.model == "positional":
             from tools.positional_toy import PositionalToy
-            return PositionalToy(be, case.geometry).step_model(device_work_s)
+            return PositionalToy(be, case.geometry, max_k=case.spec_k).step_model(device_work_s)
         from vt.forward.hybrid import HybridStepModel
         key = (id(be), case.model)
         if key not in self._bundled:
@@ -262,17 +342,44 @@ class Models:
         self._bundled.clear()
 
 
+def spec_config(be, case: Case, references: dict | None) -> SpeculativeConfig | None:
+    """A speculative case's SpeculativeConfig (None for another case): the draft a fresh
+    positional toy of the case's geometry on `be` (the target's twin at noise 0); the
+    oracle's references, prompt tuple -> the reference run's tokens (of two requests with
+    one prompt, the last: a wrong reference costs acceptance, not exactness)."""
+    if not case.speculative:
+        return None
+    if case.speculative == "draft":
+        from tools.positional_toy import PositionalToy
+        draft = PositionalToy(be, case.geometry, max_k=case.spec_k, noise=case.draft_noise)
+        return SpeculativeConfig("draft", k=case.spec_k, draft=draft.step_model())
+    if case.speculative == "oracle":
+        if references is None:
+            raise ValueError("spec_config: the oracle proposer needs the reference run's tokens")
+        return SpeculativeConfig("oracle", k=case.spec_k, accept=case.oracle_accept,
+                                 references=references)
+    return SpeculativeConfig(case.speculative, k=case.spec_k)
+
+
+def references_of(case: Case, run: ModeRun) -> dict:
+    """The oracle's references from a run of `case`: prompt tuple -> that run's tokens."""
+    return {tuple(int(t) for t in req.prompt): list(res.tokens)
+            for reqs, results in zip(case.rounds, run.rounds) for req, res in zip(reqs, results)}
+
+
 def run_mode(be, models: Models, case: Case, mode: str, *, device_work_s: float = 0.0,
-             reference: bool = False) -> ModeRun:
+             reference: bool = False, references: dict | None = None) -> ModeRun:
     """Every round of the case through one engine of `mode` (the reference records logits,
-    without timing events and without prefix caching; the others as the case says, with
-    prefix caching where the model allows it, the engine's default)."""
+    without timing events, prefix caching or speculation; the others as the case says, with
+    prefix caching where the model allows it, the engine's default, and a speculative
+    case's speculation: `references` are its oracle's, references_of the reference run)."""
     step = models.step_model(be, case, device_work_s)
     record, profile = (True, False) if reference else (case.record_logits, case.profile)
     config, hooks = mode_config(case, mode)
     with Engine(be, step, config, hooks=hooks, record_logits=record, profile=profile,
                 max_prefill_tokens=case.max_prefill_tokens,
-                prefix_caching=False if reference else None) as eng:
+                prefix_caching=False if reference else None,
+                speculative=None if reference else spec_config(be, case, references)) as eng:
         rounds = [eng.generate([np.asarray(r.prompt, np.int32) for r in reqs],
                                max_new_tokens=[r.budget for r in reqs], stop_token=stop,
                                sampling=[r.sampling for r in reqs])
@@ -300,6 +407,13 @@ def check_results(case: Case, run: ModeRun) -> list[str]:
                     problems.append(f"{where}: 'stop' (stop {stop}) with {toks}")
             else:
                 problems.append(f"{where}: finish_reason {res.finish_reason!r}")
+    spec = run.stats.get("speculative")
+    if spec and case.speculative == "draft" and case.draft_noise == 0.0 and \
+            spec["verify_rows"] and spec["acceptance_rate"] != 1.0:
+        # The target's twin drafting greedy requests proposes the target's own tokens: a
+        # rejected one means its KV missed an accepted token (docs/speculative.md, the draft).
+        problems.append(f"{run.mode}: the target's twin as the draft had {spec['accepted']} of "
+                        f"{spec['drafts']} drafts accepted, not all")
     return problems
 
 
@@ -347,11 +461,14 @@ class CaseReport:
 
     def describe(self) -> str:
         lines = [f"case: {self.case.to_json()}", f"replay: {self.case.replay_hint()}"]
+        if self.case.speculative:
+            lines.append(f"speculative: {self.case.spec_summary()} (every run but {REFERENCE})")
+        ref = self.case.reference_key
         for m, run in self.runs.items():
             st = run.stats
             lines.append(f"  {m:<17} steps {st['steps']:>5} (graph {st['graph_steps']}, eager "
                          f"{st['eager_steps']}, mixed {st['mixed_steps']}, prefill "
-                         f"{st['prefill_steps']})  mismatches vs sync: {len(self.mismatches.get(m, []))}")
+                         f"{st['prefill_steps']})  mismatches vs {ref}: {len(self.mismatches.get(m, []))}")
             for mm in self.mismatches.get(m, [])[:5]:
                 lines.append(f"      {mm}")
         lines += [f"  problem: {p}" for p in self.problems[:10]]
@@ -372,18 +489,23 @@ def run_case(case: Case, *, backend: str = "sim", modes=SAFE_MODES, models: Mode
     test_be = be or (get_backend("sim", device_delay_s=case.sim_delay_s) if case.sim_delay_s
                      else ref_be)
     work = 0.0 if sim else case.device_work_s
+    ref = case.reference_key
     try:
-        runs = {"sync": run_mode(ref_be, models, case, "sync", reference=True)}
-        for mode in [m for m in modes if m != "sync"] + ([UNSAFE] if unsafe else []):
+        runs = {ref: dataclasses.replace(run_mode(ref_be, models, case, "sync", reference=True),
+                                         mode=ref)}
+        references = references_of(case, runs[ref]) if case.speculative else None
+        tested = [m for m in modes if m != ref] + ([UNSAFE] if unsafe else [])
+        for mode in tested:
             dw = max(work, 5e-4) if (mode == UNSAFE and not sim) else work
-            runs[mode] = run_mode(test_be, models, case, mode, device_work_s=dw)
+            runs[mode] = run_mode(test_be, models, case, mode, device_work_s=dw,
+                                  references=references)
         problems = [p for m, r in runs.items() if m != UNSAFE for p in check_results(case, r)]
-        mismatches = {m: compare(case, runs["sync"], r) for m, r in runs.items() if m != "sync"}
+        mismatches = {m: compare(case, runs[ref], r) for m, r in runs.items() if m != ref}
         alone_mm = None
         if alone:   # the first round's first ALONE_REQUESTS requests, one at a time
             solo = dataclasses.replace(case, rounds=(case.rounds[0][:ALONE_REQUESTS],),
                                        stops=case.stops[:1], serving_conc=1)
-            in_batch = ModeRun("sync", [runs["sync"].rounds[0][:ALONE_REQUESTS]], {})
+            in_batch = ModeRun("sync", [runs[ref].rounds[0][:ALONE_REQUESTS]], {})
             alone_mm = compare(solo, in_batch, run_mode(ref_be, models, solo, "sync",
                                                         reference=True))
         return CaseReport(case, runs, mismatches, problems, alone_mm)
@@ -397,7 +519,7 @@ def run_case(case: Case, *, backend: str = "sim", modes=SAFE_MODES, models: Mode
 
 # -- the command line -------------------------------------------------------------------
 def _tally_case(tally: dict, rep: CaseReport) -> None:
-    t = tally.setdefault(rep.case.model, {})
+    t = tally.setdefault(rep.case.label, {})
     for mode, run in rep.runs.items():
         m = t.setdefault(mode, dict(steps=0, graph_steps=0, eager_steps=0, mixed_steps=0,
                                     prefill_steps=0, requests=0, cases=0, mismatches=0,
@@ -411,6 +533,8 @@ def _tally_case(tally: dict, rep: CaseReport) -> None:
         m["requests"] += rep.case.requests
         m["cases"] += 1
         _count_mismatches(m, rep.mismatches.get(mode, []))
+    if rep.case.speculative:
+        _tally_speculation(tally.setdefault("_spec", {}), rep)
     if rep.alone is not None:
         a = tally.setdefault("_alone", {}).setdefault(rep.case.model, dict(
             requests=0, mismatches=0, token_mismatches=0, finish_mismatches=0,
@@ -418,6 +542,22 @@ def _tally_case(tally: dict, rep: CaseReport) -> None:
             sampled_mismatches=0))
         a["requests"] += min(len(rep.case.rounds[0]), ALONE_REQUESTS)
         _count_mismatches(a, rep.alone)
+
+
+def _tally_speculation(s: dict, rep: CaseReport) -> None:
+    """Speculative cases by proposer and k, and their runs' verify rows, drafts and accepted
+    drafts (the unsafe arm's left out)."""
+    c = rep.case
+    s["cases"] = s.get("cases", 0) + 1
+    for key in (c.speculative, f"k={c.spec_k}"):
+        s[key] = s.get(key, 0) + 1
+    for mode, run in rep.runs.items():
+        spec = run.stats.get("speculative")
+        if mode == UNSAFE or not spec:
+            continue
+        per = s.setdefault(f"{c.speculative} drafts", dict(verify_rows=0, drafts=0, accepted=0))
+        for k in per:
+            per[k] += spec[k]
 
 
 def _count_mismatches(m: dict, mms: list[dict]) -> None:
@@ -458,6 +598,12 @@ def main(argv=None) -> int:
     ap.add_argument("--alone-cases", type=int, default=2,
                     help="per model, this many cases also run their requests alone (batch invariance)")
     ap.add_argument("--no-unsafe", action="store_true", help="skip the unguarded+poison arm")
+    ap.add_argument("--speculative", action="store_true",
+                    help="every case speculative (the positional toy through a speculative "
+                         "engine; proposer and k drawn per case)")
+    ap.add_argument("--spec-every", type=int, default=3,
+                    help="every Nth case is speculative (0: none) when the positional toy is "
+                         "among --models")
     ap.add_argument("--replay", default=None, help="a case's JSON (or a file holding it): run it only")
     ap.add_argument("--json", default=None, help="write the report here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every case in full")
@@ -469,6 +615,12 @@ def main(argv=None) -> int:
     for n in names:
         if n not in TOYS + BUNDLED:
             ap.error(f"--models: unknown model {n!r}; choose from {', '.join(TOYS + BUNDLED)}")
+    if args.spec_every < 0:
+        ap.error(f"--spec-every must be >= 0, got {args.spec_every}")
+    spec_models = [n for n in names if n in SPEC_MODELS]
+    if args.speculative and not spec_models:
+        ap.error(f"--speculative needs a model that verifies by decode among --models "
+                 f"({', '.join(SPEC_MODELS)}); got {', '.join(names)}")
     be = None if sim else get_backend("cuda")
     models = None if sim else Models()
     draw_kw = (dict(sim_delays=(0.0, 0.0, 1e-4, 3e-4)) if sim else
@@ -478,8 +630,12 @@ def main(argv=None) -> int:
     out_of_time = False
 
     def done(name):
-        t = tally.get(name, {})
+        t = tally.get(f"{name}+spec" if args.speculative else name, {})
         return all(t.get(m, {}).get("steps", 0) >= args.steps_per_mode for m in SAFE_MODES)
+
+    def speculative_slot(i: int) -> bool:
+        return bool(spec_models) and (args.speculative or (
+            args.spec_every > 0 and i % args.spec_every == args.spec_every - 1))
 
     try:
         if args.replay:
@@ -501,13 +657,14 @@ def main(argv=None) -> int:
                 if time.perf_counter() - t0 > args.time_budget_s:
                     out_of_time = True
                     break
-                name = live[i % len(live)]
+                spec = speculative_slot(i)
+                name = spec_models[i % len(spec_models)] if spec else live[i % len(live)]
                 # Big cases on cuda: each mode's engine capture is paid once per case.
                 kw = dict(draw_kw, max_requests=40 if sim else 96, max_rounds=2 if sim else 3,
                           max_round_steps=150 if sim else 600)
                 if name not in TOYS:
                     kw.update(max_prompt=24, max_budget=64)
-                case = numpy_case(args.seed + i, model=name, **kw)
+                case = numpy_case(args.seed + i, model=name, speculative=spec, **kw)
             i += 1
             alone = cases_by_model.get(case.model, 0) < args.alone_cases
             cases_by_model[case.model] = cases_by_model.get(case.model, 0) + 1
@@ -519,9 +676,10 @@ def main(argv=None) -> int:
             if bad:
                 failures.append(rep)
             unsafe_mm = len(rep.mismatches.get(UNSAFE, []))
-            print(f"case seed={case.seed} model={case.model} requests={case.requests} "
+            print(f"case seed={case.seed} model={case.label} requests={case.requests} "
                   f"conc={case.serving_conc} sizes={list(case.capture_sizes)} "
-                  f"delay={case.sim_delay_s or case.device_work_s}: "
+                  f"delay={case.sim_delay_s or case.device_work_s}"
+                  f"{f' spec={case.spec_summary()}' if case.speculative else ''}: "
                   f"{rep.steps} steps in {time.perf_counter() - tc:.1f}s, "
                   f"{'MISMATCH' if bad else 'ok'}"
                   f"{f', unsafe arm {unsafe_mm} mismatched' if not args.no_unsafe else ''}",
@@ -530,8 +688,9 @@ def main(argv=None) -> int:
                 print(rep.describe(), flush=True)
                 if queue is None:
                     print(f"  or: python3 tools/fuzz.py --backend {args.backend} --models "
-                          f"{case.model} --seed {case.seed} --cases 1", flush=True)
-            reports.append(dict(seed=case.seed, model=case.model, steps=rep.steps,
+                          f"{case.model} --seed {case.seed} --cases 1"
+                          f"{' --speculative' if case.speculative else ''}", flush=True)
+            reports.append(dict(seed=case.seed, model=case.label, steps=rep.steps,
                                 safe_mismatches={m: mm for m, mm in rep.safe_failures().items()},
                                 problems=rep.problems, unsafe_mismatches=unsafe_mm,
                                 case=json.loads(case.to_json()) if bad else None))
@@ -543,16 +702,18 @@ def main(argv=None) -> int:
 
     elapsed = time.perf_counter() - t0
     alone_tally = tally.pop("_alone", {})
+    spec_tally = tally.pop("_spec", {})
     print(f"\n{args.backend}: {len(reports)} cases in {elapsed:.1f}s"
           f"{' (time budget reached before every mode got its steps)' if out_of_time else ''}")
-    hdr = (f"{'model':<11} {'mode':<17} {'steps':>7} {'graph':>7} {'reqs':>6} {'mismatch':>8} "
+    hdr = (f"{'model':<15} {'mode':<17} {'steps':>7} {'graph':>7} {'reqs':>6} {'mismatch':>8} "
            f"{'tokens':>6} {'finish':>6} {'logits':>6} {'greedy':>6} {'~tie':>5} {'sampled':>7} "
            f"{'cached':>7}")
     print(hdr)
+    refs = {name: REFERENCE for name in tally if name.endswith("+spec")}   # the others: sync
     for name, modes in tally.items():
         for mode, m in modes.items():
-            print(f"{name:<11} {mode:<17} {m['steps']:>7} {m['graph_steps']:>7} {m['requests']:>6} "
-                  f"{m['mismatches'] if mode != 'sync' else '-':>8} "
+            print(f"{name:<15} {mode:<17} {m['steps']:>7} {m['graph_steps']:>7} {m['requests']:>6} "
+                  f"{'-' if mode == refs.get(name, 'sync') else m['mismatches']:>8} "
                   f"{m['token_mismatches']:>6} {m['finish_mismatches']:>6} "
                   f"{m['logits_only_mismatches']:>6} {m['greedy_flips']:>6} "
                   f"{m['greedy_flips_near_tie']:>5} {m['sampled_mismatches']:>7} "
@@ -563,11 +724,20 @@ def main(argv=None) -> int:
               f"{a['greedy_flips_near_tie']} at a top-2 gap < 1e-3; {a['sampled_mismatches']} "
               f"sampled), {a['finish_mismatches']} finish, {a['logits_only_mismatches']} "
               f"logits-bytes only (reported, not failed)")
+    if spec_tally:
+        drafts = "; ".join(f"{k[:-7]}: {v['accepted']}/{v['drafts']} drafts accepted over "
+                           f"{v['verify_rows']} verify rows" for k, v in spec_tally.items()
+                           if k.endswith(" drafts"))
+        print(f"speculative cases: {spec_tally['cases']} ("
+              + ", ".join(f"{m} {spec_tally.get(m, 0)}" for m in SPEC_METHODS) + "; "
+              + ", ".join(f"k={k} {spec_tally.get(f'k={k}', 0)}" for k in SPEC_KS)
+              + f"){'; ' + drafts if drafts else ''}")
     safe_bad = sum(m["mismatches"] for modes in tally.values() for k, m in modes.items()
-                   if k not in ("sync", UNSAFE))
+                   if k not in (REFERENCE, UNSAFE))
     unsafe_total = sum(modes.get(UNSAFE, {}).get("mismatches", 0) for modes in tally.values())
     blind = not args.no_unsafe and unsafe_total == 0
-    short = [f"{n}/{m}" for n in names for m in SAFE_MODES
+    watched = [f"{n}+spec" for n in spec_models] if args.speculative else names
+    short = [f"{n}/{m}" for n in watched for m in SAFE_MODES
              if tally.get(n, {}).get(m, {}).get("steps", 0) < args.steps_per_mode]
     print(f"safe-mode mismatches: {safe_bad}; broken requests: "
           f"{sum(len(r.problems) for r in failures)}"
@@ -581,7 +751,7 @@ def main(argv=None) -> int:
         Path(args.json).write_text(json.dumps(dict(
             backend=args.backend, elapsed_s=elapsed, steps_per_mode=args.steps_per_mode,
             seed=args.seed, out_of_time=out_of_time, below_target=short, totals=tally,
-            batch_invariance=alone_tally, unsafe_mismatches=unsafe_total,
+            batch_invariance=alone_tally, speculative=spec_tally, unsafe_mismatches=unsafe_total,
             safe_mismatches=safe_bad, cases=reports), indent=1, default=str))
         print(f"wrote {args.json}")
     return 1 if (failures or blind) else 0

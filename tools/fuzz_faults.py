@@ -19,14 +19,30 @@ prefixes, and after each first turn its client sends a second turn: that prompt,
 the reference gave it and a few new ones (the whole history again, as a chat client sends it),
 which hits the blocks of the first turn's answer when that turn finished in the faulty run.
 
+Speculation: every third case (each with --speculative, none with --spec-every 0) serves the
+positional toy with prefix caching on through a speculative engine (docs/speculative.md),
+its proposer drawn from ngram, draft and oracle and k from 1, 2, 4 (tools/fuzz.py's
+draw_case). A draft is a second FaultyToy of the same geometry without NaN rows (the
+target's twin, or one with noisy logits) whose forward launches the same fault kernel: a
+step fault may hit the draft's passes inside a verify step as well as the target's verify.
+The rules below are the same, because a verify step changes none of them:
+- a step fault fails the requests that hold a row, with a prefix of their tokens;
+- NaN rows: a verify step computes logits at every draft position too, from the draft as
+  that row's input token. A draft equal to the NaN token that is rejected ends nothing (its
+  logits are past the row's first mismatch, never sampled from); one that is accepted is the
+  request's own token, and the request ends "error" with the tokens before the NaN token's
+  logits, exactly as without speculation. The error message names the same token index.
+Speculative cases count in their own rows ("ring+spec", ...).
+
 What each request must give comes from the same requests served by a clean engine (mode sync,
-plain toy forward, prefix caching off): its tokens cut before the first one sampled from the
-NaN token (a request's tokens depend only on its prompt, sampling and the model). Counted, per
-mode:
+plain toy forward, prefix caching off, no speculation): its tokens cut before the first one
+sampled from the NaN token (a request's tokens depend only on its prompt, sampling and the
+model). Counted, per mode:
 - stream mismatches: requests whose streamed tokens (or the snapshot after submit) differ from
   their final tokens;
-- misattributed errors: a NaN-row error on a request or at a token whose logits were not NaN,
-  or a request whose logits were NaN that did not end there with that error;
+- misattributed errors: a NaN-row error on a request or at a token whose logits were not NaN
+  (its tokens, or the token index its message names), or a request whose logits were NaN
+  that did not end there with that error;
 - wrong tokens: a finished request's tokens not its expected ones, or a failed one's not a
   prefix of them; problems: a hang, an unexpected error or finish reason, an engine not idle.
 Exit 1 when any count is nonzero.
@@ -35,6 +51,7 @@ Exit 1 when any count is nonzero.
   python3 tools/fuzz.py --faults --backend cuda --time-budget-s 60 # a GPU
   python3 tools/fuzz.py --faults --cases 4 --seed 7 --modes ring   # a few cases, one mode
   python3 tools/fuzz.py --faults --forward positional              # prefix caching in each
+  python3 tools/fuzz.py --faults --speculative                     # speculation in each
 
 On cuda a graph replays without calling Python, so a step fault there can only hit an eager
 forward (a prefill, an eager or a mixed step): the fault kernel raises at its launch, and is not
@@ -61,6 +78,8 @@ from tools import fuzz as base  # noqa: E402
 from tools.positional_toy import PositionalToy  # noqa: E402
 from vt.backend import get_backend  # noqa: E402
 from vt.engine.engine import Engine  # noqa: E402
+from vt.engine.scheduler import kv_blocks_needed  # noqa: E402
+from vt.forward.speculative import SpeculativeConfig  # noqa: E402
 from vt.forward.toy import ToyForward  # noqa: E402
 from vt.forward.user import ForwardModel  # noqa: E402
 
@@ -134,25 +153,51 @@ class _NaNRows:
 _NAN_ROWS = _NaNRows()
 
 
+class _InputsInRange:
+    """Raises (a device-side error on the sim) when a row's input token is outside the
+    vocab: a step model must feed its forward tokens it can embed, after an error row too
+    (the sampler puts 0 in place of an error token)."""
+
+    name = "inputs_in_range"
+
+    def run_numpy(self, table, rows, *, vocab):
+        tok = table[rows]
+        bad = np.flatnonzero((tok < 0) | (tok >= vocab))
+        if bad.size:
+            raise ValueError(f"input token {int(tok[bad[0]])} of row {int(bad[0])} is outside "
+                             f"the vocab [0, {vocab})")
+
+
+_IN_RANGE = _InputsInRange()
+
+
 class FaultyToy:
     """A toy forward plus the fault kernel (launched first in every forward: on the sim
-    captured or eager, on cuda eager only) and, when nan_token is set, NaN logits for the rows
+    captured or eager, on cuda eager only), on the sim a check that every input token is in
+    the vocab (else the step fails with a ValueError: a problem), and, when nan_token is
+    set, NaN logits for the rows
     whose input token it is. The toy: vt.forward.toy's (recurrent state), or with positional
     tools/positional_toy.py's, whose KV is position-addressed: then prefix_cacheable, and the
-    engine's prefix caching is on by default. hold_next_eager(gate): the next eager forward (a
-    prefill substep, an eager or mixed step) waits on the host for the threading.Event `gate`
-    first."""
+    engine's prefix caching is on by default, and verifies_by_decode (speculation: max_k, the
+    drafts a step verifies; noise, a draft's, tools/positional_toy.py). fault: a FaultKernel
+    to share (a draft's: the target's), else its own. hold_next_eager(gate): the next eager
+    forward (a prefill substep, an eager or mixed step) waits on the host for the
+    threading.Event `gate` first."""
 
     def __init__(self, be, *, vocab: int, geometry, nan_token: int | None = None,
-                 positional: bool = False):
+                 positional: bool = False, max_k: int = 0, noise: float = 0.0,
+                 fault: FaultKernel | None = None):
         self.be, self.nan_token = be, nan_token
         if positional and vocab != PositionalToy.vocab:
             raise ValueError(f"FaultyToy: the positional toy's vocab is {PositionalToy.vocab}, "
                              f"got vocab={vocab}")
-        self.toy = (PositionalToy(be, geometry) if positional
+        if not positional and (max_k or noise):
+            raise ValueError(f"FaultyToy: max_k={max_k} and noise={noise} are the positional "
+                             f"toy's (speculation); the toy keeps a recurrent state")
+        self.toy = (PositionalToy(be, geometry, max_k=max_k, noise=noise) if positional
                     else ToyForward(be, vocab=vocab, geometry=geometry))
-        self.prefix_cacheable = positional
-        self.fault = FaultKernel()
+        self.prefix_cacheable = self.verifies_by_decode = positional
+        self.fault = fault or FaultKernel()
         self._hold: tuple[threading.Event, threading.Event] | None = None
 
     def hold_next_eager(self, gate: threading.Event) -> threading.Event:
@@ -169,6 +214,9 @@ class FaultyToy:
             gate.wait(WAIT_S)
         if not (capturing and self.be.name == "cuda"):   # a cuda replay cannot call it
             self.be.launch(stream, self.fault)
+        if self.be.name == "sim":
+            self.be.launch(stream, _IN_RANGE, self.toy.token_table, inputs.token_rows,
+                           vocab=self.toy.vocab)
         self.toy(stream, inputs, logits_out)
         if self.nan_token is not None:
             self.be.launch(stream, _NAN_ROWS, self.toy.token_table, inputs.token_rows,
@@ -239,7 +287,7 @@ def judge(exp: Expected, out: Outcome) -> dict:
             c["wrong_tokens"] = 1
             why.append(f"failed with {list(got)}, not a prefix of {list(want)}")
     elif out.finish == "error":                      # an error row: must be its NaN one
-        if exp.nan_at is None or got != want:
+        if exp.nan_at is None or got != want or f"token {exp.nan_at} " not in (out.message or ""):
             c["misattributed"] = 1
             why.append(f"error row {out.message!r} with {list(got)}; expected "
                        f"{list(want)} (NaN at {exp.nan_at})")
@@ -314,26 +362,30 @@ class ModeReport:
     outcomes: dict              # finish kind -> requests
     failures: list              # (request index, why)
     cached_tokens: int = 0      # prompt tokens served from the prefix cache
+    speculative: dict | None = None   # the engine's stats()["speculative"] (None: none)
 
 
 def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
                  fault_gap_s: float, max_gap_s: float, be=None,
-                 follows: dict | None = None) -> tuple[dict, FaultKernel, dict]:
+                 follows: dict | None = None,
+                 references: dict | None = None) -> tuple[dict, FaultKernel, dict]:
     """The case's requests served online in `mode` on a FaultyToy under random step faults
-    (the positional toy with prefix caching on when the case's model is "positional"): each
-    request's Outcome, the fault kernel, the engine's stats. follows: {j: i}, request j is
-    request i's next turn: the client that sends i sends j once i's result is in. `be`: a
-    backend to serve on (kept open); None: a new sim backend with the case's device delay."""
+    (the positional toy with prefix caching on when the case's model is "positional"; with a
+    speculative case's speculation, `references` its oracle's): each request's Outcome, the
+    fault kernel, the engine's stats. follows: {j: i}, request j is request i's next turn:
+    the client that sends i sends j once i's result is in. `be`: a backend to serve on (kept
+    open); None: a new sim backend with the case's device delay."""
     own_be = be is None
     be = get_backend("sim", device_delay_s=case.sim_delay_s) if own_be else be
     positional = case.model == "positional"
     fwd = FaultyToy(be, vocab=case.vocab, geometry=case.geometry, nan_token=nan_token,
-                    positional=positional)
+                    positional=positional, max_k=case.spec_k)
     outcomes, done = {}, threading.Event()
     try:
         config, hooks = base.mode_config(case, mode)
         with Engine(be, fwd.step_model(), config, hooks=hooks,
-                    max_prefill_tokens=case.max_prefill_tokens, prefix_caching=positional) as eng:
+                    max_prefill_tokens=case.max_prefill_tokens, prefix_caching=positional,
+                    speculative=_spec_config(be, case, fwd, references)) as eng:
             conversations = _conversations(len(reqs), follows or {})
             n_clients = max(1, min(len(conversations), case.serving_conc + 1, 8))
             shares = [[(i, reqs[i]) for k, turns in enumerate(conversations)
@@ -361,6 +413,16 @@ def serve_faulty(case, mode: str, reqs, stop, nan_token: int, *, seed: int,
     return outcomes, fwd.fault, stats
 
 
+def _spec_config(be, case, target: FaultyToy, references: dict | None):
+    """A speculative case's SpeculativeConfig (tools/fuzz.py's spec_config), its draft a
+    FaultyToy sharing the target's fault kernel, without NaN rows; None for another case."""
+    if case.speculative != "draft":
+        return base.spec_config(be, case, references)
+    draft = FaultyToy(be, vocab=case.vocab, geometry=case.geometry, positional=True,
+                      max_k=case.spec_k, noise=case.draft_noise, fault=target.fault)
+    return SpeculativeConfig("draft", k=case.spec_k, draft=draft.step_model())
+
+
 def _conversations(n: int, follows: dict) -> list[list[int]]:
     """Requests 0..n-1 as conversations, each in turn order ({j: i}: j is i's next turn)."""
     nxt = {i: j for j, i in follows.items()}
@@ -378,7 +440,8 @@ def _conversations(n: int, follows: dict) -> list[list[int]]:
 def second_turns(case, reqs, ref_results, rng: random.Random) -> list:
     """For each first turn whose history fits: its next turn, the prompt, the reference's
     tokens and 1-3 new ones, with a budget of up to 8 and a new seed; those that do not fit
-    the case's context or KV pool (a request's blocks and the scratch one) are None."""
+    the case's context or KV pool (a request's blocks, k more positions' with speculation,
+    and the scratch one) are None."""
     out, bs = [], case.block_size
     for r, res in zip(reqs, ref_results):
         prompt = tuple(r.prompt) + tuple(int(t) for t in res.tokens) + tuple(
@@ -388,7 +451,7 @@ def second_turns(case, reqs, ref_results, rng: random.Random) -> list:
             out.append(None)
             continue
         budget = rng.randint(1, min(8, room))
-        if -(-(len(prompt) + budget - 1) // bs) + 1 > case.num_kv_blocks:
+        if kv_blocks_needed(len(prompt), budget, case.geometry, case.spec_k) + 1 > case.num_kv_blocks:
             out.append(None)
             continue
         out.append(dataclasses.replace(r, prompt=prompt, budget=budget,
@@ -396,19 +459,21 @@ def second_turns(case, reqs, ref_results, rng: random.Random) -> list:
     return out
 
 
-def positional_case(seed: int, *, max_requests: int, sim_delays=(0.0,)):
+def positional_case(seed: int, *, max_requests: int, sim_delays=(0.0,), speculative: bool = False):
     """tools/fuzz.py's drawer on its positional model: prompts sharing prefixes, budgets of
-    at most 8 (room for a second turn)."""
+    at most 8 (room for a second turn); speculative: with speculation drawn."""
     return base.numpy_case(seed, model="positional", max_requests=max_requests, max_rounds=1,
-                           max_budget=8, sim_delays=sim_delays)
+                           max_budget=8, sim_delays=sim_delays, speculative=speculative)
 
 
 def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float = 0.15,
                    max_gap_s: float = 0.003, be=None) -> list[ModeReport]:
-    """The reference (sync, clean toy, prefix caching off), then each mode under faults;
-    judged per request. A positional case gets second turns (second_turns, built from the
-    reference's tokens, referenced too) served after their first by the same client, with
-    prefix caching on. `be`: one backend for all of them (cuda); None: fresh sim backends."""
+    """The reference (sync, clean toy, prefix caching off, no speculation), then each mode
+    under faults (a speculative case's with its speculation, the oracle's references the
+    reference's tokens); judged per request. A positional case gets second turns
+    (second_turns, built from the reference's tokens, referenced too) served after their
+    first by the same client, with prefix caching on. `be`: one backend for all of them
+    (cuda); None: fresh sim backends."""
     reqs, stop = case.rounds[0], case.stops[0]
     ref_be = be or get_backend("sim")
     models = base.Models()
@@ -431,11 +496,12 @@ def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float
     nan_token = pick_nan_token([r.prompt for r in reqs], [res.tokens for res in ref],
                                case.vocab, random.Random(seed))
     expected = [Expected.of(r.prompt, res.tokens, nan_token) for r, res in zip(reqs, ref)]
+    references = {tuple(int(t) for t in r.prompt): list(res.tokens) for r, res in zip(reqs, ref)}
     reports = []
     for mode in modes:
         outcomes, kernel, stats = serve_faulty(case, mode, reqs, stop, nan_token, seed=seed,
                                                fault_gap_s=fault_gap_s, max_gap_s=max_gap_s,
-                                               be=be, follows=follows)
+                                               be=be, follows=follows, references=references)
         counts = dict(stream_mismatch=0, misattributed=0, wrong_tokens=0, problem=0)
         kinds, failures = {}, []
         for i, exp in enumerate(expected):
@@ -455,7 +521,8 @@ def run_fault_case(case, *, modes=FAULT_MODES, seed: int = 0, fault_gap_s: float
             counts["problem"] += 1
             failures.append((-1, ["the engine was not idle after every request finished"]))
         reports.append(ModeReport(mode, len(reqs), counts, kernel.fired, stats["failed_steps"],
-                                  kinds, failures, stats["prefix_cache"]["cached_tokens"]))
+                                  kinds, failures, stats["prefix_cache"]["cached_tokens"],
+                                  stats.get("speculative")))
     return reports
 
 
@@ -473,6 +540,11 @@ def main(argv=None) -> int:
     ap.add_argument("--forward", choices=FORWARDS, default="both",
                     help="the cases' toy: the toy (recurrent state), the positional toy (prefix "
                          "caching on, shared prefixes, second turns) or both, case by case")
+    ap.add_argument("--speculative", action="store_true",
+                    help="every case speculative (the positional toy through a speculative "
+                         "engine; proposer and k drawn per case)")
+    ap.add_argument("--spec-every", type=int, default=3,
+                    help="every Nth case is speculative (0: none), unless --forward toy")
     ap.add_argument("--fault-gap-ms", type=float, default=150.0,
                     help="mean time between two armings of the fault kernel")
     ap.add_argument("--time-budget-s", type=float, default=300.0,
@@ -481,6 +553,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.cases < 1 or args.max_requests < 1 or not args.fault_gap_ms > 0:
         ap.error("--cases and --max-requests must be positive, --fault-gap-ms > 0")
+    if args.spec_every < 0:
+        ap.error(f"--spec-every must be >= 0, got {args.spec_every}")
+    if args.speculative and args.forward == "toy":
+        ap.error("--speculative needs the positional toy (--forward positional or both): the "
+                 "toy keeps a recurrent state, so it cannot verify by decode")
 
     try:
         be = get_backend("cuda") if args.backend == "cuda" else None
@@ -495,8 +572,9 @@ def main(argv=None) -> int:
 
 def _fuzz(args, be) -> int:
     """The cases of main's arguments; the table and the exit code (be: cuda's, or None)."""
-    totals = {m: dict(requests=0, faults=0, failed_steps=0, cached_tokens=0, stream_mismatch=0,
-                      misattributed=0, wrong_tokens=0, problem=0, kinds={}) for m in args.modes}
+    totals = {}
+    spec = dict(cases=0, verify_rows=0, drafts=0, accepted=0, **{m: 0 for m in base.SPEC_METHODS},
+                **{f"k={k}": 0 for k in base.SPEC_KS})
     t0, ran, out_of_time = time.perf_counter(), 0, False
     for i in range(args.cases):
         if time.perf_counter() - t0 > args.time_budget_s:
@@ -504,8 +582,11 @@ def _fuzz(args, be) -> int:
             break
         seed = args.seed + i
         delays = (0.0, 1e-4, 3e-4) if be is None else (0.0,)
-        if args.forward == "positional" or (args.forward == "both" and i % 2):
-            case = positional_case(seed, max_requests=args.max_requests, sim_delays=delays)
+        speculative = args.forward != "toy" and (args.speculative or (
+            args.spec_every > 0 and i % args.spec_every == args.spec_every - 1))
+        if speculative or args.forward == "positional" or (args.forward == "both" and i % 2):
+            case = positional_case(seed, max_requests=args.max_requests, sim_delays=delays,
+                                   speculative=speculative)
         else:
             case = base.numpy_case(seed, max_requests=args.max_requests, max_rounds=1,
                                    sim_delays=delays)
@@ -514,13 +595,22 @@ def _fuzz(args, be) -> int:
                                  fault_gap_s=args.fault_gap_ms / 1e3, be=be)
         ran += 1
         bad = [r for r in reports if any(r.counts.values())]
-        print(f"case seed={seed} {case.model} requests={reports[0].requests} conc={case.serving_conc} "
-              f"sizes={list(case.capture_sizes)} delay={case.sim_delay_s}: "
+        print(f"case seed={seed} {case.label} requests={reports[0].requests} conc={case.serving_conc} "
+              f"sizes={list(case.capture_sizes)} delay={case.sim_delay_s}"
+              f"{f' spec={case.spec_summary()}' if case.speculative else ''}: "
               + ", ".join(f"{r.mode} {r.faults} faults/{sum(v for k, v in r.outcomes.items() if k != 'fault')}"
                           f" served" for r in reports)
               + f" in {time.perf_counter() - tc:.1f}s{'  FAILED' if bad else ''}", flush=True)
+        if case.speculative:
+            spec["cases"] += 1
+            spec[case.speculative] += 1
+            spec[f"k={case.spec_k}"] += 1
         for r in reports:
-            t = totals[r.mode]
+            t = totals.setdefault(r.mode + ("+spec" if case.speculative else ""), dict(
+                requests=0, faults=0, failed_steps=0, cached_tokens=0, stream_mismatch=0,
+                misattributed=0, wrong_tokens=0, problem=0, kinds={}))
+            for k in ("verify_rows", "drafts", "accepted"):
+                spec[k] += (r.speculative or {}).get(k, 0)
             t["requests"] += r.requests
             t["faults"] += r.faults
             t["failed_steps"] += r.failed_steps
@@ -533,19 +623,26 @@ def _fuzz(args, be) -> int:
                 print(f"  {r.mode} request {index}: {'; '.join(why)}", flush=True)
         if bad:
             print(f"  replay: python3 tools/fuzz.py --faults --backend {args.backend} --seed {seed} "
-                  f"--cases 1 --forward {case.model}", flush=True)
+                  f"--cases 1 --forward {case.model}"
+                  f"{' --speculative' if case.speculative else ' --spec-every 0'}", flush=True)
 
     print(f"\nfault fuzz on {args.backend}: {ran} cases in {time.perf_counter() - t0:.1f}s"
           f"{' (time budget reached)' if out_of_time else ''}")
-    print(f"{'mode':<7} {'requests':>8} {'faults':>6} {'failed':>6} {'cached':>6} {'length':>6} {'stop':>5} "
+    print(f"{'mode':<12} {'requests':>8} {'faults':>6} {'failed':>6} {'cached':>6} {'length':>6} {'stop':>5} "
           f"{'nan':>4} {'fault':>5} {'stream-mismatch':>15} {'misattributed':>13} "
           f"{'wrong-tokens':>12} {'problems':>8}")
     for mode, t in totals.items():
         k = t["kinds"]
-        print(f"{mode:<7} {t['requests']:>8} {t['faults']:>6} {t['failed_steps']:>6} {t['cached_tokens']:>6} "
+        print(f"{mode:<12} {t['requests']:>8} {t['faults']:>6} {t['failed_steps']:>6} {t['cached_tokens']:>6} "
               f"{k.get('length', 0):>6} {k.get('stop', 0):>5} {k.get('error', 0):>4} "
               f"{k.get('fault', 0):>5} {t['stream_mismatch']:>15} {t['misattributed']:>13} "
               f"{t['wrong_tokens']:>12} {t['problem']:>8}")
+    if spec["cases"]:
+        print(f"speculative cases: {spec['cases']} ("
+              + ", ".join(f"{m} {spec[m]}" for m in base.SPEC_METHODS) + "; "
+              + ", ".join(f"k={k} {spec[f'k={k}']}" for k in base.SPEC_KS)
+              + f"); {spec['accepted']}/{spec['drafts']} drafts accepted over "
+              f"{spec['verify_rows']} verify rows")
     sums = {k: sum(t[k] for t in totals.values())
             for k in ("stream_mismatch", "misattributed", "wrong_tokens", "problem")}
     print(f"requests whose streamed tokens differ from their result: {sums['stream_mismatch']}; "
@@ -553,7 +650,7 @@ def _fuzz(args, be) -> int:
           f"{sums['wrong_tokens']}; problems: {sums['problem']}")
     if args.json:
         Path(args.json).write_text(json.dumps(dict(cases=ran, seed=args.seed, backend=args.backend,
-                                                   totals=totals,
+                                                   totals=totals, speculative=spec,
                                                    **sums), indent=1))
         print(f"wrote {args.json}")
     return 1 if any(sums.values()) else 0

@@ -12,6 +12,7 @@ VT_SLOW=1 runs the rest (~120k more steps, ~4 min).
 """
 import dataclasses
 
+import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
@@ -198,3 +199,100 @@ def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch():
 @pytest.mark.slow
 def test_a_seeded_request_gives_the_same_tokens_alone_and_in_any_batch_long():
     _alone_vs_batch(60, "alone vs batch (slow)")
+
+
+# -- speculative decoding ------------------------------------------------------------------
+SPEC_MATRIX = [(method, k) for method in harness.SPEC_METHODS for k in harness.SPEC_KS]
+
+
+def _spec_case(method, k, **kw):
+    """Numpy seed 23 of the positional toy: two rounds of 13 requests (greedy and sampled, a
+    stop token in the second) at concurrency 6, with `method` and k."""
+    return harness.with_speculation(numpy_case(23, model="positional", max_requests=12,
+                                               sim_delays=(0.0,)), method, k, **kw)
+
+
+def _check_speculative(rep):
+    _check_safe_modes(rep)
+    assert set(rep.runs) >= {harness.REFERENCE, *SAFE_MODES}, sorted(rep.runs)
+    for mode in SAFE_MODES:
+        assert rep.runs[mode].stats["speculative"]["verify_rows"] > 0, rep.describe()
+    assert rep.runs[harness.REFERENCE].stats["speculative"] is None
+
+
+@pytest.mark.parametrize("method,k", SPEC_MATRIX)
+def test_speculative_engines_give_the_tokens_of_decoding_without_speculation(method, k):
+    """Every proposer and k in {1, 2, 4}: the positional toy served through a speculative
+    engine in sync, drain, ring and staged (POISON on for the async ones, prefix caching on)
+    gives the greedy and seeded sampled tokens and finish reasons of the reference (sync,
+    no speculation, caching off). The draft is the target's twin at k = 2 (all greedy, every
+    draft accepted: checked), a noisy draft otherwise; the oracle keeps half its drafts
+    right at k = 4."""
+    noise = 0.0 if k == 2 else 0.01
+    case = _spec_case(method, k, draft_noise=noise, oracle_accept=0.5 if k == 4 else 1.0)
+    rep = run_case(case)
+    _check_speculative(rep)
+    if method == "draft" and noise == 0.0:
+        assert rep.runs["ring"].stats["speculative"]["acceptance_rate"] == 1.0
+
+
+def test_speculative_fuzz_cases_give_the_references_tokens():
+    """Hypothesis draws speculative cases (proposer, k, draft, oracle fraction, workload and
+    geometry): the same property."""
+    tally = Tally("fuzz speculative (CI share)")
+
+    @fuzz_settings(4)
+    @given(case=cases(model="positional", max_requests=8, speculative=True))
+    def prop(case):
+        rep = run_case(case)
+        tally.add(rep)
+        _check_safe_modes(rep)
+
+    prop()
+    print(tally)
+
+
+def _broken_first_draft(monkeypatch):
+    """Acceptance that keeps every row's first draft whatever the target drew."""
+    from vt.forward import spec_kernels
+    original = spec_kernels.Accept.run_numpy
+
+    def accept_first(self, targets, v_logits, drafts, token_rows, *args, k, pad_row):
+        S, w = len(token_rows), k + 1
+        forced = np.array(targets[:S * w]).reshape(S, w)
+        forced[:, 0] = drafts[:S, 0]
+        original(self, forced.reshape(-1), v_logits, drafts, token_rows, *args, k=k,
+                 pad_row=pad_row)
+
+    monkeypatch.setattr(spec_kernels.Accept, "run_numpy", accept_first)
+
+
+def test_the_fuzz_reports_a_speculative_engine_that_accepts_a_wrong_draft(monkeypatch):
+    """The fuzz can fail: with acceptance broken to keep a wrong draft, the speculative runs'
+    tokens differ from the reference's, request by request."""
+    _broken_first_draft(monkeypatch)
+    case = _spec_case("ngram", 2)
+    rep = run_case(case, modes=("sync", "ring"))
+    wrong = [mm for m in ("sync", "ring") for mm in rep.mismatches[m] if mm["kind"] == "tokens"]
+    assert wrong, "a broken acceptance went unseen\n" + rep.describe()
+    assert rep.safe_failures()
+
+
+def test_the_fuzz_reports_a_draft_that_misses_an_accepted_tokens_kv(monkeypatch):
+    """The draft's pass 0 re-writes position p - 1 (the last draft of a step that accepted
+    all k, which the draft never ran): without it, the twin's tokens stay exact but it
+    drafts from a stale KV slot, and the fuzz reports its acceptance below 1."""
+    from vt.forward import spec_kernels
+    original = spec_kernels.DraftPrologue.run_numpy
+
+    def without_p_minus_1(self, token_rows, block_tables, pos, hist, d_table, d_rows, d_pos,
+                          d_lens, d_slots, *args, pad_slot, **kw):
+        original(self, token_rows, block_tables, pos, hist, d_table, d_rows, d_pos, d_lens,
+                 d_slots, *args, pad_slot=pad_slot, **kw)
+        d_slots[:len(token_rows)] = pad_slot    # pass 0's rows at p - 1 write nothing
+
+    monkeypatch.setattr(spec_kernels.DraftPrologue, "run_numpy", without_p_minus_1)
+    case = _spec_case("draft", 2)
+    rep = run_case(case, modes=("sync", "ring"))
+    assert not rep.safe_failures(), rep.describe()   # the tokens are the target's still
+    assert any("the target's twin as the draft" in p for p in rep.problems), rep.describe()

@@ -15,6 +15,8 @@ and every odd argument gets a one-line error naming it.
 | submit(sampling=[SamplingParams()]) is accepted | test_submit_refuses_generates_per_prompt_lists |
 | under random step faults and NaN rows, streamed tokens differ from results, errors go to the wrong request | test_the_fault_fuzz_finds_no_stream_mismatch_and_no_misattributed_error |
 | under step faults and NaN rows with prefix caching on (shared prefixes, second turns), tokens differ from caching off | test_the_fault_fuzz_with_prefix_caching_gives_the_tokens_of_caching_off |
+| with speculation, a request finished ahead of its scheduled last step has its answer's blocks named again at that step, when another request holds them: a next turn gets that request's KV | test_the_fault_fuzz_with_speculation_gives_the_tokens_of_decoding_without_it |
+| after an error row, the n-gram proposer drafts -1, an input token outside the vocab, for the step in flight | test_the_fault_fuzz_sees_an_input_token_outside_the_vocab |
 """
 import asyncio
 import math
@@ -266,3 +268,68 @@ def test_the_fault_fuzz_on_one_backend_of_each_kind(backend):
         assert rep.faults > 0, f"{rep.mode}: no fault fired: the fuzz tested nothing"
         assert rep.outcomes.get("error", 0) > 0, f"{rep.mode}: no NaN row ended a request"
         assert not any(rep.counts.values()), (rep.mode, rep.counts, rep.failures[:5])
+
+
+@pytest.mark.parametrize("method,k,seed", [("ngram", 4, 4), ("draft", 2, 5), ("oracle", 1, 4)])
+def test_the_fault_fuzz_with_speculation_gives_the_tokens_of_decoding_without_it(method, k, seed):
+    """tools/fuzz.py --faults --speculative: the positional toy through a speculative engine
+    (prefix caching on, second turns) under step faults (in the draft's passes too) and NaN
+    rows, in drain, ring and staged: every request's tokens and outcome are those decoding
+    without speculation gives, cut at its NaN token. The draft is the target's twin with
+    noisy logits; the oracle proposes the reference's tokens, NaN token included (accepted:
+    the request ends there)."""
+    case = fuzz.with_speculation(
+        faults.positional_case(seed, max_requests=24, sim_delays=(0.0, 1e-4)), method, k,
+        draft_noise=0.01)
+    reports = faults.run_fault_case(case, seed=seed, fault_gap_s=0.04)
+    assert reports[0].requests > len(case.rounds[0]), "no second turn: the history was not sent"
+    for rep in reports:
+        assert rep.faults > 0, f"{rep.mode}: no fault fired: the fuzz tested nothing"
+        assert rep.speculative["verify_rows"] > 0, f"{rep.mode}: no verify step"
+        assert not any(rep.counts.values()), (rep.mode, rep.counts, rep.failures[:5])
+    assert sum(rep.outcomes.get("error", 0) for rep in reports) > 0, "no NaN row ended a request"
+
+
+def test_the_fault_fuzz_sees_a_speculative_engine_that_accepts_a_wrong_draft(monkeypatch):
+    """The fault fuzz can fail under speculation: acceptance broken to keep each row's first
+    draft whatever the target drew gives requests wrong tokens (or NaN errors where the
+    reference has none), and the fuzz counts them."""
+    from vt.forward import spec_kernels
+    original = spec_kernels.Accept.run_numpy
+
+    def accept_first(self, targets, v_logits, drafts, token_rows, *args, k, pad_row):
+        S, w = len(token_rows), k + 1
+        forced = np.array(targets[:S * w]).reshape(S, w)
+        forced[:, 0] = drafts[:S, 0]
+        original(self, forced.reshape(-1), v_logits, drafts, token_rows, *args, k=k,
+                 pad_row=pad_row)
+
+    monkeypatch.setattr(spec_kernels.Accept, "run_numpy", accept_first)
+    case = fuzz.with_speculation(faults.positional_case(4, max_requests=24), "ngram", 2)
+    reports = faults.run_fault_case(case, modes=("ring",), seed=4, fault_gap_s=1.0)
+    counts = reports[0].counts
+    assert counts["wrong_tokens"] + counts["misattributed"] > 0, counts
+
+
+def test_the_fault_fuzz_sees_an_input_token_outside_the_vocab(monkeypatch):
+    """Acceptance as it was: an error token written into the row's history as -1, which the
+    n-gram proposer of the step in flight drafts, the target's input token. The fault fuzz's
+    forward checks every input token on the sim, so the step fails: a problem."""
+    from vt.forward import spec_kernels
+    original = spec_kernels.Accept.run_numpy
+
+    def keeps_minus_1(self, targets, v_logits, drafts, token_rows, pos, hist, token_table,
+                      records, logits_out, *, k, pad_row):
+        original(self, targets, v_logits, drafts, token_rows, pos, hist, token_table, records,
+                 logits_out, k=k, pad_row=pad_row)
+        for r, row in enumerate(token_rows):
+            last = records[r, spec_kernels.TOKENS + records[r, spec_kernels.COUNT] - 1]
+            if row != pad_row and last < 0:
+                hist[row, min(int(pos[row]), hist.shape[1] - 1)] = last
+
+    monkeypatch.setattr(spec_kernels.Accept, "run_numpy", keeps_minus_1)
+    case = fuzz.with_speculation(faults.positional_case(204, max_requests=32), "ngram", 2)
+    reports = faults.run_fault_case(case, modes=("ring",), seed=204, fault_gap_s=1.0)
+    rep = reports[0]
+    assert rep.counts["problem"] > 0, (rep.counts, rep.outcomes)
+    assert any("outside the vocab" in " ".join(why) for _, why in rep.failures), rep.failures[:3]

@@ -325,6 +325,10 @@ class Scheduler:
         if req.row is not None:
             self.rows.free(req.row)
             self.blocks.release(req.blocks, self.launched)
-            if self.caching:     # named once its tokens are known: cache_generated
+            # Named once its tokens are known (cache_generated). One that finished before it
+            # leaves (a stop token, or a verify step's tokens ahead of the length schedule)
+            # was named then, holding its blocks: its scheduled last step, later, must not
+            # name them again, when they may hold another request's KV.
+            if self.caching and not req.finished:
                 req.released_blocks = req.blocks
             req.row, req.blocks = None, []
