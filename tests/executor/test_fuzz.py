@@ -12,13 +12,14 @@ VT_SLOW=1 runs the rest (~120k more steps, ~4 min).
 """
 import dataclasses
 
-import numpy as np
 import pytest
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from vt.backend import get_backend
 from vt.config import SAFE_MODES
+
+from tests.speculative._broken import accept_first_drafts
 
 from ._fuzz import UNSAFE, Tally, cases, fuzz_settings, harness, numpy_case, run_case
 
@@ -30,11 +31,13 @@ def _check_safe_modes(rep):
         "safe mode differs from the synchronous run\n" + rep.describe())
 
 
-def _fuzz_modes(examples, min_steps, name):
+def _fuzz_modes(examples, min_steps, name, drawn=None):
+    """Hypothesis draws `examples` cases (`drawn`, default cases(max_requests=24)); every safe
+    mode's tokens equal the synchronous run's, over at least min_steps steps in all."""
     tally = Tally(name)
 
     @fuzz_settings(examples)
-    @given(case=cases(max_requests=24))
+    @given(case=drawn if drawn is not None else cases(max_requests=24))
     def prop(case):
         rep = run_case(case)
         tally.add(rep)
@@ -239,38 +242,14 @@ def test_speculative_engines_give_the_tokens_of_decoding_without_speculation(met
 def test_speculative_fuzz_cases_give_the_references_tokens():
     """Hypothesis draws speculative cases (proposer, k, draft, oracle fraction, workload and
     geometry): the same property."""
-    tally = Tally("fuzz speculative (CI share)")
-
-    @fuzz_settings(4)
-    @given(case=cases(model="positional", max_requests=8, speculative=True))
-    def prop(case):
-        rep = run_case(case)
-        tally.add(rep)
-        _check_safe_modes(rep)
-
-    prop()
-    print(tally)
-
-
-def _broken_first_draft(monkeypatch):
-    """Acceptance that keeps every row's first draft whatever the target drew."""
-    from vt.forward import spec_kernels
-    original = spec_kernels.Accept.run_numpy
-
-    def accept_first(self, targets, v_logits, drafts, token_rows, *args, k, pad_row):
-        S, w = len(token_rows), k + 1
-        forced = np.array(targets[:S * w]).reshape(S, w)
-        forced[:, 0] = drafts[:S, 0]
-        original(self, forced.reshape(-1), v_logits, drafts, token_rows, *args, k=k,
-                 pad_row=pad_row)
-
-    monkeypatch.setattr(spec_kernels.Accept, "run_numpy", accept_first)
+    _fuzz_modes(4, 0, "fuzz speculative (CI share)",
+                cases(model="positional", max_requests=8, speculative=True))
 
 
 def test_the_fuzz_reports_a_speculative_engine_that_accepts_a_wrong_draft(monkeypatch):
     """The fuzz can fail: with acceptance broken to keep a wrong draft, the speculative runs'
     tokens differ from the reference's, request by request."""
-    _broken_first_draft(monkeypatch)
+    accept_first_drafts(monkeypatch)
     case = _spec_case("ngram", 2)
     rep = run_case(case, modes=("sync", "ring"))
     wrong = [mm for m in ("sync", "ring") for mm in rep.mismatches[m] if mm["kind"] == "tokens"]

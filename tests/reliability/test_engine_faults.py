@@ -30,6 +30,8 @@ from tools import fuzz, fuzz_faults as faults
 from vt import Engine, ExecutorConfig, ForwardModel, KVGeometry, SamplingParams
 from vt.forward.toy import ToyForward
 
+from tests.speculative._broken import accept_first_drafts
+
 GEO = KVGeometry(max_seqs=8, num_kv_blocks=64, block_size=4, max_context=64)
 VOCAB = 64
 
@@ -294,17 +296,7 @@ def test_the_fault_fuzz_sees_a_speculative_engine_that_accepts_a_wrong_draft(mon
     """The fault fuzz can fail under speculation: acceptance broken to keep each row's first
     draft whatever the target drew gives requests wrong tokens (or NaN errors where the
     reference has none), and the fuzz counts them."""
-    from vt.forward import spec_kernels
-    original = spec_kernels.Accept.run_numpy
-
-    def accept_first(self, targets, v_logits, drafts, token_rows, *args, k, pad_row):
-        S, w = len(token_rows), k + 1
-        forced = np.array(targets[:S * w]).reshape(S, w)
-        forced[:, 0] = drafts[:S, 0]
-        original(self, forced.reshape(-1), v_logits, drafts, token_rows, *args, k=k,
-                 pad_row=pad_row)
-
-    monkeypatch.setattr(spec_kernels.Accept, "run_numpy", accept_first)
+    accept_first_drafts(monkeypatch)
     case = fuzz.with_speculation(faults.positional_case(4, max_requests=24), "ngram", 2)
     reports = faults.run_fault_case(case, modes=("ring",), seed=4, fault_gap_s=1.0)
     counts = reports[0].counts

@@ -12,6 +12,8 @@ from vt.config import ExecutorConfig
 VOCAB = 32
 MAX_K = 4
 GEOMETRY = KVGeometry(max_seqs=8, num_kv_blocks=160, block_size=4, max_context=64)
+MODES = ("sync", "drain", "ring", "staged")
+SIZES = (1, 2, 4, 8)
 
 
 class CausalToy:
@@ -105,3 +107,9 @@ def record_steps(monkeypatch, module) -> list:
 
     monkeypatch.setattr(module, "Runner", Recording)
     return events
+
+
+def check_tokens(got, want):
+    """Each request's tokens equal its reference's; the first differing request named."""
+    bad = [i for i, (a, b) in enumerate(zip(got, want)) if list(a) != list(b)]
+    assert not bad, f"requests {bad} differ: {list(got[bad[0]])} vs {list(want[bad[0]])}"

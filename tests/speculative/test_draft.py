@@ -3,7 +3,6 @@ the sim: greedy tokens equal the target's alone in every mode and k, with a draf
 target's own function (every draft accepted, which holds only if the draft's KV holds every
 accepted token, after a step that accepted all its drafts too), a near one and a bad one;
 through the Engine with prefix caching; no allocation in any capture; and the refusals."""
-import numpy as np
 import pytest
 
 from vt.config import ExecutorConfig
@@ -15,17 +14,11 @@ from vt.forward.user import ForwardModel
 from vt.hooks import Poison
 from vt.step.contract import KVGeometry
 
-from ._causal import GEOMETRY, CausalToy, reference, speculative, workload
+from ._causal import (GEOMETRY, MODES, SIZES, CausalToy,
+                      check_tokens, reference, speculative, workload)
 
-MODES = ("sync", "drain", "ring", "staged")
-SIZES = (1, 2, 4, 8)
 # the draft's salt (tests/speculative/_causal.py): 0 is the target's own function
 DRAFTS = {"itself": 0.0, "near": 0.05, "bad": 1.3}
-
-
-def _check(got, want):
-    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not np.array_equal(a, b)]
-    assert not bad, f"requests {bad} differ: {got[bad[0]]} vs {want[bad[0]]}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -41,7 +34,7 @@ def test_draft_greedy_tokens_equal_the_targets(sim_backend, draft, k, mode):
     model = speculative(sim_backend, "draft", k, draft_salt=DRAFTS[draft])
     got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode=mode, capture_sizes=SIZES),
                                    prompts, budgets, hooks=Poison())
-    _check(got, want)
+    check_tokens(got, want)
     if draft == "itself":
         assert st.acceptance_rate == 1.0 and st.mean_accepted_length == k + 1, st
     else:
@@ -58,7 +51,7 @@ def test_a_draft_that_agrees_now_and_then_changes_no_token(sim_backend, mode):
     model = speculative(sim_backend, "draft", 4, draft_salt=DRAFTS["near"])
     got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode=mode, capture_sizes=SIZES),
                                    prompts, budgets, hooks=Poison())
-    _check(got, want)
+    check_tokens(got, want)
     assert 0.2 < st.acceptance_rate < 0.8, st
 
 

@@ -13,15 +13,9 @@ from vt.hooks import Poison
 from vt.config import ExecutorConfig
 from vt.step.contract import SamplingParams
 
-from ._causal import CausalToy, config, record_steps, reference, workload
+from ._causal import (MODES, SIZES, CausalToy, check_tokens,
+                      config, record_steps, reference, workload)
 
-MODES = ("sync", "drain", "ring", "staged")
-SIZES = (1, 2, 4, 8)
-
-
-def _check(got, want):
-    bad = [i for i, (a, b) in enumerate(zip(got, want)) if list(a) != list(b)]
-    assert not bad, f"requests {bad} differ: {got[bad[0]]} vs {want[bad[0]]}"
 
 
 def _engine(be, spec, mode="ring", *, hooks=None, prefix_cacheable=False, serving_conc=8):
@@ -44,7 +38,7 @@ def test_engine_speculative_tokens_equal_the_targets(sim_backend, method, k, mod
     with _engine(sim_backend, spec, mode, hooks=Poison()) as eng:
         got = [r.tokens for r in eng.generate(prompts, max_new_tokens=budgets)]
         st = eng.stats()
-    _check(got, want)
+    check_tokens(got, want)
     s = st["speculative"]
     assert (s["method"], s["k"]) == (method, k)
     assert s["verify_rows"] > 0 and s["drafts"] == k * s["verify_rows"]
@@ -73,7 +67,7 @@ def test_requests_submitted_while_others_decode_get_the_targets_tokens(sim_backe
         t.start()
         t.join()
         got = [h.result(timeout=30).tokens for h in first + late]
-    _check(got, want)
+    check_tokens(got, want)
 
 
 @pytest.mark.parametrize("mode", ["sync", "ring"])
@@ -87,7 +81,7 @@ def test_stop_tokens_and_budgets_inside_an_accepted_run_end_the_request_there(si
     want = reference(sim_backend, prompts, [30, 7, 3, 11, 30, 2, 30, 1], stop_token=stop)
     with _engine(sim_backend, config("oracle", 4, prompts, full), mode) as eng:
         res = eng.generate(prompts, max_new_tokens=[30, 7, 3, 11, 30, 2, 30, 1], stop_token=stop)
-    _check([r.tokens for r in res], want)
+    check_tokens([r.tokens for r in res], want)
     for r, w, b in zip(res, want, [30, 7, 3, 11, 30, 2, 30, 1]):
         assert r.finish_reason == ("stop" if w[-1] == stop else "length"), r
         assert len(r.token_times) == len(r.tokens)
@@ -107,7 +101,7 @@ def test_a_cancelled_request_keeps_the_tokens_collected_and_frees_its_row(sim_ba
         assert eng._loop.wait_for_step(eng.idle, timeout=30)
     assert res[0].finish_reason in ("cancelled", "length")
     assert res[0].tokens == want[0][:len(res[0].tokens)]
-    _check([r.tokens for r in res[1:]], want[1:])
+    check_tokens([r.tokens for r in res[1:]], want[1:])
 
 
 def test_prefix_caching_stays_exact_with_speculation(sim_backend):
@@ -126,8 +120,8 @@ def test_prefix_caching_stays_exact_with_speculation(sim_backend):
         got1 = [r.tokens for r in eng.generate(prompts, max_new_tokens=budgets)]
         got2 = [r.tokens for r in eng.generate(turn2, max_new_tokens=12)]
         cache = eng.stats()["prefix_cache"]
-    _check(got1, first)
-    _check(got2, want)
+    check_tokens(got1, first)
+    check_tokens(got2, want)
     assert cache["cached_tokens"] >= 6 * 16, cache   # the prompt's and the answer's blocks
 
 
@@ -136,7 +130,7 @@ def test_the_oracle_at_half_acceptance_shows_in_stats(sim_backend):
     prompts, budgets = workload(4, seed=71, max_new=(48, 48))
     want = reference(sim_backend, prompts, budgets)
     with _engine(sim_backend, config("oracle", 4, prompts, want, accept=0.5)) as eng:
-        _check([r.tokens for r in eng.generate(prompts, max_new_tokens=budgets)], want)
+        check_tokens([r.tokens for r in eng.generate(prompts, max_new_tokens=budgets)], want)
         s = eng.stats()["speculative"]
     assert s["acceptance_rate"] == pytest.approx(0.5, abs=0.05)
     assert s["mean_accepted_length"] == pytest.approx(3.0, abs=0.2)

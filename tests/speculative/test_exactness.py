@@ -7,15 +7,8 @@ from vt.engine.speculative import generate_speculative
 from vt.config import ExecutorConfig
 from vt.hooks import Poison
 
-from ._causal import record_steps, reference, speculative, workload
+from ._causal import MODES, SIZES, check_tokens, record_steps, reference, speculative, workload
 
-MODES = ("sync", "drain", "ring", "staged")
-SIZES = (1, 2, 4, 8)
-
-
-def _check(got, want):
-    bad = [i for i, (a, b) in enumerate(zip(got, want)) if not np.array_equal(a, b)]
-    assert not bad, f"requests {bad} differ: {got[bad[0]]} vs {want[bad[0]]}"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -28,7 +21,7 @@ def test_speculative_greedy_tokens_equal_the_targets(sim_backend, method, k, mod
     model = speculative(sim_backend, method, k, prompts, want if method == "oracle" else None)
     got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode=mode, capture_sizes=SIZES),
                                    prompts, budgets, hooks=Poison())
-    _check(got, want)
+    check_tokens(got, want)
     if method == "oracle":   # every draft right: k + 1 tokens a step until the end
         assert st.acceptance_rate > 0.6, st
     assert st.runner["graph_steps"] > 0
@@ -42,7 +35,7 @@ def test_the_oracle_accepts_the_fraction_it_is_set_to(sim_backend, accept):
     model = speculative(sim_backend, "oracle", 4, prompts, want, accept=accept)
     got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode="ring", capture_sizes=SIZES),
                                    prompts, budgets)
-    _check(got, want)
+    check_tokens(got, want)
     right = int(round(accept * 4))
     assert st.acceptance_rate == pytest.approx(right / 4, abs=0.08)
     assert st.mean_accepted_length == pytest.approx(right + 1, abs=0.35)
@@ -57,7 +50,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_request_there(sim_backend)
     model = speculative(sim_backend, "oracle", 4, prompts, full)
     got, _ = generate_speculative(sim_backend, model, ExecutorConfig(mode="ring", capture_sizes=SIZES),
                                   prompts, budgets, stop_token=stop)
-    _check(got, want)
+    check_tokens(got, want)
     assert len(got[0]) <= 8 and got[0][-1] == stop
 
 
@@ -69,7 +62,7 @@ def test_the_poison_arm_catches_an_unguarded_verify_step(delayed_sim):
     cfg = dict(capture_sizes=SIZES)
     ring, st = generate_speculative(delayed_sim, speculative(delayed_sim, "oracle", 2, prompts, want),
                                     ExecutorConfig(mode="ring", **cfg), prompts, budgets, hooks=Poison())
-    _check(ring, want)
+    check_tokens(ring, want)
     assert st.runner["drains"] == 0   # the prefill step is read before the first verify step
     bad, _ = generate_speculative(delayed_sim, speculative(delayed_sim, "oracle", 2, prompts, want),
                                   ExecutorConfig(mode="unguarded", **cfg), prompts, budgets,
@@ -87,7 +80,7 @@ def test_the_host_launches_step_n_plus_1_before_reading_step_n(sim_backend, monk
     events = record_steps(monkeypatch, spec)
     got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode="ring", capture_sizes=SIZES),
                                    prompts, budgets)
-    _check(got, want)
+    check_tokens(got, want)
     collects = [i for e, i in events if e == "collect"][1:]   # the prefill step's aside
     assert collects
     for i in collects:

@@ -24,10 +24,8 @@ from vt.step.contract import SamplingParams
 from tests.sampling._cases import chi2
 
 from . import _trigram
-from ._causal import CausalToy, config, speculative, workload
+from ._causal import MODES, SIZES, CausalToy, check_tokens, config, speculative, workload
 
-MODES = ("sync", "drain", "ring", "staged")
-SIZES = (1, 2, 4, 8)
 # (temperature, top_k, top_p) of the chi-square runs
 KNOBS = {"temperature": (0.9, 0, 1.0), "top_k": (0.9, 8, 1.0), "top_p": (1.1, 0, 0.8)}
 
@@ -46,11 +44,6 @@ def _without_speculation(be, prompts, budgets, samplings):
                                                      sampling=samplings)]
 
 
-def _check(got, want):
-    bad = [i for i, (a, b) in enumerate(zip(got, want)) if list(a) != list(b)]
-    assert not bad, f"requests {bad} differ: {list(got[bad[0]])} vs {list(want[bad[0]])}"
-
-
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("k", [1, 2, 4])
 @pytest.mark.parametrize("method", ["ngram", "oracle", "draft"])
@@ -66,7 +59,7 @@ def test_sampled_tokens_equal_sampling_without_speculation(sim_backend, method, 
     model = speculative(sim_backend, method, k, prompts, want if method == "oracle" else None)
     got, st = generate_speculative(sim_backend, model, ExecutorConfig(mode=mode, capture_sizes=SIZES),
                                    prompts, budgets, sampling=samplings, hooks=Poison())
-    _check(got, want)
+    check_tokens(got, want)
     if method == "oracle":
         assert st.acceptance_rate > 0.6, st
     assert st.runner["graph_steps"] > 0
@@ -88,7 +81,7 @@ def test_the_engine_serves_sampled_requests_with_speculation(sim_backend, method
             got = [list(r.tokens) for r in eng.generate(prompts, max_new_tokens=budgets,
                                                         sampling=samplings)]
             assert eng.stats()["speculative"]["verify_rows"] > 0
-        _check(got, want)
+        check_tokens(got, want)
 
 
 def test_a_rows_sampled_tokens_do_not_depend_on_its_neighbours(sim_backend):
