@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from vt.backend.zeros import zeros
+from vt.backend.zeros import full, zeros
 from vt.forward.spec_kernels import DRAFT_COLLECT, DRAFT_PROLOGUE, NGRAM, ORACLE
 from vt.sampling.sampler import Sampler
 from vt.step.contract import LOGITS_DTYPE, StepModel
@@ -83,11 +83,11 @@ class OracleProposer(Proposer):
             ref = self.references.get(tuple(int(t) for t in s.tokens))
             if ref is None:   # a non-final chunk has none: its last chunk writes it
                 continue
-            full = np.concatenate([np.asarray(s.tokens, np.int32),
-                                   np.asarray(ref, np.int32)])[:self.width]
+            row = np.concatenate([np.asarray(s.tokens, np.int32),
+                                  np.asarray(ref, np.int32)])[:self.width]
             stage = self._stage[s.row]
-            stage[:len(full)] = full
-            self.be.copy_h2d(self.ref[s.row, :len(full)], stage[:len(full)], stream)
+            stage[:len(row)] = row
+            self.be.copy_h2d(self.ref[s.row, :len(row)], stage[:len(row)], stream)
 
 
 class DraftProposer(Proposer):
@@ -117,7 +117,7 @@ class DraftProposer(Proposer):
         self._logits = be.empty((2 * max_rows, draft.vocab), LOGITS_DTYPE)   # [2S, vocab] pass 0
         self._passes = zeros(be, (k, max_rows), np.int32)                    # pass j's tokens
         # the last pass's sampler writes its tokens into the draft's scratch row: no pass reads them
-        self._scratch_rows = _filled(be, max_rows, draft.pad.token_row)
+        self._scratch_rows = full(be, (max_rows,), np.int32, draft.pad.token_row)
         self._prefill_logits = be.empty((g.max_seqs, draft.vocab), LOGITS_DTYPE)
         self._sampler = Sampler()
 
@@ -156,18 +156,6 @@ class DraftProposer(Proposer):
 
     def release_stream(self, stream) -> None:
         self.draft.release_stream(stream)
-
-
-def _filled(be, n: int, value: int):
-    """A device int32 [n] of `value` (made at construction, as zeros() makes its arrays)."""
-    out = be.empty((n,), np.int32)
-    host = be.pinned_empty((n,), np.int32)
-    host[...] = value
-    stream = be.stream(name="vt-draft-rows")
-    be.copy_h2d(out, host, stream)
-    stream.synchronize()
-    stream.close()
-    return out
 
 
 def _check_draft(draft, target, table_rows: int) -> None:
