@@ -208,9 +208,10 @@ def _cuda_linear(x, weight: Fp8Weight, prompt_linear: str) -> torch.Tensor:
 
 def scaled_mm_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """x [M, K] @ weight.T on FP8 tensor cores: each row of x quantized with its own scale
-    (quantize_rows: amax / 448, dynamic; triton_fp8's kernel on CUDA), the weight's
-    per-channel scales, float32 accumulation (no fast accumulation), out in x's dtype."""
-    xq, x_scale = _triton().quantize_rows(x) if x.is_cuda else quantize_rows(x)
+    (triton_fp8.quantize_rows: quantize_rows' values, dynamic), the weight's per-channel
+    scales, float32 accumulation (no fast accumulation), out in x's dtype. CUDA only (its
+    CPU twin: reference_scaled_linear)."""
+    xq, x_scale = _triton().quantize_rows(x)
     return torch._scaled_mm(xq, weight.data.t(), scale_a=x_scale,
                             scale_b=weight.scale[None, :], out_dtype=x.dtype,
                             use_fast_accum=False)
