@@ -251,13 +251,23 @@ def test_quantization_arguments_are_checked():
                      fp8_prompt_linear="cublas")
 
 
-def test_an_fp8_decoder_serves_captured_steps_with_its_eager_tokens(sim_backend):
+@pytest.mark.parametrize("w8a8_from", [1, "never"], ids=["w8a8", "weight-only"])
+def test_an_fp8_decoder_serves_captured_steps_with_its_eager_tokens(sim_backend, monkeypatch,
+                                                                     w8a8_from):
     """On the sim, vt's captured decode steps of an FP8 decoder (ring mode, batches of 1 to 4)
-    give the greedy tokens of the same module called eagerly, position by position."""
+    give the greedy tokens of the same module called eagerly, position by position, with the
+    activations quantized on every step (W8A8) or on none. (By default a step's row count
+    picks, fp8.W8A8_MIN_ROWS, so an eager prompt of a few tokens and the engine's prompt step
+    of several prompts at once may differ; each row's numbers depend on that row alone either
+    way.)"""
     from _torch_util import TINY, eager_greedy, generate, prompts, step_model, tiny_llama
+    from vt.torch import fp8
+    monkeypatch.setattr(fp8, "W8A8_MIN_ROWS",
+                        w8a8_from if w8a8_from != "never" else fp8.GEMV_MAX_ROWS + 1)
     dense = tiny_llama(sim_backend)
+    prompt_linear = "dequantize" if w8a8_from == "never" else "scaled_mm"
     model = LlamaDecoder(TINY, dense.geometry, dtype=torch.float32, device="cpu",
-                         quantization="fp8")
+                         quantization="fp8", fp8_prompt_linear=prompt_linear)
     quantize_weights_(model, dense.state_dict())
     ps = prompts(4, seed=3)
     expect = [eager_greedy(model, p, 6) for p in ps]

@@ -156,18 +156,62 @@ def test_quantize_rows_matches_the_eager_quantization(K):
 
 
 def test_the_cpu_quantizes_activations_where_cuda_does():
-    """Past GEMV_MAX_ROWS rows, prompt_linear="scaled_mm" quantizes the activations on the CPU
-    too (reference_scaled_linear): its output differs from the weight-only reference's, by no
-    more than e4m3's rounding of x allows, and fewer rows keep the weight-only reference."""
+    """A per-channel weight's linear quantizes the activations too (reference_scaled_linear)
+    from W8A8_MIN_ROWS rows on the CPU, as on CUDA: up to GEMV_MAX_ROWS whatever the prompt
+    linear, past it with "scaled_mm" only; fewer rows and a block-scaled weight keep the
+    weight-only reference. The two differ by no more than e4m3's rounding of x allows."""
     from vt.torch import fp8
     torch.manual_seed(0)
     w = _weight(64, 256, False, "cpu")
     many = torch.randn(fp8.GEMV_MAX_ROWS + 1, 256)
-    scaled = fp8.linear(many, w, prompt_linear="scaled_mm")
-    assert torch.equal(scaled, fp8.reference_scaled_linear(many, w))
-    assert not torch.equal(scaled, fp8.reference_linear(many, w))
-    assert rel_err(scaled, fp8.reference_linear(many, w)) < 6e-2
-    few = many[:fp8.GEMV_MAX_ROWS]
-    assert torch.equal(fp8.linear(few, w, prompt_linear="scaled_mm"), fp8.reference_linear(few, w))
+    for rows, prompt_linear, quantized in (
+            (fp8.GEMV_MAX_ROWS + 1, "scaled_mm", True), (fp8.GEMV_MAX_ROWS + 1, "dequantize", False),
+            (fp8.GEMV_MAX_ROWS, "dequantize", True), (fp8.W8A8_MIN_ROWS, "scaled_mm", True),
+            (fp8.W8A8_MIN_ROWS - 1, "scaled_mm", False), (1, "scaled_mm", False)):
+        x = many[:rows]
+        got = fp8.linear(x, w, prompt_linear=prompt_linear)
+        want = (fp8.reference_scaled_linear if quantized else fp8.reference_linear)(x, w)
+        assert torch.equal(got, want), (rows, prompt_linear)
+    scaled, plain = fp8.reference_scaled_linear(many, w), fp8.reference_linear(many, w)
+    assert not torch.equal(scaled, plain) and rel_err(scaled, plain) < 6e-2
+    blocked = _weight(256, 256, True, "cpu")
+    assert torch.equal(fp8.linear(many[:32], blocked), fp8.reference_linear(many[:32], blocked))
     with pytest.raises(ValueError, match="prompt_linear='fast'"):
         fp8.linear(many, w, prompt_linear="fast")
+
+
+def check_w8a8(x, N, tol, quantize):
+    """w8a8_linear (or, on the interpreter, its kernel on the eager quantization's codes)
+    against reference_scaled_linear, which differs only in the summation order."""
+    from vt.torch import fp8, triton_fp8
+    w = _weight(N, x.shape[1], False, x.device)
+    if quantize:
+        got = triton_fp8.w8a8_linear(x, w.data, w.scale)
+    else:
+        xq, x_scale = fp8.quantize_rows(x)
+        got = triton_fp8.scaled_rows_linear(xq, x_scale, w.data, w.scale, x.dtype)
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], N)
+    assert rel_err(got, fp8.reference_scaled_linear(x, w)) < tol
+
+
+@interpreted
+@pytest.mark.parametrize("S", [2, 16, 20, 70])
+def test_w8a8_kernel_in_the_interpreter(S):
+    """fp16, N = 200 and K = 1000 (partial tiles, more than one row tile at 70): within 1e-3
+    of the reference (fp16's ulp is 2**-11)."""
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    torch.manual_seed(S)
+    check_w8a8(torch.randn(S, 1000, dtype=torch.float16), 200, tol=1e-3, quantize=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [16, 17, 32, 64, 65, 128, 256])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (28672, 4096), (77, 1000)])
+def test_w8a8_linear_matches_the_scaled_reference(S, N, K):
+    """bf16 rows quantized on the GPU (quantize_rows' codes equal the eager ones, tested
+    above): within 1e-2 of reference_scaled_linear (bf16's ulp is 2**-8)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    torch.manual_seed(S)
+    check_w8a8(torch.randn(S, K, device="cuda", dtype=torch.bfloat16), N, tol=1e-2,
+               quantize=True)

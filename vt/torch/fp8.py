@@ -16,17 +16,26 @@ The linear (linear, linear_silu_mul; LayerOps' FP8 kind, vt.torch.llama):
     per-channel scale up to one float32 rounding per element), x in float32, F.linear in
     float32, then one rounding to x's dtype, then the bias in x's dtype. silu_mul follows on
     the rounded output, as the bf16 path's does.
-  CUDA, at most GEMV_MAX_ROWS rows: vt.torch.triton_fp8's kernel, which reads the FP8
-    weight and computes the same function: e4m3 and bf16 widened to float32 exactly, products
-    summed in float32 (in its own order), the scale applied in float32 (per channel in the
-    epilogue, per block on each 128-wide K tile's partial sum), one rounding to x's dtype.
+  CUDA, fewer than W8A8_MIN_ROWS rows (decode at small batches), or a block-scaled weight
+    up to GEMV_MAX_ROWS: vt.torch.triton_fp8's kernels, which read the FP8 weight and compute
+    the same function: e4m3 and bf16 widened to float32 exactly, products summed in float32
+    (in its own order), the scale applied in float32 (per channel in the epilogue, per block
+    on each 128-wide K tile's partial sum), one rounding to x's dtype.
+  CUDA, W8A8_MIN_ROWS to GEMV_MAX_ROWS rows and a per-channel weight (decode at larger
+    batches): W8A8, triton_fp8.w8a8_linear: each row of x quantized to e4m3 with its own
+    scale (quantize_rows: amax / 448 of the row, dynamic), FP8 x FP8 tensor-core dots summed
+    in float32, then the row's and the channel's scales, one rounding: the CPU's
+    reference_scaled_linear but for the summation order. Measured on an H100 at 16-64 rows
+    of the 8B shape's projections, it takes 1.2-2.2x the weight's byte time (quantize_rows
+    included) where the weight-only kernel took 1.3-3.8x (docs/torch.md).
   CUDA, more rows (a step with prompt tokens): PROMPT_LINEAR picks "scaled_mm" (the default;
-    torch._scaled_mm with per-token dynamic activation scales, amax / 448 of each
-    row, and the per-channel weight scales: FP8 tensor cores; per-block weights dequantize) or
-    "dequantize" (the weight dequantized to x's dtype, then cuBLAS: a second rounding of the
-    weight to bf16, activations unquantized).
-    The CPU follows the same choice past GEMV_MAX_ROWS rows: with "scaled_mm" it quantizes the
-    activations as CUDA does (reference_scaled_linear), so the sim computes what the GPU does.
+    torch._scaled_mm with the same per-token activation scales and the per-channel weight
+    scales: FP8 tensor cores; per-block weights dequantize) or "dequantize" (the weight
+    dequantized to x's dtype, then cuBLAS: a second rounding of the weight to bf16,
+    activations unquantized).
+  The CPU follows the same choices: from W8A8_MIN_ROWS rows (past GEMV_MAX_ROWS only with
+    "scaled_mm") it quantizes the activations as CUDA does (reference_scaled_linear), so the
+    sim computes what the GPU does.
 Every shape follows the inputs' and nothing is read on the host: each call captures.
 """
 from __future__ import annotations
@@ -41,7 +50,10 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0      # e4m3fn's largest finite magnitude
 BLOCK = 128          # the `fp8` format's weight_block_size, the only one vt reads
 QUANTIZATIONS = ("fp8",)
-GEMV_MAX_ROWS = 256  # the most rows vt.torch.triton_fp8's kernel takes; more go to the prompt linear
+GEMV_MAX_ROWS = 256  # the most rows vt.torch.triton_fp8 takes; more go to the prompt linear
+# From this many rows a per-channel weight's linear quantizes the activations too (W8A8): on an
+# H100 at the 8B shape's projections it beat the weight-only kernel at 16, 32 and 64 rows.
+W8A8_MIN_ROWS = 16
 PROMPT_LINEARS = ("dequantize", "scaled_mm")
 
 
@@ -190,18 +202,25 @@ def reference_scaled_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 
 
 def _scales_activations(x, weight: Fp8Weight, prompt_linear: str) -> bool:
-    """Whether this call quantizes x too: the scaled_mm prompt linear, past the GEMV's rows,
-    for a per-channel weight (a block-scaled one dequantizes)."""
+    """Whether this call quantizes x too (module docstring): a per-channel weight, from
+    W8A8_MIN_ROWS rows, past GEMV_MAX_ROWS only with the scaled_mm prompt linear (a
+    block-scaled weight never)."""
     if prompt_linear not in PROMPT_LINEARS:
         raise ValueError(f"fp8.linear: prompt_linear={prompt_linear!r} must be one of "
                          f"{PROMPT_LINEARS}")
-    return prompt_linear == "scaled_mm" and x.shape[0] > GEMV_MAX_ROWS and not weight.per_block
+    rows = x.shape[0]
+    if weight.per_block or rows < W8A8_MIN_ROWS:
+        return False
+    return rows <= GEMV_MAX_ROWS or prompt_linear == "scaled_mm"
 
 
 def _cuda_linear(x, weight: Fp8Weight, prompt_linear: str) -> torch.Tensor:
+    quantized = _scales_activations(x, weight, prompt_linear)
     if _triton().fits(x, weight):
+        if quantized:
+            return _triton().w8a8_linear(x, weight.data, weight.scale)
         return _triton().linear(x, weight.data, weight.scale)
-    if _scales_activations(x, weight, prompt_linear):
+    if quantized:
         return scaled_mm_linear(x, weight)
     return F.linear(x, dequantize(weight, x.dtype))
 

@@ -65,10 +65,12 @@ costs time (docs/torch.md, "Batch invariance").
 quantization="fp8": the four projections of every layer hold FP8 (e4m3) weights with float32
 scales (vt.torch.fp8.Fp8Linear: per output channel, or per 128 x 128 block with
 fp8_scales="block", as the `fp8` checkpoint format stores them); the embedding, the norms and
-the head keep `dtype`. Each LayerOps' linears then take FP8 weights (fp8_ops): the float32
-reference on the CPU, the FP8 GEMV at <= 16 rows on CUDA, and fp8_prompt_linear
-("scaled_mm", the default, or "dequantize") for more rows. quantize_weights_ fills them from dense weights;
-vt.torch.hf.load reads FP8 checkpoints or quantizes at load. One rank, not batch_invariant.
+the head keep `dtype`. Each LayerOps' linears then take FP8 weights (fp8_ops) through
+vt.torch.fp8.linear: weight-only below fp8.W8A8_MIN_ROWS rows, the activations quantized per
+row too (W8A8) from there with per-channel scales, fp8_prompt_linear ("scaled_mm", the
+default, or "dequantize") past fp8.GEMV_MAX_ROWS; the CPU reference follows the same choices.
+quantize_weights_ fills them from dense weights; vt.torch.hf.load reads FP8 checkpoints or
+quantizes at load. One rank, not batch_invariant.
 
 kv_cache_dtype="fp8" ("auto", the default: the model's dtype): the KV cache holds K and V as
 e4m3 codes, one byte an element, with a static float32 scale per layer for K and one for V
