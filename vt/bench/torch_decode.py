@@ -340,8 +340,9 @@ def format_table(r: dict) -> str:
             + (f"{1e3 * st:8.2f} {st / vt:6.2f}" if st else f"{'-':>8} {'-':>6}")
             + (f" {1e3 * floor_s(r, S, live, dense=True):8.3f}" if fl and _fp8(r) else ""))
     hf_r = r.get("hf") or {}
-    lines.append("vt/ceil: the captured graph's own time over vt's step (1.0: the host adds "
-                 "nothing); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster); "
+    lines.append("vt/ceil: the last step's graph replayed after the run, over vt's step (1.0: "
+                 "the host adds nothing; below 1 at long contexts, where the replay measured "
+                 "cheaper than the step it repeats, docs/benchmarks.md section 1); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster); "
                  "hf: transformers generate, its dynamic cache (eager) and its static cache "
                  "(compiled on a GPU); dense fl: an FP8 run's floor with its weights and KV "
                  "cache in the module's dtype (the bf16 floor)")
