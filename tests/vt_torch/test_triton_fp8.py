@@ -2,9 +2,10 @@
 FP8 linear) and float64 of the dequantized weights: per-channel and 128 x 128 block scales,
 1 to 256 rows (every row tile, partial tiles too), widths that fill no block evenly. On a GPU
 at the 8B shape's widths in bf16; under Triton's CPU interpreter (TRITON_INTERPRET=1) in fp16,
-whose rounding the interpreter shares with torch. The W8A8 linear (16 rows and more) against reference_scaled_linear, in the
-interpreter and on a GPU. The CUDA prompt-step linears (dequantize, scaled_mm) and a captured
-FP8 decode step are GPU tests; their sim twins are tests/vt_torch/test_fp8_load.py's."""
+whose rounding the interpreter shares with torch. The W8A8 linear (16 rows and more) against
+reference_scaled_linear, in the interpreter and on a GPU. The CUDA prompt-step linears
+(dequantize, scaled_mm) and a captured FP8 decode step are GPU tests; their sim twins are
+tests/vt_torch/test_fp8_load.py's."""
 import os
 
 import pytest
