@@ -166,10 +166,11 @@ def test_the_cpu_quantizes_activations_where_cuda_does():
     torch.manual_seed(0)
     w = _weight(64, 256, False, "cpu")
     many = torch.randn(fp8.GEMV_MAX_ROWS + 1, 256)
+    most, least = fp8.GEMV_MAX_ROWS, fp8.W8A8_MIN_ROWS
     for rows, prompt_linear, quantized in (
-            (fp8.GEMV_MAX_ROWS + 1, "scaled_mm", True), (fp8.GEMV_MAX_ROWS + 1, "dequantize", False),
-            (fp8.GEMV_MAX_ROWS, "dequantize", True), (fp8.W8A8_MIN_ROWS, "scaled_mm", True),
-            (fp8.W8A8_MIN_ROWS - 1, "scaled_mm", False), (1, "scaled_mm", False)):
+            (most + 1, "scaled_mm", True), (most + 1, "dequantize", False),
+            (most, "dequantize", True), (least, "scaled_mm", True),
+            (least - 1, "scaled_mm", False), (1, "scaled_mm", False)):
         x = many[:rows]
         got = fp8.linear(x, w, prompt_linear=prompt_linear)
         want = (fp8.reference_scaled_linear if quantized else fp8.reference_linear)(x, w)
