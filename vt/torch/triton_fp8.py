@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from vt.torch import triton_pdl as pdl
+from vt.torch.triton_gemv import k_tiles
 from vt.torch.triton_fused import silu_times
 
 MAX_ROWS = 256    # vt.torch.fp8.GEMV_MAX_ROWS (which this module's callers read without Triton)
@@ -276,14 +277,7 @@ def _fp8_gemv(X, W, SCALE, Y, S, N, K, stride_x, stride_w, stride_y, SC, ROWS: t
     x_ptr = X + rs[:, None] * stride_x + rk[None, :]
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x_mask = rs[:, None] < S
-            w = tl.load(w_ptr, mask=rn[:, None] < N, other=0.0)
-        else:
-            kk = k0 + rk
-            x_mask = (rs[:, None] < S) & (kk[None, :] < K)
-            w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        x = tl.load(x_ptr, mask=x_mask, other=0.0)
+        w, x = k_tiles(w_ptr, x_ptr, rn, rs, k0 + rk, N, S, K, EVEN_K)
         part = tl.dot(x, tl.trans(w.to(x.dtype)))
         if PER_BLOCK:
             s = tl.load(SCALE + (rn // 128) * SC + k0 // 128, mask=rn < N, other=0.0)
@@ -314,13 +308,7 @@ def _w8a8(XQ, XS, W, WS, Y, S, N, K, stride_x, stride_w, stride_y, BLOCK_M: tl.c
     x_ptr = XQ + rs[:, None] * stride_x + rk[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptr, mask=rn[:, None] < N, other=0.0)
-            x = tl.load(x_ptr, mask=rs[:, None] < S, other=0.0)
-        else:
-            kk = k0 + rk
-            w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-            x = tl.load(x_ptr, mask=(rs[:, None] < S) & (kk[None, :] < K), other=0.0)
+        w, x = k_tiles(w_ptr, x_ptr, rn, rs, k0 + rk, N, S, K, EVEN_K)
         acc = tl.dot(w, tl.trans(x), acc)
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K

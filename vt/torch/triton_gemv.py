@@ -91,6 +91,20 @@ ONE_ROW = dict(BLOCK_N=8, BLOCK_K=512, num_warps=8, num_stages=4)
 
 
 @triton.jit
+def k_tiles(w_ptr, x_ptr, rn, rs, kk, N, S, K, EVEN_K: tl.constexpr):
+    """One K tile of a tiled linear: the weight rows rn [BLOCK_N, BLOCK_K] at w_ptr and the
+    activation rows rs [ROWS, BLOCK_K] at x_ptr, columns kk; rows past N or S, and columns
+    past K unless EVEN_K, read as 0. Also vt.torch.triton_fp8's tiled kernels'."""
+    if EVEN_K:
+        w = tl.load(w_ptr, mask=rn[:, None] < N, other=0.0)
+        x = tl.load(x_ptr, mask=rs[:, None] < S, other=0.0)
+    else:
+        w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
+        x = tl.load(x_ptr, mask=(rs[:, None] < S) & (kk[None, :] < K), other=0.0)
+    return w, x
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -100,14 +114,7 @@ def _gemv_kernel(X, W, Y, S, N, K, stride_x, stride_w, stride_y, ROWS: tl.conste
     x_ptr = X + rs[:, None] * stride_x + rk[None, :]
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
-            x_mask = rs[:, None] < S
-            w = tl.load(w_ptr, mask=rn[:, None] < N, other=0.0)
-        else:
-            kk = k0 + rk
-            x_mask = (rs[:, None] < S) & (kk[None, :] < K)
-            w = tl.load(w_ptr, mask=(rn[:, None] < N) & (kk[None, :] < K), other=0.0)
-        x = tl.load(x_ptr, mask=x_mask, other=0.0)
+        w, x = k_tiles(w_ptr, x_ptr, rn, rs, k0 + rk, N, S, K, EVEN_K)
         acc += tl.dot(x.to(w.dtype), tl.trans(w))
         w_ptr += BLOCK_K
         x_ptr += BLOCK_K
