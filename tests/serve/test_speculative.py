@@ -50,6 +50,10 @@ def test_speculative_serving_gives_the_greedy_completion_and_its_acceptance(chec
     (["--model", "x", "--speculative", "ngram", "--num-spec", "0"], "--num-spec must be in"),
     (["--model", "x", "--speculative", "ngram", "--tensor-parallel", "2"],
      "not with --tensor-parallel 2"),
+    (["--model", "x", "--speculative", "draft"], "--speculative draft needs --draft-model DIR"),
+    (["--model", "x", "--draft-model", "y"], "--draft-model needs --speculative draft"),
+    (["--model", "x", "--speculative", "ngram", "--draft-model", "y"],
+     "--draft-model needs --speculative draft"),
 ])
 def test_bad_speculative_flags_are_one_line_and_exit_2(argv, words, capsys):
     assert main(["serve", *argv, "--backend", "sim", "--port", "0"]) == 2

@@ -57,18 +57,6 @@ def test_draft_serving_gives_the_greedy_completion_and_its_acceptance(checkpoint
     assert "draft model" in proc.stderr.read()
 
 
-@pytest.mark.parametrize("argv,words", [
-    (["--model", "x", "--speculative", "draft"], "--speculative draft needs --draft-model DIR"),
-    (["--model", "x", "--draft-model", "y"], "--draft-model needs --speculative draft"),
-    (["--model", "x", "--speculative", "ngram", "--draft-model", "y"],
-     "--draft-model needs --speculative draft"),
-])
-def test_bad_draft_flags_are_one_line_and_exit_2(argv, words, capsys):
-    assert main(["serve", *argv, "--backend", "sim", "--port", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert words in err[-1] and err[-1].startswith("vt serve"), err
-
-
 def test_a_draft_of_another_vocabulary_is_refused_before_its_weights(checkpoint, tmp_path, capsys):
     """The draft's config.json alone is read: a vocabulary other than the target's is one line,
     exit 2."""
