@@ -342,7 +342,8 @@ def format_table(r: dict) -> str:
     hf_r = r.get("hf") or {}
     lines.append("vt/ceil: the last step's graph replayed after the run, over vt's step (1.0: "
                  "the host adds nothing; below 1 at long contexts, where the replay measured "
-                 "cheaper than the step it repeats, docs/benchmarks.md section 1); loop/vt: the hand-written graph loop's step over vt's (> 1: vt faster); "
+                 "cheaper than the step it repeats, docs/benchmarks.md section 1); loop/vt: "
+                 "the hand-written graph loop's step over vt's (> 1: vt faster); "
                  "hf: transformers generate, its dynamic cache (eager) and its static cache "
                  "(compiled on a GPU); dense fl: an FP8 run's floor with its weights and KV "
                  "cache in the module's dtype (the bf16 floor)")

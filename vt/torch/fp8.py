@@ -159,8 +159,8 @@ PROMPT_LINEAR = "scaled_mm"
 def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *,
            dense=F.linear, prompt_linear: str | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias) for an Fp8Weight (module docstring); a plain tensor weight
-    (the LM head, which stays in its dtype) goes to `dense`. prompt_linear: CUDA's choice for
-    more than triton_fp8.MAX_ROWS rows (None: PROMPT_LINEAR)."""
+    (the LM head, which stays in its dtype) goes to `dense`. prompt_linear: the choice for
+    more than GEMV_MAX_ROWS rows, on CUDA and the CPU alike (None: PROMPT_LINEAR)."""
     if not isinstance(weight, Fp8Weight):
         return dense(x, weight, bias)
     _check(x, weight)
