@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from vt.torch import triton_pdl as pdl
-from vt.torch.triton_gemv import k_tiles
+from vt.torch.triton_gemv import k_tiles, row_cols, weight_tile
 from vt.torch.triton_fused import silu_times
 
 MAX_ROWS = 256    # vt.torch.fp8.GEMV_MAX_ROWS (which this module's callers read without Triton)
@@ -215,6 +215,18 @@ def _block_partials(prod, scale_rows, k0, SC, BLOCK_N: tl.constexpr, BLOCK_K: tl
     return tl.sum(parts * s, axis=1)
 
 
+@triton.jit
+def _one_row_partial(w, x, scale_rows, k0, SC, PER_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """One K tile's contribution to the one-row kernel's BLOCK_N sums: the weight codes w
+    [BLOCK_N, BLOCK_K] times the row's columns x [BLOCK_K] in float32 (with PER_BLOCK, each
+    128-wide slice times its block's scale)."""
+    prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
+    if PER_BLOCK:
+        return _block_partials(prod, scale_rows, k0, SC, BLOCK_N, BLOCK_K)
+    return tl.sum(prod, axis=1)
+
+
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _fp8_gemv_one_row(X, W, SCALE, Y, N, K, stride_w, SC, GLU_OUT: tl.constexpr,
@@ -235,21 +247,16 @@ def _fp8_gemv_one_row(X, W, SCALE, Y, N, K, stride_w, SC, GLU_OUT: tl.constexpr,
     wrow = W + rn[:, None].to(tl.int64) * stride_w
     scale_rows = SCALE + (rn // 128) * SC   # PER_BLOCK: each row's block-row of scales
     rk = tl.arange(0, BLOCK_K)
+    # No kernel writes the weights, so with PDL the first tile loads before the wait (as in
+    # triton_gemv's one-row kernel), behind the end of the kernel before.
+    w = weight_tile(wrow, nmask, rk, K, EVEN_K)
     pdl.wait(PDL)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        if EVEN_K:
-            w = tl.load(wrow + kk[None, :], mask=nmask, other=0.0)
-            x = tl.load(X + kk)
-        else:
-            w = tl.load(wrow + kk[None, :], mask=nmask & (kk[None, :] < K), other=0.0)
-            x = tl.load(X + kk, mask=kk < K, other=0.0)
-        prod = w.to(tl.float32) * x.to(tl.float32)[None, :]
-        if PER_BLOCK:
-            acc += _block_partials(prod, scale_rows, k0, SC, BLOCK_N, BLOCK_K)
-        else:
-            acc += tl.sum(prod, axis=1)
+    acc = _one_row_partial(w, row_cols(X, rk, K, EVEN_K), scale_rows, 0, SC, PER_BLOCK,
+                           BLOCK_N, BLOCK_K)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        w = weight_tile(wrow, nmask, k0 + rk, K, EVEN_K)
+        acc += _one_row_partial(w, row_cols(X, k0 + rk, K, EVEN_K), scale_rows, k0, SC,
+                                PER_BLOCK, BLOCK_N, BLOCK_K)
     if not PER_BLOCK:
         acc = acc * tl.load(SCALE + rn, mask=nmask1, other=0.0)
     if GLU_OUT:

@@ -130,7 +130,7 @@ _gemv = triton.autotune(configs=_CONFIGS, key=["N", "K"])(_even_k(_gemv_kernel))
 
 
 @triton.jit
-def _weight_tile(wrow, nmask, kk, K, EVEN_K: tl.constexpr):
+def weight_tile(wrow, nmask, kk, K, EVEN_K: tl.constexpr):
     """The [BLOCK_N, BLOCK_K] tile at columns kk of the weight rows wrow (rows past N masked
     by nmask, columns past K by kk unless EVEN_K)."""
     if EVEN_K:
@@ -139,7 +139,7 @@ def _weight_tile(wrow, nmask, kk, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _row_cols(X, kk, K, EVEN_K: tl.constexpr):
+def row_cols(X, kk, K, EVEN_K: tl.constexpr):
     """Columns kk of the row at X (those past K 0 unless EVEN_K)."""
     if EVEN_K:
         return tl.load(X + kk)
@@ -167,13 +167,13 @@ def _gemv_one_row(X, W, Y, N, K, stride_w, GLU_OUT: tl.constexpr, BLOCK_N: tl.co
     # The first tile outside the loop, as ONE_ROW's shape was timed; the form with every
     # tile in the loop has not been timed on its own. No kernel writes the weights, so with
     # PDL their first tile loads before the wait.
-    w = _weight_tile(wrow, nmask, rk, K, EVEN_K)
+    w = weight_tile(wrow, nmask, rk, K, EVEN_K)
     pdl.wait(PDL)
-    x = _row_cols(X, rk, K, EVEN_K)
+    x = row_cols(X, rk, K, EVEN_K)
     acc = tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     for k0 in range(BLOCK_K, K, BLOCK_K):
-        w = _weight_tile(wrow, nmask, k0 + rk, K, EVEN_K)
-        x = _row_cols(X, k0 + rk, K, EVEN_K)
+        w = weight_tile(wrow, nmask, k0 + rk, K, EVEN_K)
+        x = row_cols(X, k0 + rk, K, EVEN_K)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if GLU_OUT:
         # Rounded to the storage dtype first, as the projection's output is before silu_mul.
