@@ -131,14 +131,16 @@ def check_quantize_rows(x, codes_too=True):
 
 
 @interpreted
-def test_quantize_rows_in_the_interpreter():
-    """The scales bit for bit fp8.quantize_rows' (the eager version), K = 1000 (a partial
-    tile). Not the codes: the interpreter's float32 -> e4m3 cast rounds a value that carries
+@pytest.mark.parametrize("K", [1000, 20000])
+def test_quantize_rows_in_the_interpreter(K):
+    """The scales bit for bit fp8.quantize_rows' (the eager version), a row read once into
+    registers (K = 1000) and one read twice in K tiles (K = 20000, a partial last tile). Not
+    the codes: the interpreter's float32 -> e4m3 cast rounds a value that carries
     into the next binade down to half of it (127.3 -> 64), which the GPU's cast does not; the
     GPU test compares the codes."""
     pytest.importorskip("triton", reason="the kernel needs Triton")
     torch.manual_seed(0)
-    check_quantize_rows(_activations(5, 1000, "cpu", torch.float16), codes_too=False)
+    check_quantize_rows(_activations(5, K, "cpu", torch.float16), codes_too=False)
 
 
 def test_the_kernels_limits_are_the_callers():
@@ -148,9 +150,10 @@ def test_the_kernels_limits_are_the_callers():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K", [4096, 14336, 1000])
+@pytest.mark.parametrize("K", [4096, 14336, 1000, 20000])
 def test_quantize_rows_matches_the_eager_quantization(K):
-    """bf16 prompt activations at the 8B shape's widths: codes and scales bit for bit."""
+    """bf16 prompt activations at the 8B shape's widths (rows read once) and past
+    QUANT_ONE_PASS_K (read twice): codes and scales bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     torch.manual_seed(K)

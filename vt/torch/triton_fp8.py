@@ -47,6 +47,9 @@ BLOCK = 128   # the block scales' K and N extent (vt.torch.fp8.BLOCK)
 # One row: triton_gemv's shape with four times its K tile, 64 weight bytes a thread in flight:
 # measured on an H100 at the 8B shape's projections, K tiles of 2048 beat 1024 by 2-20 %.
 ONE_ROW = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=4)
+# quantize_rows: a row of up to QUANT_ONE_PASS_K elements (the 8B shape's 14,336 included) is
+# read once into registers; a longer one twice, in K tiles of QUANT_BLOCK_K.
+QUANT_ONE_PASS_K = 16384
 QUANT_BLOCK_K = 2048
 # (most rows, tile for N < WIDE_N, tile for N >= WIDE_N): the first whose row count covers S.
 # Measured on an H100 at the 8B shape's projections (N 4096 to 28672): a wide projection
@@ -154,28 +157,50 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
-        _quantize_rows[(M,)](x, codes, scale, K, x.stride(0), codes.stride(0),
-                             BLOCK_K=min(QUANT_BLOCK_K, triton.next_power_of_2(K)), num_warps=8)
+        whole = triton.next_power_of_2(K)
+        block_k = whole if whole <= QUANT_ONE_PASS_K else QUANT_BLOCK_K
+        _quantize_rows[(M,)](x, codes, scale, K, x.stride(0), codes.stride(0), BLOCK_K=block_k,
+                             num_warps=max(8, min(16, block_k // 1024)))
     return codes, scale
 
 
+@triton.heuristics({"ONE_PASS": lambda a: a["K"] <= a["BLOCK_K"]})
 @triton.jit
-def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr,
+                   ONE_PASS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
-    peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
-        peak = tl.maximum(peak, tl.abs(v))
-    amax = tl.max(peak, axis=0)
-    s = tl.where(amax > 0, amax * _INV_FP8_MAX, 1.0)
-    tl.store(SCALE + row, s)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, s), -_FP8_MAX, _FP8_MAX)
-        tl.store(Q + row * stride_q + kk, q.to(tl.float8e4nv), mask=kk < K)
+    if ONE_PASS:   # the whole row in registers: one read
+        v = tl.load(X + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
+        s = _row_scale(tl.abs(v))
+        tl.store(SCALE + row, s)
+        _store_codes(Q + row * stride_q + rk, v, s, rk < K)
+    else:   # the row in K tiles: its amax, then the codes (the second read from L2)
+        peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+            peak = tl.maximum(peak, tl.abs(v))
+        s = _row_scale(peak)
+        tl.store(SCALE + row, s)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
+            _store_codes(Q + row * stride_q + kk, v, s, kk < K)
+
+
+@triton.jit
+def _row_scale(magnitudes):
+    """A row's scale from its elements' magnitudes: amax * (1 / 448) in float32, 1 for 0."""
+    amax = tl.max(magnitudes, axis=0)
+    return tl.where(amax > 0, amax * _INV_FP8_MAX, 1.0)
+
+
+@triton.jit
+def _store_codes(ptr, v, s, mask):
+    """v / s (float32, correctly rounded) clamped to e4m3's range, stored as e4m3 codes."""
+    q = tl.clamp(tl.math.div_rn(v, s), -_FP8_MAX, _FP8_MAX)
+    tl.store(ptr, q.to(tl.float8e4nv), mask=mask)
 
 
 def _check(x, codes, scale, rows_ok: bool, rows_need: str):
