@@ -15,8 +15,10 @@ twice: as it is and with quantization="fp8"); --text (default: a built-in Englis
 repeated to --tokens) is tokenized by the checkpoint's tokenizer. --preset: one of vt bench's
 torch presets with random weights and seeded random tokens (perplexity then says nothing about
 language, only that both models agree). Each position runs as one decode step (the captured
-path's ops, one row), on cuda when a GPU is usable (bf16), else the CPU (float32, the
-reference path). --json F also writes the numbers.
+path's ops, one row), on cuda when a GPU is usable, else the CPU (the reference path: the
+same arithmetic as the GPU's kernels but for the summation order). --dtype: the models'
+activation and dense-weight dtype (default: bfloat16 on cuda, float32 on the CPU, where
+bfloat16 runs too, slower). --json F also writes the numbers.
 """
 from __future__ import annotations
 
@@ -81,7 +83,7 @@ def _geometry(n: int):
     return KVGeometry(max_seqs=1, num_kv_blocks=blocks + 1, block_size=bs, max_context=blocks * bs)
 
 
-def run_checkpoint(path: str, text: str | None, n: int, device) -> dict:
+def run_checkpoint(path: str, text: str | None, n: int, device, dtype) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -92,7 +94,6 @@ def run_checkpoint(path: str, text: str | None, n: int, device) -> dict:
     if text is not None and len(tokens) < n:
         print(f"fp8_quality: the text holds {len(tokens)} tokens; measuring those",
               file=sys.stderr)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     geo = _geometry(len(tokens))
     ref = position_logits(hf.load(path, geo, dtype=dtype, device=device), tokens)
     fp8 = position_logits(hf.load(path, geo, dtype=dtype, device=device, quantization="fp8"),
@@ -100,13 +101,12 @@ def run_checkpoint(path: str, text: str | None, n: int, device) -> dict:
     return dict(compare(fp8, ref, tokens), model=path, dtype=str(dtype).split(".")[-1])
 
 
-def run_preset(preset: str, n: int, device) -> dict:
+def run_preset(preset: str, n: int, device, dtype) -> dict:
     import torch
 
     from vt.bench.torch_workload import model_config
     from vt.torch.llama import LlamaDecoder, quantize_weights_
     cfg = model_config("torch-tiny" if preset == "tiny" else preset)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     geo = _geometry(n)
     torch.manual_seed(0)
     dense = LlamaDecoder(cfg, geo, dtype=dtype, device=device)
@@ -137,6 +137,8 @@ def main(argv=None) -> int:
                                       "torch-llama3-8b, tiny)")
     p.add_argument("--text", default=None, help="a UTF-8 text file (--model only)")
     p.add_argument("--tokens", type=int, default=1000, help="positions measured (default 1000)")
+    p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="the models' dtype (auto: bfloat16 on cuda, float32 on the CPU)")
     p.add_argument("--json", default=None, help="also write the numbers here")
     args = p.parse_args(argv)
     if args.tokens < 2:
@@ -145,10 +147,12 @@ def main(argv=None) -> int:
         p.error("--text needs --model (a preset has no tokenizer)")
     import torch
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = (getattr(torch, args.dtype) if args.dtype != "auto"
+             else torch.bfloat16 if device.type == "cuda" else torch.float32)
     text = None if args.text is None else open(args.text, encoding="utf-8").read()
     try:
-        r = (run_checkpoint(args.model, text, args.tokens, device) if args.model
-             else run_preset(args.preset, args.tokens, device))
+        r = (run_checkpoint(args.model, text, args.tokens, device, dtype) if args.model
+             else run_preset(args.preset, args.tokens, device, dtype))
     except ValueError as exc:
         print(f"fp8_quality: {exc}", file=sys.stderr)
         return 2

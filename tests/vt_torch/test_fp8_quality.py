@@ -29,3 +29,12 @@ def test_the_tool_runs_the_tiny_preset(tmp_path, capsys):
     assert "greedy top-1 agreement" in capsys.readouterr().out
     r = json.loads(out.read_text())
     assert r["positions"] == 12 and 0 < r["logits_rel_err"] < 0.1 and r["top1_agreement"] > 0.5
+
+
+def test_the_tool_takes_the_dtype(tmp_path):
+    """--dtype bfloat16 on the CPU: the models run in bf16 (the dtype the report names)."""
+    out = tmp_path / "q.json"
+    assert fp8_quality.main(["--preset", "tiny", "--tokens", "6", "--dtype", "bfloat16",
+                             "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["dtype"] == "bfloat16" and 0 < r["logits_rel_err"] < 0.2
