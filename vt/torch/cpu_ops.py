@@ -16,10 +16,10 @@ torch._dynamo at the first call, about a second, and cost 12 against 4 us a call
     vt::paged_varlen_attention   a flattened step's prompt chunks and decode rows
 
 Both take an FP8 cache (float8_e4m3fn, with its k_scale and v_scale; vt.torch.kv_fp8) and read
-each gathered row as the Triton kernels do: code * scale in float32, rounded to the query's
-dtype, then widened. Both compute a query token with attend_token: its heads against exactly
-its visible keys, the first `position + 1` of its sequence, in float32. A decode row is one
-call of it; a prompt chunk is one batched product per sequence by default (fast), and with
+it as the Triton kernels do: the codes as they are (widened exactly), K's scale on the scores,
+V's on the output, in float32. Both compute a query token with attend_token: its heads against
+exactly its visible keys, the first `position + 1` of its sequence, in float32. A decode row is
+one call of it; a prompt chunk is one batched product per sequence by default (fast), and with
 invariant=True one call per token, so a token's bits are those of the same token as a decode
 row, alone or in any batch, whatever chunk it sits in (chunk bounds follow the other requests).
 
@@ -43,27 +43,35 @@ import torch.nn.functional as F
 from vt.torch import kv_fp8
 
 
-def attend_token(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor) -> torch.Tensor:
+def attend_token(q: torch.Tensor, keys: torch.Tensor, vals: torch.Tensor,
+                 k_scale=None, v_scale=None) -> torch.Tensor:
     """One query token over its visible keys, in float32: q [kv_heads, group, head_dim],
     keys and vals [L, kv_heads, head_dim] -> [kv_heads, group, head_dim] (head h of the token
-    is [h // group, h % group]: grouped-query attention without copying K and V per head)."""
+    is [h // group, h % group]: grouped-query attention without copying K and V per head).
+    k_scale, v_scale: an FP8 cache's, whose codes keys and vals are (kv_fp8's read)."""
     scores = torch.matmul(q, keys.permute(1, 2, 0)) / math.sqrt(q.shape[-1])   # [kvh, g, L]
-    return torch.matmul(scores.softmax(-1), vals.transpose(0, 1))
+    return value_scaled(torch.matmul(key_scaled(scores, k_scale).softmax(-1),
+                                     vals.transpose(0, 1)), v_scale)
+
+
+def key_scaled(scores: torch.Tensor, k_scale) -> torch.Tensor:
+    """Scores over an FP8 cache's key codes times K's scale (None: a cache in the dtype)."""
+    return scores if k_scale is None else scores * k_scale.float()
+
+
+def value_scaled(out: torch.Tensor, v_scale) -> torch.Tensor:
+    """Attention over an FP8 cache's value codes times V's scale (None: a cache in the dtype)."""
+    return out if v_scale is None else out * v_scale.float()
 
 
 def context(cache: torch.Tensor, table_row: torch.Tensor, length: int,
-            block_size: int, scale: torch.Tensor | None = None,
-            dtype: torch.dtype | None = None) -> torch.Tensor:
+            block_size: int) -> torch.Tensor:
     """[length, kv_heads, head_dim] float32: the cache rows of positions 0..length-1 through one
-    block table row (its first ceil(length / block_size) blocks gathered whole, then cut). An
-    FP8 cache's rows are read as the Triton kernels read them (vt.torch.kv_fp8.dequantize:
-    code * scale rounded to `dtype`, the query's), then widened."""
+    block table row (its first ceil(length / block_size) blocks gathered whole, then cut); an
+    FP8 cache's codes widen exactly."""
     blocks = -(-length // block_size)
     paged = cache.view(-1, block_size, *cache.shape[1:])
-    rows = paged[table_row[:blocks].long()].flatten(0, 1)[:length]
-    if kv_fp8.is_fp8(cache):
-        rows = kv_fp8.dequantize(rows, scale, dtype)
-    return rows.float()
+    return paged[table_row[:blocks].long()].flatten(0, 1)[:length].float()
 
 
 _LIBRARY = torch.library.Library("vt", "DEF")
@@ -108,10 +116,10 @@ def _paged_decode(q, k_cache, v_cache, block_tables, seq_lens, block_size, k_sca
     for n, length in enumerate(seq_lens.tolist()):
         if length <= 0:
             continue
-        keys = context(k_cache, block_tables[n], length, block_size, k_scale, q.dtype)
-        vals = context(v_cache, block_tables[n], length, block_size, v_scale, q.dtype)
+        keys = context(k_cache, block_tables[n], length, block_size)
+        vals = context(v_cache, block_tables[n], length, block_size)
         qn = q[n].float().reshape(kv_heads, heads // kv_heads, head_dim)
-        out[n] = attend_token(qn, keys, vals).view(heads, head_dim)
+        out[n] = attend_token(qn, keys, vals, k_scale, v_scale).view(heads, head_dim)
     return out
 
 
@@ -127,20 +135,22 @@ def _paged_varlen(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, 
         n = b - a
         if n == 0:
             continue
-        keys = context(k_cache, block_tables[i], length, block_size, k_scale, q.dtype)
-        vals = context(v_cache, block_tables[i], length, block_size, v_scale, q.dtype)
+        keys = context(k_cache, block_tables[i], length, block_size)
+        vals = context(v_cache, block_tables[i], length, block_size)
         qs = q[a:b].float().reshape(n, kv_heads, group, head_dim)
         if invariant or n == 1:
             for j in range(n):
                 seen = length - n + j + 1
-                out[a + j] = attend_token(qs[j], keys[:seen], vals[:seen]).view(heads, head_dim)
+                out[a + j] = attend_token(qs[j], keys[:seen], vals[:seen], k_scale,
+                                          v_scale).view(heads, head_dim)
             continue
         # [kv_heads, n * group, head_dim]: the chunk's queries of each KV head, token-major
         qk = qs.permute(1, 0, 2, 3).reshape(kv_heads, n * group, head_dim)
-        scores = torch.matmul(qk, keys.permute(1, 2, 0)) / math.sqrt(head_dim)
+        scores = key_scaled(torch.matmul(qk, keys.permute(1, 2, 0)) / math.sqrt(head_dim),
+                            k_scale)
         seen = torch.ones(n, length, dtype=torch.bool).tril(length - n)
         scores = scores.masked_fill(~seen.repeat_interleave(group, dim=0), float("-inf"))
-        chunk = torch.matmul(scores.softmax(-1), vals.transpose(0, 1))
+        chunk = value_scaled(torch.matmul(scores.softmax(-1), vals.transpose(0, 1)), v_scale)
         out[a:b] = chunk.view(kv_heads, n, group, head_dim).permute(1, 0, 2, 3).reshape(
             n, heads, head_dim)
     return out

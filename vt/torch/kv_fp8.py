@@ -3,15 +3,17 @@ K and V stored as float8_e4m3fn codes, one byte an element where bf16 takes two,
 static float32 scale per tensor: one for K and one for V of each layer.
 
     write:  code = e4m3(clamp(x_f32 / scale, -448, 448))   round to nearest, ties to even
-    read:   x    = dtype(float32(code) * scale)            one rounding to the model's dtype
+    read:   attention over the codes as they are (every e4m3 value is a bf16 and an fp16
+            value), the scores times K's scale, the output times V's, in float32
 
 x is the key or value as the model computes it (RoPE'd and rounded to the model's dtype, as a
-bf16 cache would store it); x_f32 / scale is a correctly rounded float32 division and
-float32(code) * scale a correctly rounded float32 product, on the CPU (torch) and in the
-Triton kernels (tl.math.div_rn, an IEEE multiply), so both store the same codes and read the
-same values. Attention then takes the read values where it takes a bf16 cache's: the CPU
-custom ops (vt.torch.cpu_ops) widen them to float32, the Triton kernels feed them to their
-dots in the model's dtype.
+bf16 cache would store it); x_f32 / scale is a correctly rounded float32 division on the CPU
+(torch) and in the Triton kernels (tl.math.div_rn), so both store the same codes. The read is
+what FP8 attention kernels commonly do (the scales folded into the softmax scale and the
+output rather than multiplied into every element): the Triton kernels feed the codes to their
+dots in the model's dtype, the CPU custom ops (vt.torch.cpu_ops) widen them to float32. Where
+a scale is a power of two (vt's 1.0 included), this equals, bit for bit, attention over a
+cache in the model's dtype holding dequantize's values.
 
 The scale: 1.0 for every layer's K and V, vLLM's default for a checkpoint without calibrated
 KV scales: e4m3 holds magnitudes up to 448 with 3 mantissa bits (a relative rounding error of
@@ -51,7 +53,9 @@ def quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """float8_e4m3fn codes -> codes * scale in float32, rounded once to dtype."""
+    """float8_e4m3fn codes -> codes * scale in float32, rounded once to dtype: the values the
+    codes stand for (attention over the codes equals attention over these where the scale is
+    a power of two)."""
     return (codes.float() * scale).to(dtype)
 
 

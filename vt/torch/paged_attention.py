@@ -60,8 +60,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     shapes (fixed per S, so a captured graph keeps it). invariant: a row's output bits depend
     on that row alone, and equal paged_varlen_attention(..., invariant=True)'s for the same
     token (on CUDA: vt.torch.triton_invariant's fixed spans, so `splits` must be None).
-    k_scale, v_scale: an FP8 cache's (float8_e4m3fn; float32 tensors of one element), whose
-    codes are read as vt.torch.kv_fp8.dequantize reads them; None for a cache in q's dtype.
+    k_scale, v_scale: an FP8 cache's (float8_e4m3fn; float32 tensors of one element), read as
+    vt.torch.kv_fp8 says (the codes as they are, K's scale on the scores, V's on the output);
+    None for a cache in q's dtype.
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, k_scale=k_scale,
            v_scale=v_scale, invariant=invariant)

@@ -118,13 +118,6 @@ def kv_code(x, scale):
 
 
 @triton.jit
-def kv_value(code, scale, dtype: tl.constexpr):
-    """What an FP8 cache's code reads as (vt.torch.kv_fp8.dequantize): code * scale in
-    float32, rounded to dtype."""
-    return (code.to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
 def _rope_and_cache(QKV, POS, COS, SIN, KC, VC, SLOT, QOUT, K_SCALE, V_SCALE, stride_qkv,
                     stride_cos, stride_kt, stride_kh, stride_vt, stride_vh, stride_qs,
                     stride_qh, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
