@@ -221,3 +221,60 @@ def test_w8a8_linear_matches_the_scaled_reference(S, N, K):
     torch.manual_seed(S)
     check_w8a8(torch.randn(S, K, device="cuda", dtype=torch.bfloat16), N, tol=1e-2,
                quantize=True)
+
+
+def check_norm_quantize_rows(S, hidden, device, dtype):
+    """norm_quantize_rows against rms_norm then quantize_rows (the two kernels it fuses), bit
+    for bit: the residual sum, the codes and the scales; with and without delta."""
+    from vt.torch import triton_fp8, triton_fused
+    g = torch.Generator().manual_seed(S)
+    x, delta = (torch.randn(S, hidden, generator=g).to(device, dtype) for _ in range(2))
+    weight = (1 + torch.randn(hidden, generator=g) / 4).to(device, dtype)
+    for d in (delta, None):
+        h, codes, scale = triton_fp8.norm_quantize_rows(x, d, weight, 1e-5)
+        want_h, normed = triton_fused.rms_norm(x, d, weight, 1e-5)
+        want_codes, want_scale = triton_fp8.quantize_rows(normed)
+        assert (h is None) == (d is None) and (h is None or torch.equal(h, want_h))
+        assert torch.equal(scale, want_scale)
+        assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
+@interpreted
+def test_norm_quantize_rows_in_the_interpreter():
+    pytest.importorskip("triton", reason="the kernel needs Triton")
+    check_norm_quantize_rows(5, 1000, "cpu", torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("S", [16, 32, 300])
+def test_norm_quantize_rows_is_the_two_kernels_bit_for_bit(S):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    check_norm_quantize_rows(S, 4096, "cuda", torch.bfloat16)
+
+
+def test_quantized_rows_give_the_linear_its_own_quantization():
+    """A projection handed its rows already quantized (add_norm_quantized's Fp8Rows) computes
+    what it computes from the rows, bit for bit, where it quantizes them itself (from
+    W8A8_MIN_ROWS rows); below that add_norm_quantized hands the rows over as they are. A
+    block-scaled weight refuses quantized rows in one line. On the CPU (the sim's path)."""
+    from functools import partial
+
+    from vt.torch import fp8
+    from vt.torch.llama import RMSNorm, fused_add_norm
+    torch.manual_seed(0)
+    w = _weight(64, 256, False, "cpu")
+    norm = RMSNorm(256, 1e-5).bfloat16()
+    add_norm = partial(fused_add_norm, invariant=False)
+    for rows in (fp8.W8A8_MIN_ROWS - 1, fp8.W8A8_MIN_ROWS, 40):
+        x, delta = torch.randn(rows, 256).bfloat16(), torch.randn(rows, 256).bfloat16()
+        want_x, normed = add_norm(x, delta, norm)
+        got_x, rows_in = fp8.add_norm_quantized(x, delta, norm, add_norm=add_norm,
+                                                vt_kernels=True)
+        assert torch.equal(got_x, want_x)
+        assert isinstance(rows_in, fp8.Fp8Rows) == (rows >= fp8.W8A8_MIN_ROWS)
+        assert torch.equal(fp8.linear(rows_in, w), fp8.linear(normed, w))
+        assert torch.equal(fp8.linear_silu_mul(rows_in, w, dense_silu=None),
+                           fp8.linear_silu_mul(normed, w, dense_silu=None))
+    with pytest.raises(ValueError, match="need a per-channel FP8 weight"):
+        fp8.linear(rows_in, _weight(256, 256, True, "cpu"))

@@ -36,6 +36,9 @@ The linear (linear, linear_silu_mul; LayerOps' FP8 kind, vt.torch.llama):
   The CPU follows the same choices: from W8A8_MIN_ROWS rows (past GEMV_MAX_ROWS only with
     "scaled_mm") it quantizes the activations as CUDA does (reference_scaled_linear), so the
     sim computes what the GPU does.
+Where the activations are quantized, the norm before a projection can hand them over already
+quantized (Fp8Rows; add_norm_quantized: on CUDA the add, the norm and the quantization in one
+kernel, triton_fp8.norm_quantize_rows), with the same values as the linear's own quantization.
 Every shape follows the inputs' and nothing is read on the host: each call captures.
 """
 from __future__ import annotations
@@ -71,6 +74,20 @@ class Fp8Weight:
     @property
     def per_block(self) -> bool:
         return self.scale.dim() == 2
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8Rows:
+    """Activation rows quantized for a W8A8 linear (quantize_rows' values): codes
+    float8_e4m3fn [S, K], their float32 scales [S, 1], and the dtype the rows were in (the
+    linear's output dtype)."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        return self.codes.shape[0]
 
 
 class Fp8Linear(nn.Module):
@@ -161,6 +178,9 @@ def linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *,
     """F.linear(x, weight, bias) for an Fp8Weight (module docstring); a plain tensor weight
     (the LM head, which stays in its dtype) goes to `dense`. prompt_linear: the choice for
     more than GEMV_MAX_ROWS rows, on CUDA and the CPU alike (None: PROMPT_LINEAR)."""
+    if isinstance(x, Fp8Rows):
+        y = _rows_linear(x, weight)
+        return y if bias is None else y + bias
     if not isinstance(weight, Fp8Weight):
         return dense(x, weight, bias)
     _check(x, weight)
@@ -180,6 +200,8 @@ def linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *
     on CUDA, the activation in the FP8 GEMV's epilogue (the same roundings as the two ops).
     A plain tensor weight goes to dense_silu."""
     from vt.torch import fused
+    if isinstance(x, Fp8Rows):
+        return fused.silu_mul(linear(x, weight, bias))
     if not isinstance(weight, Fp8Weight):
         return dense_silu(x, weight, bias)
     _check(x, weight)
@@ -196,22 +218,64 @@ def reference_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
 def reference_scaled_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """The CPU's twin of scaled_mm_linear: x's rows quantized as quantize_rows does, the e4m3
     products summed in float32, both scales applied in float32, one rounding to x's dtype."""
-    xq, x_scale = quantize_rows(x)
-    acc = F.linear(xq.float(), weight.data.float())
-    return (acc * x_scale * weight.scale[None, :]).to(x.dtype)
+    return reference_rows_linear(Fp8Rows(*quantize_rows(x), x.dtype), weight)
+
+
+def reference_rows_linear(x: Fp8Rows, weight: Fp8Weight) -> torch.Tensor:
+    """The CPU's W8A8 linear of rows already quantized."""
+    acc = F.linear(x.codes.float(), weight.data.float())
+    return (acc * x.scale * weight.scale[None, :]).to(x.dtype)
 
 
 def _scales_activations(x, weight: Fp8Weight, prompt_linear: str) -> bool:
-    """Whether this call quantizes x too (module docstring): a per-channel weight, from
-    W8A8_MIN_ROWS rows, past GEMV_MAX_ROWS only with the scaled_mm prompt linear (a
-    block-scaled weight never)."""
+    """Whether this call quantizes x too (module docstring): a per-channel weight and
+    activations_quantized(rows)."""
+    return not weight.per_block and activations_quantized(x.shape[0], prompt_linear)
+
+
+def activations_quantized(rows: int, prompt_linear: str | None) -> bool:
+    """Whether a per-channel FP8 linear of `rows` rows quantizes its activations: from
+    W8A8_MIN_ROWS rows, past GEMV_MAX_ROWS only with the scaled_mm prompt linear (None:
+    PROMPT_LINEAR)."""
+    prompt_linear = prompt_linear or PROMPT_LINEAR
     if prompt_linear not in PROMPT_LINEARS:
         raise ValueError(f"fp8.linear: prompt_linear={prompt_linear!r} must be one of "
                          f"{PROMPT_LINEARS}")
-    rows = x.shape[0]
-    if weight.per_block or rows < W8A8_MIN_ROWS:
+    if rows < W8A8_MIN_ROWS:
         return False
     return rows <= GEMV_MAX_ROWS or prompt_linear == "scaled_mm"
+
+
+def _rows_linear(x: Fp8Rows, weight) -> torch.Tensor:
+    """The W8A8 linear of quantized rows: the per-channel weight's kernel of linear()."""
+    if not isinstance(weight, Fp8Weight) or weight.per_block:
+        raise ValueError("fp8.linear: quantized activation rows (Fp8Rows) need a per-channel "
+                         "FP8 weight")
+    if x.codes.shape[1] != weight.shape[1]:
+        raise ValueError(f"fp8.linear: rows [S, {weight.shape[1]}] expected for weight "
+                         f"{list(weight.shape)}, got {tuple(x.codes.shape)}")
+    if not x.codes.is_cuda:
+        return reference_rows_linear(x, weight)
+    if x.rows <= GEMV_MAX_ROWS:
+        return _triton().scaled_rows_linear(x.codes, x.scale, weight.data, weight.scale, x.dtype)
+    return _scaled_mm(x, weight)
+
+
+def add_norm_quantized(x: torch.Tensor, delta: torch.Tensor | None, norm, *, add_norm,
+                       vt_kernels: bool, prompt_linear: str | None = None):
+    """add_norm(x, delta, norm) (LayerOps' (x + delta, norm(x + delta))) with the normed rows
+    as Fp8Rows where the per-channel projections after it quantize their activations
+    (activations_quantized): on CUDA with vt's kernels one kernel
+    (triton_fp8.norm_quantize_rows, the fused norm's bits), else add_norm then quantize_rows.
+    Fewer rows: add_norm's pair as it is."""
+    if not activations_quantized(x.shape[0], prompt_linear):
+        return add_norm(x, delta, norm)
+    if x.is_cuda and vt_kernels and x.dtype in (torch.bfloat16, torch.float16):
+        h, codes, scale = _triton().norm_quantize_rows(x, delta, norm.weight, norm.eps)
+        return (x if h is None else h), Fp8Rows(codes, scale, x.dtype)
+    x, normed = add_norm(x, delta, norm)
+    quantize = _triton().quantize_rows if normed.is_cuda else quantize_rows
+    return x, Fp8Rows(*quantize(normed), normed.dtype)
 
 
 def _cuda_linear(x, weight: Fp8Weight, prompt_linear: str) -> torch.Tensor:
@@ -230,8 +294,11 @@ def scaled_mm_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     (triton_fp8.quantize_rows: quantize_rows' values, dynamic), the weight's per-channel
     scales, float32 accumulation (no fast accumulation), out in x's dtype. CUDA only (its
     CPU twin: reference_scaled_linear)."""
-    xq, x_scale = _triton().quantize_rows(x)
-    return torch._scaled_mm(xq, weight.data.t(), scale_a=x_scale,
+    return _scaled_mm(Fp8Rows(*_triton().quantize_rows(x), x.dtype), weight)
+
+
+def _scaled_mm(x: Fp8Rows, weight: Fp8Weight) -> torch.Tensor:
+    return torch._scaled_mm(x.codes, weight.data.t(), scale_a=x.scale,
                             scale_b=weight.scale[None, :], out_dtype=x.dtype,
                             use_fast_accum=False)
 

@@ -196,8 +196,8 @@ class Layer(nn.Module):
         """The layer over the residual stream x + delta (delta: the previous layer's MLP
         output, not added yet, so that the add and the norm after it can be one kernel;
         None before the first layer). Returns the same pair for the next layer."""
-        x, h = ops.add_norm(x, delta, self.attn_norm)
-        x, h = ops.add_norm(x, self.attn(h, ctx, ops, k_cache, v_cache), self.mlp_norm)
+        x, h = ops.projection_norm(x, delta, self.attn_norm)
+        x, h = ops.projection_norm(x, self.attn(h, ctx, ops, k_cache, v_cache), self.mlp_norm)
         return x, self.mlp(h, ops)
 
 
@@ -256,7 +256,7 @@ class LlamaDecoder(nn.Module):
                                                self.tp, batch_invariant)
         if self.quantization == "fp8":
             self.decode_ops, self.one_row_ops, self.prompt_ops = (
-                fp8_ops(ops, fp8_prompt_linear)
+                fp8_ops(ops, fp8_prompt_linear, per_block=fp8_scales == "block")
                 for ops in (self.decode_ops, self.one_row_ops, self.prompt_ops))
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, self.kernels,
                                                    self.prompt_kernels, cfg, batch_invariant)
@@ -335,6 +335,9 @@ class LayerOps:
     attn_linear: Callable   # the same, for qkv and o
     # (x, delta, norm) -> (x + delta, norm(x + delta)); delta None: (x, norm(x))
     add_norm: Callable
+    # add_norm before a layer's projections, whose normed rows only they read: FP8 weights
+    # may take them quantized (vt.torch.fp8.Fp8Rows)
+    projection_norm: Callable
     # (x, weight, bias) -> silu(gate) * up of the [gate | up] projection
     gate_up_silu: Callable
     # (attn, qkv, ctx, k_cache, v_cache) -> [T, heads * head_dim]: RoPE, the KV write, attention
@@ -356,8 +359,8 @@ def layer_ops(cfg: LlamaConfig, kernels: str, linear: str, invariant: bool,
     step, whose RoPE, KV write and attention are one kernel where head_dim allows."""
     if kernels == "torch":
         head_norm = module_head_norm if cfg.qk_norm else no_head_norm
-        return LayerOps(False, F.linear, F.linear, torch_add_norm, torch_gate_up_silu,
-                        partial(torch_rope_attention, head_norm=head_norm))
+        return LayerOps(False, F.linear, F.linear, torch_add_norm, torch_add_norm,
+                        torch_gate_up_silu, partial(torch_rope_attention, head_norm=head_norm))
     add_norm = partial(fused_add_norm, invariant=invariant)
     matmul = dict(torch=F.linear, triton=fused.linear, invariant=fused.invariant_linear)[linear]
     if linear == "triton":   # the Triton GEMV: at one row, silu_mul in gate_up's epilogue
@@ -368,19 +371,25 @@ def layer_ops(cfg: LlamaConfig, kernels: str, linear: str, invariant: bool,
         # Qwen3's q/k norms sit between the projection and RoPE, so RoPE is torch's; qkv and o
         # are F.linear's (the Triton GEMV serves the MLP and the head only) unless invariant.
         head_norm = invariant_head_norm if invariant else module_head_norm
-        return LayerOps(True, matmul, matmul if invariant else F.linear, add_norm, gate_up_silu,
-                        partial(torch_rope_attention, head_norm=head_norm))
+        return LayerOps(True, matmul, matmul if invariant else F.linear, add_norm, add_norm,
+                        gate_up_silu, partial(torch_rope_attention, head_norm=head_norm))
     if one_row and cfg.head_dim >= ONE_KERNEL_MIN_HEAD_DIM:
         attention = one_kernel_attention
     else:
         attention = fused_rope_attention
-    return LayerOps(True, matmul, matmul, add_norm, gate_up_silu, attention)
+    return LayerOps(True, matmul, matmul, add_norm, add_norm, gate_up_silu, attention)
 
 
-def fp8_ops(ops: LayerOps, prompt_linear: str | None = None) -> LayerOps:
+def fp8_ops(ops: LayerOps, prompt_linear: str | None = None, *,
+            per_block: bool = False) -> LayerOps:
     """ops whose projections take FP8 weights (vt.torch.fp8.linear: the reference on the CPU,
     the FP8 GEMV or the prompt choice on CUDA); a plain tensor weight (the head) still goes
-    to ops' own linear."""
+    to ops' own linear. Per-channel weights take the norm's rows quantized where their linear
+    quantizes activations (fp8.add_norm_quantized); block-scaled ones never quantize them."""
+    if not per_block:
+        ops = replace(ops, projection_norm=partial(
+            fp8.add_norm_quantized, add_norm=ops.add_norm, vt_kernels=ops.fused,
+            prompt_linear=prompt_linear))
     return replace(ops, linear=partial(fp8.linear, dense=ops.linear, prompt_linear=prompt_linear),
                    attn_linear=partial(fp8.linear, dense=ops.attn_linear,
                                        prompt_linear=prompt_linear),

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from vt.torch import triton_pdl as pdl
 from vt.torch.triton_gemv import k_tiles, row_cols, weight_tile
-from vt.torch.triton_fused import silu_times
+from vt.torch.triton_fused import add_norm_row, check_norm_layout, norm_launch, silu_times
 
 MAX_ROWS = 256    # vt.torch.fp8.GEMV_MAX_ROWS (which this module's callers read without Triton)
 FP8_MAX = 448.0   # e4m3fn's largest finite magnitude (vt.torch.fp8.FP8_MAX)
@@ -162,6 +162,35 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _quantize_rows[(M,)](x, codes, scale, K, x.stride(0), codes.stride(0), BLOCK_K=block_k,
                              num_warps=max(8, min(16, block_k // 1024)))
     return codes, scale
+
+
+def norm_quantize_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """vt.torch.triton_fused.rms_norm's (x + delta, its norm) with the norm quantized as
+    quantize_rows quantizes it, in one kernel: (x + delta, or None without delta; codes
+    [S, hidden]; scales [S, 1]), bit for bit rms_norm then quantize_rows."""
+    S, hidden = x.shape
+    check_norm_layout(x, delta, weight)
+    h = torch.empty_like(x) if delta is not None else None
+    codes = torch.empty(S, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(S, 1, dtype=torch.float32, device=x.device)
+    if S:
+        _norm_quantize_rows[(S,)](
+            x, x if delta is None else delta, weight, codes if h is None else h, codes, scale,
+            x.stride(0), 0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0),
+            codes.stride(0), hidden, eps, HAS_DELTA=delta is not None, **norm_launch(hidden))
+    return h, codes, scale
+
+
+@triton.jit
+def _norm_quantize_rows(X, DELTA, W, H, Q, SCALE, stride_x, stride_d, stride_h, stride_q, N,
+                        eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    r, c, mask, y = add_norm_row(X, DELTA, W, H, stride_x, stride_d, stride_h, N, eps,
+                                 HAS_DELTA, BLOCK, False)
+    v = y.to(tl.float32)
+    s = _row_scale(tl.abs(v))
+    tl.store(SCALE + r, s)
+    _store_codes(Q + r * stride_q + c, v, s, mask)
 
 
 @triton.heuristics({"ONE_PASS": lambda a: a["K"] <= a["BLOCK_K"]})

@@ -18,17 +18,25 @@ def rms_norm(x, delta, weight, eps: float):
     S, hidden = x.shape
     out = torch.empty_like(x)
     h = torch.empty_like(x) if delta is not None else None
-    if x.stride(-1) != 1 or weight.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
-        raise ValueError("rms_norm: x, delta and weight need a contiguous last dim")
+    check_norm_layout(x, delta, weight)
     if S:
-        block = triton.next_power_of_2(hidden)
         _rms_norm[(S,)](x, x if delta is None else delta, weight, out if h is None else h, out,
                         x.stride(0), 0 if delta is None else delta.stride(0),
                         0 if h is None else h.stride(0), out.stride(0), hidden, eps,
-                        HAS_DELTA=delta is not None, BLOCK=block,
-                        num_warps=max(1, min(16, block // 256)),
+                        HAS_DELTA=delta is not None, **norm_launch(hidden),
                         **pdl.launch_options(x.device, S))
     return h, out
+
+
+def norm_launch(hidden: int) -> dict:
+    """The row block and warps of a kernel built on add_norm_row: the whole row, one program."""
+    block = triton.next_power_of_2(hidden)
+    return dict(BLOCK=block, num_warps=max(1, min(16, block // 256)))
+
+
+def check_norm_layout(x, delta, weight) -> None:
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
+        raise ValueError("rms_norm: x, delta and weight need a contiguous last dim")
 
 
 def rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, *, heads: int,
@@ -71,6 +79,19 @@ def silu_mul(gate_up):
 def _rms_norm(X, DELTA, W, H, OUT, stride_x, stride_d, stride_h, stride_o, N, eps,
               HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     pdl.launch_next(PDL)
+    r, c, mask, y = add_norm_row(X, DELTA, W, H, stride_x, stride_d, stride_h, N, eps,
+                                 HAS_DELTA, BLOCK, PDL)
+    tl.store(OUT + r * stride_o + c, y, mask=mask)
+
+
+@triton.jit
+def add_norm_row(X, DELTA, W, H, stride_x, stride_d, stride_h, N, eps,
+                 HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Program r's row of rms_norm: x (plus delta where HAS_DELTA, rounded to the storage
+    dtype and stored to H), normed in float32, rounded, times the weight, rounded to X's dtype:
+    (r, the columns c, their mask, the row [BLOCK], 0 past N). The whole row is one program's,
+    so a kernel launched as rms_norm launches (BLOCK, warps) reduces in its order, bit for
+    bit (vt.torch.triton_fp8's norm_quantize_rows)."""
     r = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     mask = c < N
@@ -85,7 +106,7 @@ def _rms_norm(X, DELTA, W, H, OUT, stride_x, stride_d, stride_h, stride_o, N, ep
     xf = x.to(tl.float32)
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * inv).to(X.dtype.element_ty).to(tl.float32)
-    tl.store(OUT + r * stride_o + c, (w * normed).to(OUT.dtype.element_ty), mask=mask)
+    return r, c, mask, (w * normed).to(X.dtype.element_ty)
 
 
 def kv_scale_args(k_cache, k_scale, v_scale):
