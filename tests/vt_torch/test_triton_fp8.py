@@ -239,31 +239,46 @@ def check_norm_quantize_rows(S, hidden, device, dtype):
         assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
 
 
+def check_silu_mul_quantize_rows(S, inter, device, dtype):
+    """silu_mul_quantize_rows against silu_mul then quantize_rows, bit for bit."""
+    from vt.torch import triton_fp8, triton_fused
+    g = torch.Generator().manual_seed(S)
+    gate_up = (torch.randn(S, 2 * inter, generator=g) * 3).to(device, dtype)
+    codes, scale = triton_fp8.silu_mul_quantize_rows(gate_up)
+    want_codes, want_scale = triton_fp8.quantize_rows(triton_fused.silu_mul(gate_up))
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+
+
 @interpreted
-def test_norm_quantize_rows_in_the_interpreter():
-    pytest.importorskip("triton", reason="the kernel needs Triton")
+def test_fused_quantizations_in_the_interpreter():
+    pytest.importorskip("triton", reason="the kernels need Triton")
     check_norm_quantize_rows(5, 1000, "cpu", torch.float16)
+    check_silu_mul_quantize_rows(3, 1000, "cpu", torch.float16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("S", [16, 32, 300])
-def test_norm_quantize_rows_is_the_two_kernels_bit_for_bit(S):
+def test_fused_quantizations_are_the_two_kernels_bit_for_bit(S):
+    """At the 8B shape's widths: the norm (hidden 4,096) and the SiLU product (14,336)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     check_norm_quantize_rows(S, 4096, "cuda", torch.bfloat16)
+    check_silu_mul_quantize_rows(S, 14336, "cuda", torch.bfloat16)
 
 
 def test_quantized_rows_give_the_linear_its_own_quantization():
-    """A projection handed its rows already quantized (add_norm_quantized's Fp8Rows) computes
-    what it computes from the rows, bit for bit, where it quantizes them itself (from
-    W8A8_MIN_ROWS rows); below that add_norm_quantized hands the rows over as they are. A
-    block-scaled weight refuses quantized rows in one line. On the CPU (the sim's path)."""
+    """A projection handed its rows already quantized (add_norm_quantized's Fp8Rows, and
+    linear_silu_mul's product after such rows) computes what it computes from the rows, bit
+    for bit, where it quantizes them itself (from W8A8_MIN_ROWS rows); below that the rows go
+    over as they are. A block-scaled weight refuses quantized rows in one line. On the CPU
+    (the sim's path)."""
     from functools import partial
 
     from vt.torch import fp8
     from vt.torch.llama import RMSNorm, fused_add_norm
     torch.manual_seed(0)
-    w = _weight(64, 256, False, "cpu")
+    w, w_down = _weight(64, 256, False, "cpu"), _weight(256, 32, False, "cpu")
     norm = RMSNorm(256, 1e-5).bfloat16()
     add_norm = partial(fused_add_norm, invariant=False)
     for rows in (fp8.W8A8_MIN_ROWS - 1, fp8.W8A8_MIN_ROWS, 40):
@@ -274,7 +289,10 @@ def test_quantized_rows_give_the_linear_its_own_quantization():
         assert torch.equal(got_x, want_x)
         assert isinstance(rows_in, fp8.Fp8Rows) == (rows >= fp8.W8A8_MIN_ROWS)
         assert torch.equal(fp8.linear(rows_in, w), fp8.linear(normed, w))
-        assert torch.equal(fp8.linear_silu_mul(rows_in, w, dense_silu=None),
-                           fp8.linear_silu_mul(normed, w, dense_silu=None))
+        # gate_up's SiLU product, handed to down quantized where its rows came so
+        act_in = fp8.linear_silu_mul(rows_in, w, dense_silu=None)
+        act = fp8.linear_silu_mul(normed, w, dense_silu=None)
+        assert isinstance(act_in, fp8.Fp8Rows) == (rows >= fp8.W8A8_MIN_ROWS)
+        assert torch.equal(fp8.linear(act_in, w_down), fp8.linear(act, w_down))
     with pytest.raises(ValueError, match="need a per-channel FP8 weight"):
         fp8.linear(rows_in, _weight(256, 256, True, "cpu"))

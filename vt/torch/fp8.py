@@ -200,8 +200,8 @@ def linear_silu_mul(x: torch.Tensor, weight, bias: torch.Tensor | None = None, *
     on CUDA, the activation in the FP8 GEMV's epilogue (the same roundings as the two ops).
     A plain tensor weight goes to dense_silu."""
     from vt.torch import fused
-    if isinstance(x, Fp8Rows):
-        return fused.silu_mul(linear(x, weight, bias))
+    if isinstance(x, Fp8Rows):   # rows the W8A8 down projection takes quantized too
+        return silu_mul_quantized(linear(x, weight, bias))
     if not isinstance(weight, Fp8Weight):
         return dense_silu(x, weight, bias)
     _check(x, weight)
@@ -276,6 +276,17 @@ def add_norm_quantized(x: torch.Tensor, delta: torch.Tensor | None, norm, *, add
     x, normed = add_norm(x, delta, norm)
     quantize = _triton().quantize_rows if normed.is_cuda else quantize_rows
     return x, Fp8Rows(*quantize(normed), normed.dtype)
+
+
+def silu_mul_quantized(gate_up: torch.Tensor) -> Fp8Rows:
+    """fused.silu_mul(gate_up) quantized as quantize_rows quantizes it: on CUDA one kernel
+    (triton_fp8.silu_mul_quantize_rows) where the row fits it, else the two steps."""
+    from vt.torch import fused
+    if gate_up.is_cuda and gate_up.shape[1] // 2 <= _triton().QUANT_ONE_PASS_K:
+        return Fp8Rows(*_triton().silu_mul_quantize_rows(gate_up), gate_up.dtype)
+    act = fused.silu_mul(gate_up)
+    quantize = _triton().quantize_rows if act.is_cuda else quantize_rows
+    return Fp8Rows(*quantize(act), act.dtype)
 
 
 def _cuda_linear(x, weight: Fp8Weight, prompt_linear: str) -> torch.Tensor:

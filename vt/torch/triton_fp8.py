@@ -193,6 +193,37 @@ def _norm_quantize_rows(X, DELTA, W, H, Q, SCALE, stride_x, stride_d, stride_h, 
     _store_codes(Q + r * stride_q + c, v, s, mask)
 
 
+def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """vt.torch.triton_fused.silu_mul's silu(gate) * up of gate_up [S, 2 * I] quantized as
+    quantize_rows quantizes it, in one kernel, a row a program: (codes [S, I], scales [S, 1]),
+    bit for bit silu_mul then quantize_rows. Rows of up to QUANT_ONE_PASS_K."""
+    S, width = gate_up.shape
+    inter = width // 2
+    if gate_up.stride(-1) != 1 or inter > QUANT_ONE_PASS_K:
+        raise ValueError(f"silu_mul_quantize_rows: gate_up needs a contiguous last dim and "
+                         f"I <= {QUANT_ONE_PASS_K}, got {tuple(gate_up.shape)}")
+    codes = torch.empty(S, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+    scale = torch.empty(S, 1, dtype=torch.float32, device=gate_up.device)
+    if S:
+        block = triton.next_power_of_2(inter)
+        _silu_mul_quantize_rows[(S,)](gate_up, codes, scale, gate_up.stride(0), codes.stride(0),
+                                      inter, BLOCK=block, num_warps=max(8, min(16, block // 1024)))
+    return codes, scale
+
+
+@triton.jit
+def _silu_mul_quantize_rows(GU, Q, SCALE, stride_g, stride_q, I, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < I
+    gate = tl.load(GU + r * stride_g + c, mask=mask, other=0.0)
+    up = tl.load(GU + r * stride_g + I + c, mask=mask, other=0.0)
+    v = silu_times(gate, up).to(tl.float32)
+    s = _row_scale(tl.abs(v))
+    tl.store(SCALE + r, s)
+    _store_codes(Q + r * stride_q + c, v, s, mask)
+
+
 @triton.heuristics({"ONE_PASS": lambda a: a["K"] <= a["BLOCK_K"]})
 @triton.jit
 def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr,
