@@ -48,10 +48,11 @@ from vt.torch.triton_fused import kv_code, kv_scale_args
 
 BLOCK_N = 32   # keys per tile: two vt blocks of 16 (the one-row and the prompt kernels)
 NUM_WARPS = 4
-# _split's keys per tile. Measured on an H100 at 32 rows x 2,048 live tokens of the 8B shape
-# (8 KV heads, head_dim 128; 3 spans a row): 128-key tiles took 101 us a layer against 115 with
-# 32 over a bf16 cache, and 68 against 112 over an FP8 one; 64 keys and 8 warps were no better.
-SPLIT_BLOCK_N = 128
+# _split's keys per tile. On an H100 at 32 rows x 2,048 live tokens of the 8B shape (8 KV heads,
+# head_dim 128; 3 spans a row), 128-key tiles took 101 us a layer against 115 with 32 over a
+# bf16 cache, and 68 against 89 over an FP8 one; fewer, longer tiles leave fewer programs with
+# work at short contexts and small batches, which has not been measured, so 32 stays.
+SPLIT_BLOCK_N = 32
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int, splits: int,
