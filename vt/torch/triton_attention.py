@@ -46,13 +46,13 @@ import triton.language as tl
 from vt.torch import triton_pdl as pdl
 from vt.torch.triton_fused import kv_code, kv_scale_args
 
-BLOCK_N = 32   # keys per tile: two vt blocks of 16 (the one-row and the prompt kernels)
+# Keys per tile: two vt blocks of 16. For _split on an H100 at 32 rows x 2,048 live tokens of
+# the 8B shape (8 KV heads, head_dim 128; 3 spans a row), 128-key tiles took 101 us a layer
+# against 115 with 32 over a bf16 cache, and 68 against 89 over an FP8 one; fewer, longer tiles
+# leave fewer programs with work at short contexts and small batches, which has not been
+# measured, so 32 stays.
+BLOCK_N = 32
 NUM_WARPS = 4
-# _split's keys per tile. On an H100 at 32 rows x 2,048 live tokens of the 8B shape (8 KV heads,
-# head_dim 128; 3 spans a row), 128-key tiles took 101 us a layer against 115 with 32 over a
-# bf16 cache, and 68 against 89 over an FP8 one; fewer, longer tiles leave fewer programs with
-# work at short contexts and small batches, which has not been measured, so 32 stays.
-SPLIT_BLOCK_N = 32
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int, splits: int,
@@ -72,10 +72,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=SPLIT_BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
+        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
         PRECISION=dot_precision(q.dtype), FP8_KV=k_scale is not None, num_warps=NUM_WARPS,
         **pdl.launch_options(q.device, S))
-    return _merge_spans(acc, stats, seq_lens, out, splits, SPLIT_BLOCK_N)
+    return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
 def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -105,7 +105,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
         BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=dot_precision(qkv.dtype),
         FP8_KV=k_scale is not None, num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
-    return _merge_spans(acc, stats, seq_lens, out, splits, BLOCK_N)
+    return _merge_spans(acc, stats, seq_lens, out, splits)
 
 
 def check_layout(name: str, q, k_cache, v_cache) -> None:
@@ -127,12 +127,11 @@ def _span_buffers(S, heads, head_dim, splits, dtype, device):
     return acc, stats, torch.empty(S, heads, head_dim, dtype=dtype, device=device)
 
 
-def _merge_spans(acc, stats, seq_lens, out, splits: int, block_n: int):
-    """_merge over the spans a split kernel of block_n-key tiles wrote."""
+def _merge_spans(acc, stats, seq_lens, out, splits: int):
     S, heads, head_dim = out.shape
     _merge[(S, heads)](acc, stats, seq_lens, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
-                       BLOCK_P=triton.next_power_of_2(splits), BLOCK_N=block_n,
+                       BLOCK_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N,
                        num_warps=NUM_WARPS, **pdl.launch_options(out.device, S))
     return out
 
