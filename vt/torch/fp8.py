@@ -274,8 +274,7 @@ def add_norm_quantized(x: torch.Tensor, delta: torch.Tensor | None, norm, *, add
         h, codes, scale = _triton().norm_quantize_rows(x, delta, norm.weight, norm.eps)
         return (x if h is None else h), Fp8Rows(codes, scale, x.dtype)
     x, normed = add_norm(x, delta, norm)
-    quantize = _triton().quantize_rows if normed.is_cuda else quantize_rows
-    return x, Fp8Rows(*quantize(normed), normed.dtype)
+    return x, quantized_rows(normed)
 
 
 def silu_mul_quantized(gate_up: torch.Tensor) -> Fp8Rows:
@@ -284,9 +283,7 @@ def silu_mul_quantized(gate_up: torch.Tensor) -> Fp8Rows:
     from vt.torch import fused
     if gate_up.is_cuda and gate_up.shape[1] // 2 <= _triton().QUANT_ONE_PASS_K:
         return Fp8Rows(*_triton().silu_mul_quantize_rows(gate_up), gate_up.dtype)
-    act = fused.silu_mul(gate_up)
-    quantize = _triton().quantize_rows if act.is_cuda else quantize_rows
-    return Fp8Rows(*quantize(act), act.dtype)
+    return quantized_rows(fused.silu_mul(gate_up))
 
 
 def _cuda_linear(x, weight: Fp8Weight, prompt_linear: str) -> torch.Tensor:
@@ -305,13 +302,19 @@ def scaled_mm_linear(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     (triton_fp8.quantize_rows: quantize_rows' values, dynamic), the weight's per-channel
     scales, float32 accumulation (no fast accumulation), out in x's dtype. CUDA only (its
     CPU twin: reference_scaled_linear)."""
-    return _scaled_mm(Fp8Rows(*_triton().quantize_rows(x), x.dtype), weight)
+    return _scaled_mm(quantized_rows(x), weight)
 
 
 def _scaled_mm(x: Fp8Rows, weight: Fp8Weight) -> torch.Tensor:
     return torch._scaled_mm(x.codes, weight.data.t(), scale_a=x.scale,
                             scale_b=weight.scale[None, :], out_dtype=x.dtype,
                             use_fast_accum=False)
+
+
+def quantized_rows(x: torch.Tensor) -> Fp8Rows:
+    """x's rows quantized (quantize_rows' values; on CUDA its Triton kernel) as Fp8Rows."""
+    quantize = _triton().quantize_rows if x.is_cuda else quantize_rows
+    return Fp8Rows(*quantize(x), x.dtype)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,7 +160,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         whole = triton.next_power_of_2(K)
         block_k = whole if whole <= QUANT_ONE_PASS_K else QUANT_BLOCK_K
         _quantize_rows[(M,)](x, codes, scale, K, x.stride(0), codes.stride(0), BLOCK_K=block_k,
-                             num_warps=max(8, min(16, block_k // 1024)))
+                             num_warps=_row_warps(block_k))
     return codes, scale
 
 
@@ -187,10 +187,7 @@ def _norm_quantize_rows(X, DELTA, W, H, Q, SCALE, stride_x, stride_d, stride_h, 
                         eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     r, c, mask, y = add_norm_row(X, DELTA, W, H, stride_x, stride_d, stride_h, N, eps,
                                  HAS_DELTA, BLOCK, False)
-    v = y.to(tl.float32)
-    s = _row_scale(tl.abs(v))
-    tl.store(SCALE + r, s)
-    _store_codes(Q + r * stride_q + c, v, s, mask)
+    _quantize_row(y.to(tl.float32), mask, Q + r * stride_q + c, SCALE + r)
 
 
 def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,8 +204,13 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
     if S:
         block = triton.next_power_of_2(inter)
         _silu_mul_quantize_rows[(S,)](gate_up, codes, scale, gate_up.stride(0), codes.stride(0),
-                                      inter, BLOCK=block, num_warps=max(8, min(16, block // 1024)))
+                                      inter, BLOCK=block, num_warps=_row_warps(block))
     return codes, scale
+
+
+def _row_warps(block: int) -> int:
+    """Warps of a program that quantizes a block-wide slice of a row: 8 to 16."""
+    return max(8, min(16, block // 1024))
 
 
 @triton.jit
@@ -218,10 +220,7 @@ def _silu_mul_quantize_rows(GU, Q, SCALE, stride_g, stride_q, I, BLOCK: tl.const
     mask = c < I
     gate = tl.load(GU + r * stride_g + c, mask=mask, other=0.0)
     up = tl.load(GU + r * stride_g + I + c, mask=mask, other=0.0)
-    v = silu_times(gate, up).to(tl.float32)
-    s = _row_scale(tl.abs(v))
-    tl.store(SCALE + r, s)
-    _store_codes(Q + r * stride_q + c, v, s, mask)
+    _quantize_row(silu_times(gate, up).to(tl.float32), mask, Q + r * stride_q + c, SCALE + r)
 
 
 @triton.heuristics({"ONE_PASS": lambda a: a["K"] <= a["BLOCK_K"]})
@@ -232,9 +231,7 @@ def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr,
     rk = tl.arange(0, BLOCK_K)
     if ONE_PASS:   # the whole row in registers: one read
         v = tl.load(X + row * stride_x + rk, mask=rk < K, other=0.0).to(tl.float32)
-        s = _row_scale(tl.abs(v))
-        tl.store(SCALE + row, s)
-        _store_codes(Q + row * stride_q + rk, v, s, rk < K)
+        _quantize_row(v, rk < K, Q + row * stride_q + rk, SCALE + row)
     else:   # the row in K tiles: its amax, then the codes (the second read from L2)
         peak = tl.zeros((BLOCK_K,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -247,6 +244,15 @@ def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr,
             kk = k0 + rk
             v = tl.load(X + row * stride_x + kk, mask=kk < K, other=0.0).to(tl.float32)
             _store_codes(Q + row * stride_q + kk, v, s, kk < K)
+
+
+@triton.jit
+def _quantize_row(v, mask, q_ptrs, scale_ptr):
+    """A row held whole in registers (float32 v, 0 where not mask): its scale stored at
+    scale_ptr, its codes at q_ptrs."""
+    s = _row_scale(tl.abs(v))
+    tl.store(scale_ptr, s)
+    _store_codes(q_ptrs, v, s, mask)
 
 
 @triton.jit
