@@ -119,6 +119,8 @@ KERNEL_CASES = [  # S, heads, kv_heads, head_dim, block_size, max_blocks, lens, 
     (3, 32, 8, 128, 16, 12, [192, 1, 0], None),
     (5, 32, 8, 128, 16, 20, [17, 320, 33, 64, 250], 7),
     (2, 8, 8, 64, 16, 8, [100, 31], 1),
+    # 32 rows: the split kernels' long key tiles (triton_attention.split_block_n)
+    (32, 32, 8, 128, 16, 40, [n * 97 % 601 for n in range(32)], None),
 ]
 
 

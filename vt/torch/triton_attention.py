@@ -46,13 +46,29 @@ import triton.language as tl
 from vt.torch import triton_pdl as pdl
 from vt.torch.triton_fused import kv_code, kv_scale_args
 
-# Keys per tile: two vt blocks of 16. For _split on an H100 at 32 rows x 2,048 live tokens of
-# the 8B shape (8 KV heads, head_dim 128; 3 spans a row), 128-key tiles took 101 us a layer
-# against 115 with 32 over a bf16 cache, and 68 against 89 over an FP8 one; fewer, longer tiles
-# leave fewer programs with work at short contexts and small batches, which has not been
-# measured, so 32 stays.
+# Keys per tile of the split decode kernels: two vt blocks of 16, or LONG_BLOCK_N from
+# LONG_TILE_MIN_ROWS rows (decode_splits gives those rows 3 spans or fewer, so each span is
+# long). On an H100, 8B shape (8 KV heads, head_dim 128), us a layer, 32-key tiles against 128:
+#   rows x live   bf16 cache      FP8 cache
+#    2 x  256     6.3 /  7.6      6.3 /  8.3
+#   16 x  256     9.7 / 11.3      9.8 / 11.6
+#   16 x 2048    51.6 / 56.4     52.3 / 42.5
+#   32 x  256    17.4 / 16.7     16.5 / 16.5
+#   32 x 2048   113.3 / 98.5     89.4 / 69.4
+#  128 x 2048   410.8 / 360.2   281.8 / 239.1
+# Longer tiles hold more registers: head_dim past LONG_TILE_MAX_HEAD_DIM keeps BLOCK_N.
 BLOCK_N = 32
+LONG_BLOCK_N = 128
+LONG_TILE_MIN_ROWS = 32
+LONG_TILE_MAX_HEAD_DIM = 128
 NUM_WARPS = 4
+
+
+def split_block_n(rows: int, head_dim: int) -> int:
+    """Keys per tile of the split decode kernels for a step of `rows` rows (see BLOCK_N)."""
+    if rows >= LONG_TILE_MIN_ROWS and head_dim <= LONG_TILE_MAX_HEAD_DIM:
+        return LONG_BLOCK_N
+    return BLOCK_N
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int, splits: int,
@@ -65,6 +81,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, q.dtype, q.device)
     if S == 0:
         return out
+    block_n = split_block_n(S, head_dim)
     _split[(S, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
         *kv_scale_args(k_cache, k_scale, v_scale),
@@ -72,10 +89,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
         1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N, BLOCK_SIZE=block_size, SPLITS=splits,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         PRECISION=dot_precision(q.dtype), FP8_KV=k_scale is not None, num_warps=NUM_WARPS,
         **pdl.launch_options(q.device, S))
-    return _merge_spans(acc, stats, seq_lens, out, splits)
+    return _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
 def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -96,16 +113,17 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, qkv.dtype, qkv.device)
     if S == 0:
         return out
+    block_n = split_block_n(S, head_dim)
     _rope_split[(S, kv_heads, splits)](
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         acc, stats, *kv_scale_args(k_cache, k_scale, v_scale), qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), 1.0 / head_dim ** 0.5,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=BLOCK_N,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=dot_precision(qkv.dtype),
         FP8_KV=k_scale is not None, num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
-    return _merge_spans(acc, stats, seq_lens, out, splits)
+    return _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
 def check_layout(name: str, q, k_cache, v_cache) -> None:
@@ -127,11 +145,11 @@ def _span_buffers(S, heads, head_dim, splits, dtype, device):
     return acc, stats, torch.empty(S, heads, head_dim, dtype=dtype, device=device)
 
 
-def _merge_spans(acc, stats, seq_lens, out, splits: int):
+def _merge_spans(acc, stats, seq_lens, out, splits: int, block_n: int):
     S, heads, head_dim = out.shape
     _merge[(S, heads)](acc, stats, seq_lens, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
-                       BLOCK_P=triton.next_power_of_2(splits), BLOCK_N=BLOCK_N,
+                       BLOCK_P=triton.next_power_of_2(splits), BLOCK_N=block_n,
                        num_warps=NUM_WARPS, **pdl.launch_options(out.device, S))
     return out
 
