@@ -34,12 +34,13 @@ def float64_reference(q, k, v, tables, lens, block_size):
     S, heads, head_dim = q.shape
     group = heads // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float64)
+    q, k, v, tables = q.cpu(), k.cpu(), v.cpu(), tables.cpu()
     for n in range(S):
-        slots = pa.live_slots(tables[n].cpu(), int(lens[n]), block_size)
+        slots = pa.live_slots(tables[n], int(lens[n]), block_size)
         for h in range(heads if len(slots) else 0):
-            keys = k.cpu()[slots, h // group].double()
-            vals = v.cpu()[slots, h // group].double()
-            p = torch.softmax(keys @ q[n, h].cpu().double() / math.sqrt(head_dim), 0)
+            keys = k[slots, h // group].double()
+            vals = v[slots, h // group].double()
+            p = torch.softmax(keys @ q[n, h].double() / math.sqrt(head_dim), 0)
             out[n, h] = p @ vals
     return out
 
@@ -183,6 +184,18 @@ def _triton_attention():
     pytest.importorskip("triton", reason="the Triton kernel needs Triton")
     from vt.torch import triton_attention
     return triton_attention
+
+
+def test_split_kernels_take_long_key_tiles_from_32_rows_of_narrow_cache_rows():
+    """128-key tiles from LONG_TILE_MIN_ROWS rows when a cache row (head_dim elements) fits
+    LONG_TILE_MAX_ROW_BYTES; 32-key tiles below, and for wide rows (float32, head_dim 128)."""
+    ta = _triton_attention()
+    cache = lambda dtype, head_dim: torch.zeros(16, 8, head_dim, dtype=dtype)
+    assert ta.split_block_n(32, cache(torch.bfloat16, 128)) == ta.LONG_BLOCK_N == 128
+    assert ta.split_block_n(128, cache(torch.float8_e4m3fn, 128)) == 128
+    assert ta.split_block_n(31, cache(torch.bfloat16, 128)) == ta.BLOCK_N == 32
+    assert ta.split_block_n(32, cache(torch.float32, 128)) == 32
+    assert ta.split_block_n(32, cache(torch.float32, 64)) == 128
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -56,17 +56,21 @@ from vt.torch.triton_fused import kv_code, kv_scale_args
 #   32 x  256    17.4 / 16.7     16.5 / 16.5
 #   32 x 2048   113.3 / 98.5     89.4 / 69.4
 #  128 x 2048   410.8 / 360.2   281.8 / 239.1
-# Longer tiles hold more registers: head_dim past LONG_TILE_MAX_HEAD_DIM keeps BLOCK_N.
+# A longer tile needs more shared memory for its K and V: only caches whose rows (head_dim
+# elements) are at most LONG_TILE_MAX_ROW_BYTES take it (a float32 cache of head_dim 128 does
+# not fit an H100's shared memory in _rope_split).
 BLOCK_N = 32
 LONG_BLOCK_N = 128
 LONG_TILE_MIN_ROWS = 32
-LONG_TILE_MAX_HEAD_DIM = 128
+LONG_TILE_MAX_ROW_BYTES = 256
 NUM_WARPS = 4
 
 
-def split_block_n(rows: int, head_dim: int) -> int:
-    """Keys per tile of the split decode kernels for a step of `rows` rows (see BLOCK_N)."""
-    if rows >= LONG_TILE_MIN_ROWS and head_dim <= LONG_TILE_MAX_HEAD_DIM:
+def split_block_n(rows: int, k_cache: torch.Tensor) -> int:
+    """Keys per tile of the split decode kernels for a step of `rows` rows over k_cache (see
+    BLOCK_N)."""
+    if (rows >= LONG_TILE_MIN_ROWS
+            and k_cache.shape[-1] * k_cache.element_size() <= LONG_TILE_MAX_ROW_BYTES):
         return LONG_BLOCK_N
     return BLOCK_N
 
@@ -81,7 +85,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, q.dtype, q.device)
     if S == 0:
         return out
-    block_n = split_block_n(S, head_dim)
+    block_n = split_block_n(S, k_cache)
     _split[(S, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
         *kv_scale_args(k_cache, k_scale, v_scale),
@@ -113,7 +117,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, qkv.dtype, qkv.device)
     if S == 0:
         return out
-    block_n = split_block_n(S, head_dim)
+    block_n = split_block_n(S, k_cache)
     _rope_split[(S, kv_heads, splits)](
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         acc, stats, *kv_scale_args(k_cache, k_scale, v_scale), qkv.stride(0), cos.stride(0),
