@@ -170,7 +170,7 @@ def norm_quantize_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
     quantize_rows quantizes it, in one kernel: (x + delta, or None without delta; codes
     [S, hidden]; scales [S, 1]), bit for bit rms_norm then quantize_rows."""
     S, hidden = x.shape
-    check_norm_layout(x, delta, weight)
+    check_norm_layout("norm_quantize_rows", x, delta, weight)
     h = torch.empty_like(x) if delta is not None else None
     codes = torch.empty(S, hidden, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(S, 1, dtype=torch.float32, device=x.device)

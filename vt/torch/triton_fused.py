@@ -18,7 +18,7 @@ def rms_norm(x, delta, weight, eps: float):
     S, hidden = x.shape
     out = torch.empty_like(x)
     h = torch.empty_like(x) if delta is not None else None
-    check_norm_layout(x, delta, weight)
+    check_norm_layout("rms_norm", x, delta, weight)
     if S:
         _rms_norm[(S,)](x, x if delta is None else delta, weight, out if h is None else h, out,
                         x.stride(0), 0 if delta is None else delta.stride(0),
@@ -34,9 +34,11 @@ def norm_launch(hidden: int) -> dict:
     return dict(BLOCK=block, num_warps=max(1, min(16, block // 256)))
 
 
-def check_norm_layout(x, delta, weight) -> None:
+def check_norm_layout(name: str, x, delta, weight) -> None:
+    """ValueError, naming the kernel's caller, unless x, delta and weight have a contiguous
+    last dim (the row kernels built on add_norm_row need one)."""
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or (delta is not None and delta.stride(-1) != 1):
-        raise ValueError("rms_norm: x, delta and weight need a contiguous last dim")
+        raise ValueError(f"{name}: x, delta and weight need a contiguous last dim")
 
 
 def rope_and_cache(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, *, heads: int,
