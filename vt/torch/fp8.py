@@ -278,10 +278,10 @@ def add_norm_quantized(x: torch.Tensor, delta: torch.Tensor | None, norm, *, add
 
 
 def silu_mul_quantized(gate_up: torch.Tensor) -> Fp8Rows:
-    """fused.silu_mul(gate_up) quantized as quantize_rows quantizes it: on CUDA one kernel
-    (triton_fp8.silu_mul_quantize_rows) where the row fits it, else the two steps."""
+    """fused.silu_mul(gate_up) quantized as quantize_rows quantizes it: on CUDA
+    triton_fp8.silu_mul_quantize_rows, else the two steps."""
     from vt.torch import fused
-    if gate_up.is_cuda and gate_up.shape[1] // 2 <= _triton().QUANT_ONE_PASS_K:
+    if gate_up.is_cuda:
         return Fp8Rows(*_triton().silu_mul_quantize_rows(gate_up), gate_up.dtype)
     return quantized_rows(fused.silu_mul(gate_up))
 

@@ -51,6 +51,10 @@ ONE_ROW = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=8, num_stages=4)
 # read once into registers; a longer one twice, in K tiles of QUANT_BLOCK_K.
 QUANT_ONE_PASS_K = 16384
 QUANT_BLOCK_K = 2048
+# silu_mul_quantize_rows: columns a program. A row a program (the 8B shape's 14,336 in 16 warps)
+# was bound by the one SM's arithmetic: 6.3 us at 32 rows on an H100, split in chunks of 512
+# over two kernels 4.5 us.
+SILU_CHUNK = 512
 # (most rows, tile for N < WIDE_N, tile for N >= WIDE_N): the first whose row count covers S.
 # Measured on an H100 at the 8B shape's projections (N 4096 to 28672): a wide projection
 # (gate_up) runs fastest with wide column tiles that convert each weight tile once for all the
@@ -69,7 +73,11 @@ ROW_TILES = ((16, dict(ROWS=16, BLOCK_N=32, BLOCK_K=256, **_TILE),
 # W8A8 (w8a8_linear): measured on an H100 at 16, 32 and 64 rows of the 8B shape's four
 # projections, 64 weight rows by 256 K a tile beat 128-row tiles, 128- and 512-wide K tiles and
 # 8 warps (within 2 % of each shape's best), and beat the widened tiles above by 10-50 %.
+# A long reduction (K >= W8A8_LONG_K: down's 14,336) keeps one more tile in flight: 1.2-1.8 us
+# (5-7 %) faster at 16 to 64 rows; at shorter K a fifth stage gained nothing.
 W8A8_TILE = dict(BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+W8A8_LONG_K_TILE = dict(W8A8_TILE, num_stages=5)
+W8A8_LONG_K = 8192
 W8A8_MAX_BLOCK_M = 64   # activation rows a program; more rows, more programs along M
 
 
@@ -119,9 +127,10 @@ def scaled_rows_linear(xq: torch.Tensor, x_scale: torch.Tensor, codes: torch.Ten
     y = torch.empty(S, N, dtype=dtype, device=xq.device)
     if S:
         block_m = min(W8A8_MAX_BLOCK_M, max(16, triton.next_power_of_2(S)))
-        _w8a8[(triton.cdiv(S, block_m), triton.cdiv(N, W8A8_TILE["BLOCK_N"]))](
+        tile = W8A8_LONG_K_TILE if K >= W8A8_LONG_K else W8A8_TILE
+        _w8a8[(triton.cdiv(S, block_m), triton.cdiv(N, tile["BLOCK_N"]))](
             xq, x_scale, codes, scale, y, S, N, K, xq.stride(0), codes.stride(0), y.stride(0),
-            BLOCK_M=block_m, **W8A8_TILE)
+            BLOCK_M=block_m, **tile, **pdl.launch_options(xq.device, S))
     return y
 
 
@@ -160,7 +169,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         whole = triton.next_power_of_2(K)
         block_k = whole if whole <= QUANT_ONE_PASS_K else QUANT_BLOCK_K
         _quantize_rows[(M,)](x, codes, scale, K, x.stride(0), codes.stride(0), BLOCK_K=block_k,
-                             num_warps=_row_warps(block_k))
+                             num_warps=_row_warps(block_k), **pdl.launch_options(x.device, M))
     return codes, scale
 
 
@@ -178,33 +187,41 @@ def norm_quantize_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
         _norm_quantize_rows[(S,)](
             x, x if delta is None else delta, weight, codes if h is None else h, codes, scale,
             x.stride(0), 0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0),
-            codes.stride(0), hidden, eps, HAS_DELTA=delta is not None, **norm_launch(hidden))
+            codes.stride(0), hidden, eps, HAS_DELTA=delta is not None, **norm_launch(hidden),
+            **pdl.launch_options(x.device, S))
     return h, codes, scale
 
 
 @triton.jit
 def _norm_quantize_rows(X, DELTA, W, H, Q, SCALE, stride_x, stride_d, stride_h, stride_q, N,
-                        eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+                        eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
     r, c, mask, y = add_norm_row(X, DELTA, W, H, stride_x, stride_d, stride_h, N, eps,
-                                 HAS_DELTA, BLOCK, False)
+                                 HAS_DELTA, BLOCK, PDL)
     _quantize_row(y.to(tl.float32), mask, Q + r * stride_q + c, SCALE + r)
 
 
 def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """vt.torch.triton_fused.silu_mul's silu(gate) * up of gate_up [S, 2 * I] quantized as
-    quantize_rows quantizes it, in one kernel, a row a program: (codes [S, I], scales [S, 1]),
-    bit for bit silu_mul then quantize_rows. Rows of up to QUANT_ONE_PASS_K."""
+    quantize_rows quantizes it: (codes [S, I], scales [S, 1]), bit for bit silu_mul then
+    quantize_rows. Two kernels of S x cdiv(I, SILU_CHUNK) programs: the product in the storage
+    dtype with each chunk's amax, then each row's scale from its chunks' and the codes."""
     S, width = gate_up.shape
     inter = width // 2
-    if gate_up.stride(-1) != 1 or inter > QUANT_ONE_PASS_K:
-        raise ValueError(f"silu_mul_quantize_rows: gate_up needs a contiguous last dim and "
-                         f"I <= {QUANT_ONE_PASS_K}, got {tuple(gate_up.shape)}")
+    if gate_up.stride(-1) != 1:
+        raise ValueError(f"silu_mul_quantize_rows: gate_up needs a contiguous last dim, got "
+                         f"strides {gate_up.stride()}")
     codes = torch.empty(S, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
     scale = torch.empty(S, 1, dtype=torch.float32, device=gate_up.device)
     if S:
-        block = triton.next_power_of_2(inter)
-        _silu_mul_quantize_rows[(S,)](gate_up, codes, scale, gate_up.stride(0), codes.stride(0),
-                                      inter, BLOCK=block, num_warps=_row_warps(block))
+        chunks = triton.cdiv(inter, SILU_CHUNK)
+        product = torch.empty(S, inter, dtype=gate_up.dtype, device=gate_up.device)
+        peaks = torch.empty(S, chunks, dtype=torch.float32, device=gate_up.device)
+        launch = dict(CHUNK=SILU_CHUNK, num_warps=4, **pdl.launch_options(gate_up.device, S))
+        _silu_mul_peaks[(S, chunks)](gate_up, product, peaks, gate_up.stride(0), inter,
+                                     **launch)
+        _quantize_chunks[(S, chunks)](product, peaks, codes, scale, inter,
+                                      BLOCK_P=triton.next_power_of_2(chunks), **launch)
     return codes, scale
 
 
@@ -214,19 +231,48 @@ def _row_warps(block: int) -> int:
 
 
 @triton.jit
-def _silu_mul_quantize_rows(GU, Q, SCALE, stride_g, stride_q, I, BLOCK: tl.constexpr):
+def _silu_mul_peaks(GU, H, PEAK, stride_g, I, CHUNK: tl.constexpr, PDL: tl.constexpr):
+    """Program (r, p): silu_times over row r's columns p * CHUNK .. into H [S, I] (the storage
+    dtype), and their largest magnitude into PEAK [r, p]."""
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     r = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK)
+    p = tl.program_id(1)
+    c = p * CHUNK + tl.arange(0, CHUNK)
     mask = c < I
     gate = tl.load(GU + r * stride_g + c, mask=mask, other=0.0)
     up = tl.load(GU + r * stride_g + I + c, mask=mask, other=0.0)
-    _quantize_row(silu_times(gate, up).to(tl.float32), mask, Q + r * stride_q + c, SCALE + r)
+    h = silu_times(gate, up)
+    tl.store(H + r * I + c, h, mask=mask)
+    tl.store(PEAK + r * tl.num_programs(1) + p, tl.max(tl.abs(h.to(tl.float32)), axis=0))
+
+
+@triton.jit
+def _quantize_chunks(H, PEAK, Q, SCALE, I, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Program (r, p): row r's scale from its chunks' peaks (stored by p = 0), and the codes of
+    its columns p * CHUNK .."""
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
+    r = tl.program_id(0).to(tl.int64)
+    p = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    k = tl.arange(0, BLOCK_P)
+    s = _row_scale(tl.load(PEAK + r * chunks + k, mask=k < chunks, other=0.0))
+    if p == 0:
+        tl.store(SCALE + r, s)
+    c = p * CHUNK + tl.arange(0, CHUNK)
+    mask = c < I
+    v = tl.load(H + r * I + c, mask=mask, other=0.0).to(tl.float32)
+    _store_codes(Q + r * I + c, v, s, mask)
 
 
 @triton.heuristics({"ONE_PASS": lambda a: a["K"] <= a["BLOCK_K"]})
 @triton.jit
 def _quantize_rows(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr,
-                   ONE_PASS: tl.constexpr):
+                   ONE_PASS: tl.constexpr, PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     if ONE_PASS:   # the whole row in registers: one read
@@ -393,12 +439,15 @@ def _fp8_gemv(X, W, SCALE, Y, S, N, K, stride_x, stride_w, stride_y, SC, ROWS: t
 @triton.heuristics({"EVEN_K": lambda a: a["K"] % a["BLOCK_K"] == 0})
 @triton.jit
 def _w8a8(XQ, XS, W, WS, Y, S, N, K, stride_x, stride_w, stride_y, BLOCK_M: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+          PDL: tl.constexpr):
     """W8A8, program (row tile, column tile): the dot is taken transposed, weight rows as the
     tensor core's M side ([BLOCK_N, BLOCK_K] x [BLOCK_K, BLOCK_M], e4m3 both, float32
     accumulation), so a few activation rows are its narrow N side and the weight tile needs no
     padding. The epilogue applies the row's scale, then the channel's (reference_scaled_linear's
     order), rounds once and stores the tile transposed."""
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
