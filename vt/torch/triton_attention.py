@@ -8,21 +8,15 @@ the group's queries are the rows of one [BLOCK_H, head_dim] tile, padded to the 
 tensor-core dot needs. It keeps an online softmax and writes the span's unnormalized
 accumulator, running max and sum (float32) to the workspace; a span past the row's tokens
 (at 256 live tokens, 56 of the 64 spans a one-row step of the 8B shape has) writes nothing.
-The last program of each (row, KV head) to finish its span merges the group's spans
-(_merge_group): it reads the spans that hold tokens, rescales them to their common max,
-divides by the sum and writes the output. "Last" is an atomic count per (row, KV head) in
-span_counters (int32 zeros), which that program sets back to 0: a caller that keeps one
-zeroed buffer for its steps (vt.torch.llama's decoder) leaves no memset in them, and no
-merge kernel follows the split one. Each span's workspace stores come before a CTA barrier
-and the count's acquire-release add, and the merge reads them from L2 (.cg), so the merging
-program sees every span's values.
+_merge: grid (rows, heads): reads the spans that hold tokens, rescales them to their common
+max and divides by the sum.
 
 _rope_split: _split that starts from the fused q/k/v projection of a decode step (vt.torch.
 paged_attention.rope_cache_decode_attention): each program rotates its group's queries and
 its KV head's new key (RoPE, rounded to the storage dtype as vt.torch.fused.rope_and_cache
 rounds them), takes the new key and value for the row's last position from registers instead
 of the cache, and program p = 0 of each (row, KV head) writes them to the row's cache slot.
-No program reads that slot, so the write and the reads do not race. The merge as above.
+No program reads that slot, so the write and the reads do not race. Then _merge as above.
 
 _varlen: an eager step's tokens, every sequence's at once (vt.torch.paged_attention.
 paged_varlen_attention). Grid (sequences, query tiles, kv_heads): program (i, t, g) takes
@@ -82,7 +76,7 @@ def split_block_n(rows: int, k_cache: torch.Tensor) -> int:
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int, splits: int,
-                 k_scale=None, v_scale=None, span_counters=None):
+                 k_scale=None, v_scale=None):
     """vt.torch.paged_attention.paged_decode_attention's CUDA path (arguments checked there)."""
     S, heads, head_dim = q.shape
     kv_heads = k_cache.shape[1]
@@ -91,23 +85,23 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, q.dtype, q.device)
     if S == 0:
         return out
+    block_n = split_block_n(S, k_cache)
     _split[(S, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
-        _counters(span_counters, S * kv_heads, q.device), out,
         *kv_scale_args(k_cache, k_scale, v_scale),
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), 1.0 / head_dim ** 0.5,
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0),
+        1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=split_block_n(S, k_cache), BLOCK_SIZE=block_size, SPLITS=splits,
-        BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
-        FP8_KV=k_scale is not None, num_warps=NUM_WARPS, **pdl.launch_options(q.device, S))
-    return out
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
+        PRECISION=dot_precision(q.dtype), FP8_KV=k_scale is not None, num_warps=NUM_WARPS,
+        **pdl.launch_options(q.device, S))
+    return _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
 def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
                       seq_lens, *, heads: int, kv_heads: int, head_dim: int, block_size: int,
-                      splits: int, k_scale=None, v_scale=None, span_counters=None):
+                      splits: int, k_scale=None, v_scale=None):
     """vt.torch.paged_attention.rope_cache_decode_attention's CUDA path (arguments checked
     there)."""
     half = head_dim // 2
@@ -123,19 +117,17 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, qkv.dtype, qkv.device)
     if S == 0:
         return out
+    block_n = split_block_n(S, k_cache)
     _rope_split[(S, kv_heads, splits)](
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
-        acc, stats, _counters(span_counters, S * kv_heads, qkv.device), out,
-        *kv_scale_args(k_cache, k_scale, v_scale), qkv.stride(0), cos.stride(0),
+        acc, stats, *kv_scale_args(k_cache, k_scale, v_scale), qkv.stride(0), cos.stride(0),
         k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0),
-        out.stride(1), 1.0 / head_dim ** 0.5,
+        v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), 1.0 / head_dim ** 0.5,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
-        BLOCK_N=split_block_n(S, k_cache), BLOCK_SIZE=block_size, SPLITS=splits,
-        BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(qkv.dtype),
+        BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, SPLITS=splits, PRECISION=dot_precision(qkv.dtype),
         FP8_KV=k_scale is not None, num_warps=NUM_WARPS, **pdl.launch_options(qkv.device, S))
-    return out
+    return _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
 def check_layout(name: str, q, k_cache, v_cache) -> None:
@@ -157,17 +149,13 @@ def _span_buffers(S, heads, head_dim, splits, dtype, device):
     return acc, stats, torch.empty(S, heads, head_dim, dtype=dtype, device=device)
 
 
-def _counters(span_counters, needed: int, device) -> torch.Tensor:
-    """The split kernels' per-(row, KV head) counts: the caller's buffer (int32 zeros, at least
-    `needed`, which the kernels leave zero), or a fresh one."""
-    if span_counters is None:
-        return torch.zeros(needed, dtype=torch.int32, device=device)
-    if (span_counters.dtype != torch.int32 or span_counters.device != device
-            or span_counters.dim() != 1 or span_counters.numel() < needed):
-        raise ValueError(f"span_counters: int32 [>= {needed}] on {device} expected (rows x "
-                         f"KV heads), got {span_counters.dtype} {tuple(span_counters.shape)} "
-                         f"on {span_counters.device}")
-    return span_counters
+def _merge_spans(acc, stats, seq_lens, out, splits: int, block_n: int):
+    S, heads, head_dim = out.shape
+    _merge[(S, heads)](acc, stats, seq_lens, out, out.stride(0), out.stride(1),
+                       HEAD_DIM=head_dim, SPLITS=splits,
+                       BLOCK_P=triton.next_power_of_2(splits), BLOCK_N=block_n,
+                       num_warps=NUM_WARPS, **pdl.launch_options(out.device, S))
+    return out
 
 
 def dot_precision(dtype) -> str:
@@ -249,12 +237,12 @@ def _varlen(Q, K, V, QSL, LENS, BT, OUT, K_SCALE, V_SCALE, stride_qt, stride_qh,
 
 
 @triton.jit
-def _split(Q, K, V, BT, LENS, ACC, STATS, COUNT, OUT, K_SCALE, V_SCALE, stride_qs, stride_qh,
-           stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_os, stride_oh, scale,
-           GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
+def _split(Q, K, V, BT, LENS, ACC, STATS, K_SCALE, V_SCALE, stride_qs, stride_qh, stride_kt,
+           stride_kh, stride_vt, stride_vh, stride_bt, scale, GROUP: tl.constexpr,
+           BLOCK_H: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-           SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
-           FP8_KV: tl.constexpr, PDL: tl.constexpr):
+           SPLITS: tl.constexpr, PRECISION: tl.constexpr, FP8_KV: tl.constexpr,
+           PDL: tl.constexpr):
     pdl.launch_next(PDL)
     pdl.wait(PDL)
     n = tl.program_id(0)
@@ -289,18 +277,16 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, COUNT, OUT, K_SCALE, V_SCALE, stride_q
     tl.store(ACC + row[:, None] * HEAD_DIM + d[None, :], acc, mask=keep[:, None])
     tl.store(STATS + row * 2, m, mask=keep)
     tl.store(STATS + row * 2 + 1, l, mask=keep)
-    _merge_group(ACC, STATS, COUNT, OUT, n, kvh, GROUP * tl.num_programs(1), head, hmask, d,
-                 length, per, stride_os, stride_oh, HEAD_DIM, SPLITS, BLOCK_P)
 
 
 @triton.jit
-def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT, K_SCALE,
-                V_SCALE, stride_qkv, stride_cos,
-                stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, stride_os, stride_oh,
-                scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, K_SCALE, V_SCALE,
+                stride_qkv, stride_cos,
+                stride_kt, stride_kh, stride_vt, stride_vh, stride_bt, scale,
+                HEADS: tl.constexpr, KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
                 BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_P: tl.constexpr,
-                PRECISION: tl.constexpr, FP8_KV: tl.constexpr, PDL: tl.constexpr):
+                BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, PRECISION: tl.constexpr,
+                FP8_KV: tl.constexpr, PDL: tl.constexpr):
     # Each head_dim vector is handled as its two halves (what RoPE rotates together), so the
     # scores are two dots of HALF and the accumulator two [BLOCK_H, HALF] tiles.
     pdl.launch_next(PDL)
@@ -381,38 +367,6 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
     tl.store(ACC + row[:, None] * (2 * HALF) + HALF + d[None, :], acc2, mask=keep[:, None])
     tl.store(STATS + row * 2, m, mask=keep)
     tl.store(STATS + row * 2 + 1, l, mask=keep)
-    _merge_group(ACC, STATS, COUNT, OUT, n, kvh, HEADS, head, hmask, tl.arange(0, 2 * HALF),
-                 length, per, stride_os, stride_oh, 2 * HALF, SPLITS, BLOCK_P)
-
-
-@triton.jit
-def _merge_group(ACC, STATS, COUNT, OUT, n, kvh, heads, head, hmask, d, length, per,
-                 stride_os, stride_oh, HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
-                 BLOCK_P: tl.constexpr):
-    """After program (n, kvh, p) stored its span: if it is the last of row n's SPLITS spans
-    of KV head kvh to get here, the group's heads' output from the spans that hold tokens
-    (_span_tokens), each rescaled to their common max, divided by the sum; a row without
-    keys gets zeros. That program sets the count back to 0."""
-    tl.debug_barrier()   # every thread's stores of this span before the count
-    count = COUNT + n * tl.num_programs(1) + kvh
-    if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLITS - 1:
-        tl.store(count, 0)
-        p = tl.arange(0, BLOCK_P)
-        pmask = (p < SPLITS) & (p * per < length)
-        row = (n * heads + head).to(tl.int64)[:, None] * SPLITS + p[None, :]   # [BLOCK_H, BLOCK_P]
-        live = hmask[:, None] & pmask[None, :]
-        m = tl.load(STATS + row * 2, mask=live, other=float("-inf"), cache_modifier=".cg")
-        l = tl.load(STATS + row * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
-        big = tl.max(m, 1)
-        # Spans without keys (max -inf) weigh 0; a row without any keys gets zeros.
-        w = tl.where(m == float("-inf"), 0.0,
-                     tl.exp(m - tl.where(big == float("-inf"), 0.0, big)[:, None]))
-        acc = tl.load(ACC + row[:, :, None] * HEAD_DIM + d[None, None, :],
-                      mask=live[:, :, None], other=0.0, cache_modifier=".cg")
-        total = tl.sum(l * w, 1)
-        o = tl.sum(acc * w[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
-        tl.store(OUT + n * stride_os + head[:, None] * stride_oh + d[None, :],
-                 o.to(OUT.dtype.element_ty), mask=hmask[:, None])
 
 
 @triton.jit
@@ -485,3 +439,29 @@ def _softmax_weights(s, m, l):
     alpha = tl.exp(m - m_new)
     prob = tl.exp(s - m_new[:, None])
     return m_new, alpha, prob, l * alpha + tl.sum(prob, 1)
+
+
+@triton.jit
+def _merge(ACC, STATS, LENS, OUT, stride_os, stride_oh, HEAD_DIM: tl.constexpr,
+           SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+           PDL: tl.constexpr):
+    pdl.launch_next(PDL)
+    pdl.wait(PDL)
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    p = tl.arange(0, BLOCK_P)
+    d = tl.arange(0, HEAD_DIM)
+    length = tl.load(LENS + n)
+    # Only the spans that hold tokens were written (_span_tokens).
+    pmask = (p < SPLITS) & (p * _span_tokens(length, SPLITS, BLOCK_N) < length)
+    row = (n * heads + h).to(tl.int64) * SPLITS + p
+    m = tl.load(STATS + row * 2, mask=pmask, other=float("-inf"))
+    l = tl.load(STATS + row * 2 + 1, mask=pmask, other=0.0)
+    big = tl.max(m, 0)
+    # Spans without keys (max -inf) weigh 0; a row without any keys gets zeros.
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.where(big == float("-inf"), 0.0, big)))
+    acc = tl.load(ACC + row[:, None] * HEAD_DIM + d[None, :], mask=pmask[:, None], other=0.0)
+    total = tl.sum(l * w, 0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(OUT + n * stride_os + h * stride_oh + d, o.to(OUT.dtype.element_ty))
