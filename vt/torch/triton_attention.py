@@ -150,6 +150,8 @@ def _span_buffers(S, heads, head_dim, splits, dtype, device):
 
 
 def _merge_spans(acc, stats, seq_lens, out, splits: int, block_n: int):
+    """_merge over the spans a split kernel of block_n-key tiles wrote (the tile length fixes
+    where each span starts: _span_tokens)."""
     S, heads, head_dim = out.shape
     _merge[(S, heads)](acc, stats, seq_lens, out, out.stride(0), out.stride(1),
                        HEAD_DIM=head_dim, SPLITS=splits,
