@@ -164,17 +164,36 @@ def test_the_fp8_cache_kernels_compile_for_sm_90():
     cache = dict(K="*fp8e4nv", V="*fp8e4nv", KC="*fp8e4nv", VC="*fp8e4nv", K_SCALE="*fp32",
                  V_SCALE="*fp32", BT="*i32", LENS="*i32", ACC="*fp32", STATS="*fp32",
                  QKV="*bf16", Q="*bf16", QOUT="*bf16", OUT="*bf16", POS="*i32", COS="*fp32",
-                 SIN="*fp32", SLOT="*i64", QSL="*i32")
+                 SIN="*fp32", SLOT="*i64", QSL="*i32", COUNT="*i32")
     split = dict(BLOCK_N=32, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True)
     ptx = _compile_sm90(tf._rope_and_cache, cache, dict(HEADS=32, KV_HEADS=8, HALF=64,
                                                         FP8_KV=True, PDL=False))
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
-    _compile_sm90(ta._split, cache, dict(split, GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=8,
-                                         PDL=False))
-    ptx = _compile_sm90(ta._rope_split, cache, dict(split, HEADS=32, KV_HEADS=8, GROUP=4,
-                                                    BLOCK_H=16, HALF=64, SPLITS=8, PDL=False))
-    assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    for fold in (True, False):
+        ptx = _compile_sm90(ta._split, cache, dict(split, GROUP=4, BLOCK_H=16, HEAD_DIM=128,
+                                                   SPLITS=8, BLOCK_P=8, FOLD=fold, PDL=not fold))
+        assert ("atom" in ptx) == fold
+        ptx = _compile_sm90(ta._rope_split, cache, dict(split, HEADS=32, KV_HEADS=8, GROUP=4,
+                                                        BLOCK_H=16, HALF=64, SPLITS=8,
+                                                        BLOCK_P=8, FOLD=fold, PDL=not fold))
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
+        assert ("atom" in ptx) == fold
+    shapes = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, HEADS=32, KV_HEADS=8, HALF=64)
+    for fn in (ta._split, ta._rope_split):   # FOLD: the merge's order in memory
+        _assert_ordered_merge(_compile_sm90(fn, cache, dict(
+            split, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=False,
+            **{k: v for k, v in shapes.items() if k in fn.arg_names})))
     _compile_sm90(ta._varlen, cache, dict(split, GROUP=4, BLOCK_G=4, BLOCK_M=16, HEAD_DIM=128))
+
+
+def _assert_ordered_merge(ptx: str) -> None:
+    """The split kernels' merge (vt.torch.triton_attention._merge_group): a CTA barrier, then
+    the span count's add with acquire-release order at GPU scope, and the other spans'
+    workspace read through L2 (ld.global.cg), not a stale L1 line."""
+    assert "bar.sync" in ptx
+    assert "atom.global.gpu.acq_rel.add" in ptx or "atom.acq_rel.gpu.global.add" in ptx, \
+        [line for line in ptx.splitlines() if "atom" in line]
+    assert "ld.global.cg" in ptx
 
 
 @interpreted

@@ -363,43 +363,75 @@ def test_vt_prompt_kernels_serve_the_dense_greedy_tokens_on_cuda():
         be.close()
 
 
-@pytest.mark.gpu
-def test_one_row_step_with_pdl_equals_it_without_bit_for_bit_on_cuda(monkeypatch):
-    """bf16 on CUDA: a one-row decode step (head_dim 32: every kernel of it Triton's, each
-    launched with programmatic dependent launch) captured in a CUDA graph and replayed over
-    12 fresh steps (random cache, tables, token and position each) gives the logits and the
+def _assert_pdl_changes_no_bit(module, steps, monkeypatch):
+    """The module's decode step captured in a CUDA graph and replayed over fresh steps (random
+    cache, tables, token and position each; `steps`: each one's lens) gives the logits and the
     cache the same step launched without PDL gives, bit for bit: a kernel that read or wrote
     before waiting on the one before would race."""
     from vt.torch import triton_pdl
+    runs = []
+    for pdl in (True, False):
+        monkeypatch.setattr(triton_pdl, "ENABLED", pdl)
+        static = random_decode_step(module, steps[0], seed=100)
+        out = torch.empty(len(steps[0]), module.cfg.vocab, device="cuda")
+        module(static, out)                                   # compiles, outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            module(static, out)
+        got = []
+        for i, step_lens in enumerate(steps):
+            step = random_decode_step(module, step_lens, seed=i)   # also fills the cache
+            for f in dataclasses.fields(step):
+                value = getattr(step, f.name)
+                if isinstance(value, torch.Tensor):
+                    getattr(static, f.name).copy_(value)
+            graph.replay()
+            got.append((out.clone(), module.k_cache.clone(), module.v_cache.clone()))
+        del graph
+        runs.append(got)
+    for (logits, k, v), (logits0, k0, v0) in zip(*runs):
+        assert torch.isfinite(logits).all()
+        assert torch.equal(logits, logits0)
+        assert torch.equal(k.view(torch.uint8), k0.view(torch.uint8))
+        assert torch.equal(v.view(torch.uint8), v0.view(torch.uint8))
+
+
+def _skip_without_pdl():
+    from vt.torch import triton_pdl
+    if not triton_pdl.launch_options(torch.device("cuda"), 1)["PDL"]:
+        pytest.skip("PDL needs compute capability 9.0 (and VT_TRITON_PDL not 0)")
+
+
+@pytest.mark.gpu
+def test_one_row_step_with_pdl_equals_it_without_bit_for_bit_on_cuda(monkeypatch):
+    """bf16 on CUDA: a one-row decode step (head_dim 32: every kernel of it Triton's, each
+    launched with programmatic dependent launch), 12 replays (_assert_pdl_changes_no_bit)."""
     be = _cuda()
     try:
-        if not triton_pdl.launch_options(torch.device("cuda"), 1)["PDL"]:
-            pytest.skip("PDL needs compute capability 9.0 (and VT_TRITON_PDL not 0)")
+        _skip_without_pdl()
         ref = tiny_llama(be, cfg=CONFIGS["llama-hd32"], dtype=torch.bfloat16, kernels="torch")
         fast = twin(ref, "vt", "triton")
-        lens = [[1 + (97 * i) % GEO.max_context] for i in range(12)]
-        runs = []
-        for pdl in (True, False):
-            monkeypatch.setattr(triton_pdl, "ENABLED", pdl)
-            static = random_decode_step(fast, lens[0], seed=100)
-            out = torch.empty(1, fast.cfg.vocab, device="cuda")
-            fast(static, out)                                   # compiles, outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                fast(static, out)
-            got = []
-            for i, step_lens in enumerate(lens):
-                step = random_decode_step(fast, step_lens, seed=i)   # also fills the cache
-                for f in dataclasses.fields(step):
-                    value = getattr(step, f.name)
-                    if isinstance(value, torch.Tensor):
-                        getattr(static, f.name).copy_(value)
-                graph.replay()
-                got.append((out.clone(), fast.k_cache.clone(), fast.v_cache.clone()))
-            del graph
-            runs.append(got)
-        for (logits, k, v), (logits0, k0, v0) in zip(*runs):
-            assert torch.isfinite(logits).all()
-            assert torch.equal(logits, logits0) and torch.equal(k, k0) and torch.equal(v, v0)
+        _assert_pdl_changes_no_bit(fast, [[1 + (97 * i) % GEO.max_context] for i in range(12)],
+                                   monkeypatch)
+    finally:
+        be.close()
+
+
+@pytest.mark.gpu
+def test_w8a8_step_with_pdl_equals_it_without_bit_for_bit_on_cuda(monkeypatch):
+    """FP8 weights and KV cache, 32 rows: the W8A8 linears and the quantizations around them
+    take PDL at every row count (triton_pdl's any_rows), between split attention that merges
+    in its own kernel and the other kernels launched without it; 6 replays."""
+    from vt.step import KVGeometry
+    from vt.torch.llama import LlamaDecoder
+    be = _cuda()
+    try:
+        _skip_without_pdl()
+        geo = KVGeometry(max_seqs=32, num_kv_blocks=32 * 8 + 1, block_size=4, max_context=32)
+        torch.manual_seed(0)
+        module = LlamaDecoder(CONFIGS["llama-hd32"], geo, dtype=torch.bfloat16, device="cuda",
+                              quantization="fp8", kv_cache_dtype="fp8")
+        steps = [[1 + (37 * i + 11 * n) % geo.max_context for n in range(32)] for i in range(6)]
+        _assert_pdl_changes_no_bit(module, steps, monkeypatch)
     finally:
         be.close()

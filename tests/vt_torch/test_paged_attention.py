@@ -207,6 +207,56 @@ def test_triton_kernel_in_the_interpreter(case):
     _check_kernel(args, splits, torch.float16, "cpu", 2e-3, seed=11)
 
 
+def _check_span_counters(device, dtype):
+    """One counts buffer kept across calls of other row counts and split counts (as
+    LlamaDecoder keeps one for every step and layer): each call's output bit for bit that of a
+    call with a fresh buffer, and the buffer zero after each; a buffer too small, or not
+    int32, refused in one line."""
+    ta = _triton_attention()
+    assert ta.merges_in_split(ta.FOLD_MIN_ROWS) and not ta.merges_in_split(ta.FOLD_MIN_ROWS - 1)
+    counters = torch.zeros(5 * 8, dtype=torch.int32, device=device)
+    for seed, (S, lens, splits) in enumerate(((5, [17, 320, 0, 64, 250], 7), (2, [100, 31], 3),
+                                              (5, [1, 2, 3, 4, 5], 1))):
+        case = random_case(S, 32, 8, 128, 16, 20, lens, dtype, device, seed)
+        fresh = ta.paged_decode(*case, block_size=16, splits=splits)
+        kept = ta.paged_decode(*case, block_size=16, splits=splits, span_counters=counters)
+        assert torch.equal(kept, fresh) and not counters.any()
+    for bad in (torch.zeros(5 * 8 - 1, dtype=torch.int32, device=device),
+                torch.zeros(5 * 8, dtype=torch.int64, device=device)):
+        with pytest.raises(ValueError, match="span_counters: int32"):
+            ta.paged_decode(*case, block_size=16, splits=2, span_counters=bad)
+
+
+@pytest.mark.gpu
+def test_one_span_counts_buffer_serves_every_call_on_cuda(monkeypatch):
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    monkeypatch.setattr(_triton_attention(), "FOLD_MIN_ROWS", 2)
+    _check_span_counters("cuda", torch.bfloat16)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
+def test_one_span_counts_buffer_serves_every_call_in_the_interpreter(monkeypatch):
+    monkeypatch.setattr(_triton_attention(), "FOLD_MIN_ROWS", 2)
+    _check_span_counters("cpu", torch.float16)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("case", KERNEL_CASES[1:4])
+def test_the_fold_at_fewer_rows_in_the_interpreter(case, monkeypatch):
+    """The split kernels' own merge (from FOLD_MIN_ROWS rows; here from one) at the cases
+    below it, both decode kernels: within the same tolerance of float64."""
+    ta = _triton_attention()
+    monkeypatch.setattr(ta, "FOLD_MIN_ROWS", 1)
+    *args, splits = case
+    _check_kernel(args, splits, torch.float16, "cpu", 2e-3, seed=12)
+    _check_rope_kernel(args, splits, torch.float16, "cpu", 2e-3, seed=12,
+                       run=lambda *a, splits, **kw: ta.rope_paged_decode(
+                           *a, splits=splits or 4, **kw))
+
+
 # rope_cache_decode_attention: the decode attention from the fused q/k/v projection, its RoPE
 # and KV write in the same kernel.
 

@@ -12,16 +12,19 @@ from vt.torch import triton_pdl  # noqa: E402
 
 def test_cpu_tensors_never_take_pdl():
     assert triton_pdl.launch_options(torch.device("cpu"), 1) == {"PDL": False}
+    assert triton_pdl.launch_options(torch.device("cpu"), 32, any_rows=True) == {"PDL": False}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 2, 8])
+@pytest.mark.parametrize("rows", [1, 2, 8, 32])
+@pytest.mark.parametrize("any_rows", [False, True])
 @pytest.mark.parametrize("enabled", [True, False])
-def test_cuda_launches_take_pdl_at_one_row_on_hopper_only(monkeypatch, rows, enabled):
+def test_cuda_launches_take_pdl_at_one_row_or_any_rows_on_hopper_only(monkeypatch, rows,
+                                                                      any_rows, enabled):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
     monkeypatch.setattr(triton_pdl, "ENABLED", enabled)
     hopper = torch.cuda.get_device_capability() >= (9, 0)
-    want = ({"PDL": True, "launch_pdl": True} if enabled and rows == 1 and hopper
+    want = ({"PDL": True, "launch_pdl": True} if enabled and (rows == 1 or any_rows) and hopper
             else {"PDL": False})
-    assert triton_pdl.launch_options(torch.device("cuda"), rows) == want
+    assert triton_pdl.launch_options(torch.device("cuda"), rows, any_rows=any_rows) == want

@@ -71,18 +71,24 @@ class FusedStep:
     query_start_loc: torch.Tensor | None = None   # [B + 1]; None: a decode step
     max_query_len: int = 1
     invariant: bool = False   # batch_invariant: every token's bits depend on it alone
+    # [>= B * kv_heads] int32 zeros the decode kernels count spans in (and leave zero); None:
+    # each call takes a fresh one (vt.torch.paged_attention.paged_decode_attention)
+    span_counters: torch.Tensor | None = None
 
 
 def build_context(inputs, cos_table, sin_table, block_size: int, context: torch.Tensor,
-                  fused: bool = False, invariant: bool = False) -> AttentionContext:
+                  fused: bool = False, invariant: bool = False,
+                  span_counters: torch.Tensor | None = None) -> AttentionContext:
     """The step's AttentionContext; `context`: arange(max_blocks * block_size) on the device.
     fused: the step runs on vt's kernels (paged attention: no dense slots, mask or chunks);
-    invariant: their batch-invariant forms (LlamaDecoder's batch_invariant)."""
+    invariant: their batch-invariant forms (LlamaDecoder's batch_invariant); span_counters:
+    FusedStep's, for a decode step on them."""
     pos = inputs.positions.long()
     cos, sin = cos_table[pos].unsqueeze(1), sin_table[pos].unsqueeze(1)
     if inputs.is_decode and fused:
         step = FusedStep(inputs.block_tables, inputs.seq_lens, inputs.positions, cos_table,
-                         sin_table, block_size, invariant=invariant)
+                         sin_table, block_size, invariant=invariant,
+                         span_counters=span_counters)
         return AttentionContext(inputs.slot_mapping.long(), cos, sin, inputs.batch, None, None,
                                 fused=step)
     tables = inputs.block_tables.long()
@@ -150,7 +156,8 @@ def _decode_rows(q, k_cache, v_cache, ctx: AttentionContext, k_scale=None,
     if f is not None:
         return paged_decode_attention(q, k_cache, v_cache, f.block_tables, f.seq_lens,
                                       block_size=f.block_size, invariant=f.invariant,
-                                      k_scale=k_scale, v_scale=v_scale)
+                                      k_scale=k_scale, v_scale=v_scale,
+                                      span_counters=f.span_counters)
     return decode_attention(q, k_cache, v_cache, ctx.decode_slots, ctx.decode_mask)
 
 

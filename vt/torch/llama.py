@@ -287,6 +287,10 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("sin", sin.to(device), persistent=False)
         T = geometry.max_blocks * geometry.block_size
         self.register_buffer("context", torch.arange(T, device=device), persistent=False)   # [T]
+        # The decode attention kernels' span counts (FusedStep.span_counters), one zeroed
+        # buffer for every step and layer: the kernels leave it zero.
+        self.register_buffer("span_counters", torch.zeros(
+            geometry.max_seqs * kv[2], dtype=torch.int32, device=device), persistent=False)
 
     @property
     def vocab(self) -> int:
@@ -299,7 +303,8 @@ class LlamaDecoder(nn.Module):
         sequence's logits_indices token (a decode step's are all of its tokens)."""
         ops = self.step_ops(inputs)
         ctx = build_context(inputs, self.cos, self.sin, self.geometry.block_size, self.context,
-                            fused=ops.fused, invariant=self.batch_invariant)
+                            fused=ops.fused, invariant=self.batch_invariant,
+                            span_counters=self.span_counters)
         x, delta = self.embed(inputs.input_ids.long()), None
         for i, layer in enumerate(self.layers):
             x, delta = layer(x, delta, ctx, ops, self.k_cache[i], self.v_cache[i])
@@ -535,7 +540,8 @@ def one_kernel_attention(attn: Attention, qkv, ctx: AttentionContext, k_cache, v
         qkv, p.positions, p.cos_table, p.sin_table, k_cache, v_cache, ctx.slot_mapping,
         p.block_tables, p.seq_lens, block_size=p.block_size, invariant=p.invariant,
         heads=attn.heads, kv_heads=attn.kv_heads, head_dim=attn.cfg.head_dim,
-        k_scale=attn.k_scale, v_scale=attn.v_scale).reshape(1, -1)
+        k_scale=attn.k_scale, v_scale=attn.v_scale, span_counters=p.span_counters
+    ).reshape(1, -1)
 
 
 def no_head_norm(norm, x):

@@ -50,7 +50,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, *,
                            block_size: int, splits: int | None = None,
                            invariant: bool = False, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None,
+                           span_counters: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of each row's query over its live cache tokens.
 
     q [S, heads, head_dim]; k_cache, v_cache [num_blocks * block_size, kv_heads, head_dim]
@@ -62,7 +63,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     token (on CUDA: vt.torch.triton_invariant's fixed spans, so `splits` must be None).
     k_scale, v_scale: an FP8 cache's (float8_e4m3fn; float32 tensors of one element), read as
     vt.torch.kv_fp8 says (the codes as they are, K's scale on the scores, V's on the output);
-    None for a cache in q's dtype.
+    None for a cache in q's dtype. span_counters: the CUDA kernel's per-(row, KV head) counts,
+    int32 zeros of at least S * kv_heads that it leaves zero (a caller's persistent buffer
+    spares each call a memset; None: a fresh one).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, k_scale=k_scale,
            v_scale=v_scale, invariant=invariant)
@@ -78,7 +81,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                           "paged_decode_attention")
     return triton_attention.paged_decode(q, k_cache, v_cache, block_tables, seq_lens,
                                          block_size=block_size, splits=splits,
-                                         k_scale=k_scale, v_scale=v_scale)
+                                         k_scale=k_scale, v_scale=v_scale,
+                                         span_counters=span_counters)
 
 
 def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
@@ -87,11 +91,12 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
                                 seq_lens: torch.Tensor, *, heads: int, kv_heads: int,
                                 head_dim: int, block_size: int, splits: int | None = None,
                                 invariant: bool = False, k_scale: torch.Tensor | None = None,
-                                v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                                v_scale: torch.Tensor | None = None,
+                                span_counters: torch.Tensor | None = None) -> torch.Tensor:
     """A decode step's attention from its fused q/k/v projection:
     vt.torch.fused.rope_and_cache (RoPE of q and k, the new key and value written to
-    slot_mapping's slots) then paged_decode_attention, as one kernel (and the split-K merge)
-    on CUDA, where the two are two kernels (and the merge).
+    slot_mapping's slots) then paged_decode_attention, as one kernel on CUDA, where the two
+    are two kernels.
 
     qkv [S, (heads + 2 * kv_heads) * head_dim]; positions [S] int; cos, sin [max_context,
     head_dim] float32; the caches, block_tables and seq_lens as paged_decode_attention's;
@@ -101,7 +106,8 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
     and the fold on CUDA: the one kernel's two half-width dots sum the scores in another
     order than the varlen path does). k_scale, v_scale: an FP8 cache's (the new key and
     value written as rope_and_cache writes them, every key and value read as
-    paged_decode_attention reads them, the new ones included).
+    paged_decode_attention reads them, the new ones included). span_counters: as
+    paged_decode_attention's.
     """
     fused.check_rope(qkv, k_cache, v_cache, positions, slot_mapping, heads, kv_heads, head_dim)
     q_shape = qkv[:, :heads * head_dim].unflatten(1, (heads, head_dim))   # a view, to check
@@ -125,7 +131,7 @@ def rope_cache_decode_attention(qkv: torch.Tensor, positions: torch.Tensor, cos:
     return _triton_module().rope_paged_decode(
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
-        splits=splits, **scales)
+        splits=splits, span_counters=span_counters, **scales)
 
 
 def paged_varlen_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -130,7 +130,7 @@ def scaled_rows_linear(xq: torch.Tensor, x_scale: torch.Tensor, codes: torch.Ten
         tile = W8A8_LONG_K_TILE if K >= W8A8_LONG_K else W8A8_TILE
         _w8a8[(triton.cdiv(S, block_m), triton.cdiv(N, tile["BLOCK_N"]))](
             xq, x_scale, codes, scale, y, S, N, K, xq.stride(0), codes.stride(0), y.stride(0),
-            BLOCK_M=block_m, **tile, **pdl.launch_options(xq.device, S))
+            BLOCK_M=block_m, **tile, **pdl.launch_options(xq.device, S, any_rows=True))
     return y
 
 
@@ -169,7 +169,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         whole = triton.next_power_of_2(K)
         block_k = whole if whole <= QUANT_ONE_PASS_K else QUANT_BLOCK_K
         _quantize_rows[(M,)](x, codes, scale, K, x.stride(0), codes.stride(0), BLOCK_K=block_k,
-                             num_warps=_row_warps(block_k), **pdl.launch_options(x.device, M))
+                             num_warps=_row_warps(block_k),
+                             **pdl.launch_options(x.device, M, any_rows=True))
     return codes, scale
 
 
@@ -188,7 +189,7 @@ def norm_quantize_rows(x: torch.Tensor, delta: torch.Tensor | None, weight: torc
             x, x if delta is None else delta, weight, codes if h is None else h, codes, scale,
             x.stride(0), 0 if delta is None else delta.stride(0), 0 if h is None else h.stride(0),
             codes.stride(0), hidden, eps, HAS_DELTA=delta is not None, **norm_launch(hidden),
-            **pdl.launch_options(x.device, S))
+            **pdl.launch_options(x.device, S, any_rows=True))
     return h, codes, scale
 
 
@@ -217,7 +218,8 @@ def silu_mul_quantize_rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.T
         chunks = triton.cdiv(inter, SILU_CHUNK)
         product = torch.empty(S, inter, dtype=gate_up.dtype, device=gate_up.device)
         peaks = torch.empty(S, chunks, dtype=torch.float32, device=gate_up.device)
-        launch = dict(CHUNK=SILU_CHUNK, num_warps=4, **pdl.launch_options(gate_up.device, S))
+        launch = dict(CHUNK=SILU_CHUNK, num_warps=4,
+                      **pdl.launch_options(gate_up.device, S, any_rows=True))
         _silu_mul_peaks[(S, chunks)](gate_up, product, peaks, gate_up.stride(0), inter,
                                      **launch)
         _quantize_chunks[(S, chunks)](product, peaks, codes, scale, inter,
