@@ -210,21 +210,32 @@ def test_triton_kernel_in_the_interpreter(case):
 def _check_span_counters(device, dtype):
     """One counts buffer kept across calls of other row counts and split counts (as
     LlamaDecoder keeps one for every step and layer): each call's output bit for bit that of a
-    call with a fresh buffer, and the buffer zero after each; a buffer too small, or not
-    int32, refused in one line."""
+    call with a fresh buffer, and the buffer zero after each. A step of more rows than the
+    buffer counts (a verify step's) merges in the _merge kernel: its bits, the buffer
+    untouched. A buffer not int32 is refused in one line."""
     ta = _triton_attention()
-    assert ta.merges_in_split(ta.FOLD_MIN_ROWS) and not ta.merges_in_split(ta.FOLD_MIN_ROWS - 1)
-    counters = torch.zeros(5 * 8, dtype=torch.int32, device=device)
+    kv_heads = 8
+    assert ta.merges_in_split(ta.FOLD_MIN_ROWS, kv_heads)
+    assert not ta.merges_in_split(ta.FOLD_MIN_ROWS - 1, kv_heads)
+    counters = torch.zeros(5 * kv_heads, dtype=torch.int32, device=device)
+    assert ta.merges_in_split(6, kv_heads) and not ta.merges_in_split(6, kv_heads, counters)
     for seed, (S, lens, splits) in enumerate(((5, [17, 320, 0, 64, 250], 7), (2, [100, 31], 3),
                                               (5, [1, 2, 3, 4, 5], 1))):
-        case = random_case(S, 32, 8, 128, 16, 20, lens, dtype, device, seed)
+        case = random_case(S, 32, kv_heads, 128, 16, 20, lens, dtype, device, seed)
         fresh = ta.paged_decode(*case, block_size=16, splits=splits)
         kept = ta.paged_decode(*case, block_size=16, splits=splits, span_counters=counters)
         assert torch.equal(kept, fresh) and not counters.any()
-    for bad in (torch.zeros(5 * 8 - 1, dtype=torch.int32, device=device),
-                torch.zeros(5 * 8, dtype=torch.int64, device=device)):
-        with pytest.raises(ValueError, match="span_counters: int32"):
-            ta.paged_decode(*case, block_size=16, splits=2, span_counters=bad)
+    wide = random_case(6, 32, kv_heads, 128, 16, 20, [90, 17, 320, 0, 64, 250], dtype, device, 3)
+    past = ta.paged_decode(*wide, block_size=16, splits=4, span_counters=counters)
+    fold_min_rows, ta.FOLD_MIN_ROWS = ta.FOLD_MIN_ROWS, 10 ** 6
+    try:
+        merged = ta.paged_decode(*wide, block_size=16, splits=4)
+    finally:
+        ta.FOLD_MIN_ROWS = fold_min_rows
+    assert torch.equal(past, merged) and not counters.any()
+    with pytest.raises(ValueError, match="span_counters: int32"):
+        ta.paged_decode(*case, block_size=16, splits=2,
+                        span_counters=torch.zeros(5 * kv_heads, dtype=torch.int64, device=device))
 
 
 @pytest.mark.gpu

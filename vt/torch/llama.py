@@ -288,7 +288,8 @@ class LlamaDecoder(nn.Module):
         T = geometry.max_blocks * geometry.block_size
         self.register_buffer("context", torch.arange(T, device=device), persistent=False)   # [T]
         # The decode attention kernels' span counts (FusedStep.span_counters), one zeroed
-        # buffer for every step and layer: the kernels leave it zero.
+        # buffer for every step and layer: the kernels leave it zero. It covers max_seqs rows;
+        # a verify step's k + 1 rows per sequence merge in a second kernel (merges_in_split).
         self.register_buffer("span_counters", torch.zeros(
             geometry.max_seqs * kv[2], dtype=torch.int32, device=device), persistent=False)
 

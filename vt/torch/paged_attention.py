@@ -64,8 +64,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     k_scale, v_scale: an FP8 cache's (float8_e4m3fn; float32 tensors of one element), read as
     vt.torch.kv_fp8 says (the codes as they are, K's scale on the scores, V's on the output);
     None for a cache in q's dtype. span_counters: the CUDA kernel's per-(row, KV head) counts,
-    int32 zeros of at least S * kv_heads that it leaves zero (a caller's persistent buffer
-    spares each call a memset; None: a fresh one).
+    int32 zeros that it leaves zero (a caller's persistent buffer spares each call a memset;
+    None: a fresh one). One of fewer than S * kv_heads counts has the step merge its spans in
+    a second kernel (vt.torch.triton_attention.merges_in_split).
     """
     _check(q, k_cache, v_cache, block_tables, seq_lens, block_size, k_scale=k_scale,
            v_scale=v_scale, invariant=invariant)

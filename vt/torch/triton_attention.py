@@ -98,7 +98,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     if S == 0:
         return out
     launch = pdl.launch_options(q.device, S)
-    fold = merges_in_split(S)
+    fold = merges_in_split(S, kv_heads, span_counters)
     _split[(S, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
         _counters(span_counters, S * kv_heads, q.device, fold), out,
@@ -133,7 +133,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
     if S == 0:
         return out
     launch = pdl.launch_options(qkv.device, S)
-    fold = merges_in_split(S)
+    fold = merges_in_split(S, kv_heads, span_counters)
     _rope_split[(S, kv_heads, splits)](
         qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables, seq_lens,
         acc, stats, _counters(span_counters, S * kv_heads, qkv.device, fold), out,
@@ -169,26 +169,32 @@ def _span_buffers(S, heads, head_dim, splits, dtype, device):
     return acc, stats, torch.empty(S, heads, head_dim, dtype=dtype, device=device)
 
 
-def merges_in_split(rows: int) -> bool:
+def merges_in_split(rows: int, kv_heads: int, span_counters=None) -> bool:
     """Whether the split kernels of a rows-row step merge their spans themselves (the last
     span program of each (row, KV head)) rather than a _merge kernel after them: from
-    FOLD_MIN_ROWS rows."""
-    return rows >= FOLD_MIN_ROWS
+    FOLD_MIN_ROWS rows, where there is a count for each (row, KV head): span_counters None (a
+    fresh buffer) or of at least rows * kv_heads. A step of more rows than the caller's buffer
+    covers (a speculative verify step: k + 1 rows per sequence, more than the sequences
+    LlamaDecoder sizes its buffer for) merges in the _merge kernel."""
+    return rows >= FOLD_MIN_ROWS and (span_counters is None
+                                      or span_counters.numel() >= rows * kv_heads)
 
 
 def _counters(span_counters, needed: int, device, fold: bool) -> torch.Tensor:
     """The split kernels' per-(row, KV head) counts when they fold the merge: the caller's
-    buffer (int32 zeros, at least `needed`, which the kernels leave zero), or a fresh one.
-    Without the fold the kernels read none (an empty tensor stands in)."""
+    buffer (int32 zeros, which the kernels leave zero; merges_in_split checked its length), or
+    a fresh one of `needed`. Without the fold the kernels read none (an empty tensor stands
+    in). A caller's buffer of another dtype, device or rank is refused either way."""
+    if span_counters is not None and (span_counters.dtype != torch.int32
+                                      or span_counters.device != device
+                                      or span_counters.dim() != 1):
+        raise ValueError(f"span_counters: int32 [rows x KV heads] on {device} expected, got "
+                         f"{span_counters.dtype} {tuple(span_counters.shape)} on "
+                         f"{span_counters.device}")
     if not fold:
         return torch.empty(0, dtype=torch.int32, device=device)
     if span_counters is None:
         return torch.zeros(needed, dtype=torch.int32, device=device)
-    if (span_counters.dtype != torch.int32 or span_counters.device != device
-            or span_counters.dim() != 1 or span_counters.numel() < needed):
-        raise ValueError(f"span_counters: int32 [>= {needed}] on {device} expected (rows x "
-                         f"KV heads), got {span_counters.dtype} {tuple(span_counters.shape)} "
-                         f"on {span_counters.device}")
     return span_counters
 
 
