@@ -207,7 +207,7 @@ def test_triton_kernel_in_the_interpreter(case):
     _check_kernel(args, splits, torch.float16, "cpu", 2e-3, seed=11)
 
 
-def _check_span_counters(device, dtype):
+def _check_span_counters(device, dtype, monkeypatch):
     """One counts buffer kept across calls of other row counts and split counts (as
     LlamaDecoder keeps one for every step and layer): each call's output bit for bit that of a
     call with a fresh buffer, and the buffer zero after each. A step of more rows than the
@@ -227,11 +227,8 @@ def _check_span_counters(device, dtype):
         assert torch.equal(kept, fresh) and not counters.any()
     wide = random_case(6, 32, kv_heads, 128, 16, 20, [90, 17, 320, 0, 64, 250], dtype, device, 3)
     past = ta.paged_decode(*wide, block_size=16, splits=4, span_counters=counters)
-    fold_min_rows, ta.FOLD_MIN_ROWS = ta.FOLD_MIN_ROWS, 10 ** 6
-    try:
-        merged = ta.paged_decode(*wide, block_size=16, splits=4)
-    finally:
-        ta.FOLD_MIN_ROWS = fold_min_rows
+    monkeypatch.setattr(ta, "FOLD_MIN_ROWS", 10 ** 6)
+    merged = ta.paged_decode(*wide, block_size=16, splits=4)
     assert torch.equal(past, merged) and not counters.any()
     with pytest.raises(ValueError, match="span_counters: int32"):
         ta.paged_decode(*case, block_size=16, splits=2,
@@ -243,14 +240,14 @@ def test_one_span_counts_buffer_serves_every_call_on_cuda(monkeypatch):
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
     monkeypatch.setattr(_triton_attention(), "FOLD_MIN_ROWS", 2)
-    _check_span_counters("cuda", torch.bfloat16)
+    _check_span_counters("cuda", torch.bfloat16, monkeypatch)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="runs the Triton kernel on the CPU only under TRITON_INTERPRET=1")
 def test_one_span_counts_buffer_serves_every_call_in_the_interpreter(monkeypatch):
     monkeypatch.setattr(_triton_attention(), "FOLD_MIN_ROWS", 2)
-    _check_span_counters("cpu", torch.float16)
+    _check_span_counters("cpu", torch.float16, monkeypatch)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -97,6 +97,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, q.dtype, q.device)
     if S == 0:
         return out
+    block_n = split_block_n(S, k_cache)
     launch = pdl.launch_options(q.device, S)
     fold = merges_in_split(S, kv_heads, span_counters)
     _split[(S, kv_heads, splits)](
@@ -107,11 +108,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         v_cache.stride(0), v_cache.stride(1), block_tables.stride(0), out.stride(0),
         out.stride(1), 1.0 / head_dim ** 0.5,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_N=split_block_n(S, k_cache), BLOCK_SIZE=block_size, SPLITS=splits,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
         FP8_KV=k_scale is not None, FOLD=fold, num_warps=NUM_WARPS, **launch)
-    return out if fold else _merge_spans(acc, stats, seq_lens, out, splits,
-                                         split_block_n(S, k_cache))
+    return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
 def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, block_tables,
@@ -132,6 +132,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
     acc, stats, out = _span_buffers(S, heads, head_dim, splits, qkv.dtype, qkv.device)
     if S == 0:
         return out
+    block_n = split_block_n(S, k_cache)
     launch = pdl.launch_options(qkv.device, S)
     fold = merges_in_split(S, kv_heads, span_counters)
     _rope_split[(S, kv_heads, splits)](
@@ -143,11 +144,10 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         out.stride(1), 1.0 / head_dim ** 0.5,
         HEADS=heads, KV_HEADS=kv_heads, GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
-        BLOCK_N=split_block_n(S, k_cache), BLOCK_SIZE=block_size, SPLITS=splits,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(qkv.dtype),
         FP8_KV=k_scale is not None, FOLD=fold, num_warps=NUM_WARPS, **launch)
-    return out if fold else _merge_spans(acc, stats, seq_lens, out, splits,
-                                         split_block_n(S, k_cache))
+    return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
 def check_layout(name: str, q, k_cache, v_cache) -> None:
