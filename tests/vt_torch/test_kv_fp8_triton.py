@@ -139,15 +139,19 @@ def test_the_kernel_write_rounds_as_torch_on_cuda():
     check_write_rounding("cuda")
 
 
-def _compile_sm90(fn, pointers: dict, constexprs: dict) -> str:
+def _compile_sm90(fn, pointers: dict, constexprs: dict, aligned: bool = False) -> str:
     """fn compiled for sm_90 (no GPU needed: Triton's bundled ptxas), its PTX: the pointers
-    as typed, strides int32, `scale` float32, every other argument a constexpr."""
+    as typed, strides int32, `scale` float32, every other argument a constexpr. aligned: the
+    pointers 16-byte aligned and the strides multiples of 16, as Triton's launcher finds them
+    at the 8B shape and specializes the kernel (its loads then vectorize)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = {n: pointers.get(n, "fp32" if n == "scale" else "i32" if n.startswith("stride")
                            else "constexpr") for n in fn.arg_names}
-    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if aligned and (n in pointers or n.startswith("stride"))}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
@@ -171,19 +175,61 @@ def test_the_fp8_cache_kernels_compile_for_sm_90():
     assert "div.rn.f32" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     for fold in (True, False):
         ptx = _compile_sm90(ta._split, cache, dict(split, GROUP=4, BLOCK_H=16, HEAD_DIM=128,
-                                                   SPLITS=8, BLOCK_P=8, FOLD=fold, PDL=not fold))
+                                                   SPLITS=8, BLOCK_P=8, FOLD=fold, PDL=not fold,
+                                                   PIN_V=True))
         assert ("atom" in ptx) == fold
         ptx = _compile_sm90(ta._rope_split, cache, dict(split, HEADS=32, KV_HEADS=8, GROUP=4,
                                                         BLOCK_H=16, HALF=64, SPLITS=8,
                                                         BLOCK_P=8, FOLD=fold, PDL=not fold))
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert ("atom" in ptx) == fold
-    shapes = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, HEADS=32, KV_HEADS=8, HALF=64)
+    shapes = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, HEADS=32, KV_HEADS=8, HALF=64, PIN_V=True)
     for fn in (ta._split, ta._rope_split):   # FOLD: the merge's order in memory
         _assert_ordered_merge(_compile_sm90(fn, cache, dict(
             split, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=False,
             **{k: v for k, v in shapes.items() if k in fn.arg_names})))
     _compile_sm90(ta._varlen, cache, dict(split, GROUP=4, BLOCK_G=4, BLOCK_M=16, HEAD_DIM=128))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="under TRITON_INTERPRET=1 Triton interprets the kernels and compiles "
+                           "none; run without it")
+def test_split_attention_reads_an_fp8_v_tile_with_16_byte_loads():
+    """_split over an FP8 cache at the 32-row tile (128 keys), as launched on CUDA (PIN_V):
+    V's tile converts as loaded and reaches the P @ V dot through ldmatrix.trans, with no
+    one-byte shared-memory load; without the pin Triton reads the codes one byte at a time
+    (this test's detector)."""
+    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
+    from vt.torch import triton_attention as ta
+    pointers = dict(K="*fp8e4nv", V="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
+                    LENS="*i32", ACC="*fp32", STATS="*fp32", Q="*bf16", OUT="*bf16",
+                    COUNT="*i32")
+    shape = dict(BLOCK_N=ta.LONG_BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True,
+                 GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=True)
+    pinned, unpinned = (_compile_sm90(ta._split, pointers, dict(shape, PIN_V=pin), aligned=True)
+                        for pin in (True, False))
+    assert "ld.shared.b8" in unpinned
+    assert "ld.shared.b8" not in pinned and "ldmatrix.sync.aligned.m8n8.x4.trans" in pinned
+
+
+@pytest.mark.gpu
+def test_the_pinned_fp8_v_tile_gives_the_same_bits_on_cuda(monkeypatch):
+    """paged_decode over an FP8 cache at 32 rows, V's tile pinned (as shipped) and not: the
+    same output bit for bit."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from test_paged_attention import random_case
+    from vt.torch import triton_attention as ta
+    q, k, v, tables, lens = random_case(32, 32, 8, 128, 16, 40, [1 + 19 * i for i in range(32)],
+                                        torch.bfloat16, "cuda", 5)
+    k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+    one = torch.ones(1, device="cuda")
+    outs = []
+    for pin in (True, False):
+        monkeypatch.setattr(ta, "PIN_FP8_V", pin)
+        outs.append(ta.paged_decode(q, k8, v8, tables, lens, block_size=16, splits=3,
+                                    k_scale=one, v_scale=one * 0.5))
+    assert torch.equal(outs[0], outs[1])
 
 
 def _assert_ordered_merge(ptx: str) -> None:

@@ -76,6 +76,9 @@ NUM_WARPS = 4
 # (FP8 cache; bf16 81.7 against 83.7), at 64 rows 119.0 against 119.9; at one row, where PDL
 # hides the merge kernel's launch, the fold made the step 2.4-3.6 % slower.
 FOLD_MIN_ROWS = 32
+# _split converts an FP8 cache's V tile as loaded (_converted_as_loaded); False: as Triton
+# places it (for comparison)
+PIN_FP8_V = True
 
 
 def split_block_n(rows: int, k_cache: torch.Tensor) -> int:
@@ -110,7 +113,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
-        FP8_KV=k_scale is not None, FOLD=fold, num_warps=NUM_WARPS, **launch)
+        FP8_KV=k_scale is not None, FOLD=fold, PIN_V=PIN_FP8_V and k_scale is not None
+        and q.is_cuda, num_warps=NUM_WARPS, **launch)
     return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
@@ -293,7 +297,8 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, COUNT, OUT, K_SCALE, V_SCALE, stride_q
            GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
            SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
-           FP8_KV: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr):
+           FP8_KV: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr,
+           PIN_V: tl.constexpr):
     pdl.launch_next(PDL)
     pdl.wait(PDL)
     n = tl.program_id(0)
@@ -318,7 +323,7 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, COUNT, OUT, K_SCALE, V_SCALE, stride_q
         t, tmask, k, v = kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
                                   stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
         k = k.to(Q.dtype.element_ty)   # an FP8 cache's codes: exact in the dtype
-        v = v.to(Q.dtype.element_ty)
+        v = _converted_as_loaded(v.to(Q.dtype.element_ty), PIN_V)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BLOCK_H, BLOCK_N]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m, l, acc = softmax_step(s, v, m, l, acc, PRECISION)   # m finite: a live key per tile
@@ -467,6 +472,21 @@ def _span_weights(m, big):
     a span without keys (m -inf), and for every span of a row without keys (big -inf)."""
     return tl.where(m == float("-inf"), 0.0,
                     tl.exp(m - tl.where(big == float("-inf"), 0.0, big)))
+
+
+@triton.jit
+def _converted_as_loaded(v, PIN_V: tl.constexpr):
+    """V's tile, converted from an FP8 cache's codes, pinned where it was converted: a no-op
+    Triton may not move (inline PTX with side effects). The P @ V dot sums over tokens, so it
+    reads V's tile transposed. Without the pin, Triton stages the FP8 codes in shared memory
+    and reads them in the dot's layout one byte per load (no 8-bit ldmatrix.trans on sm_90),
+    then converts; with it, the codes convert as loaded (16-byte loads) and the converted
+    tile takes the 16-bit path, ldmatrix.trans. The same values either way. PIN_V: an FP8
+    cache on CUDA (Triton's CPU interpreter runs no PTX)."""
+    if PIN_V:
+        v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype,
+                                      is_pure=False, pack=2)
+    return v
 
 
 @triton.jit
