@@ -194,6 +194,24 @@ def test_the_fp8_cache_kernels_compile_for_sm_90():
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
                     reason="under TRITON_INTERPRET=1 Triton interprets the kernels and compiles "
                            "none; run without it")
+@pytest.mark.parametrize("cache_dtype", ["*bf16", "*fp8e4nv"])
+def test_one_row_attention_loads_its_first_cache_tile_before_the_pdl_wait(cache_dtype):
+    """_rope_split with PDL (a one-row step's): the span's first tile of K and V, with the
+    step's inputs, loads before griddepcontrol.wait, behind the kernel before (the qkv
+    projection), and nothing is stored before it. The inputs and tables alone take fewer than
+    16 loads a thread; the tile's halves take 32 more."""
+    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
+    from vt.torch import triton_attention as ta
+    pointers = dict(K=cache_dtype, V=cache_dtype, K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
+                    LENS="*i32", ACC="*fp32", STATS="*fp32", QKV="*bf16", OUT="*bf16",
+                    POS="*i32", COS="*fp32", SIN="*fp32", SLOT="*i64", COUNT="*i32")
+    ptx = _compile_sm90(ta._rope_split, pointers, dict(
+        BLOCK_N=32, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=cache_dtype != "*bf16", HEADS=32,
+        KV_HEADS=8, GROUP=4, BLOCK_H=16, HALF=64, SPLITS=64, BLOCK_P=64, FOLD=False, PDL=True))
+    before, after = ptx.split("griddepcontrol.wait", 1)
+    assert "st.global" not in before
+    assert sum("ld.global" in line for line in before.splitlines()) > 48
+    assert "ld.global" in after   # the qkv projection's output
 def test_split_attention_reads_an_fp8_v_tile_with_16_byte_loads():
     """_split over an FP8 cache at the 32-row tile (128 keys), as launched on CUDA (PIN_V):
     V's tile converts as loaded and reaches the P @ V dot through ldmatrix.trans, with no

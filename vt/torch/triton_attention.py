@@ -23,7 +23,9 @@ paged_attention.rope_cache_decode_attention): each program rotates its group's q
 its KV head's new key (RoPE, rounded to the storage dtype as vt.torch.fused.rope_and_cache
 rounds them), takes the new key and value for the row's last position from registers instead
 of the cache, and program p = 0 of each (row, KV head) writes them to the row's cache slot.
-No program reads that slot, so the write and the reads do not race. The merge as above.
+No program reads that slot, so the write and the reads do not race. With PDL (a one-row
+step) each program loads its span's first tile of the cache before it waits for the qkv
+projection. The merge as above.
 
 _varlen: an eager step's tokens, every sequence's at once (vt.torch.paged_attention.
 paged_varlen_attention). Grid (sequences, query tiles, kv_heads): program (i, t, g) takes
@@ -350,7 +352,11 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
     # Each head_dim vector is handled as its two halves (what RoPE rotates together), so the
     # scores are two dots of HALF and the accumulator two [BLOCK_H, HALF] tiles.
     pdl.launch_next(PDL)
-    pdl.wait(PDL)
+    # Before the wait: what no kernel of the step writes (the step's inputs, the RoPE tables,
+    # the scales) and the span's first tile of this layer's cache, which holds what earlier
+    # steps wrote: of this step's kernels only this one writes into it (the new token, after
+    # the wait, and read from registers, not the cache). A one-row step's span is one tile,
+    # so its loads leave the critical path behind the qkv projection.
     n = tl.program_id(0)
     kvh = tl.program_id(1)
     p = tl.program_id(2)
@@ -362,6 +368,18 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
     c2 = tl.load(COS + pos * stride_cos + HALF + d)
     s1 = tl.load(SIN + pos * stride_cos + d)
     s2 = tl.load(SIN + pos * stride_cos + HALF + d)
+    per = _span_tokens(length, SPLITS, BLOCK_N)
+    lo = p * per
+    hi = tl.minimum(length, lo + per)
+    table = BT + n.to(tl.int64) * stride_bt
+    tmask, new, k1, k2, v1, v2 = _cached_tile(K, V, table, lo, hi, length, kvh, d,
+                                              stride_kt, stride_kh, stride_vt, stride_vh,
+                                              HALF, BLOCK_N, BLOCK_SIZE)
+    if FP8_KV:
+        ks = tl.load(K_SCALE)
+        vs = tl.load(V_SCALE)
+    slot = tl.load(SLOT + n).to(tl.int64)
+    pdl.wait(PDL)
     src = QKV + n.to(tl.int64) * stride_qkv        # q heads, then k heads, then v heads
     h = tl.arange(0, BLOCK_H)
     hmask = h < GROUP
@@ -380,45 +398,29 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
     v1_new = tl.load(vh + d)
     v2_new = tl.load(vh + HALF + d)
     if FP8_KV:   # written as codes; read back, here as from the cache, as codes
-        ks = tl.load(K_SCALE)
-        vs = tl.load(V_SCALE)
         k1_new = kv_code(k1_new, ks)
         k2_new = kv_code(k2_new, ks)
         v1_new = kv_code(v1_new, vs)
         v2_new = kv_code(v2_new, vs)
     if p == 0:   # one writer per (row, KV head), pad rows included (their slot: scratch)
-        slot = tl.load(SLOT + n).to(tl.int64)
         tl.store(K + slot * stride_kt + kvh * stride_kh + d, k1_new)
         tl.store(K + slot * stride_kt + kvh * stride_kh + HALF + d, k2_new)
         tl.store(V + slot * stride_vt + kvh * stride_vh + d, v1_new)
         tl.store(V + slot * stride_vt + kvh * stride_vh + HALF + d, v2_new)
-    per = _span_tokens(length, SPLITS, BLOCK_N)
-    lo = p * per
-    hi = tl.minimum(length, lo + per)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    table = BT + n.to(tl.int64) * stride_bt
     scale = score_scale(scale, K_SCALE, FP8_KV)
-    for start in range(lo, hi, BLOCK_N):
-        t, tmask, slots = _tile_slots(table, start, hi, BLOCK_N, BLOCK_SIZE)
-        new = t == length - 1            # the step's own token: from registers, not the cache
-        old = (tmask & ~new)[:, None]
-        kt = K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
-        vt = V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :]
-        k1 = tl.where(new[:, None], k1_new[None, :], tl.load(kt, mask=old, other=0.0))
-        k2 = tl.where(new[:, None], k2_new[None, :], tl.load(kt + HALF, mask=old, other=0.0))
-        v1 = tl.where(new[:, None], v1_new[None, :], tl.load(vt, mask=old, other=0.0))
-        v2 = tl.where(new[:, None], v2_new[None, :], tl.load(vt + HALF, mask=old, other=0.0))
-        k1, k2, v1, v2 = k1.to(dtype), k2.to(dtype), v1.to(dtype), v2.to(dtype)
-        s = (tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
-             + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)) * scale
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m, alpha, prob, l = _softmax_weights(s, m, l)   # m finite: a live key per tile
-        prob = prob.to(dtype)
-        acc1 = acc1 * alpha[:, None] + tl.dot(prob, v1, input_precision=PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(prob, v2, input_precision=PRECISION)
+    if lo < hi:   # the first tile, loaded before the wait
+        m, l, acc1, acc2 = _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1,
+                                      k2, v1, v2, m, l, acc1, acc2, scale, PRECISION)
+    for start in range(lo + BLOCK_N, hi, BLOCK_N):
+        tmask, new, k1, k2, v1, v2 = _cached_tile(
+            K, V, table, start, hi, length, kvh, d, stride_kt, stride_kh, stride_vt,
+            stride_vh, HALF, BLOCK_N, BLOCK_SIZE)
+        m, l, acc1, acc2 = _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1,
+                                      k2, v1, v2, m, l, acc1, acc2, scale, PRECISION)
     acc1 = value_scaled(acc1, V_SCALE, FP8_KV)
     acc2 = value_scaled(acc2, V_SCALE, FP8_KV)
     row = (n * (GROUP * KV_HEADS) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
@@ -431,6 +433,45 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
         _merge_group(ACC, STATS, COUNT, OUT, n, kvh, HEADS, head, hmask,
                      tl.arange(0, 2 * HALF), length, per, stride_os, stride_oh, 2 * HALF,
                      SPLITS, BLOCK_P)
+
+
+@triton.jit
+def _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1, k2, v1, v2, m, l, acc1,
+               acc2, scale, PRECISION: tl.constexpr):
+    """One tile of _rope_split's online softmax: the cached halves k1 .. v2 (_cached_tile)
+    with the step's own key and value (k1_new ..: from registers) at its position, in q's
+    dtype; returns the new m, l and accumulator halves."""
+    dtype = q1.dtype
+    k1 = tl.where(new[:, None], k1_new[None, :], k1).to(dtype)
+    k2 = tl.where(new[:, None], k2_new[None, :], k2).to(dtype)
+    v1 = tl.where(new[:, None], v1_new[None, :], v1).to(dtype)
+    v2 = tl.where(new[:, None], v2_new[None, :], v2).to(dtype)
+    s = (tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+         + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)) * scale
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m, alpha, prob, l = _softmax_weights(s, m, l)   # m finite: a live key per tile
+    prob = prob.to(dtype)
+    acc1 = acc1 * alpha[:, None] + tl.dot(prob, v1, input_precision=PRECISION)
+    acc2 = acc2 * alpha[:, None] + tl.dot(prob, v2, input_precision=PRECISION)
+    return m, l, acc1, acc2
+
+
+@triton.jit
+def _cached_tile(K, V, table, start, hi, length, kvh, d, stride_kt, stride_kh, stride_vt,
+                 stride_vh, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr):
+    """_rope_split's tile of positions start .. start + BLOCK_N (those < hi live) from the
+    cache: (the live mask, the step's own position length - 1, K's and V's two halves
+    [BLOCK_N, HALF]; 0 at dead positions and at the step's own, which the cache does not hold
+    yet)."""
+    t, tmask, slots = _tile_slots(table, start, hi, BLOCK_N, BLOCK_SIZE)
+    new = t == length - 1
+    old = (tmask & ~new)[:, None]
+    kt = K + slots[:, None] * stride_kt + kvh * stride_kh + d[None, :]
+    vt = V + slots[:, None] * stride_vt + kvh * stride_vh + d[None, :]
+    return (tmask, new, tl.load(kt, mask=old, other=0.0),
+            tl.load(kt + HALF, mask=old, other=0.0), tl.load(vt, mask=old, other=0.0),
+            tl.load(vt + HALF, mask=old, other=0.0))
 
 
 @triton.jit

@@ -11,10 +11,14 @@ next one's first weight loads, behind the kernel before. A CUDA graph captures t
 as programmatic edges.
 
 Every kernel that takes PDL keeps two rules:
-- it calls wait(PDL) in every program before it loads anything an earlier kernel writes and
-  before any store: a store may land in memory that an earlier kernel still reads (torch's
-  allocator hands a freed buffer to the next op, in a capture too), and a kernel's wait
-  covers the kernels before the one it waits on only because that one waited too;
+- it calls wait(PDL) in every program before it loads anything that a kernel still running
+  may write, and before any store: a store may land in memory that an earlier kernel still
+  reads (torch's allocator hands a freed buffer to the next op, in a capture too), and a
+  kernel's wait covers the kernels before the one it waits on only because that one waited
+  too. Those still running can reach back to the last kernel launched without PDL, so what
+  a kernel may load before its wait is what none of them writes: weights, the step's inputs,
+  and its layer's KV cache as earlier steps left it (vt.torch.triton_attention's
+  _rope_split);
 - it calls launch_next(PDL), which lets the next kernel's programs become resident; the
   next kernel still waits for this one's completion before it reads.
 A kernel launched without PDL (torch's ops, vt's sampler) waits for the whole of the kernel
