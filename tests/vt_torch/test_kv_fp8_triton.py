@@ -212,6 +212,8 @@ def test_one_row_attention_loads_its_first_cache_tile_before_the_pdl_wait(cache_
     assert "st.global" not in before
     assert sum("ld.global" in line for line in before.splitlines()) > 48
     assert "ld.global" in after   # the qkv projection's output
+
+
 def test_split_attention_reads_an_fp8_v_tile_with_16_byte_loads():
     """_split over an FP8 cache at the 32-row tile (128 keys), as launched on CUDA (PIN_V):
     V's tile converts as loaded and reaches the P @ V dot through ldmatrix.trans, with no
