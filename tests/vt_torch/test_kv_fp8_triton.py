@@ -252,6 +252,55 @@ def test_the_pinned_fp8_v_tile_gives_the_same_bits_on_cuda(monkeypatch):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="under TRITON_INTERPRET=1 Triton interprets the kernels and compiles "
+                           "none; run without it")
+@pytest.mark.parametrize("dtype,multiply", [("*bf16", "mul.rn.bf16x2"), ("*fp16", "mul.rn.f16x2")])
+def test_split_attention_converts_fp8_codes_with_integer_instructions(dtype, multiply):
+    """_split over an FP8 cache, as launched on CUDA for a bf16 or fp16 model (BY_BITS): no
+    e4m3 conversion instruction, the codes' bits permuted and one multiply a pair; without
+    BY_BITS Triton's cvt from e4m3 pairs (this test's detector)."""
+    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
+    from vt.torch import triton_attention as ta
+    pointers = dict(K="*fp8e4nv", V="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
+                    LENS="*i32", ACC="*fp32", STATS="*fp32", Q=dtype, OUT=dtype, COUNT="*i32")
+    shape = dict(BLOCK_N=ta.LONG_BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True,
+                 GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=True,
+                 PIN_V=True)
+    by_bits, by_cvt = (_compile_sm90(ta._split, pointers, dict(shape, BY_BITS=b), aligned=True)
+                       for b in (True, False))
+    assert "e4m3x2" in by_cvt
+    assert "e4m3x2" not in by_bits and "prmt.b32" in by_bits and multiply in by_bits
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp8_codes_by_bits_give_the_same_bits_on_cuda(monkeypatch, dtype):
+    """paged_decode over an FP8 cache holding every finite e4m3 code (both zeros and the
+    subnormals included) in K and V, the codes converted by bits (as shipped) and by Triton's
+    conversion: the same output bit for bit, at 32 rows (the 128-key tile) and at 2."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from test_paged_attention import random_case
+    from vt.torch import triton_attention as ta
+    finite = torch.arange(256, dtype=torch.int32)
+    finite = finite[(finite & 0x7F) != 0x7F].to(torch.uint8)          # 254 codes: no NaN
+    for rows in (32, 2):
+        q, k, v, tables, lens = random_case(rows, 32, 8, 128, 16, 40,
+                                            [1 + 19 * i for i in range(rows)], dtype, "cuda", 7)
+        g = torch.Generator(device="cpu").manual_seed(rows)
+        codes = finite[torch.randint(0, len(finite), (2,) + k.shape, generator=g)]
+        k8, v8 = (c.view(torch.float8_e4m3fn).cuda() for c in codes)
+        one = torch.ones(1, device="cuda")
+        outs = []
+        for by_bits in (True, False):
+            monkeypatch.setattr(ta, "FP8_CODES_BY_BITS", by_bits)
+            outs.append(ta.paged_decode(q, k8, v8, tables, lens, block_size=16, splits=3,
+                                        k_scale=one * 0.25, v_scale=one * 0.5))
+        assert outs[0].isfinite().all()
+        assert torch.equal(outs[0], outs[1]), rows
+
+
 def _assert_ordered_merge(ptx: str) -> None:
     """The split kernels' merge (vt.torch.triton_attention._merge_group): a CTA barrier, then
     the span count's add with acquire-release order at GPU scope, and the other spans'

@@ -81,6 +81,13 @@ FOLD_MIN_ROWS = 32
 # _split converts an FP8 cache's V tile as loaded (_converted_as_loaded); False: as Triton
 # places it (for comparison)
 PIN_FP8_V = True
+# _split reads an FP8 cache's codes into a bf16 or fp16 model's dots with integer instructions
+# (_codes_as); False: through Triton's conversion (for comparison)
+FP8_CODES_BY_BITS = True
+# _split's register cap (Triton's maxnreg), None: ptxas's choice. With the codes converted by
+# bits, ptxas takes 182 registers a thread, which leaves two 4-warp programs an SM; 168 leaves
+# three (with a few spilled).
+SPLIT_MAX_REGISTERS = None
 
 
 def split_block_n(rows: int, k_cache: torch.Tensor) -> int:
@@ -116,7 +123,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
         FP8_KV=k_scale is not None, FOLD=fold, PIN_V=PIN_FP8_V and k_scale is not None
-        and q.is_cuda, num_warps=NUM_WARPS, **launch)
+        and q.is_cuda, BY_BITS=FP8_CODES_BY_BITS and k_scale is not None and q.is_cuda
+        and q.dtype in (torch.bfloat16, torch.float16), num_warps=NUM_WARPS, **launch,
+        **({} if SPLIT_MAX_REGISTERS is None else dict(maxnreg=SPLIT_MAX_REGISTERS)))
     return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
@@ -300,7 +309,7 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, COUNT, OUT, K_SCALE, V_SCALE, stride_q
            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
            SPLITS: tl.constexpr, BLOCK_P: tl.constexpr, PRECISION: tl.constexpr,
            FP8_KV: tl.constexpr, FOLD: tl.constexpr, PDL: tl.constexpr,
-           PIN_V: tl.constexpr):
+           PIN_V: tl.constexpr, BY_BITS: tl.constexpr):
     pdl.launch_next(PDL)
     pdl.wait(PDL)
     n = tl.program_id(0)
@@ -324,8 +333,8 @@ def _split(Q, K, V, BT, LENS, ACC, STATS, COUNT, OUT, K_SCALE, V_SCALE, stride_q
     for start in range(lo, hi, BLOCK_N):
         t, tmask, k, v = kv_tile(K, V, table, start, hi, kvh, d, stride_kt, stride_kh,
                                   stride_vt, stride_vh, BLOCK_N, BLOCK_SIZE)
-        k = k.to(Q.dtype.element_ty)   # an FP8 cache's codes: exact in the dtype
-        v = _converted_as_loaded(v.to(Q.dtype.element_ty), PIN_V)
+        k = _codes_as(k, Q.dtype.element_ty, BY_BITS)   # an FP8 cache's codes: exact
+        v = _converted_as_loaded(_codes_as(v, Q.dtype.element_ty, BY_BITS), PIN_V)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale      # [BLOCK_H, BLOCK_N]
         s = tl.where(tmask[None, :], s, float("-inf"))
         m, l, acc = softmax_step(s, v, m, l, acc, PRECISION)   # m finite: a live key per tile
@@ -528,6 +537,49 @@ def _converted_as_loaded(v, PIN_V: tl.constexpr):
         v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype,
                                       is_pure=False, pack=2)
     return v
+
+
+# e4m3 codes to bf16 / fp16 bits, four codes (one register) at a time: each code moves to the
+# high byte of a 16-bit lane (prmt), its exponent and mantissa shift right under the sign by the
+# difference of the formats' exponent widths (4 for bf16, 1 for fp16), which makes the code's
+# value times 2^-(the difference of the exponent biases: 120, 8), exact for every finite code,
+# subnormal ones included; one multiply by that power of two (exact) restores the value.
+_E4M3_AS_16 = """{
+.reg .b32 a, b, t, f;
+prmt.b32 a, 0, $2, 0x5040;
+prmt.b32 b, 0, $2, 0x7060;
+and.b32 t, a, 0x7f007f00;
+shr.b32 t, t, SHIFT;
+lop3.b32 a, t, 0x80008000, a, 0xf8;
+and.b32 t, b, 0x7f007f00;
+shr.b32 t, t, SHIFT;
+lop3.b32 b, t, 0x80008000, b, 0xf8;
+mov.b32 f, FACTOR;
+mul.rn.TYPE $0, a, f;
+mul.rn.TYPE $1, b, f;
+}"""
+_E4M3_AS_BF16 = tl.constexpr(_E4M3_AS_16.replace("SHIFT", "4").replace("FACTOR", "0x7b807b80")
+                             .replace("TYPE", "bf16x2"))   # 2^120 twice
+_E4M3_AS_F16 = tl.constexpr(_E4M3_AS_16.replace("SHIFT", "1").replace("FACTOR", "0x5c005c00")
+                            .replace("TYPE", "f16x2"))     # 2^8 twice
+
+
+@triton.jit
+def _codes_as(x, dtype: tl.constexpr, BY_BITS: tl.constexpr):
+    """An FP8 cache's codes x (e4m3) in the dots' dtype, exactly (a 16-bit cache's x as it is).
+    BY_BITS (CUDA, dtype bf16 or fp16): with byte permutes, masks, shifts and one multiply
+    (_E4M3_AS_16), in place of Triton's conversion (e4m3 pairs to fp16, then, for bf16, each
+    element on its own); the same values, but a NaN code (the write stores one only for a NaN
+    key or value) reads as +-480."""
+    if BY_BITS:
+        codes = x.to(tl.uint8, bitcast=True)
+        if dtype == tl.bfloat16:
+            x = tl.inline_asm_elementwise(_E4M3_AS_BF16, "=r,=r,r", [codes], dtype=tl.bfloat16,
+                                          is_pure=True, pack=4)
+        else:
+            x = tl.inline_asm_elementwise(_E4M3_AS_F16, "=r,=r,r", [codes], dtype=tl.float16,
+                                          is_pure=True, pack=4)
+    return x.to(dtype)
 
 
 @triton.jit
