@@ -273,6 +273,68 @@ def test_split_attention_converts_fp8_codes_with_integer_instructions(dtype, mul
     assert "e4m3x2" not in by_bits and "prmt.b32" in by_bits and multiply in by_bits
 
 
+def _run_ptx(asm: str, operands: dict) -> dict:
+    """The few PTX instructions of vt.torch.triton_attention's e4m3 conversion, run on 32-bit
+    Python ints (operands: $N -> value); returns the registers."""
+    regs = dict(operands)
+
+    def val(tok):
+        tok = tok.strip()
+        return int(tok, 0) if tok[0].isdigit() else regs[tok]
+
+    def mul16(a, b, dtype):   # lane by lane in the dtype, correctly rounded (torch)
+        lanes = [torch.tensor([(x >> s) & 0xFFFF for x in (a, b)], dtype=torch.int32)
+                 .to(torch.int16).view(dtype) for s in (0, 16)]
+        return sum(((lo * hi).view(torch.int16).item() & 0xFFFF) << s
+                   for (lo, hi), s in zip(lanes, (0, 16)))
+
+    for line in asm.splitlines():
+        line = line.strip().rstrip(";")
+        if not line or line[0] in "{}." or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [a.strip() for a in args.split(",")]
+        x = [val(a) for a in src]
+        if op == "prmt.b32":
+            pool = [(x[0] >> 8 * i) & 0xFF for i in range(4)] + [(x[1] >> 8 * i) & 0xFF
+                                                               for i in range(4)]
+            regs[dst] = sum(pool[(x[2] >> 4 * i) & 7] << 8 * i for i in range(4))
+        elif op == "and.b32":
+            regs[dst] = x[0] & x[1]
+        elif op == "shr.b32":
+            regs[dst] = x[0] >> x[1]
+        elif op == "mov.b32":
+            regs[dst] = x[0]
+        elif op == "lop3.b32":
+            regs[dst] = sum(((x[3] >> ((((x[0] >> i) & 1) << 2) | (((x[1] >> i) & 1) << 1)
+                                       | ((x[2] >> i) & 1))) & 1) << i for i in range(32))
+        elif op in ("mul.rn.bf16x2", "mul.rn.f16x2"):
+            regs[dst] = mul16(x[0], x[1], torch.bfloat16 if "bf16" in op else torch.float16)
+        else:
+            raise AssertionError(f"unknown instruction {op}")
+    return regs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_bit_conversion_gives_every_finite_codes_value(dtype):
+    """The inline PTX that converts e4m3 codes to bf16 / fp16 (four codes a register, two
+    outputs of two), run instruction by instruction on the CPU over all 256 codes: each
+    finite code's value exactly, as torch converts it (the GPU test checks the kernel)."""
+    pytest.importorskip("triton", reason="the kernels need Triton")
+    from vt.torch import triton_attention as ta
+    asm = (ta._E4M3_AS_BF16 if dtype == torch.bfloat16 else ta._E4M3_AS_F16).value
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    expected = codes.view(torch.float8_e4m3fn).to(dtype).view(torch.int16)
+    for first in range(0, 256, 4):
+        word = sum(int(codes[first + i]) << 8 * i for i in range(4))
+        regs = _run_ptx(asm, {"$2": word})
+        got = [(regs[out] >> s) & 0xFFFF for out in ("$0", "$1") for s in (0, 16)]
+        for i, bits in enumerate(got):
+            code = first + i
+            if code & 0x7F != 0x7F:   # NaN codes read as +-480 (the kernel's docstring)
+                assert bits == int(expected[code]) & 0xFFFF, hex(code)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_codes_by_bits_give_the_same_bits_on_cuda(monkeypatch, dtype):
