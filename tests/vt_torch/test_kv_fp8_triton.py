@@ -233,9 +233,10 @@ def test_split_attention_reads_an_fp8_v_tile_with_16_byte_loads():
 
 
 @pytest.mark.gpu
-def test_the_pinned_fp8_v_tile_gives_the_same_bits_on_cuda(monkeypatch):
+def test_the_pinned_fp8_v_tile_matches_the_unpinned_on_cuda(monkeypatch):
     """paged_decode over an FP8 cache at 32 rows, V's tile pinned (as shipped) and not: the
-    same output bit for bit."""
+    same products, summed in another order by the dot, so the outputs agree within two bf16
+    rounding steps (rtol 2^-7), not bit for bit."""
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA device here")
     from test_paged_attention import random_case
@@ -249,7 +250,7 @@ def test_the_pinned_fp8_v_tile_gives_the_same_bits_on_cuda(monkeypatch):
         monkeypatch.setattr(ta, "PIN_FP8_V", pin)
         outs.append(ta.paged_decode(q, k8, v8, tables, lens, block_size=16, splits=3,
                                     k_scale=one, v_scale=one * 0.5))
-    assert torch.equal(outs[0], outs[1])
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), rtol=2 ** -7, atol=1e-5)
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1",

@@ -531,7 +531,8 @@ def _converted_as_loaded(v, PIN_V: tl.constexpr):
     reads V's tile transposed. Without the pin, Triton stages the FP8 codes in shared memory
     and reads them in the dot's layout one byte per load (no 8-bit ldmatrix.trans on sm_90),
     then converts; with it, the codes convert as loaded (16-byte loads) and the converted
-    tile takes the 16-bit path, ldmatrix.trans. The same values either way. PIN_V: an FP8
+    tile takes the 16-bit path, ldmatrix.trans. The same products either way, but the dot
+    may sum them in another order (measured: outputs differ in their last bits). PIN_V: an FP8
     cache on CUDA (Triton's CPU interpreter runs no PTX)."""
     if PIN_V:
         v = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=v.dtype,
