@@ -176,14 +176,15 @@ def test_the_fp8_cache_kernels_compile_for_sm_90():
     for fold in (True, False):
         ptx = _compile_sm90(ta._split, cache, dict(split, GROUP=4, BLOCK_H=16, HEAD_DIM=128,
                                                    SPLITS=8, BLOCK_P=8, FOLD=fold, PDL=not fold,
-                                                   PIN_V=True))
+                                                   PIN_V=True, BY_BITS=True))
         assert ("atom" in ptx) == fold
         ptx = _compile_sm90(ta._rope_split, cache, dict(split, HEADS=32, KV_HEADS=8, GROUP=4,
                                                         BLOCK_H=16, HALF=64, SPLITS=8,
                                                         BLOCK_P=8, FOLD=fold, PDL=not fold))
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert ("atom" in ptx) == fold
-    shapes = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, HEADS=32, KV_HEADS=8, HALF=64, PIN_V=True)
+    shapes = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, HEADS=32, KV_HEADS=8, HALF=64, PIN_V=True,
+                  BY_BITS=True)
     for fn in (ta._split, ta._rope_split):   # FOLD: the merge's order in memory
         _assert_ordered_merge(_compile_sm90(fn, cache, dict(
             split, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=False,
@@ -226,7 +227,8 @@ def test_split_attention_reads_an_fp8_v_tile_with_16_byte_loads():
                     COUNT="*i32")
     shape = dict(BLOCK_N=ta.LONG_BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True,
                  GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=True)
-    pinned, unpinned = (_compile_sm90(ta._split, pointers, dict(shape, PIN_V=pin), aligned=True)
+    pinned, unpinned = (_compile_sm90(ta._split, pointers, dict(shape, PIN_V=pin, BY_BITS=True),
+                                      aligned=True)
                         for pin in (True, False))
     assert "ld.shared.b8" in unpinned
     assert "ld.shared.b8" not in pinned and "ldmatrix.sync.aligned.m8n8.x4.trans" in pinned
