@@ -215,20 +215,25 @@ def test_one_row_attention_loads_its_first_cache_tile_before_the_pdl_wait(cache_
     assert "ld.global" in after   # the qkv projection's output
 
 
+def _long_tile_split_ptx(dtype: str, **switches) -> str:
+    """_split's PTX over an FP8 cache at the 32-row tile (128 keys) of the 8B shape's group,
+    for a model of `dtype` ("*bf16", "*fp16"), compiled as the launcher specializes it
+    (aligned), with `switches` (PIN_V, BY_BITS) set."""
+    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
+    from vt.torch import triton_attention as ta
+    pointers = dict(K="*fp8e4nv", V="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
+                    LENS="*i32", ACC="*fp32", STATS="*fp32", Q=dtype, OUT=dtype, COUNT="*i32")
+    shape = dict(BLOCK_N=ta.LONG_BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True,
+                 GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=True)
+    return _compile_sm90(ta._split, pointers, dict(shape, **switches), aligned=True)
+
+
 def test_split_attention_reads_an_fp8_v_tile_with_16_byte_loads():
     """_split over an FP8 cache at the 32-row tile (128 keys), as launched on CUDA (PIN_V):
     V's tile converts as loaded and reaches the P @ V dot through ldmatrix.trans, with no
     one-byte shared-memory load; without the pin Triton reads the codes one byte at a time
     (this test's detector)."""
-    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
-    from vt.torch import triton_attention as ta
-    pointers = dict(K="*fp8e4nv", V="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
-                    LENS="*i32", ACC="*fp32", STATS="*fp32", Q="*bf16", OUT="*bf16",
-                    COUNT="*i32")
-    shape = dict(BLOCK_N=ta.LONG_BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True,
-                 GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=True)
-    pinned, unpinned = (_compile_sm90(ta._split, pointers, dict(shape, PIN_V=pin, BY_BITS=True),
-                                      aligned=True)
+    pinned, unpinned = (_long_tile_split_ptx("*bf16", PIN_V=pin, BY_BITS=True)
                         for pin in (True, False))
     assert "ld.shared.b8" in unpinned
     assert "ld.shared.b8" not in pinned and "ldmatrix.sync.aligned.m8n8.x4.trans" in pinned
@@ -263,15 +268,7 @@ def test_split_attention_converts_fp8_codes_with_integer_instructions(dtype, mul
     """_split over an FP8 cache, as launched on CUDA for a bf16 or fp16 model (BY_BITS): no
     e4m3 conversion instruction, the codes' bits permuted and one multiply a pair; without
     BY_BITS Triton's cvt from e4m3 pairs (this test's detector)."""
-    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
-    from vt.torch import triton_attention as ta
-    pointers = dict(K="*fp8e4nv", V="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
-                    LENS="*i32", ACC="*fp32", STATS="*fp32", Q=dtype, OUT=dtype, COUNT="*i32")
-    shape = dict(BLOCK_N=ta.LONG_BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True,
-                 GROUP=4, BLOCK_H=16, HEAD_DIM=128, SPLITS=3, BLOCK_P=4, FOLD=True, PDL=True,
-                 PIN_V=True)
-    by_bits, by_cvt = (_compile_sm90(ta._split, pointers, dict(shape, BY_BITS=b), aligned=True)
-                       for b in (True, False))
+    by_bits, by_cvt = (_long_tile_split_ptx(dtype, PIN_V=True, BY_BITS=b) for b in (True, False))
     assert "e4m3x2" in by_cvt
     assert "e4m3x2" not in by_bits and "prmt.b32" in by_bits and multiply in by_bits
 
