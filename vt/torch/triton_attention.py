@@ -110,6 +110,7 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     block_n = split_block_n(S, k_cache)
     launch = pdl.launch_options(q.device, S)
     fold = merges_in_split(S, kv_heads, span_counters)
+    fp8_on_cuda = k_scale is not None and q.is_cuda   # the PTX switches; the interpreter runs none
     _split[(S, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
         _counters(span_counters, S * kv_heads, q.device, fold), out,
@@ -120,9 +121,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
-        FP8_KV=k_scale is not None, FOLD=fold, PIN_V=PIN_FP8_V and k_scale is not None
-        and q.is_cuda, BY_BITS=FP8_CODES_BY_BITS and k_scale is not None and q.is_cuda
-        and q.dtype in (torch.bfloat16, torch.float16), num_warps=NUM_WARPS, **launch)
+        FP8_KV=k_scale is not None, FOLD=fold, PIN_V=PIN_FP8_V and fp8_on_cuda,
+        BY_BITS=FP8_CODES_BY_BITS and fp8_on_cuda and q.dtype in (torch.bfloat16, torch.float16),
+        num_warps=NUM_WARPS, **launch)
     return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
