@@ -180,7 +180,8 @@ def test_the_fp8_cache_kernels_compile_for_sm_90():
         assert ("atom" in ptx) == fold
         ptx = _compile_sm90(ta._rope_split, cache, dict(split, HEADS=32, KV_HEADS=8, GROUP=4,
                                                         BLOCK_H=16, HALF=64, SPLITS=8,
-                                                        BLOCK_P=8, FOLD=fold, PDL=not fold))
+                                                        BLOCK_P=8, FOLD=fold, PDL=not fold,
+                                                        BY_BITS=True))
         assert "cvt.rn.satfinite.e4m3x2.f32" in ptx
         assert ("atom" in ptx) == fold
     shapes = dict(GROUP=4, BLOCK_H=16, HEAD_DIM=128, HEADS=32, KV_HEADS=8, HALF=64, PIN_V=True,
@@ -208,11 +209,26 @@ def test_one_row_attention_loads_its_first_cache_tile_before_the_pdl_wait(cache_
                     POS="*i32", COS="*fp32", SIN="*fp32", SLOT="*i64", COUNT="*i32")
     ptx = _compile_sm90(ta._rope_split, pointers, dict(
         BLOCK_N=32, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=cache_dtype != "*bf16", HEADS=32,
-        KV_HEADS=8, GROUP=4, BLOCK_H=16, HALF=64, SPLITS=64, BLOCK_P=64, FOLD=False, PDL=True))
+        KV_HEADS=8, GROUP=4, BLOCK_H=16, HALF=64, SPLITS=64, BLOCK_P=64, FOLD=False, PDL=True,
+        BY_BITS=cache_dtype != "*bf16"))
     before, after = ptx.split("griddepcontrol.wait", 1)
     assert "st.global" not in before
     assert sum("ld.global" in line for line in before.splitlines()) > 48
     assert "ld.global" in after   # the qkv projection's output
+
+
+def _one_row_ptx(dtype: str, by_bits: bool) -> str:
+    """_rope_split's PTX over an FP8 cache as a one-row step of the 8B shape launches it (64
+    spans, PDL), for a model of `dtype` ("*bf16", "*fp16"), aligned, BY_BITS as given."""
+    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
+    from vt.torch import triton_attention as ta
+    pointers = dict(K="*fp8e4nv", V="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
+                    LENS="*i32", ACC="*fp32", STATS="*fp32", QKV=dtype, OUT=dtype, POS="*i32",
+                    COS="*fp32", SIN="*fp32", SLOT="*i64", COUNT="*i32")
+    return _compile_sm90(ta._rope_split, pointers, dict(
+        BLOCK_N=ta.BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True, HEADS=32,
+        KV_HEADS=8, GROUP=4, BLOCK_H=16, HALF=64, SPLITS=64, BLOCK_P=64, FOLD=False, PDL=True,
+        BY_BITS=by_bits), aligned=True)
 
 
 def _long_tile_split_ptx(dtype: str, **switches) -> str:
@@ -264,13 +280,18 @@ def test_the_pinned_fp8_v_tile_matches_the_unpinned_on_cuda(monkeypatch):
                     reason="under TRITON_INTERPRET=1 Triton interprets the kernels and compiles "
                            "none; run without it")
 @pytest.mark.parametrize("dtype,multiply", [("*bf16", "mul.rn.bf16x2"), ("*fp16", "mul.rn.f16x2")])
-def test_split_attention_converts_fp8_codes_with_integer_instructions(dtype, multiply):
-    """_split over an FP8 cache, as launched on CUDA for a bf16 or fp16 model (BY_BITS): no
-    e4m3 conversion instruction, the codes' bits permuted and one multiply a pair; without
-    BY_BITS Triton's cvt from e4m3 pairs (this test's detector)."""
-    by_bits, by_cvt = (_long_tile_split_ptx(dtype, PIN_V=True, BY_BITS=b) for b in (True, False))
-    assert "e4m3x2" in by_cvt
-    assert "e4m3x2" not in by_bits and "prmt.b32" in by_bits and multiply in by_bits
+@pytest.mark.parametrize("kernel", ["split", "one-row"])
+def test_attention_converts_fp8_codes_with_integer_instructions(dtype, multiply, kernel):
+    """_split (32 rows) and _rope_split (one row) over an FP8 cache, as launched on CUDA for
+    a bf16 or fp16 model (BY_BITS): no conversion from e4m3, the codes' bits permuted and one
+    multiply a pair; without BY_BITS Triton's cvt from e4m3 pairs (this test's detector).
+    _rope_split still converts to e4m3 (cvt.rn.satfinite.e4m3x2.f32): the key and value it
+    writes."""
+    ptx = ((lambda b: _long_tile_split_ptx(dtype, PIN_V=True, BY_BITS=b)) if kernel == "split"
+           else (lambda b: _one_row_ptx(dtype, b)))
+    by_bits, by_cvt = ptx(True), ptx(False)
+    assert "cvt.rn.f16x2.e4m3x2" in by_cvt
+    assert "cvt.rn.f16x2.e4m3x2" not in by_bits and "prmt.b32" in by_bits and multiply in by_bits
 
 
 def _run_ptx(asm: str, operands: dict) -> dict:
@@ -361,6 +382,36 @@ def test_fp8_codes_by_bits_give_the_same_bits_on_cuda(monkeypatch, dtype):
                                         k_scale=one * 0.25, v_scale=one * 0.5))
         assert outs[0].isfinite().all()
         assert torch.equal(outs[0], outs[1]), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_one_row_fp8_codes_by_bits_give_the_same_bits_on_cuda(monkeypatch, dtype):
+    """rope_paged_decode (the one-row kernel) over an FP8 cache holding every finite e4m3
+    code in K and V, the codes converted by bits (as shipped) and by Triton's conversion: the
+    same output and the same cache, bit for bit, at a row's first position and at its 100th
+    (four spans)."""
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from vt.torch import triton_attention as ta
+    finite = torch.arange(256, dtype=torch.int32)
+    finite = finite[(finite & 0x7F) != 0x7F].to(torch.uint8)          # 254 codes: no NaN
+    for live in (1, 100):
+        qkv, _, pos, cos, sin, k, v, slots, tables, lens, ks, vs = case(dtype, "cuda", [live])
+        g = torch.Generator(device="cpu").manual_seed(live)
+        codes = finite[torch.randint(0, len(finite), (2,) + k.shape, generator=g)]
+        k8, v8 = (c.view(FP8).cuda() for c in codes)
+        outs = []
+        for by_bits in (True, False):
+            monkeypatch.setattr(ta, "FP8_CODES_BY_BITS", by_bits)
+            kc, vc = k8.clone(), v8.clone()
+            out = ta.rope_paged_decode(qkv, pos, cos, sin, kc, vc, slots, tables, lens,
+                                       heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                                       block_size=BS, splits=4, k_scale=ks, v_scale=vs)
+            outs.append((out, kc.view(torch.uint8), vc.view(torch.uint8)))
+        assert outs[0][0].isfinite().all()
+        for a, b in zip(*outs):
+            assert torch.equal(a, b), live
 
 
 def _assert_ordered_merge(ptx: str) -> None:

@@ -86,6 +86,9 @@ PIN_FP8_V = True
 # shape, 32 rows x 2,048 live tokens, 3 spans), us a layer: both 61.5, the bits alone 65.9,
 # the pin alone 67.8; a bf16 cache 95.4.
 FP8_CODES_BY_BITS = True
+# Registers a thread of _rope_split (the one-row kernel) may use, by its cache's dtype; None:
+# as ptxas chooses.
+ONE_ROW_MAX_REGISTERS = {"fp8": None, "dtype": None}
 
 
 def split_block_n(rows: int, k_cache: torch.Tensor) -> int:
@@ -110,7 +113,6 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
     block_n = split_block_n(S, k_cache)
     launch = pdl.launch_options(q.device, S)
     fold = merges_in_split(S, kv_heads, span_counters)
-    fp8_on_cuda = k_scale is not None and q.is_cuda   # the PTX switches; the interpreter runs none
     _split[(S, kv_heads, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, acc, stats,
         _counters(span_counters, S * kv_heads, q.device, fold), out,
@@ -121,9 +123,9 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, *, block_size: int
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(q.dtype),
-        FP8_KV=k_scale is not None, FOLD=fold, PIN_V=PIN_FP8_V and fp8_on_cuda,
-        BY_BITS=FP8_CODES_BY_BITS and fp8_on_cuda and q.dtype in (torch.bfloat16, torch.float16),
-        num_warps=NUM_WARPS, **launch)
+        FP8_KV=k_scale is not None, FOLD=fold,
+        PIN_V=PIN_FP8_V and k_scale is not None and q.is_cuda,   # the interpreter runs no PTX
+        BY_BITS=_codes_by_bits(k_scale, q), num_warps=NUM_WARPS, **launch)
     return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
@@ -159,8 +161,17 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         BLOCK_H=max(16, triton.next_power_of_2(group)), HALF=half,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(qkv.dtype),
-        FP8_KV=k_scale is not None, FOLD=fold, num_warps=NUM_WARPS, **launch)
+        FP8_KV=k_scale is not None, FOLD=fold,
+        BY_BITS=_codes_by_bits(k_scale, qkv), num_warps=NUM_WARPS,
+        maxnreg=ONE_ROW_MAX_REGISTERS["fp8" if k_scale is not None else "dtype"], **launch)
     return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
+
+
+def _codes_by_bits(k_scale, x) -> bool:
+    """Whether a split kernel reads an FP8 cache's codes by bits (_codes_as): the switch on,
+    an FP8 cache, on CUDA (the interpreter runs no PTX), a bf16 or fp16 model."""
+    return (FP8_CODES_BY_BITS and k_scale is not None and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16))
 
 
 def check_layout(name: str, q, k_cache, v_cache) -> None:
@@ -355,7 +366,7 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
                 BLOCK_H: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_SIZE: tl.constexpr, SPLITS: tl.constexpr, BLOCK_P: tl.constexpr,
                 PRECISION: tl.constexpr, FP8_KV: tl.constexpr, FOLD: tl.constexpr,
-                PDL: tl.constexpr):
+                PDL: tl.constexpr, BY_BITS: tl.constexpr):
     # Each head_dim vector is handled as its two halves (what RoPE rotates together), so the
     # scores are two dots of HALF and the accumulator two [BLOCK_H, HALF] tiles.
     pdl.launch_next(PDL)
@@ -421,13 +432,13 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
     scale = score_scale(scale, K_SCALE, FP8_KV)
     if lo < hi:   # the first tile, loaded before the wait
         m, l, acc1, acc2 = _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1,
-                                      k2, v1, v2, m, l, acc1, acc2, scale, PRECISION)
+                                      k2, v1, v2, m, l, acc1, acc2, scale, PRECISION, BY_BITS)
     for start in range(lo + BLOCK_N, hi, BLOCK_N):
         tmask, new, k1, k2, v1, v2 = _cached_tile(
             K, V, table, start, hi, length, kvh, d, stride_kt, stride_kh, stride_vt,
             stride_vh, HALF, BLOCK_N, BLOCK_SIZE)
         m, l, acc1, acc2 = _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1,
-                                      k2, v1, v2, m, l, acc1, acc2, scale, PRECISION)
+                                      k2, v1, v2, m, l, acc1, acc2, scale, PRECISION, BY_BITS)
     acc1 = value_scaled(acc1, V_SCALE, FP8_KV)
     acc2 = value_scaled(acc2, V_SCALE, FP8_KV)
     row = (n * (GROUP * KV_HEADS) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
@@ -444,15 +455,15 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
 
 @triton.jit
 def _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1, k2, v1, v2, m, l, acc1,
-               acc2, scale, PRECISION: tl.constexpr):
+               acc2, scale, PRECISION: tl.constexpr, BY_BITS: tl.constexpr):
     """One tile of _rope_split's online softmax: the cached halves k1 .. v2 (_cached_tile)
     with the step's own key and value (k1_new ..: from registers) at its position, in q's
     dtype; returns the new m, l and accumulator halves."""
     dtype = q1.dtype
-    k1 = tl.where(new[:, None], k1_new[None, :], k1).to(dtype)
-    k2 = tl.where(new[:, None], k2_new[None, :], k2).to(dtype)
-    v1 = tl.where(new[:, None], v1_new[None, :], v1).to(dtype)
-    v2 = tl.where(new[:, None], v2_new[None, :], v2).to(dtype)
+    k1 = _codes_as(tl.where(new[:, None], k1_new[None, :], k1), dtype, BY_BITS)
+    k2 = _codes_as(tl.where(new[:, None], k2_new[None, :], k2), dtype, BY_BITS)
+    v1 = _codes_as(tl.where(new[:, None], v1_new[None, :], v1), dtype, BY_BITS)
+    v2 = _codes_as(tl.where(new[:, None], v2_new[None, :], v2), dtype, BY_BITS)
     s = (tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
          + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)) * scale
     s = tl.where(tmask[None, :], s, float("-inf"))
