@@ -201,7 +201,9 @@ def test_one_row_attention_loads_its_first_cache_tile_before_the_pdl_wait(cache_
     """_rope_split with PDL (a one-row step's): the span's first tile of K and V, with the
     step's inputs, loads before griddepcontrol.wait, behind the kernel before (the qkv
     projection), and nothing is stored before it. The inputs and tables alone take fewer than
-    16 loads a thread; the tile's halves take 32 more."""
+    16 loads a thread; the tile's halves take 32 more. After the wait it loads the qkv
+    projection's output, and not an FP8 cache's scales again (each an L2 round trip on the
+    step's critical path)."""
     pytest.importorskip("triton", reason="compiling the kernels needs Triton")
     from vt.torch import triton_attention as ta
     pointers = dict(K=cache_dtype, V=cache_dtype, K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
@@ -215,6 +217,10 @@ def test_one_row_attention_loads_its_first_cache_tile_before_the_pdl_wait(cache_
     assert "st.global" not in before
     assert sum("ld.global" in line for line in before.splitlines()) > 48
     assert "ld.global" in after   # the qkv projection's output
+    for name in ("K_SCALE", "V_SCALE") if cache_dtype != "*bf16" else ():
+        param = f"[_rope_split_param_{ta._rope_split.arg_names.index(name)}]"
+        (reg,) = [line.split()[1].rstrip(",") for line in before.splitlines() if param in line]
+        assert f"[ {reg} + 0 ]" not in after, name
 
 
 def _one_row_ptx(dtype: str, by_bits: bool) -> str:

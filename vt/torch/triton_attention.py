@@ -429,7 +429,8 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
     l = tl.zeros([BLOCK_H], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    scale = score_scale(scale, K_SCALE, FP8_KV)
+    if FP8_KV:   # the scales loaded before the wait (after it, the cache's stores above
+        scale = scale * ks   # make the compiler load them again)
     if lo < hi:   # the first tile, loaded before the wait
         m, l, acc1, acc2 = _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1,
                                       k2, v1, v2, m, l, acc1, acc2, scale, PRECISION, BY_BITS)
@@ -439,8 +440,9 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
             stride_vh, HALF, BLOCK_N, BLOCK_SIZE)
         m, l, acc1, acc2 = _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1,
                                       k2, v1, v2, m, l, acc1, acc2, scale, PRECISION, BY_BITS)
-    acc1 = value_scaled(acc1, V_SCALE, FP8_KV)
-    acc2 = value_scaled(acc2, V_SCALE, FP8_KV)
+    if FP8_KV:
+        acc1 = acc1 * vs
+        acc2 = acc2 * vs
     row = (n * (GROUP * KV_HEADS) + head).to(tl.int64) * SPLITS + p   # [n, head, p]
     keep = tl.where(lo < length, hmask, False)   # a span past the row's tokens writes nothing
     tl.store(ACC + row[:, None] * (2 * HALF) + d[None, :], acc1, mask=keep[:, None])
