@@ -81,14 +81,13 @@ FOLD_MIN_ROWS = 32
 # _split converts an FP8 cache's V tile as loaded (_converted_as_loaded); False: as Triton
 # places it (for comparison)
 PIN_FP8_V = True
-# _split reads an FP8 cache's codes into a bf16 or fp16 model's dots with integer instructions
-# (_codes_as); False: through Triton's conversion (for comparison). Measured on an H100 (8B
-# shape, 32 rows x 2,048 live tokens, 3 spans), us a layer: both 61.5, the bits alone 65.9,
-# the pin alone 67.8; a bf16 cache 95.4.
+# _split and _rope_split read an FP8 cache's codes into a bf16 or fp16 model's dots with
+# integer instructions (_codes_as); False: through Triton's conversion (for comparison).
+# _split, measured on an H100 (8B shape, 32 rows x 2,048 live tokens, 3 spans), us a layer:
+# both 61.5, the bits alone 65.9, the pin alone 67.8; a bf16 cache 95.4. _rope_split (one row,
+# 8B shape) compiles to 176 registers a thread instead of 210 (Triton 3.9, sm_90; 152 over a
+# bf16 cache); not timed apart.
 FP8_CODES_BY_BITS = True
-# Registers a thread of _rope_split (the one-row kernel) may use, by its cache's dtype; None:
-# as ptxas chooses.
-ONE_ROW_MAX_REGISTERS = {"fp8": None, "dtype": None}
 
 
 def split_block_n(rows: int, k_cache: torch.Tensor) -> int:
@@ -162,8 +161,7 @@ def rope_paged_decode(qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, 
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLITS=splits,
         BLOCK_P=triton.next_power_of_2(splits), PRECISION=dot_precision(qkv.dtype),
         FP8_KV=k_scale is not None, FOLD=fold,
-        BY_BITS=_codes_by_bits(k_scale, qkv), num_warps=NUM_WARPS,
-        maxnreg=ONE_ROW_MAX_REGISTERS["fp8" if k_scale is not None else "dtype"], **launch)
+        BY_BITS=_codes_by_bits(k_scale, qkv), num_warps=NUM_WARPS, **launch)
     return out if fold else _merge_spans(acc, stats, seq_lens, out, splits, block_n)
 
 
