@@ -204,37 +204,32 @@ def test_one_row_attention_loads_its_first_cache_tile_before_the_pdl_wait(cache_
     16 loads a thread; the tile's halves take 32 more. After the wait it loads the qkv
     projection's output, and not an FP8 cache's scales again (each an L2 round trip on the
     step's critical path)."""
-    pytest.importorskip("triton", reason="compiling the kernels needs Triton")
     from vt.torch import triton_attention as ta
-    pointers = dict(K=cache_dtype, V=cache_dtype, K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
-                    LENS="*i32", ACC="*fp32", STATS="*fp32", QKV="*bf16", OUT="*bf16",
-                    POS="*i32", COS="*fp32", SIN="*fp32", SLOT="*i64", COUNT="*i32")
-    ptx = _compile_sm90(ta._rope_split, pointers, dict(
-        BLOCK_N=32, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=cache_dtype != "*bf16", HEADS=32,
-        KV_HEADS=8, GROUP=4, BLOCK_H=16, HALF=64, SPLITS=64, BLOCK_P=64, FOLD=False, PDL=True,
-        BY_BITS=cache_dtype != "*bf16"))
+    fp8 = cache_dtype != "*bf16"
+    ptx = _one_row_ptx("*bf16", cache_dtype, by_bits=fp8, aligned=False)
     before, after = ptx.split("griddepcontrol.wait", 1)
     assert "st.global" not in before
     assert sum("ld.global" in line for line in before.splitlines()) > 48
     assert "ld.global" in after   # the qkv projection's output
-    for name in ("K_SCALE", "V_SCALE") if cache_dtype != "*bf16" else ():
+    for name in ("K_SCALE", "V_SCALE") if fp8 else ():
         param = f"[_rope_split_param_{ta._rope_split.arg_names.index(name)}]"
         (reg,) = [line.split()[1].rstrip(",") for line in before.splitlines() if param in line]
         assert f"[ {reg} + 0 ]" not in after, name
 
 
-def _one_row_ptx(dtype: str, by_bits: bool) -> str:
-    """_rope_split's PTX over an FP8 cache as a one-row step of the 8B shape launches it (64
-    spans, PDL), for a model of `dtype` ("*bf16", "*fp16"), aligned, BY_BITS as given."""
+def _one_row_ptx(dtype: str, cache_dtype: str, *, by_bits: bool, aligned: bool) -> str:
+    """_rope_split's PTX as a one-row step of the 8B shape launches it (64 spans, PDL), for a
+    model of `dtype` ("*bf16", "*fp16") over a cache of `cache_dtype` ("*fp8e4nv": FP8),
+    BY_BITS as given; aligned: as _compile_sm90's."""
     pytest.importorskip("triton", reason="compiling the kernels needs Triton")
     from vt.torch import triton_attention as ta
-    pointers = dict(K="*fp8e4nv", V="*fp8e4nv", K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
+    pointers = dict(K=cache_dtype, V=cache_dtype, K_SCALE="*fp32", V_SCALE="*fp32", BT="*i32",
                     LENS="*i32", ACC="*fp32", STATS="*fp32", QKV=dtype, OUT=dtype, POS="*i32",
                     COS="*fp32", SIN="*fp32", SLOT="*i64", COUNT="*i32")
     return _compile_sm90(ta._rope_split, pointers, dict(
-        BLOCK_N=ta.BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=True, HEADS=32,
-        KV_HEADS=8, GROUP=4, BLOCK_H=16, HALF=64, SPLITS=64, BLOCK_P=64, FOLD=False, PDL=True,
-        BY_BITS=by_bits), aligned=True)
+        BLOCK_N=ta.BLOCK_N, BLOCK_SIZE=16, PRECISION="tf32", FP8_KV=cache_dtype == "*fp8e4nv",
+        HEADS=32, KV_HEADS=8, GROUP=4, BLOCK_H=16, HALF=64, SPLITS=64, BLOCK_P=64, FOLD=False,
+        PDL=True, BY_BITS=by_bits), aligned=aligned)
 
 
 def _long_tile_split_ptx(dtype: str, **switches) -> str:
@@ -294,7 +289,7 @@ def test_attention_converts_fp8_codes_with_integer_instructions(dtype, multiply,
     _rope_split still converts to e4m3 (cvt.rn.satfinite.e4m3x2.f32): the key and value it
     writes."""
     ptx = ((lambda b: _long_tile_split_ptx(dtype, PIN_V=True, BY_BITS=b)) if kernel == "split"
-           else (lambda b: _one_row_ptx(dtype, b)))
+           else (lambda b: _one_row_ptx(dtype, "*fp8e4nv", by_bits=b, aligned=True)))
     by_bits, by_cvt = ptx(True), ptx(False)
     assert "cvt.rn.f16x2.e4m3x2" in by_cvt
     assert "cvt.rn.f16x2.e4m3x2" not in by_bits and "prmt.b32" in by_bits and multiply in by_bits

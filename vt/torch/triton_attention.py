@@ -427,8 +427,10 @@ def _rope_split(QKV, POS, COS, SIN, K, V, SLOT, BT, LENS, ACC, STATS, COUNT, OUT
     l = tl.zeros([BLOCK_H], tl.float32)
     acc1 = tl.zeros([BLOCK_H, HALF], tl.float32)
     acc2 = tl.zeros([BLOCK_H, HALF], tl.float32)
-    if FP8_KV:   # the scales loaded before the wait (after it, the cache's stores above
-        scale = scale * ks   # make the compiler load them again)
+    # An FP8 cache's scales as loaded before the wait: loading them here (score_scale,
+    # value_scaled) would load them again, after the cache stores above.
+    if FP8_KV:
+        scale = scale * ks
     if lo < hi:   # the first tile, loaded before the wait
         m, l, acc1, acc2 = _rope_tile(q1, q2, k1_new, k2_new, v1_new, v2_new, tmask, new, k1,
                                       k2, v1, v2, m, l, acc1, acc2, scale, PRECISION, BY_BITS)
