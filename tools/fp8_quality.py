@@ -14,9 +14,14 @@ read the same tokens; each position's logits compared):
 twice: as it is and with quantization="fp8"); --text (default: a built-in English passage,
 repeated to --tokens) is tokenized by the checkpoint's tokenizer. --preset: one of vt bench's
 torch presets with random weights and seeded random tokens (perplexity then says nothing about
-language, only that both models agree). Each position runs as one decode step (the captured
-path's ops, one row), on cuda when a GPU is usable, else the CPU (the reference path: the
-same arithmetic as the GPU's kernels but for the summation order). --dtype: the models'
+language, only that both models agree). The text runs as decode steps (the captured path's
+ops) on cuda when a GPU is usable, else the CPU (the reference path: the same arithmetic as
+the GPU's kernels but for the summation order). --rows R (default 1): each step decodes R
+consecutive positions as R rows of the one sequence, as a speculative verify step does (every
+row's K and V are written before any row reads the cache), so the FP8 linears see R rows: from
+16 rows (fp8.W8A8_MIN_ROWS) they quantize the activations too, per token, the path of larger
+batches and prompts; below, weights only. The last step starts R positions before the text's
+end, so that every step has R rows, and keeps only the positions not measured yet. --dtype: the models'
 activation and dense-weight dtype (default: bfloat16 on cuda, float32 on the CPU, where
 bfloat16 runs too, slower). --json F also writes the numbers.
 """
@@ -38,24 +43,42 @@ PASSAGE = (
     "from the great universities. ")
 
 
-def position_logits(module, tokens) -> "torch.Tensor":
-    """[len(tokens), vocab] float32 on the CPU: each position's logits, one decode step each."""
+def position_logits(module, tokens, rows: int = 1) -> "torch.Tensor":
+    """[len(tokens), vocab] float32 on the CPU: each position's logits, from decode steps of
+    `rows` consecutive positions each (module docstring; the module's geometry holds `rows`
+    sequences and the text's blocks)."""
     import torch
 
     from vt.torch import TorchInputs
     geo, dev = module.geometry, module.k_cache.device
+    if not 1 <= rows <= min(geo.max_seqs, len(tokens)):
+        raise ValueError(f"rows {rows}: between 1 and the positions ({len(tokens)}) and "
+                         f"the geometry's sequences ({geo.max_seqs})")
     table = torch.zeros(geo.max_seqs + 1, dtype=torch.int32, device=dev)
-    blocks = torch.arange(1, geo.max_blocks + 1, dtype=torch.int32, device=dev)[None]
-    logits = torch.empty(1, module.cfg.vocab, device=dev)
-    rows = []
-    for p, tok in enumerate(tokens):
-        table[0] = tok
-        i32 = lambda v: torch.tensor([v], dtype=torch.int32, device=dev)   # noqa: E731
-        slot = (p // geo.block_size + 1) * geo.block_size + p % geo.block_size
-        module(TorchInputs.decode(table, i32(0), i32(p), i32(p + 1), i32(slot), blocks, i32(0)),
-               logits)
-        rows.append(logits.cpu().clone())
-    return torch.cat(rows)
+    blocks = torch.arange(1, geo.max_blocks + 1, dtype=torch.int32, device=dev)
+    blocks = blocks[None].expand(rows, -1).contiguous()
+    logits = torch.empty(rows, module.cfg.vocab, device=dev)
+    i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)   # noqa: E731
+    measured, out = 0, []
+    while measured < len(tokens):
+        first = min(measured, len(tokens) - rows)
+        pos = list(range(first, first + rows))
+        table[:rows] = i32([tokens[p] for p in pos])
+        slots = [(p // geo.block_size + 1) * geo.block_size + p % geo.block_size for p in pos]
+        module(TorchInputs.decode(table, i32(list(range(rows))), i32(pos),
+                                  i32([p + 1 for p in pos]), i32(slots), blocks,
+                                  i32([0] * rows)), logits)
+        out.append(logits[measured - first:].cpu().clone())
+        measured = first + rows
+    return torch.cat(out)
+
+
+def linear_path(rows: int) -> str:
+    """What a per-channel FP8 linear of `rows` rows computes (vt.torch.fp8's module docstring)."""
+    from vt.torch import fp8
+    if fp8.activations_quantized(rows, None):
+        return "W8A8: weights and activations in FP8"
+    return "FP8 weights, activations in the dtype"
 
 
 def compare(fp8_logits, ref_logits, tokens) -> dict:
@@ -76,14 +99,15 @@ def compare(fp8_logits, ref_logits, tokens) -> dict:
                 perplexity_fp8=p8, perplexity_ref=pr, perplexity_ratio=p8 / pr)
 
 
-def _geometry(n: int):
+def _geometry(n: int, rows: int = 1):
     from vt.step import KVGeometry
     bs = 16
     blocks = -(-n // bs)
-    return KVGeometry(max_seqs=1, num_kv_blocks=blocks + 1, block_size=bs, max_context=blocks * bs)
+    return KVGeometry(max_seqs=rows, num_kv_blocks=blocks + 1, block_size=bs,
+                      max_context=blocks * bs)
 
 
-def run_checkpoint(path: str, text: str | None, n: int, device, dtype) -> dict:
+def run_checkpoint(path: str, text: str | None, n: int, device, dtype, rows: int = 1) -> dict:
     import torch
     from transformers import AutoTokenizer
 
@@ -94,35 +118,37 @@ def run_checkpoint(path: str, text: str | None, n: int, device, dtype) -> dict:
     if text is not None and len(tokens) < n:
         print(f"fp8_quality: the text holds {len(tokens)} tokens; measuring those",
               file=sys.stderr)
-    geo = _geometry(len(tokens))
-    ref = position_logits(hf.load(path, geo, dtype=dtype, device=device), tokens)
+    geo = _geometry(len(tokens), rows)
+    ref = position_logits(hf.load(path, geo, dtype=dtype, device=device), tokens, rows)
     fp8 = position_logits(hf.load(path, geo, dtype=dtype, device=device, quantization="fp8"),
-                          tokens)
-    return dict(compare(fp8, ref, tokens), model=path, dtype=str(dtype).split(".")[-1])
+                          tokens, rows)
+    return dict(compare(fp8, ref, tokens), model=path, dtype=str(dtype).split(".")[-1],
+                rows=rows, linear=linear_path(rows))
 
 
-def run_preset(preset: str, n: int, device, dtype) -> dict:
+def run_preset(preset: str, n: int, device, dtype, rows: int = 1) -> dict:
     import torch
 
     from vt.bench.torch_workload import model_config
     from vt.torch.llama import LlamaDecoder, quantize_weights_
     cfg = model_config("torch-tiny" if preset == "tiny" else preset)
-    geo = _geometry(n)
+    geo = _geometry(n, rows)
     torch.manual_seed(0)
     dense = LlamaDecoder(cfg, geo, dtype=dtype, device=device)
     tokens = torch.randint(0, cfg.vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
-    ref = position_logits(dense, tokens)
+    ref = position_logits(dense, tokens, rows)
     weights = dense.state_dict()
     quantized = LlamaDecoder(cfg, geo, dtype=dtype, device=device, quantization="fp8")
     quantize_weights_(quantized, weights)
     del dense, weights
-    fp8 = position_logits(quantized, tokens)
+    fp8 = position_logits(quantized, tokens, rows)
     return dict(compare(fp8, ref, tokens), model=f"{preset} (random weights)",
-                dtype=str(dtype).split(".")[-1])
+                dtype=str(dtype).split(".")[-1], rows=rows, linear=linear_path(rows))
 
 
 def format_report(r: dict) -> str:
-    return (f"{r['model']}, {r['dtype']}, {r['positions']} positions: logits relative error "
+    return (f"{r['model']}, {r['dtype']}, {r['positions']} positions, {r['rows']} "
+            f"row{'s' if r['rows'] > 1 else ''} a step ({r['linear']}): logits relative error "
             f"{r['logits_rel_err']:.4f} (largest position {r['logits_rel_err_max_position']:.4f}); "
             f"greedy top-1 agreement {100 * r['top1_agreement']:.1f} %; perplexity fp8 "
             f"{r['perplexity_fp8']:.3f} against {r['perplexity_ref']:.3f} "
@@ -137,12 +163,17 @@ def main(argv=None) -> int:
                                       "torch-llama3-8b, tiny)")
     p.add_argument("--text", default=None, help="a UTF-8 text file (--model only)")
     p.add_argument("--tokens", type=int, default=1000, help="positions measured (default 1000)")
+    p.add_argument("--rows", type=int, default=1,
+                   help="consecutive positions decoded per step (default 1; from 16 the FP8 "
+                        "linears quantize the activations too)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="the models' dtype (auto: bfloat16 on cuda, float32 on the CPU)")
     p.add_argument("--json", default=None, help="also write the numbers here")
     args = p.parse_args(argv)
     if args.tokens < 2:
         p.error(f"--tokens {args.tokens}: at least 2 (perplexity needs a next token)")
+    if args.rows < 1 or args.rows > args.tokens:
+        p.error(f"--rows {args.rows}: between 1 and --tokens ({args.tokens})")
     if args.text is not None and args.model is None:
         p.error("--text needs --model (a preset has no tokenizer)")
     import torch
@@ -151,8 +182,8 @@ def main(argv=None) -> int:
              else torch.bfloat16 if device.type == "cuda" else torch.float32)
     text = None if args.text is None else open(args.text, encoding="utf-8").read()
     try:
-        r = (run_checkpoint(args.model, text, args.tokens, device, dtype) if args.model
-             else run_preset(args.preset, args.tokens, device, dtype))
+        r = (run_checkpoint(args.model, text, args.tokens, device, dtype, args.rows)
+             if args.model else run_preset(args.preset, args.tokens, device, dtype, args.rows))
     except ValueError as exc:
         print(f"fp8_quality: {exc}", file=sys.stderr)
         return 2

@@ -38,3 +38,43 @@ def test_the_tool_takes_the_dtype(tmp_path):
                              "--json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert r["dtype"] == "bfloat16" and 0 < r["logits_rel_err"] < 0.2
+
+
+def test_steps_of_several_rows_give_each_position_the_logits_of_one_row_steps():
+    """--rows: R consecutive positions as R rows of one step (the last step overlapping the
+    one before it) give the dense model the logits one row a step gives, within float32
+    summation noise."""
+    from vt.bench.torch_workload import model_config
+    from vt.torch.llama import LlamaDecoder
+    cfg = model_config("torch-tiny")
+    tokens = torch.randint(0, cfg.vocab, (12,), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    geo, cpu = fp8_quality._geometry(12, 5), torch.device("cpu")
+    one = LlamaDecoder(cfg, geo, dtype=torch.float32, device=cpu)
+    weights = one.state_dict()
+    five = LlamaDecoder(cfg, geo, dtype=torch.float32, device=cpu)   # a fresh cache
+    five.load_state_dict(weights)
+    ref = fp8_quality.position_logits(one, tokens.tolist())
+    got = fp8_quality.position_logits(five, tokens.tolist(), rows=5)
+    assert got.shape == ref.shape == (12, cfg.vocab)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_sixteen_rows_take_the_w8a8_path(tmp_path):
+    """--rows 16 names the W8A8 path and measures a different FP8 model than one row does
+    (its activations are quantized): the same dense logits, other FP8 logits."""
+    runs = {}
+    for rows in (1, 16):
+        out = tmp_path / f"q{rows}.json"
+        assert fp8_quality.main(["--preset", "tiny", "--tokens", "20", "--rows", str(rows),
+                                 "--json", str(out)]) == 0
+        runs[rows] = json.loads(out.read_text())
+    assert runs[1]["linear"].startswith("FP8 weights") and runs[16]["linear"].startswith("W8A8")
+    assert runs[16]["perplexity_ref"] == pytest.approx(runs[1]["perplexity_ref"], rel=1e-5)
+    assert runs[16]["logits_rel_err"] != pytest.approx(runs[1]["logits_rel_err"], rel=1e-3)
+
+
+def test_rows_beyond_the_positions_are_refused(capsys):
+    with pytest.raises(SystemExit):
+        fp8_quality.main(["--preset", "tiny", "--tokens", "4", "--rows", "5"])
+    assert "--rows 5: between 1 and --tokens (4)" in capsys.readouterr().err
