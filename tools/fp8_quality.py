@@ -107,17 +107,23 @@ def _geometry(n: int, rows: int = 1):
                       max_context=blocks * bs)
 
 
+def text_tokens(tokenizer, text: str | None, n: int, tool: str = "fp8_quality") -> list[int]:
+    """The first n tokens of `text` (None: PASSAGE, repeated to n tokens); fewer, said on
+    stderr by `tool`, where the text holds fewer."""
+    body = text if text is not None else PASSAGE * (1 + 8 * n // len(PASSAGE))
+    tokens = tokenizer(body)["input_ids"][:n]
+    if len(tokens) < n:
+        print(f"{tool}: the text holds {len(tokens)} tokens; measuring those",
+              file=sys.stderr)
+    return tokens
+
+
 def run_checkpoint(path: str, text: str | None, n: int, device, dtype, rows: int = 1) -> dict:
     import torch
     from transformers import AutoTokenizer
 
     from vt.torch import hf
-    tok = AutoTokenizer.from_pretrained(path)
-    body = text if text is not None else PASSAGE * (1 + 8 * n // len(PASSAGE))
-    tokens = tok(body)["input_ids"][:n]
-    if text is not None and len(tokens) < n:
-        print(f"fp8_quality: the text holds {len(tokens)} tokens; measuring those",
-              file=sys.stderr)
+    tokens = text_tokens(AutoTokenizer.from_pretrained(path), text, n)
     geo = _geometry(len(tokens), rows)
     ref = position_logits(hf.load(path, geo, dtype=dtype, device=device), tokens, rows)
     fp8 = position_logits(hf.load(path, geo, dtype=dtype, device=device, quantization="fp8"),

@@ -86,10 +86,8 @@ def run(model_dir: str, text: str | None, n: int) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from tools.fp8_quality import PASSAGE, compare
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    body = text if text is not None else PASSAGE * (1 + 8 * n // len(PASSAGE))
-    tokens = tok(body)["input_ids"][:n]
+    from tools.fp8_quality import compare, text_tokens
+    tokens = text_tokens(AutoTokenizer.from_pretrained(model_dir), text, n, "fp8_schemes")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = {name: p.detach().clone() for name, p in model.named_parameters()
                 if is_projection(name, p)}
