@@ -168,7 +168,7 @@ def quantize_block(w: torch.Tensor) -> Fp8Weight:
 
 # ---- the linear -------------------------------------------------------------------------
 
-# scaled_mm by default: at a 4,096-token prompt of the 8B shape on an H100 it takes 0.77x
+# scaled_mm by default: at a 4,096-token prompt of the 8B shape on an H100 it takes 0.73x
 # bf16's time to first token where dequantize takes 1.48x (docs/benchmarks.md).
 PROMPT_LINEAR = "scaled_mm"
 
