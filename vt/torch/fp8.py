@@ -351,7 +351,8 @@ def checkpoint_scheme(qc, where: str) -> str:
     (compressed-tensors float8: per output channel or one scale per tensor), or "block" (the
     `fp8` format with weight_block_size [128, 128]). Anything else: a one-line ValueError
     naming the field and its value. Activation quantization (dynamic, or static input scales)
-    is accepted and not used: vt's FP8 linears take bf16 activations (fp8.linear)."""
+    is accepted and not used: vt's FP8 linears choose for themselves (fp8.linear: the dtype's
+    activations below W8A8_MIN_ROWS rows, each token's own dynamic scale from there)."""
     if not isinstance(qc, dict):
         _refuse(where, "quantization_config", qc, "a JSON object")
     method = qc.get("quant_method")
