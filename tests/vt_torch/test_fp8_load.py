@@ -45,7 +45,9 @@ BLOCK_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic
              "weight_block_size": [128, 128]}
 
 
-def _dense_weights():
+def _dense_weights(family="llama"):
+    """Random weights of CONFIG's shape; qwen3 adds its q/k norms, qwen2 its q/k/v biases
+    (the tensors those families' FP8 checkpoints keep unquantized beside the codes)."""
     g = torch.Generator().manual_seed(0)
     h, inter, v = CONFIG["hidden_size"], CONFIG["intermediate_size"], CONFIG["vocab_size"]
     shapes = {"model.embed_tokens.weight": (v, h), "lm_head.weight": (v, h),
@@ -57,19 +59,27 @@ def _dense_weights():
         shapes[p + "mlp.gate_proj.weight"] = shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
         shapes[p + "input_layernorm.weight"] = shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if family == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (CONFIG["head_dim"],)
+            shapes[p + "self_attn.k_norm.weight"] = (CONFIG["head_dim"],)
+        if family == "qwen2":
+            for name in ("q_proj", "k_proj", "v_proj"):
+                shapes[p + f"self_attn.{name}.bias"] = (h,)
     out = {}
     for name, shape in shapes.items():
         if len(shape) == 1:
-            out[name] = 1 + 0.1 * torch.randn(shape, generator=g)
+            out[name] = (1 if "norm" in name else 0) + 0.1 * torch.randn(shape, generator=g)
         else:   # rows of different magnitudes: a scale per channel matters
             rows = torch.rand(shape[0], 1, generator=g) * 4 + 0.25
             out[name] = torch.randn(shape, generator=g) * rows / shape[1] ** 0.5
     return out
 
 
-def _write(path, tensors, qc=None):
+def _write(path, tensors, qc=None, family="llama"):
     path.mkdir(parents=True, exist_ok=True)
-    config = dict(CONFIG) if qc is None else dict(CONFIG, quantization_config=qc)
+    config = dict(CONFIG, model_type=family)
+    if qc is not None:
+        config["quantization_config"] = qc
     (path / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"))
 
@@ -79,7 +89,7 @@ def _quantized(dense, scheme):
     files, dequantized = {}, {}
     for name, w in dense.items():
         base = name.removesuffix(".weight")
-        if base.rpartition(".")[2] not in PROJ:
+        if not name.endswith(".weight") or base.rpartition(".")[2] not in PROJ:
             files[name] = dequantized[name] = w
             continue
         if scheme == "block":
@@ -118,6 +128,33 @@ def test_an_fp8_checkpoint_gives_the_dequantized_models_logits(tmp_path, scheme)
     want = position_logits(hf.load(tmp_path / "deq", GEO, dtype=torch.float32, device="cpu"),
                            TOKENS)
     assert _max_rel(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("family, scheme", [("qwen3", "block"), ("qwen2", "channel")])
+def test_qwen_fp8_checkpoints_keep_their_norms_and_biases_dense(tmp_path, family, scheme):
+    """The published Qwen FP8 layouts: Qwen3's (128 x 128 blocks, q/k norms beside the codes)
+    and Qwen2's (per channel, q/k/v biases beside them) give the logits of the dense decoder
+    holding the dequantized weights, the norms and biases as they were."""
+    dense = _dense_weights(family)
+    files, dequantized = _quantized(dense, scheme)
+    assert files["model.layers.0.self_attn.q_proj.weight"].dtype == fp8.FP8
+    qc = BLOCK_FP8 if scheme == "block" else compressed_tensors(scheme)
+    _write(tmp_path / "fp8", files, qc, family)
+    _write(tmp_path / "deq", dequantized, family=family)
+    model = hf.load(tmp_path / "fp8", GEO, dtype=torch.float32, device="cpu")
+    assert model.quantization == "fp8" and model.cfg.qk_norm == (family == "qwen3")
+    assert model.cfg.qkv_bias == (family == "qwen2")
+    got = position_logits(model, TOKENS)
+    want = position_logits(hf.load(tmp_path / "deq", GEO, dtype=torch.float32, device="cpu"),
+                           TOKENS)
+    assert _max_rel(got, want) < 1e-5
+    # the norms and biases matter here: without them the logits move far beyond that
+    plain = {k: v for k, v in dequantized.items() if "q_norm" not in k and "k_norm" not in k
+             and not k.endswith(".bias")}
+    _write(tmp_path / "plain", plain)
+    other = position_logits(hf.load(tmp_path / "plain", GEO, dtype=torch.float32, device="cpu"),
+                            TOKENS)
+    assert _max_rel(other, want) > 1e-2
 
 
 def test_a_dense_checkpoint_quantized_at_load_is_quantized_per_channel(tmp_path):
