@@ -220,6 +220,9 @@ REFUSED = [
     (compressed_tensors(format="int-quantized"), "format='int-quantized'"),
     (compressed_tensors(kv_cache_scheme={"num_bits": 8, "type": "float"}), "kv_cache_scheme="),
     (compressed_tensors(ignore=["re:.*down_proj"]), "ignore="),
+    (compressed_tensors(sparsity_config={"format": "sparse-24-bitmask",
+                                         "sparsity_structure": "2:4"}), "sparsity_config="),
+    (compressed_tensors(transform_config={"config_groups": {}}), "transform_config="),
     (compressed_tensors("group"), "strategy='group'"),
     (compressed_tensors("block"), "strategy='block'"),
     (compressed_tensors("tensor_group"), "strategy='tensor_group'"),
@@ -241,6 +244,19 @@ def test_unsupported_quantization_configs_are_refused_in_one_line(tmp_path, qc, 
     with pytest.raises(ValueError, match="is not supported") as err:
         hf.load(tmp_path, GEO, dtype=torch.float32, device="cpu")
     assert named in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_dense_format_sparsity_config_loads_as_plain_fp8(tmp_path):
+    """2:4-sparse checkpoints stored in the dense format hold ordinary codes and scales."""
+    files, dequantized = _quantized(_dense_weights(), "channel")
+    qc = compressed_tensors(sparsity_config={"format": "dense", "sparsity_structure": "2:4"})
+    _write(tmp_path / "fp8", files, qc)
+    _write(tmp_path / "deq", dequantized)
+    got = position_logits(hf.load(tmp_path / "fp8", GEO, dtype=torch.float32, device="cpu"),
+                          TOKENS)
+    want = position_logits(hf.load(tmp_path / "deq", GEO, dtype=torch.float32, device="cpu"),
+                           TOKENS)
+    assert _max_rel(got, want) < 1e-5
 
 
 def test_fp8_codes_without_a_quantization_config_are_refused(tmp_path):

@@ -384,6 +384,15 @@ def _compressed_tensors_scheme(qc: dict, where: str) -> str:
         _refuse(where, "quantization_config.format", fmt, "'float-quantized', 'naive-quantized'")
     if qc.get("kv_cache_scheme") is not None:
         _refuse(where, "quantization_config.kv_cache_scheme", qc["kv_cache_scheme"], "null")
+    # Sparse formats store other tensors than the codes (bitmasks, packed values); a dense-
+    # format sparsity config stores them as they are. Transforms rotate the weights.
+    sparsity = qc.get("sparsity_config")
+    if sparsity is not None and not (isinstance(sparsity, dict)
+                                     and sparsity.get("format") == "dense"):
+        _refuse(where, "quantization_config.sparsity_config", sparsity,
+                "null or format 'dense'")
+    if qc.get("transform_config") is not None:
+        _refuse(where, "quantization_config.transform_config", qc["transform_config"], "null")
     _only_head_ignored(qc.get("ignore"), "quantization_config.ignore", where)
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
