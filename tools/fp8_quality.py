@@ -7,22 +7,22 @@ read the same tokens; each position's logits compared):
 - top-1 agreement: the share of positions where the two models' greedy (argmax) tokens agree;
 - perplexity of the text's next tokens under each model (and their ratio).
 
-  python3 tools/fp8_quality.py --model DIR [--text FILE] [--tokens 1000]
+  python3 tools/fp8_quality.py --model DIR [--text FILE] [--tokens 1000] [--rows 16]
   python3 tools/fp8_quality.py --preset torch-llama3-8b --tokens 1000    # random weights, cuda
 
 --model: a dense (bf16/fp32) Hugging Face checkpoint directory with its tokenizer (loaded
 twice: as it is and with quantization="fp8"); --text (default: a built-in English passage,
 repeated to --tokens) is tokenized by the checkpoint's tokenizer. --preset: one of vt bench's
 torch presets with random weights and seeded random tokens (perplexity then says nothing about
-language, only that both models agree). The text runs as decode steps (the captured path's
-ops) on cuda when a GPU is usable, else the CPU (the reference path: the same arithmetic as
-the GPU's kernels but for the summation order). --rows R (default 1): each step decodes R
+language, only that both models agree). The text runs as decode steps (the captured path's ops)
+on cuda when a GPU is usable, else the CPU (the reference path: the same arithmetic as the
+GPU's kernels but for the summation order). --rows R (default 1): each step decodes R
 consecutive positions as R rows of the one sequence, as a speculative verify step does (every
 row's K and V are written before any row reads the cache), so the FP8 linears see R rows: from
 16 rows (fp8.W8A8_MIN_ROWS) they quantize the activations too, per token, the path of larger
 batches and prompts; below, weights only. The last step starts R positions before the text's
-end, so that every step has R rows, and keeps only the positions not measured yet. --dtype: the models'
-activation and dense-weight dtype (default: bfloat16 on cuda, float32 on the CPU, where
+end, so that every step has R rows, and keeps only the positions not measured yet. --dtype: the
+models' activation and dense-weight dtype (default: bfloat16 on cuda, float32 on the CPU, where
 bfloat16 runs too, slower). --json F also writes the numbers.
 """
 from __future__ import annotations
