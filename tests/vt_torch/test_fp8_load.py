@@ -290,6 +290,32 @@ def test_block_scales_need_fused_rows_in_whole_blocks(tmp_path):
         hf.load(tmp_path, GEO, dtype=torch.float32, device="cpu")
 
 
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(quantization="fp8"), "quantization='fp8'"),
+    (dict(kv_cache_dtype="fp8"), "kv_cache_dtype='fp8'"),
+    (dict(quantization="fp8", kv_cache_dtype="fp8"), "quantization='fp8' and kv_cache_dtype"),
+], ids=["weights", "kv-cache", "both"])
+def test_fp8_on_a_gpu_older_than_ada_is_refused_before_anything_is_allocated(monkeypatch, kwargs,
+                                                                             named):
+    """An A100 (8.0) has no e4m3 conversions or FP8 tensor cores: one line naming the GPU and
+    the minimum, raised before the decoder touches the device (so it runs on a CPU machine)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    cfg = hf.config_from_hf(CONFIG)
+    with pytest.raises(ValueError) as err:
+        LlamaDecoder(cfg, GEO, dtype=torch.bfloat16, device="cuda", **kwargs)
+    assert named in str(err.value) and "\n" not in str(err.value)
+    assert str(err.value).endswith("compute capability 8.9 or newer (e4m3 conversions and FP8 "
+                                   "tensor cores); NVIDIA A100 is 8.0")
+
+
+def test_the_fp8_device_check_passes_ada_hopper_and_the_cpu(monkeypatch):
+    for capability in ((8, 9), (9, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        fp8.check_device("x", "cuda")
+    fp8.check_device("x", "cpu")
+
+
 def test_quantization_arguments_are_checked():
     """LlamaDecoder and hf.load name a quantization they do not implement."""
     from vt.torch.hfconfig import config_from_hf

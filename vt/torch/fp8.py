@@ -128,6 +128,25 @@ def check_quantization(quantization) -> str | None:
     return quantization
 
 
+# e4m3 conversions in Triton (fp8e4nv) and FP8 tensor-core dots (Triton's and
+# torch._scaled_mm) need Ada or newer; vt's FP8 kernels are tested on Hopper.
+MIN_CAPABILITY = (8, 9)
+
+
+def check_device(what: str, device) -> None:
+    """ValueError, in one line naming `what` and the GPU, where `device` is a CUDA GPU older
+    than MIN_CAPABILITY; the CPU (the reference path) runs FP8 anywhere."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if tuple(capability) < MIN_CAPABILITY:
+        raise ValueError(f"{what}: FP8 needs a GPU of compute capability "
+                         f"{'.'.join(map(str, MIN_CAPABILITY))} or newer (e4m3 conversions and "
+                         f"FP8 tensor cores); {torch.cuda.get_device_name(device)} is "
+                         f"{capability[0]}.{capability[1]}")
+
+
 def quantize_per_channel(w: torch.Tensor) -> Fp8Weight:
     """w [N, K] (any float dtype) -> Fp8Weight with scale [N] = amax(|row|) / 448."""
     wf = w.float()

@@ -260,6 +260,11 @@ class LlamaDecoder(nn.Module):
                 for ops in (self.decode_ops, self.one_row_ops, self.prompt_ops))
         self.kv_cache_dtype = check_kv_cache_dtype(kv_cache_dtype, self.kernels,
                                                    self.prompt_kernels, cfg, batch_invariant)
+        fp8_parts = [f"{name}='fp8'" for name, value in (("quantization", self.quantization),
+                                                         ("kv_cache_dtype", self.kv_cache_dtype))
+                     if value == "fp8"]
+        if fp8_parts:
+            fp8.check_device(f"LlamaDecoder: {' and '.join(fp8_parts)}", device)
         factory = dict(dtype=dtype, device=device)
         self.vocab_shard = vocab_shard(cfg, self.tp)   # rows of the head on this rank
         # Tied, the head is the embedding's rows of this rank's shard: the padding is there.
