@@ -117,6 +117,9 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                                kv_cache_dtype=kv_cache_dtype, draft_cfg=draft_cfg)
     geo = geometry_for(max_seqs, max_context, block_size, size.num_kv_blocks)
     notes = (context_note, size.describe())
+    fp8_note = precision_note(hf.checkpoint_scheme(path), quantization, dtype, kv_cache_dtype)
+    if fp8_note is not None:
+        notes += (fp8_note,)
     if draft_cfg is not None:
         notes += (f"draft model {draft}: {draft_cfg.layers} layers (the target's "
                   f"{cfg.layers}), its own KV cache of the same {geo.num_kv_blocks:,} blocks",)
@@ -140,6 +143,28 @@ def load_checkpoint(be, path, *, max_seqs: int, max_context: int | None = None,
                                        prefill=PREFILL, token_table=_token_table(be, token_table_rows))
     return ServedModel(name or path.name, step, geo, cfg.vocab, text, eos_token_ids(path),
                        notes=notes, draft=draft_step)
+
+
+SCALES_IN_WORDS = {"channel": "a scale per output channel", "tensor": "a scale per tensor",
+                   "block": "a scale per 128 x 128 block"}
+
+
+def precision_note(scheme: str | None, quantization: str | None, dtype: str,
+                   kv_cache_dtype: str) -> str | None:
+    """The start-up line that says what runs in FP8: the projections (a checkpoint's FP8
+    `scheme`, or `quantization` "fp8" of a dense one at load) and the KV cache; None when
+    nothing does (the model in `dtype` throughout, as --dtype says)."""
+    parts = []
+    if scheme is not None:
+        parts.append(f"the checkpoint's FP8 (e4m3) projections, {SCALES_IN_WORDS[scheme]}")
+    elif quantization == "fp8":
+        parts.append(f"FP8 (e4m3) projections quantized at load, "
+                     f"{SCALES_IN_WORDS['channel']}")
+    if kv_cache_dtype == "fp8":
+        parts.append("an FP8 (e4m3) KV cache, K and V scales 1.0 per layer")
+    if not parts:
+        return None
+    return f"{' and '.join(parts)}; the rest in {dtype}"
 
 
 def _token_table(be, rows: int | None):

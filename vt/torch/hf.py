@@ -64,7 +64,7 @@ def load(path, geometry: KVGeometry, *, dtype=torch.bfloat16, device=None,
     kv_cache_dtype = kv_fp8.check_kv_cache_dtype(kv_cache_dtype)
     if kv_cache_dtype == "fp8":
         _refuse_kv_cache_scheme(path)
-    scheme = _checkpoint_scheme(path)   # None: a dense checkpoint
+    scheme = checkpoint_scheme(path)   # None: a dense checkpoint
     files = _read_safetensors(path)
     if cfg.tie_embeddings and HEAD in files:
         cfg = replace(cfg, tie_embeddings=False)
@@ -107,10 +107,10 @@ def _refuse_kv_cache_scheme(path: Path) -> None:
                          f"scales of 1.0 only")
 
 
-def _checkpoint_scheme(path: Path) -> str | None:
+def checkpoint_scheme(path) -> str | None:
     """config.json's quantization_config as fp8.checkpoint_scheme reads it; None when absent
     (read_config has already checked that the file is a JSON object)."""
-    where = path / "config.json"
+    where = Path(path) / "config.json"
     qc = json.loads(where.read_text()).get("quantization_config")
     return None if qc is None else fp8.checkpoint_scheme(qc, str(where))
 
