@@ -1,6 +1,6 @@
-"""FP8 weights' quality, measured: a model with FP8 projections (vt.torch.fp8, quantized per
-channel at load) against the same model in its own dtype, over one text, teacher-forced (both
-read the same tokens; each position's logits compared):
+"""FP8's quality, measured: a model with FP8 projections (vt.torch.fp8, quantized per channel
+at load), an FP8 KV cache or both, against the same model in its own dtype, over one text,
+teacher-forced (both read the same tokens; each position's logits compared):
 
 - logits relative error: ||fp8 - ref|| / ||ref|| over every position's logits (and the
   largest per-position value);
@@ -8,10 +8,11 @@ read the same tokens; each position's logits compared):
 - perplexity of the text's next tokens under each model (and their ratio).
 
   python3 tools/fp8_quality.py --model DIR [--text FILE] [--tokens 1000] [--rows 16]
+                               [--weights fp8|dense] [--kv-cache-dtype auto|fp8]
   python3 tools/fp8_quality.py --preset torch-llama3-8b --tokens 1000    # random weights, cuda
 
 --model: a dense (bf16/fp32) Hugging Face checkpoint directory with its tokenizer (loaded
-twice: as it is and with quantization="fp8"); --text (default: a built-in English passage,
+twice: as it is and as measured); --text (default: a built-in English passage,
 repeated to --tokens) is tokenized by the checkpoint's tokenizer. --preset: one of vt bench's
 torch presets with random weights and seeded random tokens (perplexity then says nothing about
 language, only that both models agree). The text runs as decode steps (the captured path's ops)
@@ -23,7 +24,9 @@ row's K and V are written before any row reads the cache), so the FP8 linears se
 batches and prompts; below, weights only. The last step starts R positions before the text's
 end, so that every step has R rows, and keeps only the positions not measured yet. --dtype: the
 models' activation and dense-weight dtype (default: bfloat16 on cuda, float32 on the CPU, where
-bfloat16 runs too, slower). --json F also writes the numbers.
+bfloat16 runs too, slower). --kv-cache-dtype fp8: the measured model holds its KV cache as e4m3
+codes too (vt.torch.kv_fp8); with --weights dense (its projections as the reference's) that
+measures the FP8 cache alone. --json F also writes the numbers.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import json
 import math
 import sys
 
+WEIGHTS = ("fp8", "dense")
 PASSAGE = (
     "The history of the printing press begins in the fifteenth century, when movable metal "
     "type made it possible to reproduce books quickly and cheaply. Before that, texts were "
@@ -73,12 +77,29 @@ def position_logits(module, tokens, rows: int = 1) -> "torch.Tensor":
     return torch.cat(out)
 
 
-def linear_path(rows: int) -> str:
-    """What a per-channel FP8 linear of `rows` rows computes (vt.torch.fp8's module docstring)."""
+def what_runs(rows: int, weights: str = "fp8", kv_cache_dtype: str = "auto") -> str:
+    """What the measured model computes in FP8 at `rows` rows a step: its linears (a
+    per-channel FP8 linear's choice, vt.torch.fp8's module docstring) and its KV cache."""
     from vt.torch import fp8
-    if fp8.activations_quantized(rows, None):
-        return "W8A8: weights and activations in FP8"
-    return "FP8 weights, activations in the dtype"
+    if weights == "dense":
+        linears = "weights in the dtype"
+    elif fp8.activations_quantized(rows, None):
+        linears = "W8A8: weights and activations in FP8"
+    else:
+        linears = "FP8 weights, activations in the dtype"
+    return linears + ("; an FP8 KV cache" if kv_cache_dtype == "fp8" else "")
+
+
+def _quantized(weights: str, kv_cache_dtype: str) -> dict:
+    """The decoder arguments of the measured model (module docstring: --weights and
+    --kv-cache-dtype)."""
+    if weights not in WEIGHTS or kv_cache_dtype not in ("auto", "fp8"):
+        raise ValueError(f"weights {weights!r} must be one of {WEIGHTS}, kv_cache_dtype "
+                         f"{kv_cache_dtype!r} 'auto' or 'fp8'")
+    if weights == "dense" and kv_cache_dtype == "auto":
+        raise ValueError("--weights dense with --kv-cache-dtype auto quantizes nothing: "
+                         "measure FP8 weights, an FP8 KV cache (--kv-cache-dtype fp8), or both")
+    return dict(quantization="fp8" if weights == "fp8" else None, kv_cache_dtype=kv_cache_dtype)
 
 
 def compare(fp8_logits, ref_logits, tokens) -> dict:
@@ -118,38 +139,46 @@ def text_tokens(tokenizer, text: str | None, n: int, tool: str = "fp8_quality") 
     return tokens
 
 
-def run_checkpoint(path: str, text: str | None, n: int, device, dtype, rows: int = 1) -> dict:
-    import torch
+def run_checkpoint(path: str, text: str | None, n: int, device, dtype, rows: int = 1,
+                   weights: str = "fp8", kv_cache_dtype: str = "auto") -> dict:
     from transformers import AutoTokenizer
 
     from vt.torch import hf
+    quantized = _quantized(weights, kv_cache_dtype)
     tokens = text_tokens(AutoTokenizer.from_pretrained(path), text, n)
     geo = _geometry(len(tokens), rows)
     ref = position_logits(hf.load(path, geo, dtype=dtype, device=device), tokens, rows)
-    fp8 = position_logits(hf.load(path, geo, dtype=dtype, device=device, quantization="fp8"),
+    fp8 = position_logits(hf.load(path, geo, dtype=dtype, device=device, **quantized),
                           tokens, rows)
     return dict(compare(fp8, ref, tokens), model=path, dtype=str(dtype).split(".")[-1],
-                rows=rows, linear=linear_path(rows))
+                rows=rows, weights=weights, kv_cache_dtype=kv_cache_dtype,
+                linear=what_runs(rows, weights, kv_cache_dtype))
 
 
-def run_preset(preset: str, n: int, device, dtype, rows: int = 1) -> dict:
+def run_preset(preset: str, n: int, device, dtype, rows: int = 1, weights: str = "fp8",
+               kv_cache_dtype: str = "auto") -> dict:
     import torch
 
     from vt.bench.torch_workload import model_config
     from vt.torch.llama import LlamaDecoder, quantize_weights_
+    quantized = _quantized(weights, kv_cache_dtype)
     cfg = model_config("torch-tiny" if preset == "tiny" else preset)
     geo = _geometry(n, rows)
     torch.manual_seed(0)
     dense = LlamaDecoder(cfg, geo, dtype=dtype, device=device)
     tokens = torch.randint(0, cfg.vocab, (n,), generator=torch.Generator().manual_seed(1)).tolist()
     ref = position_logits(dense, tokens, rows)
-    weights = dense.state_dict()
-    quantized = LlamaDecoder(cfg, geo, dtype=dtype, device=device, quantization="fp8")
-    quantize_weights_(quantized, weights)
-    del dense, weights
-    fp8 = position_logits(quantized, tokens, rows)
+    dense_weights = dense.state_dict()
+    model = LlamaDecoder(cfg, geo, dtype=dtype, device=device, **quantized)
+    if quantized["quantization"] == "fp8":
+        quantize_weights_(model, dense_weights)
+    else:
+        model.load_state_dict(dense_weights)
+    del dense, dense_weights
+    fp8 = position_logits(model, tokens, rows)
     return dict(compare(fp8, ref, tokens), model=f"{preset} (random weights)",
-                dtype=str(dtype).split(".")[-1], rows=rows, linear=linear_path(rows))
+                dtype=str(dtype).split(".")[-1], rows=rows, weights=weights,
+                kv_cache_dtype=kv_cache_dtype, linear=what_runs(rows, weights, kv_cache_dtype))
 
 
 def format_report(r: dict) -> str:
@@ -172,6 +201,11 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=int, default=1,
                    help="consecutive positions decoded per step (default 1; from 16 the FP8 "
                         "linears quantize the activations too)")
+    p.add_argument("--weights", choices=WEIGHTS, default="fp8",
+                   help="the measured model's projections: FP8 (default) or as the reference's")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="the measured model's KV cache (default auto: the dtype, as the "
+                        "reference's)")
     p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
                    help="the models' dtype (auto: bfloat16 on cuda, float32 on the CPU)")
     p.add_argument("--json", default=None, help="also write the numbers here")
@@ -180,6 +214,8 @@ def main(argv=None) -> int:
         p.error(f"--tokens {args.tokens}: at least 2 (perplexity needs a next token)")
     if args.rows < 1 or args.rows > args.tokens:
         p.error(f"--rows {args.rows}: between 1 and --tokens ({args.tokens})")
+    if args.weights == "dense" and args.kv_cache_dtype == "auto":
+        p.error("--weights dense with --kv-cache-dtype auto quantizes nothing")
     if args.text is not None and args.model is None:
         p.error("--text needs --model (a preset has no tokenizer)")
     import torch
@@ -188,8 +224,9 @@ def main(argv=None) -> int:
              else torch.bfloat16 if device.type == "cuda" else torch.float32)
     text = None if args.text is None else open(args.text, encoding="utf-8").read()
     try:
-        r = (run_checkpoint(args.model, text, args.tokens, device, dtype, args.rows)
-             if args.model else run_preset(args.preset, args.tokens, device, dtype, args.rows))
+        what = dict(rows=args.rows, weights=args.weights, kv_cache_dtype=args.kv_cache_dtype)
+        r = (run_checkpoint(args.model, text, args.tokens, device, dtype, **what)
+             if args.model else run_preset(args.preset, args.tokens, device, dtype, **what))
     except ValueError as exc:
         print(f"fp8_quality: {exc}", file=sys.stderr)
         return 2

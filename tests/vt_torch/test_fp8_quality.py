@@ -78,3 +78,28 @@ def test_rows_beyond_the_positions_are_refused(capsys):
     with pytest.raises(SystemExit):
         fp8_quality.main(["--preset", "tiny", "--tokens", "4", "--rows", "5"])
     assert "--rows 5: between 1 and --tokens (4)" in capsys.readouterr().err
+
+
+def test_the_kv_cache_is_measured_with_or_without_fp8_weights(tmp_path):
+    """--kv-cache-dtype fp8 adds the FP8 cache to what is measured; with --weights dense it is
+    measured alone: a smaller error than FP8 weights', the same reference, the report saying
+    what ran in FP8."""
+    runs = {}
+    for args in (("--weights", "fp8"), ("--kv-cache-dtype", "fp8"),
+                 ("--weights", "dense", "--kv-cache-dtype", "fp8")):
+        out = tmp_path / "q.json"
+        assert fp8_quality.main(["--preset", "tiny", "--tokens", "16", *args,
+                                 "--json", str(out)]) == 0
+        runs[args] = json.loads(out.read_text())
+    weights, both, kv = runs.values()
+    assert kv["linear"] == "weights in the dtype; an FP8 KV cache"
+    assert both["linear"].endswith("; an FP8 KV cache") and "FP8 KV" not in weights["linear"]
+    assert 0 < kv["logits_rel_err"] < weights["logits_rel_err"]
+    assert both["logits_rel_err"] != pytest.approx(weights["logits_rel_err"], rel=1e-3)
+    assert kv["perplexity_ref"] == weights["perplexity_ref"] == both["perplexity_ref"]
+
+
+def test_quantizing_nothing_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        fp8_quality.main(["--preset", "tiny", "--tokens", "4", "--weights", "dense"])
+    assert "quantizes nothing" in capsys.readouterr().err
