@@ -152,7 +152,7 @@ def run_checkpoint(path: str, text: str | None, n: int, device, dtype, rows: int
                           tokens, rows)
     return dict(compare(fp8, ref, tokens), model=path, dtype=str(dtype).split(".")[-1],
                 rows=rows, weights=weights, kv_cache_dtype=kv_cache_dtype,
-                linear=what_runs(rows, weights, kv_cache_dtype))
+                what_runs=what_runs(rows, weights, kv_cache_dtype))
 
 
 def run_preset(preset: str, n: int, device, dtype, rows: int = 1, weights: str = "fp8",
@@ -178,12 +178,13 @@ def run_preset(preset: str, n: int, device, dtype, rows: int = 1, weights: str =
     fp8 = position_logits(model, tokens, rows)
     return dict(compare(fp8, ref, tokens), model=f"{preset} (random weights)",
                 dtype=str(dtype).split(".")[-1], rows=rows, weights=weights,
-                kv_cache_dtype=kv_cache_dtype, linear=what_runs(rows, weights, kv_cache_dtype))
+                kv_cache_dtype=kv_cache_dtype,
+                what_runs=what_runs(rows, weights, kv_cache_dtype))
 
 
 def format_report(r: dict) -> str:
     return (f"{r['model']}, {r['dtype']}, {r['positions']} positions, {r['rows']} "
-            f"row{'s' if r['rows'] > 1 else ''} a step ({r['linear']}): logits relative error "
+            f"row{'s' if r['rows'] > 1 else ''} a step ({r['what_runs']}): logits relative error "
             f"{r['logits_rel_err']:.4f} (largest position {r['logits_rel_err_max_position']:.4f}); "
             f"greedy top-1 agreement {100 * r['top1_agreement']:.1f} %; perplexity fp8 "
             f"{r['perplexity_fp8']:.3f} against {r['perplexity_ref']:.3f} "

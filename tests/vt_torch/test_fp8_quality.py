@@ -69,7 +69,8 @@ def test_sixteen_rows_take_the_w8a8_path(tmp_path):
         assert fp8_quality.main(["--preset", "tiny", "--tokens", "20", "--rows", str(rows),
                                  "--json", str(out)]) == 0
         runs[rows] = json.loads(out.read_text())
-    assert runs[1]["linear"].startswith("FP8 weights") and runs[16]["linear"].startswith("W8A8")
+    assert runs[1]["what_runs"].startswith("FP8 weights")
+    assert runs[16]["what_runs"].startswith("W8A8")
     assert runs[16]["perplexity_ref"] == pytest.approx(runs[1]["perplexity_ref"], rel=1e-5)
     assert runs[16]["logits_rel_err"] != pytest.approx(runs[1]["logits_rel_err"], rel=1e-3)
 
@@ -92,8 +93,9 @@ def test_the_kv_cache_is_measured_with_or_without_fp8_weights(tmp_path):
                                  "--json", str(out)]) == 0
         runs[args] = json.loads(out.read_text())
     weights, both, kv = runs.values()
-    assert kv["linear"] == "weights in the dtype; an FP8 KV cache"
-    assert both["linear"].endswith("; an FP8 KV cache") and "FP8 KV" not in weights["linear"]
+    assert kv["what_runs"] == "weights in the dtype; an FP8 KV cache"
+    assert both["what_runs"].endswith("; an FP8 KV cache")
+    assert "FP8 KV" not in weights["what_runs"]
     assert 0 < kv["logits_rel_err"] < weights["logits_rel_err"]
     assert both["logits_rel_err"] != pytest.approx(weights["logits_rel_err"], rel=1e-3)
     assert kv["perplexity_ref"] == weights["perplexity_ref"] == both["perplexity_ref"]
