@@ -99,9 +99,8 @@ def _quantized(dense, scheme):
             q = fp8.quantize_per_channel(w)
             files[base + ".weight_scale"] = q.scale[:, None]
         else:   # one scale for the tensor
-            scale = w.abs().amax() / fp8.FP8_MAX
-            q = fp8.Fp8Weight(fp8.to_fp8(w / scale), scale.expand(w.shape[0]).contiguous())
-            files[base + ".weight_scale"] = scale.reshape(1)
+            q = fp8.quantize_per_tensor(w)
+            files[base + ".weight_scale"] = q.scale[:1].clone()
         files[name] = q.data
         dequantized[name] = fp8.dequantize(q)
     return files, dequantized

@@ -155,6 +155,16 @@ def quantize_per_channel(w: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(to_fp8(wf / scale[:, None]), scale)
 
 
+def quantize_per_tensor(w: torch.Tensor) -> Fp8Weight:
+    """w [N, K] -> Fp8Weight with one scale, amax(|w|) / 448, held per channel as vt holds a
+    checkpoint's per-tensor scale (every row that value; vt quantizes per channel at load,
+    this writes test checkpoints and compares schemes)."""
+    wf = w.float()
+    amax = wf.abs().amax()
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return Fp8Weight(to_fp8(wf / scale), scale.expand(wf.shape[0]).contiguous())
+
+
 def to_fp8(x: torch.Tensor) -> torch.Tensor:
     """x (float32) rounded to nearest e4m3, clamped to +-448 first (a cast of a value past it
     is NaN on some devices)."""
