@@ -106,6 +106,11 @@ def _quantized(dense, scheme):
     return files, dequantized
 
 
+def _cpu_logits(path):
+    """The logits of the checkpoint at `path`, loaded in float32 on the CPU, over TOKENS."""
+    return position_logits(hf.load(path, GEO, dtype=torch.float32, device="cpu"), TOKENS)
+
+
 def _max_rel(a, b):
     return float((a - b).abs().max() / b.abs().max())
 
@@ -124,8 +129,7 @@ def test_an_fp8_checkpoint_gives_the_dequantized_models_logits(tmp_path, scheme)
     proj = model.layers[0].attn.qkv
     assert proj.qweight.dtype == fp8.FP8 and proj.weight.per_block == (scheme == "block")
     got = position_logits(model, TOKENS)
-    want = position_logits(hf.load(tmp_path / "deq", GEO, dtype=torch.float32, device="cpu"),
-                           TOKENS)
+    want = _cpu_logits(tmp_path / "deq")
     assert _max_rel(got, want) < 1e-5
 
 
@@ -144,15 +148,13 @@ def test_qwen_fp8_checkpoints_keep_their_norms_and_biases_dense(tmp_path, family
     assert model.quantization == "fp8" and model.cfg.qk_norm == (family == "qwen3")
     assert model.cfg.qkv_bias == (family == "qwen2")
     got = position_logits(model, TOKENS)
-    want = position_logits(hf.load(tmp_path / "deq", GEO, dtype=torch.float32, device="cpu"),
-                           TOKENS)
+    want = _cpu_logits(tmp_path / "deq")
     assert _max_rel(got, want) < 1e-5
     # the norms and biases matter here: without them the logits move far beyond that
     plain = {k: v for k, v in dequantized.items() if "q_norm" not in k and "k_norm" not in k
              and not k.endswith(".bias")}
     _write(tmp_path / "plain", plain)
-    other = position_logits(hf.load(tmp_path / "plain", GEO, dtype=torch.float32, device="cpu"),
-                            TOKENS)
+    other = _cpu_logits(tmp_path / "plain")
     assert _max_rel(other, want) > 1e-2
 
 
@@ -169,8 +171,7 @@ def test_a_dense_checkpoint_quantized_at_load_is_quantized_per_channel(tmp_path)
     assert model.lm_head.weight.dtype == model.embed.weight.dtype == torch.float32
     assert model.layers[0].attn_norm.weight.dtype == torch.float32
     got = position_logits(model, TOKENS)
-    want = position_logits(hf.load(tmp_path / "deq", GEO, dtype=torch.float32, device="cpu"),
-                           TOKENS)
+    want = _cpu_logits(tmp_path / "deq")
     assert _max_rel(got, want) < 1e-5
 
 
@@ -251,10 +252,8 @@ def test_a_dense_format_sparsity_config_loads_as_plain_fp8(tmp_path):
     qc = compressed_tensors(sparsity_config={"format": "dense", "sparsity_structure": "2:4"})
     _write(tmp_path / "fp8", files, qc)
     _write(tmp_path / "deq", dequantized)
-    got = position_logits(hf.load(tmp_path / "fp8", GEO, dtype=torch.float32, device="cpu"),
-                          TOKENS)
-    want = position_logits(hf.load(tmp_path / "deq", GEO, dtype=torch.float32, device="cpu"),
-                           TOKENS)
+    got = _cpu_logits(tmp_path / "fp8")
+    want = _cpu_logits(tmp_path / "deq")
     assert _max_rel(got, want) < 1e-5
 
 
